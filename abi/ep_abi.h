@@ -1,0 +1,282 @@
+/* ephost execution-provider ABI: the single source of truth.
+ *
+ * Rules (see shared/ARCHITECTURE.md):
+ *  - Every function table starts with `uint32_t struct_size; uint32_t version;`.
+ *  - Tables are append-only. Every member carries a machine-readable tag
+ *    `since N` (the ABI version that added it); `required` marks slots a plugin
+ *    must fill. `abi/__init__.py` parses these tags, so keep one member per line.
+ *  - Fixed-width types only: no C enum or bool inside structs.
+ *  - A status pointer of NULL means success; a non-NULL status is created with
+ *    EpApi.CreateStatus and released by whoever receives it.
+ *  - The caller checks `version >= since && struct_size covers the slot &&
+ *    slot != NULL` before every optional call.
+ *
+ * Version line: 1 bootstrap and kernels, 2 Sync/IsConcurrentRunSupported,
+ * 3 graph capture, 4 KernelContext_GetSyncStream and ReleaseCapturedGraph,
+ * 5 replay synchronised by the EP on its own graph stream.
+ */
+#ifndef EPHOST_EP_ABI_H
+#define EPHOST_EP_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define EP_ABI_VERSION 5
+#define EP_ABI_MIN_VERSION 1
+/* Versions at or above this value declare a future, incompatible generation. */
+#define EP_ABI_NEXT_GENERATION 1000
+
+/* Status codes. */
+#define EP_OK 0
+#define EP_FAIL 1
+#define EP_INVALID_ARGUMENT 2
+#define EP_NOT_FOUND 3
+#define EP_NOT_IMPLEMENTED 4
+#define EP_OUT_OF_MEMORY 5
+#define EP_RUNTIME_EXCEPTION 6
+#define EP_INVALID_GRAPH 7
+#define EP_DEVICE_ERROR 8
+
+/* Log severities. */
+#define EP_LOG_VERBOSE 0
+#define EP_LOG_INFO 1
+#define EP_LOG_WARNING 2
+#define EP_LOG_ERROR 3
+
+/* Device types and memory types. */
+#define EP_DEVICE_CPU 0
+#define EP_DEVICE_GPU 1
+#define EP_MEM_DEFAULT 0
+#define EP_MEM_HOST_ACCESSIBLE 1
+
+/* Value kinds in a graph view. */
+#define EP_VALUE_INTERMEDIATE 0
+#define EP_VALUE_GRAPH_INPUT 1
+#define EP_VALUE_GRAPH_OUTPUT 2
+#define EP_VALUE_INITIALIZER 3
+
+/* Graph capture node-assignment policies (since 3). */
+#define EP_GRAPH_ALL_NODES_ON_EP 0
+#define EP_GRAPH_ALLOW_CPU_FOR_SHAPES 1
+
+/* Element types are ONNX TensorProto.DataType values (1 float, 7 int64, 10 float16, ...).
+ * Attribute types are ONNX AttributeProto.AttributeType values (1 FLOAT, 2 INT, 3 STRING,
+ * 4 TENSOR, 6 FLOATS, 7 INTS, 8 STRINGS). */
+
+typedef struct EpStatus EpStatus;               /* opaque, host-owned */
+typedef struct EpKernelContext EpKernelContext; /* opaque, host-owned, valid during Compute */
+typedef struct EpLogger EpLogger;               /* opaque, host-owned */
+typedef struct EpSessionOptions EpSessionOptions; /* opaque, host-owned */
+
+typedef struct EpKeyValue {
+  const char* key;   /* since 1 */
+  const char* value; /* since 1 */
+} EpKeyValue;
+
+typedef struct EpMemoryInfo {
+  const char* name;    /* since 1 */
+  int32_t device_type; /* since 1 */
+  int32_t device_id;   /* since 1 */
+  int32_t mem_type;    /* since 1 */
+  uint32_t vendor_id;  /* since 1 */
+} EpMemoryInfo;
+
+typedef struct EpDevice {
+  int32_t device_type;             /* since 1 */
+  int32_t device_id;               /* since 1 */
+  uint32_t vendor_id;              /* since 1 */
+  uint32_t reserved;               /* since 1 */
+  const char* name;                /* since 1 */
+  const EpMemoryInfo* memory_info; /* since 1 */
+} EpDevice;
+
+/* A tensor as both sides see it. Memory is described, not owned. */
+typedef struct EpTensor {
+  void* data;           /* since 1 */
+  const int64_t* shape; /* since 1 */
+  int32_t ndim;         /* since 1 */
+  int32_t elem_type;    /* since 1 */
+  int32_t device_type;  /* since 1 */
+  int32_t device_id;    /* since 1 */
+  int64_t nbytes;       /* since 1 */
+} EpTensor;
+
+/* Read-only graph view handed to GetCapability and CreateKernel. */
+typedef struct EpAttribute {
+  const char* name;            /* since 1 */
+  int32_t type;                /* since 1 */
+  int32_t count;               /* since 1 */
+  int64_t i;                   /* since 1 */
+  double f;                    /* since 1 */
+  const char* s;               /* since 1 */
+  const int64_t* ints;         /* since 1 */
+  const double* floats;        /* since 1 */
+  const char* const* strings;  /* since 1 */
+  const EpTensor* tensor;      /* since 1 */
+} EpAttribute;
+
+typedef struct EpValueInfo {
+  const char* name;          /* since 1 */
+  int32_t elem_type;         /* since 1 */
+  int32_t ndim;              /* since 1 */
+  const int64_t* shape;      /* since 1 */
+  int32_t kind;              /* since 1 */
+  int32_t reserved;          /* since 1 */
+  const EpTensor* constant;  /* since 1 */
+} EpValueInfo;
+
+typedef struct EpNodeView {
+  const char* name;                 /* since 1 */
+  const char* op_type;              /* since 1 */
+  const char* domain;               /* since 1 */
+  int32_t opset;                    /* since 1 */
+  int32_t num_inputs;               /* since 1 */
+  const int32_t* inputs;            /* since 1 */
+  int32_t num_outputs;              /* since 1 */
+  const int32_t* outputs;           /* since 1 */
+  int32_t num_attributes;           /* since 1 */
+  int32_t reserved;                 /* since 1 */
+  const EpAttribute* attributes;    /* since 1 */
+} EpNodeView;
+
+typedef struct EpGraphView {
+  uint32_t struct_size;         /* since 1 */
+  uint32_t version;             /* since 1 */
+  const char* name;             /* since 1 */
+  int32_t num_nodes;            /* since 1 */
+  int32_t num_values;           /* since 1 */
+  const EpNodeView* nodes;      /* since 1 */
+  const EpValueInfo* values;    /* since 1 */
+  int32_t num_inputs;           /* since 1 */
+  int32_t num_outputs;          /* since 1 */
+  const int32_t* inputs;        /* since 1 */
+  const int32_t* outputs;       /* since 1 */
+} EpGraphView;
+
+/* Everything a kernel reads in one call (KernelContext_GetIO). */
+typedef struct EpKernelIO {
+  uint32_t struct_size;       /* since 1 */
+  uint32_t version;           /* since 1 */
+  int32_t num_inputs;         /* since 1 */
+  int32_t num_outputs;        /* since 1 */
+  const EpTensor* inputs;     /* since 1 */
+  void* gpu_compute_stream;   /* since 1 */
+} EpKernelIO;
+
+typedef struct EpRunOptions {
+  uint32_t struct_size;        /* since 1 */
+  uint32_t version;            /* since 1 */
+  int32_t num_entries;         /* since 1 */
+  int32_t reserved;            /* since 1 */
+  const EpKeyValue* entries;   /* since 1 */
+} EpRunOptions;
+
+typedef struct EpSyncStream EpSyncStream;
+
+typedef struct EpNotification {
+  uint32_t struct_size;                                                          /* since 1 */
+  uint32_t version;                                                              /* since 1 */
+  EpStatus* (*Activate)(struct EpNotification* self);                            /* since 1, required */
+  EpStatus* (*WaitOnDevice)(struct EpNotification* self, EpSyncStream* consumer); /* since 1, required */
+  EpStatus* (*WaitOnHost)(struct EpNotification* self);                          /* since 1, required */
+  void (*Release)(struct EpNotification* self);                                  /* since 1, required */
+} EpNotification;
+
+struct EpSyncStream {
+  uint32_t struct_size;                                                             /* since 1 */
+  uint32_t version;                                                                 /* since 1 */
+  void* (*GetHandle)(struct EpSyncStream* self);                                    /* since 1, required */
+  EpStatus* (*CreateNotification)(struct EpSyncStream* self, EpNotification** out); /* since 1, required */
+  EpStatus* (*Flush)(struct EpSyncStream* self);                                    /* since 1 */
+  EpStatus* (*OnSessionRunEnd)(struct EpSyncStream* self);                          /* since 1 */
+  void (*Release)(struct EpSyncStream* self);                                       /* since 1, required */
+};
+
+typedef struct EpAllocator {
+  uint32_t struct_size;                                                                      /* since 1 */
+  uint32_t version;                                                                          /* since 1 */
+  EpStatus* (*Alloc)(struct EpAllocator* self, size_t size, void** out);                     /* since 1, required */
+  void (*Free)(struct EpAllocator* self, void* p);                                           /* since 1, required */
+  const EpMemoryInfo* (*Info)(const struct EpAllocator* self);                               /* since 1, required */
+  EpStatus* (*AllocOnStream)(struct EpAllocator* self, size_t size, EpSyncStream* stream, void** out); /* since 1 */
+} EpAllocator;
+
+typedef struct EpDataTransfer {
+  uint32_t struct_size; /* since 1 */
+  uint32_t version;     /* since 1 */
+  int32_t (*CanCopy)(const struct EpDataTransfer* self, const EpMemoryInfo* src, const EpMemoryInfo* dst); /* since 1, required */
+  EpStatus* (*CopyTensors)(struct EpDataTransfer* self, const EpTensor* src, EpTensor* dst, EpSyncStream* const* streams, size_t count); /* since 1, required */
+  void (*Release)(struct EpDataTransfer* self); /* since 1, required */
+} EpDataTransfer;
+
+typedef struct EpKernel {
+  uint32_t struct_size;                                                  /* since 1 */
+  uint32_t version;                                                      /* since 1 */
+  EpStatus* (*Compute)(struct EpKernel* self, EpKernelContext* context); /* since 1, required */
+  void (*Release)(struct EpKernel* self);                                /* since 1, required */
+} EpKernel;
+
+typedef struct Ep {
+  uint32_t struct_size;                                                                         /* since 1 */
+  uint32_t version;                                                                             /* since 1 */
+  const char* (*GetName)(const struct Ep* self);                                                /* since 1, required */
+  EpStatus* (*GetCapability)(struct Ep* self, const EpGraphView* graph, uint8_t* claimed);      /* since 1, required */
+  EpStatus* (*CreateKernel)(struct Ep* self, const EpGraphView* graph, int32_t node, EpKernel** out); /* since 1, required */
+  EpStatus* (*OnRunStart)(struct Ep* self, const EpRunOptions* run_options);                    /* since 1 */
+  EpStatus* (*OnRunEnd)(struct Ep* self, const EpRunOptions* run_options, int32_t sync_stream); /* since 1 */
+  EpStatus* (*CreateAllocator)(struct Ep* self, const EpMemoryInfo* info, EpAllocator** out);  /* since 1 */
+  EpStatus* (*CreateSyncStreamForDevice)(struct Ep* self, const EpMemoryInfo* info, EpSyncStream** out); /* since 1 */
+  EpStatus* (*Sync)(struct Ep* self);                                                           /* since 2 */
+  EpStatus* (*IsConcurrentRunSupported)(struct Ep* self, int32_t* supported);                   /* since 2 */
+  int32_t (*IsGraphCaptureEnabled)(const struct Ep* self);                                      /* since 3 */
+  int32_t (*IsGraphCaptured)(const struct Ep* self, int32_t graph_id);                          /* since 3 */
+  EpStatus* (*ReplayGraph)(struct Ep* self, int32_t graph_id);                                  /* since 3 */
+  int32_t (*GetGraphCaptureNodeAssignmentPolicy)(const struct Ep* self);                        /* since 3 */
+  EpStatus* (*ReleaseCapturedGraph)(struct Ep* self, int32_t graph_id);                         /* since 4 */
+  EpStatus* (*ReplayGraphWithSync)(struct Ep* self, int32_t graph_id, int32_t sync);            /* since 5 */
+} Ep;
+
+typedef struct EpFactory {
+  uint32_t struct_size;                                                                  /* since 1 */
+  uint32_t version;                                                                      /* since 1 */
+  const char* (*GetName)(const struct EpFactory* self);                                  /* since 1, required */
+  const char* (*GetVendor)(const struct EpFactory* self);                                /* since 1, required */
+  const char* (*GetVersion)(const struct EpFactory* self);                               /* since 1 */
+  EpStatus* (*GetSupportedDevices)(struct EpFactory* self, EpDevice* devices, size_t max_devices, size_t* num_devices); /* since 1, required */
+  EpStatus* (*CreateEp)(struct EpFactory* self, const EpDevice* devices, size_t num_devices, const EpKeyValue* options, size_t num_options, const EpSessionOptions* session_options, const EpLogger* logger, Ep** out); /* since 1, required */
+  void (*ReleaseEp)(struct EpFactory* self, Ep* ep);                                     /* since 1, required */
+  EpStatus* (*CreateAllocator)(struct EpFactory* self, const EpMemoryInfo* info, EpAllocator** out); /* since 1 */
+  void (*ReleaseAllocator)(struct EpFactory* self, EpAllocator* allocator);              /* since 1 */
+  EpStatus* (*CreateDataTransfer)(struct EpFactory* self, EpDataTransfer** out);        /* since 1 */
+  int32_t (*IsStreamAware)(const struct EpFactory* self);                                /* since 1 */
+  EpStatus* (*CreateSyncStreamForDevice)(struct EpFactory* self, const EpMemoryInfo* info, EpSyncStream** out); /* since 1 */
+} EpFactory;
+
+/* The host's table. A plugin obtains it with EpApiBase.GetApi(version). */
+typedef struct EpApi {
+  uint32_t struct_size;                                                           /* since 1 */
+  uint32_t version;                                                               /* since 1 */
+  EpStatus* (*CreateStatus)(int32_t code, const char* message);                   /* since 1, required */
+  int32_t (*GetErrorCode)(const EpStatus* status);                                /* since 1, required */
+  const char* (*GetErrorMessage)(const EpStatus* status);                         /* since 1, required */
+  void (*ReleaseStatus)(EpStatus* status);                                        /* since 1, required */
+  void (*Logger_Log)(const EpLogger* logger, int32_t severity, const char* message); /* since 1, required */
+  EpStatus* (*SessionOptions_GetConfigEntry)(const EpSessionOptions* options, const char* key, char* value, size_t* size); /* since 1, required */
+  EpStatus* (*KernelContext_GetIO)(EpKernelContext* context, const EpKernelIO** io); /* since 1, required */
+  EpStatus* (*KernelContext_GetOutput)(EpKernelContext* context, int32_t index, const int64_t* shape, int32_t ndim, EpTensor** out); /* since 1, required */
+  EpStatus* (*KernelContext_GetGPUComputeStream)(EpKernelContext* context, void** stream); /* since 1, required */
+  EpStatus* (*KernelContext_GetSyncStream)(EpKernelContext* context, EpSyncStream** stream); /* since 4, required */
+} EpApi;
+
+typedef struct EpApiBase {
+  uint32_t struct_size;                          /* since 1 */
+  uint32_t version;                              /* since 1 */
+  const EpApi* (*GetApi)(uint32_t version);      /* since 1, required */
+  const char* (*GetVersionString)(void);         /* since 1, required */
+} EpApiBase;
+
+/* Exported by every plugin library. */
+EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_base, const EpLogger* logger, EpFactory** factories, size_t max_factories, size_t* num_factories);
+EpStatus* ReleaseEpFactory(EpFactory* factory);
+
+#endif /* EPHOST_EP_ABI_H */

@@ -1,0 +1,444 @@
+"""Elementwise ops: arithmetic, activations, comparisons, logic, Where, Cast, Clip.
+
+Results keep the input dtype: numpy (NEP 50) keeps float32 with python scalars, and
+where a temporary is promoted (float64, int64) we cast back explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from host.cpu_ep.base import OpKernel
+from host.cpu_ep.registry import register
+
+try:  # scipy's erf is a fast ufunc; numpy has none.
+    from scipy.special import erf as _scipy_erf
+except ImportError:  # pragma: no cover - depends on the environment
+    _scipy_erf = None
+
+_math_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf(x) in x's dtype (float inputs)."""
+    if _scipy_erf is not None:
+        return np.asarray(_scipy_erf(x)).astype(x.dtype, copy=False)
+    return erf_fallback(x)
+
+
+def erf_fallback(x: np.ndarray) -> np.ndarray:
+    """erf through math.erf, one python call per element: exact, slower than scipy."""
+    return np.asarray(_math_erf(x), dtype=np.float64).astype(x.dtype, copy=False)
+
+
+# -- unary ------------------------------------------------------------------------------
+
+
+class Unary(OpKernel):
+    """y = fn(x), cast back to x's dtype when `keep_dtype`."""
+
+    fn = None
+    keep_dtype = True
+
+    def _run(self, x):
+        y = self.fn(x)
+        return (y.astype(x.dtype, copy=False) if self.keep_dtype else y,)
+
+
+def _sigmoid(x):
+    # exp(-|x|) never overflows; both branches share it.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+@register("Neg")
+class Neg(Unary):
+    fn = staticmethod(np.negative)
+
+
+@register("Abs")
+class Abs(Unary):
+    fn = staticmethod(np.abs)
+
+
+@register("Sqrt")
+class Sqrt(Unary):
+    fn = staticmethod(np.sqrt)
+
+
+@register("Exp")
+class Exp(Unary):
+    fn = staticmethod(np.exp)
+
+
+@register("Log")
+class Log(Unary):
+    fn = staticmethod(np.log)
+
+
+@register("Reciprocal")
+class Reciprocal(Unary):
+    fn = staticmethod(np.reciprocal)
+
+
+@register("Floor")
+class Floor(Unary):
+    fn = staticmethod(np.floor)
+
+
+@register("Ceil")
+class Ceil(Unary):
+    fn = staticmethod(np.ceil)
+
+
+@register("Tanh")
+class Tanh(Unary):
+    fn = staticmethod(np.tanh)
+
+
+@register("Sin", since=7)
+class Sin(Unary):
+    fn = staticmethod(np.sin)
+
+
+@register("Cos", since=7)
+class Cos(Unary):
+    fn = staticmethod(np.cos)
+
+
+@register("Sigmoid")
+class Sigmoid(Unary):
+    fn = staticmethod(_sigmoid)
+
+
+@register("Relu")
+class Relu(Unary):
+    fn = staticmethod(lambda x: np.maximum(x, 0))
+
+
+@register("Erf", since=9)
+class Erf(Unary):
+    fn = staticmethod(erf)
+
+
+@register("Sign", since=9)
+class Sign(Unary):
+    fn = staticmethod(np.sign)
+
+
+@register("IsNaN", since=9)
+class IsNaN(Unary):
+    fn = staticmethod(np.isnan)
+    keep_dtype = False
+
+
+@register("Not")
+class Not(Unary):
+    fn = staticmethod(np.logical_not)
+    keep_dtype = False
+
+
+@register("Softplus")
+class Softplus(Unary):
+    """log(1 + exp(x)), computed without overflow."""
+
+    fn = staticmethod(lambda x: np.logaddexp(x, 0))
+
+
+# -- unary with attributes --------------------------------------------------------------
+
+
+@register("LeakyRelu", since=6)
+class LeakyRelu(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.alpha = self.attr_float("alpha", 0.01)
+
+    def _run(self, x):
+        return (np.where(x < 0, x * self.alpha, x).astype(x.dtype, copy=False),)
+
+
+@register("Elu", since=6)
+class Elu(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.alpha = self.attr_float("alpha", 1.0)
+
+    def _run(self, x):
+        return (np.where(x < 0, self.alpha * np.expm1(x), x).astype(x.dtype, copy=False),)
+
+
+@register("Selu", since=6)
+class Selu(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.alpha = self.attr_float("alpha", 1.67326319217681884765625)
+        self.gamma = self.attr_float("gamma", 1.05070102214813232421875)
+
+    def _run(self, x):
+        y = self.gamma * np.where(x <= 0, self.alpha * np.expm1(x), x)
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("HardSigmoid", since=6)
+class HardSigmoid(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.alpha = self.attr_float("alpha", 0.2)
+        self.beta = self.attr_float("beta", 0.5)
+
+    def _run(self, x):
+        y = np.minimum(np.maximum(x * self.alpha + self.beta, 0), 1)
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("Gelu", since=20)
+class Gelu(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.tanh = self.attr_str("approximate", "none", choices=("none", "tanh")) == "tanh"
+
+    def _run(self, x):
+        if self.tanh:
+            inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
+            y = 0.5 * x * (1 + np.tanh(inner))
+        else:
+            y = 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("PRelu", since=7)
+class PRelu(OpKernel):
+    """slope broadcasts onto x (unidirectional)."""
+
+    def _run(self, x, slope):
+        y = np.where(x < 0, x * slope, x)
+        if y.shape != x.shape:
+            raise ValueError(f"slope of shape {slope.shape} does not broadcast to x of shape {x.shape}")
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("Clip", since=6)
+class Clip(OpKernel):
+    """min/max are attributes before opset 11 and optional inputs since."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        big = float(np.finfo(np.float32).max)
+        self.lo_attr = self.attr_float("min", -big) if self.opset < 11 else None
+        self.hi_attr = self.attr_float("max", big) if self.opset < 11 else None
+
+    def _run(self, x, lo=None, hi=None):
+        lo = self.lo_attr if lo is None else lo
+        hi = self.hi_attr if hi is None else hi
+        y = x
+        # max then min: when min > max every value becomes max, as ONNX says.
+        if lo is not None:
+            y = np.maximum(y, lo)
+        if hi is not None:
+            y = np.minimum(y, hi)
+        return (np.asarray(y).astype(x.dtype, copy=False),)
+
+
+# -- binary -----------------------------------------------------------------------------
+
+
+class Binary(OpKernel):
+    """y = fn(a, b) with multidirectional broadcasting; both inputs share one dtype."""
+
+    fn = None
+
+    def _run(self, a, b):
+        return (self.fn(a, b),)
+
+
+@register("Add", since=7)
+class Add(Binary):
+    fn = staticmethod(np.add)
+
+
+@register("Sub", since=7)
+class Sub(Binary):
+    fn = staticmethod(np.subtract)
+
+
+@register("Mul", since=7)
+class Mul(Binary):
+    fn = staticmethod(np.multiply)
+
+
+@register("Div", since=7)
+class Div(OpKernel):
+    """Integer division truncates toward zero like C (numpy's // floors)."""
+
+    def _run(self, a, b):
+        if a.dtype.kind == "i":
+            # a - fmod(a, b) is an exact multiple of b, so // is exact there.
+            return (((a - np.fmod(a, b)) // b).astype(a.dtype, copy=False),)
+        if a.dtype.kind == "u":
+            return (a // b,)
+        return (np.divide(a, b).astype(a.dtype, copy=False),)
+
+
+@register("Pow", since=7)
+class Pow(OpKernel):
+    """The result has the base's dtype whatever the exponent's dtype."""
+
+    def _run(self, a, b):
+        if a.dtype.kind in "iu" and b.dtype.kind in "iu" and np.any(b < 0):
+            # numpy refuses negative integer powers of integers; C casts pow(double) back.
+            y = np.power(a.astype(np.float64), b)
+        else:
+            y = np.power(a, b)
+        return (y.astype(a.dtype, copy=False),)
+
+
+@register("Equal", since=7)
+class Equal(OpKernel):
+    def _run(self, a, b):
+        return (np.asarray(np.equal(a, b), dtype=bool),)
+
+
+@register("Less", since=7)
+class Less(Binary):
+    fn = staticmethod(np.less)
+
+
+@register("Greater", since=7)
+class Greater(Binary):
+    fn = staticmethod(np.greater)
+
+
+@register("LessOrEqual", since=12)
+class LessOrEqual(Binary):
+    fn = staticmethod(np.less_equal)
+
+
+@register("GreaterOrEqual", since=12)
+class GreaterOrEqual(Binary):
+    fn = staticmethod(np.greater_equal)
+
+
+@register("And", since=7)
+class And(Binary):
+    fn = staticmethod(np.logical_and)
+
+
+@register("Or", since=7)
+class Or(Binary):
+    fn = staticmethod(np.logical_or)
+
+
+@register("Xor", since=7)
+class Xor(Binary):
+    fn = staticmethod(np.logical_xor)
+
+
+# -- variadic ---------------------------------------------------------------------------
+
+
+class Variadic(OpKernel):
+    """Folds `fn` over any number of broadcast inputs."""
+
+    fn = None
+
+    def _run(self, *xs):
+        if not xs:
+            raise ValueError("expects at least one input")
+        return (reduce(self.fn, xs).astype(xs[0].dtype, copy=False),)
+
+
+@register("Max", since=6)
+class Max(Variadic):
+    fn = staticmethod(np.maximum)
+
+
+@register("Min", since=6)
+class Min(Variadic):
+    fn = staticmethod(np.minimum)
+
+
+@register("Sum", since=6)
+class Sum(Variadic):
+    fn = staticmethod(np.add)
+
+
+@register("Mean", since=6)
+class Mean(Variadic):
+    fn = staticmethod(np.add)
+
+    def _run(self, *xs):
+        (total,) = super()._run(*xs)
+        return ((total / len(xs)).astype(xs[0].dtype, copy=False),)
+
+
+# -- selection and types ----------------------------------------------------------------
+
+
+@register("Where", since=9)
+class Where(OpKernel):
+    def _run(self, cond, x, y):
+        return (np.where(cond, x, y),)
+
+
+_FLOAT8 = {
+    onnx.TensorProto.FLOAT8E4M3FN,
+    onnx.TensorProto.FLOAT8E4M3FNUZ,
+    onnx.TensorProto.FLOAT8E5M2,
+    onnx.TensorProto.FLOAT8E5M2FNUZ,
+}
+
+
+_E8M0 = getattr(onnx.TensorProto, "FLOAT8E8M0", None)  # opset 24
+
+
+def _cast(x: np.ndarray, to: int, dtype: np.dtype, saturate: bool, round_mode: str = "up") -> np.ndarray:
+    if to == onnx.TensorProto.STRING:
+        # ONNX strings are object arrays of python str.
+        return x.astype(np.str_).astype(object)
+    if x.dtype == object:
+        # Strings parse through python (float("INF"), int("3")...).
+        return x.astype(np.float64 if dtype.kind == "f" or dtype.kind == "V" else dtype).astype(dtype)
+    if to in _FLOAT8 and saturate:
+        return numpy_helper.saturate_cast(x, dtype)
+    if to == _E8M0 and _E8M0 is not None:
+        return numpy_helper.to_float8e8m0(x, saturate, round_mode).astype(dtype)
+    return x.astype(dtype)
+
+
+class _CastBase(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.saturate = self.attr_bool("saturate", 1)
+        self.round_mode = self.attr_str("round_mode", "up", choices=("up", "down", "nearest"))
+
+
+@register("Cast", since=6)
+class Cast(_CastBase):
+    def __init__(self, node):
+        super().__init__(node)
+        self.to = self.attr_int("to")
+        if self.to == onnx.TensorProto.STRING:
+            self.dtype = np.dtype(object)
+        else:
+            try:
+                self.dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.to))
+            except (KeyError, ValueError, TypeError) as exc:
+                raise self.bad_attr("to", self.to, "an onnx.TensorProto data type") from exc
+
+    def _run(self, x):
+        return (_cast(x, self.to, self.dtype, self.saturate, self.round_mode),)
+
+
+@register("CastLike", since=15)
+class CastLike(_CastBase):
+    def _run(self, x, like):
+        if like.dtype == object:
+            return (_cast(x, onnx.TensorProto.STRING, like.dtype, self.saturate, self.round_mode),)
+        to = onnx.helper.np_dtype_to_tensor_dtype(like.dtype)
+        return (_cast(x, to, like.dtype, self.saturate, self.round_mode),)

@@ -1,0 +1,87 @@
+"""Matrix products and softmax-like ops."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis
+from host.cpu_ep.registry import register
+
+
+@register("MatMul")
+class MatMul(OpKernel):
+    """numpy.matmul semantics (1-D operands promoted then squeezed, batch broadcast)."""
+
+    def _run(self, a, b):
+        ct = compute_dtype(a.dtype)
+        # float16 products go through float32: numpy has no fast half GEMM and sums badly.
+        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+        return (y.astype(a.dtype, copy=False),)
+
+
+@register("Gemm", since=7)
+class Gemm(OpKernel):
+    """alpha * A' @ B' + beta * C, C optional and unidirectionally broadcast."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.alpha = self.attr_float("alpha", 1.0)
+        self.beta = self.attr_float("beta", 1.0)
+        self.trans_a = self.attr_bool("transA", 0)
+        self.trans_b = self.attr_bool("transB", 0)
+
+    def _run(self, a, b, c=None):
+        if a.ndim != 2 or b.ndim != 2:
+            raise ValueError(f"A and B must be 2-D, got shapes {a.shape} and {b.shape}")
+        dtype = a.dtype
+        ct = compute_dtype(dtype)
+        a = a.astype(ct, copy=False)
+        a = a.T if self.trans_a else a
+        b = b.astype(ct, copy=False)
+        b = b.T if self.trans_b else b
+        y = a @ b
+        if self.alpha != 1.0:
+            y = y * self.alpha
+        if c is not None and self.beta != 0.0:
+            c = c.astype(ct, copy=False)
+            y = y + (c if self.beta == 1.0 else c * self.beta)
+        # Integer Gemm with a float alpha/beta computes in float64; cast back.
+        return (y.astype(dtype, copy=False),)
+
+
+class _SoftmaxBase(OpKernel):
+    """Before opset 13 the input is coerced to 2-D at `axis` (default 1); since, axis is -1."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.legacy = self.opset < 13
+        self.axis = self.attr_int("axis", 1 if self.legacy else -1)
+
+    def _run(self, x):
+        if x.size == 0:
+            return (x.copy(),)
+        axis = normalize_axis(self.axis, x.ndim)
+        ct = compute_dtype(x.dtype)
+        xc = x.astype(ct, copy=False)
+        if self.legacy:
+            xc = xc.reshape(math.prod(x.shape[:axis]), -1)
+            axis = 1
+        shifted = xc - xc.max(axis=axis, keepdims=True)
+        return (self._finish(shifted, axis).reshape(x.shape).astype(x.dtype, copy=False),)
+
+
+@register("Softmax")
+class Softmax(_SoftmaxBase):
+    @staticmethod
+    def _finish(shifted, axis):
+        e = np.exp(shifted)
+        return e / e.sum(axis=axis, keepdims=True)
+
+
+@register("LogSoftmax")
+class LogSoftmax(_SoftmaxBase):
+    @staticmethod
+    def _finish(shifted, axis):
+        return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))

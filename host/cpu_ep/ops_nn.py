@@ -1,0 +1,330 @@
+"""Convolution, pooling, normalization and Dropout, for any number of spatial axes.
+
+Windows are strided views (sliding_window_view) of the padded input: Conv turns them into
+one batched GEMM per group (im2col), pools reduce over the window axes. No python loop
+runs over pixels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis, scalar
+from host.cpu_ep.registry import register
+
+_AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Per spatial axis: output size, padding before, padding after (the explicit part
+    and the extra that ceil_mode windows need beyond it)."""
+
+    out: tuple[int, ...]
+    begin: tuple[int, ...]
+    end: tuple[int, ...]
+    extra: tuple[int, ...]
+
+
+def _geometry(size, kernel, strides, dilations, pads, auto_pad, ceil_mode=False) -> _Geometry:
+    nd = len(size)
+    out, begin, end, extra = [], [], [], []
+    for i in range(nd):
+        span = (kernel[i] - 1) * dilations[i] + 1  # the dilated window
+        s = strides[i]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-size[i] // s)
+            total = max(0, (o - 1) * s + span - size[i])
+            # SAME_UPPER puts the odd padding element at the end, SAME_LOWER at the start.
+            b = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            e = total - b
+        else:
+            b, e = (0, 0) if auto_pad == "VALID" else (pads[i], pads[i + nd])
+            room = size[i] + b + e - span
+            if room < 0:
+                o = 0
+            elif ceil_mode:
+                o = -(-room // s) + 1
+                # The last window must start inside the input or its left padding.
+                if (o - 1) * s >= size[i] + b:
+                    o -= 1
+            else:
+                o = room // s + 1
+        x = max(0, (o - 1) * s + span - (size[i] + b + e)) if o > 0 else 0
+        out.append(o)
+        begin.append(b)
+        end.append(e)
+        extra.append(x)
+    return _Geometry(tuple(out), tuple(begin), tuple(end), tuple(extra))
+
+
+def _pad_spatial(x: np.ndarray, g: _Geometry, value) -> np.ndarray:
+    width = [(0, 0), (0, 0)] + [(b, e + x_) for b, e, x_ in zip(g.begin, g.end, g.extra)]
+    if not any(b or e for b, e in width):
+        return x
+    return np.pad(x, width, mode="constant", constant_values=value)
+
+
+def _windows(xp: np.ndarray, g: _Geometry, kernel, strides, dilations) -> np.ndarray:
+    """View of shape (N, C, *out, *kernel) over the padded input; no copy."""
+    nd = len(kernel)
+    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    w = sliding_window_view(xp, spans, axis=tuple(range(2, 2 + nd)))
+    index = (slice(None), slice(None))
+    index += tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(g.out, strides))
+    index += tuple(slice(None, None, d) for d in dilations)
+    return w[index]
+
+
+class _Spatial(OpKernel):
+    """Attributes shared by Conv and the pools; lengths are checked once rank is known."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.auto_pad = self.attr_str("auto_pad", "NOTSET", choices=_AUTO_PADS)
+        self.kernel_shape = self.attr_ints("kernel_shape", None, lo=1)
+        self.strides = self.attr_ints("strides", None, lo=1)
+        self.dilations = self.attr_ints("dilations", None, lo=1)
+        self.pads = self.attr_ints("pads", None, lo=0)
+        self.ceil_mode = self.attr_bool("ceil_mode", 0)
+        if self.kernel_shape is not None:
+            self._check_lengths(len(self.kernel_shape))
+
+    def _check_lengths(self, nd: int):
+        for name, want in (("strides", nd), ("dilations", nd), ("pads", 2 * nd)):
+            value = getattr(self, name)
+            if value is not None and len(value) != want:
+                raise self.bad_attr(name, value, f"{want} ints for {nd} spatial axes")
+
+    def _params(self, x: np.ndarray, kernel):
+        nd = x.ndim - 2
+        if nd < 1:
+            raise ValueError(f"input of shape {x.shape} has no spatial axis")
+        if len(kernel) != nd:
+            raise ValueError(f"kernel {list(kernel)} does not match the {nd} spatial axes of {x.shape}")
+        strides = self.strides or [1] * nd
+        dilations = self.dilations or [1] * nd
+        pads = self.pads or [0] * (2 * nd)
+        if len(strides) != nd or len(dilations) != nd or len(pads) != 2 * nd:
+            raise ValueError(f"strides {strides} / dilations {dilations} / pads {pads} do not fit {nd}-D")
+        g = _geometry(x.shape[2:], kernel, strides, dilations, pads, self.auto_pad, self.ceil_mode)
+        return g, strides, dilations
+
+
+@register("Conv")
+class Conv(_Spatial):
+    """Grouped N-D convolution as im2col + one batched matmul over groups."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.group = self.attr_int("group", 1, lo=1)
+
+    def _run(self, x, w, b=None):
+        kernel = list(w.shape[2:])
+        if self.kernel_shape is not None and self.kernel_shape != kernel:
+            raise ValueError(f"kernel_shape {self.kernel_shape} differs from the weight's {kernel}")
+        g, strides, dilations = self._params(x, kernel)
+        n, c = x.shape[:2]
+        m, G, nd = w.shape[0], self.group, len(kernel)
+        if c != w.shape[1] * G or m % G:
+            raise ValueError(f"input channels {c} / weight {w.shape} do not fit group={G}")
+        dtype = x.dtype
+        ct = compute_dtype(dtype)
+        if 0 in g.out or x.size == 0:
+            return (np.zeros((n, m, *g.out), dtype=dtype),)
+        cg, mg = c // G, m // G
+        kprod, oprod = math.prod(kernel), math.prod(g.out)
+        cols = _windows(_pad_spatial(x.astype(ct, copy=False), g, 0), g, kernel, strides, dilations)
+        cols = cols.reshape(n, G, cg, *g.out, *kernel)
+        # (G, N, *out, Cg, *kernel) -> (G, N*out, Cg*kernel): the one copy (im2col).
+        perm = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
+        cols = cols.transpose(perm).reshape(G, n * oprod, cg * kprod)
+        wm = w.astype(ct, copy=False).reshape(G, mg, cg * kprod).transpose(0, 2, 1)
+        y = np.matmul(cols, wm)  # (G, N*out, Mg)
+        y = y.reshape(G, n, *g.out, mg).transpose(1, 0, nd + 2, *range(2, 2 + nd)).reshape(n, m, *g.out)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape(1, m, *([1] * nd))
+        return (np.ascontiguousarray(y).astype(dtype, copy=False),)
+
+
+class _Pool(_Spatial):
+    def __init__(self, node):
+        super().__init__(node)
+        if self.kernel_shape is None:
+            raise self.bad_attr("kernel_shape", self.attr("kernel_shape", None), "a list of ints >= 1")
+
+
+@register("MaxPool")
+class MaxPool(_Pool):
+    """Indices (second output) are flat indices into x, row-major, or column-major over
+    the spatial axes when storage_order=1."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.storage_order = self.attr_int("storage_order", 0, lo=0, hi=1)
+        self.want_indices = self.n_outputs > 1 and bool(node.outputs[1])
+
+    def _run(self, x):
+        g, strides, dilations = self._params(x, self.kernel_shape)
+        nd = len(self.kernel_shape)
+        if x.dtype.kind not in "fiu":
+            raise TypeError(f"MaxPool does not support dtype {x.dtype}")
+        # Padding must never win the max.
+        low = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+        lead = x.shape[:2] + g.out
+        if 0 in g.out or x.size == 0:
+            y = np.zeros(lead, dtype=x.dtype)
+            return (y, np.zeros(lead, dtype=np.int64)) if self.want_indices else (y,)
+        win = _windows(_pad_spatial(x, g, low), g, self.kernel_shape, strides, dilations)
+        if not self.want_indices:
+            return (win.max(axis=tuple(range(-nd, 0))),)
+        flat = win.reshape(*lead, -1)
+        arg = flat.argmax(axis=-1)[..., None]
+        y = np.take_along_axis(flat, arg, axis=-1)[..., 0]
+        idx_win = _windows(_pad_spatial(self._flat_index(x.shape), g, -1), g,
+                           self.kernel_shape, strides, dilations).reshape(*lead, -1)
+        return (y, np.take_along_axis(idx_win, arg, axis=-1)[..., 0])
+
+    def _flat_index(self, shape) -> np.ndarray:
+        spatial = shape[2:]
+        size = math.prod(spatial)
+        local = np.arange(size, dtype=np.int64).reshape(spatial)
+        if self.storage_order == 1:
+            local = np.arange(size, dtype=np.int64).reshape(spatial[::-1]).T
+        block = np.arange(shape[0] * shape[1], dtype=np.int64).reshape(shape[0], shape[1], *[1] * len(spatial))
+        return block * size + local
+
+
+@register("AveragePool")
+class AveragePool(_Pool):
+    """Divides by the window's count of input cells, plus explicit pads when
+    count_include_pad; cells added only for ceil_mode never count."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.count_include_pad = self.attr_bool("count_include_pad", 0)
+
+    def _run(self, x):
+        g, strides, dilations = self._params(x, self.kernel_shape)
+        nd = len(self.kernel_shape)
+        dtype = x.dtype
+        if 0 in g.out or x.size == 0:
+            return (np.zeros(x.shape[:2] + g.out, dtype=dtype),)
+        ct = compute_dtype(dtype)
+        win = _windows(_pad_spatial(x.astype(ct, copy=False), g, 0), g, self.kernel_shape, strides, dilations)
+        total = win.sum(axis=tuple(range(-nd, 0)))
+        # The counted-cell mask is a product of 1-D masks, so the divisor is too.
+        divisor = np.ones((1, 1), dtype=ct)
+        for i in range(nd):
+            pad_flag = 1 if self.count_include_pad else 0
+            mask = np.concatenate([np.full(g.begin[i], pad_flag), np.ones(x.shape[2 + i]),
+                                   np.full(g.end[i], pad_flag), np.zeros(g.extra[i])]).astype(ct)
+            counts = sliding_window_view(mask, (self.kernel_shape[i] - 1) * dilations[i] + 1)
+            counts = counts[: (g.out[i] - 1) * strides[i] + 1: strides[i], :: dilations[i]].sum(axis=-1)
+            divisor = divisor[..., None] * counts
+        return ((total / divisor).astype(dtype, copy=False),)
+
+
+@register("GlobalAveragePool")
+class GlobalAveragePool(OpKernel):
+    def _run(self, x):
+        ct = compute_dtype(x.dtype)
+        y = x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=ct)
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("GlobalMaxPool")
+class GlobalMaxPool(OpKernel):
+    def _run(self, x):
+        return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+
+@register("BatchNormalization", since=7)
+class BatchNormalization(OpKernel):
+    """Inference uses the given mean/var. training_mode=1 (opset 14) normalizes with the
+    batch statistics and also returns the updated running mean and variance."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.epsilon = self.attr_float("epsilon", 1e-5)
+        self.momentum = self.attr_float("momentum", 0.9)
+        self.training = self.attr_bool("training_mode", 0)
+
+    def _run(self, x, scale, bias, mean, var):
+        dtype = x.dtype
+        ct = compute_dtype(dtype)
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        xc = x.astype(ct, copy=False)
+        stat_dtype = mean.dtype
+        if self.training:
+            axes = (0, *range(2, x.ndim))
+            batch_mean = xc.mean(axis=axes)
+            batch_var = xc.var(axis=axes)
+            running_mean = mean * self.momentum + batch_mean * (1 - self.momentum)
+            running_var = var * self.momentum + batch_var * (1 - self.momentum)
+            mean, var = batch_mean, batch_var
+        inv = scale.astype(ct, copy=False) / np.sqrt(var.astype(ct, copy=False) + self.epsilon)
+        y = (xc - mean.astype(ct, copy=False).reshape(shape)) * inv.reshape(shape)
+        y = (y + bias.astype(ct, copy=False).reshape(shape)).astype(dtype, copy=False)
+        if not self.training:
+            return (y,)
+        return (y, running_mean.astype(stat_dtype), running_var.astype(stat_dtype))
+
+
+@register("LayerNormalization", since=17)
+class LayerNormalization(OpKernel):
+    """Normalizes over axes [axis, rank). Mean and InvStdDev come out in the stash type:
+    float32, or float64 for float64 inputs."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.axis = self.attr_int("axis", -1)
+        self.epsilon = self.attr_float("epsilon", 1e-5)
+        self.stash_type = self.attr_int("stash_type", 1)
+        if self.stash_type not in (1, 11):
+            raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+
+    def _run(self, x, scale, bias=None):
+        axis = normalize_axis(self.axis, x.ndim)
+        axes = tuple(range(axis, x.ndim))
+        st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        xc = x.astype(st, copy=False)
+        mean = xc.mean(axis=axes, keepdims=True)
+        diff = xc - mean
+        inv_std = 1 / np.sqrt((diff * diff).mean(axis=axes, keepdims=True) + self.epsilon)
+        y = diff * inv_std * scale.astype(st, copy=False)
+        if bias is not None:
+            y = y + bias.astype(st, copy=False)
+        return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+@register("Dropout", since=7)
+class Dropout(OpKernel):
+    """Inference (the default) is the identity with an all-true mask. ratio is an
+    attribute before opset 12; ratio and training_mode are inputs since."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.ratio_attr = self.attr_float("ratio", 0.5)
+        seed = self.attr("seed", None)
+        # Seeded once per kernel: runs differ, the first one matches np.random.seed(seed)
+        # followed by uniform(), which is how the ONNX test data were drawn.
+        self.rng = np.random.RandomState(None if seed is None else self.attr_int("seed") % 2**32)
+        self.want_mask = self.n_outputs > 1 and bool(node.outputs[1])
+
+    def _run(self, x, ratio=None, training_mode=None):
+        training = training_mode is not None and bool(scalar(training_mode))
+        r = self.ratio_attr if ratio is None else float(scalar(ratio))
+        if not 0 <= r < 1:
+            raise ValueError(f"ratio {r} is outside [0, 1)")
+        if not training or r == 0:
+            y, mask = x, (np.ones(x.shape, dtype=bool) if self.want_mask else None)
+        else:
+            mask = self.rng.uniform(0, 1.0, x.shape) >= r
+            y = (x * mask / (1 - r)).astype(x.dtype, copy=False)
+        return (y, mask) if self.want_mask else (y,)
+

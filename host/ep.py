@@ -1,0 +1,198 @@
+"""A plugin EP instance inside a session: its slots, allocator, data transfer and streams."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import abi
+from host import hostapi
+from host.errors import EpError, InvalidArgument, PluginLoadError
+from host.hostapi import ffi
+from host.loader import Factory, PluginRegistration, Slots, negotiate
+
+_log = logging.getLogger("ephost")
+CPU_LOCATION = (abi.DEVICE_CPU, 0)
+
+
+def _kv_array(entries: dict[str, str]):
+    keep = []
+    arr = ffi.new("EpKeyValue[]", max(len(entries), 1))
+    for i, (k, v) in enumerate(entries.items()):
+        kc, vc = ffi.new("char[]", str(k).encode()), ffi.new("char[]", str(v).encode())
+        keep += [kc, vc]
+        arr[i].key, arr[i].value = kc, vc
+    return arr, keep
+
+
+class SyncStream:
+    """A plugin's EpSyncStream with its resolved slots; released by close()."""
+
+    def __init__(self, slots: Slots, owner: str):
+        self.slots = slots
+        self.ptr = slots.ptr
+        self.owner = owner
+        self.handle = slots.GetHandle(self.ptr)
+        self._closed = False
+
+    def notify_and_wait(self, consumer: SyncStream | None) -> None:
+        """Make `consumer` (or the host when None) wait for the work queued so far on this stream."""
+        out = ffi.new("EpNotification**")
+        hostapi.check(self.slots.CreateNotification(self.ptr, out), f"{self.owner}: CreateNotification")
+        n = negotiate("EpNotification", out[0], self.slots.negotiated, self.owner)
+        try:
+            hostapi.check(n.Activate(n.ptr), f"{self.owner}: Notification.Activate")
+            if consumer is None:
+                hostapi.check(n.WaitOnHost(n.ptr), f"{self.owner}: Notification.WaitOnHost")
+            else:
+                hostapi.check(n.WaitOnDevice(n.ptr, consumer.ptr), f"{self.owner}: Notification.WaitOnDevice")
+        finally:
+            n.Release(n.ptr)
+
+    def on_run_end(self) -> None:
+        if self.slots.OnSessionRunEnd is not None:
+            hostapi.check(self.slots.OnSessionRunEnd(self.ptr), f"{self.owner}: OnSessionRunEnd")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.slots.Release(self.ptr)
+
+
+class PluginEp:
+    """One EP created by a plugin factory for one session."""
+
+    def __init__(self, reg: PluginRegistration, factory: Factory, options: dict[str, str],
+                 session_config: dict[str, str]):
+        self.registration = reg
+        self.factory = factory
+        self.owner = f"EP '{factory.name}' of plugin '{reg.name}' ({reg.path})"
+        if not factory.devices:
+            raise EpError(f"{self.owner} has no device")
+        self._keep: list = []
+        self._closed = False
+        self.slots = self._create_ep(options, session_config)
+        self.ptr = self.slots.ptr
+        name = self.slots.GetName(self.ptr)
+        self.name = ffi.string(name).decode() if name != ffi.NULL else factory.name
+        self.device = factory.devices[0]
+        self.meminfo = factory.device_structs[0].memory_info
+        self.location = (self.device.device_type, self.device.device_id)
+        self.allocator = self._create_allocator()
+        self.transfer = self._create_transfer()
+        fs = factory.slots
+        self.stream_aware = bool(fs.IsStreamAware(fs.ptr)) if fs.IsStreamAware is not None else False
+        self._streams: list[SyncStream] = []
+        self._stream_lock = threading.Lock()
+        self.concurrent_runs = self._concurrent_supported()
+
+    # -- creation ------------------------------------------------------------------------
+    def _create_ep(self, options: dict[str, str], session_config: dict[str, str]) -> Slots:
+        f = self.factory
+        kv, keep = _kv_array(options)
+        sess_ptr, holder = hostapi.SESSION_OPTIONS.make(session_config)
+        self._keep += [kv, keep, holder]
+        self._session_options = sess_ptr
+        out = ffi.new("Ep**")
+        status = f.slots.CreateEp(f.ptr, f.device_structs, 1, kv, len(options), sess_ptr,
+                                  self.registration.logger, out)
+        try:
+            hostapi.check(status, f"{self.owner}: CreateEp", EpError)
+        except EpError as exc:
+            if exc.code == abi.EP_INVALID_ARGUMENT:
+                raise InvalidArgument(str(exc)) from None
+            raise
+        try:
+            return negotiate("Ep", out[0], self.registration.env.api_version, self.owner)
+        except PluginLoadError:
+            if out[0] != ffi.NULL:
+                f.slots.ReleaseEp(f.ptr, out[0])
+            raise
+
+    def _create_allocator(self) -> Slots | None:
+        out = ffi.new("EpAllocator**")
+        if self.slots.CreateAllocator is not None:
+            hostapi.check(self.slots.CreateAllocator(self.ptr, self.meminfo, out), f"{self.owner}: CreateAllocator")
+        elif self.factory.slots.CreateAllocator is not None:
+            fs = self.factory.slots
+            hostapi.check(fs.CreateAllocator(fs.ptr, self.meminfo, out), f"{self.owner}: factory CreateAllocator")
+        if out[0] == ffi.NULL:
+            if self.location != CPU_LOCATION:
+                raise EpError(f"{self.owner}: device memory needs an allocator, and the plugin gave none")
+            return None
+        slots = negotiate("EpAllocator", out[0], self.slots.negotiated, self.owner)
+        fs = self.factory.slots
+        if fs.ReleaseAllocator is not None:
+            # Live allocations keep the Slots object alive; the allocator goes when the last does.
+            weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr)
+        return slots
+
+    def _create_transfer(self) -> Slots | None:
+        fs = self.factory.slots
+        if fs.CreateDataTransfer is None:
+            return None
+        out = ffi.new("EpDataTransfer**")
+        hostapi.check(fs.CreateDataTransfer(fs.ptr, out), f"{self.owner}: CreateDataTransfer")
+        if out[0] == ffi.NULL:
+            return None
+        return negotiate("EpDataTransfer", out[0], self.slots.negotiated, self.owner)
+
+    def _concurrent_supported(self) -> bool:
+        # Where the plugin cannot say (v1, or a NULL slot), concurrent runs are assumed unsafe.
+        fn = self.slots.IsConcurrentRunSupported
+        if fn is None:
+            return False
+        out = ffi.new("int32_t*", 0)
+        hostapi.check(fn(self.ptr, out), f"{self.owner}: IsConcurrentRunSupported")
+        return bool(out[0])
+
+    def create_stream(self) -> SyncStream | None:
+        if not self.stream_aware:
+            return None
+        out = ffi.new("EpSyncStream**")
+        if self.slots.CreateSyncStreamForDevice is not None:
+            hostapi.check(self.slots.CreateSyncStreamForDevice(self.ptr, self.meminfo, out),
+                          f"{self.owner}: CreateSyncStreamForDevice")
+        elif self.factory.slots.CreateSyncStreamForDevice is not None:
+            fs = self.factory.slots
+            hostapi.check(fs.CreateSyncStreamForDevice(fs.ptr, self.meminfo, out),
+                          f"{self.owner}: factory CreateSyncStreamForDevice")
+        if out[0] == ffi.NULL:
+            return None
+        stream = SyncStream(negotiate("EpSyncStream", out[0], self.slots.negotiated, self.owner), self.owner)
+        with self._stream_lock:
+            self._streams.append(stream)
+        return stream
+
+    # -- graph capture (v3..v5) -----------------------------------------------------------
+    def graph_capture_enabled(self) -> bool:
+        s = self.slots
+        if s.IsGraphCaptureEnabled is None or s.IsGraphCaptured is None or s.ReplayGraph is None:
+            return False
+        return bool(s.IsGraphCaptureEnabled(self.ptr))
+
+    def graph_policy(self) -> int:
+        fn = self.slots.GetGraphCaptureNodeAssignmentPolicy
+        return abi.GRAPH_ALL_NODES_ON_EP if fn is None else int(fn(self.ptr))
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._streams:
+            s.close()
+        self._streams.clear()
+        if self.transfer is not None:
+            self.transfer.Release(self.transfer.ptr)
+        self.allocator = None
+        self.factory.slots.ReleaseEp(self.factory.ptr, self.ptr)
+        hostapi.SESSION_OPTIONS.drop(self._session_options)
+
+
+def _release_allocator(release, factory_ptr, allocator_ptr) -> None:
+    try:
+        release(factory_ptr, allocator_ptr)
+    except Exception:  # noqa: BLE001 - runs from a finalizer
+        pass

@@ -1,0 +1,316 @@
+"""The execution plan: nodes in topological order, each on the CPU EP or a plugin EP.
+
+Per-run work is kept to what must happen per run: plugin kernel contexts, their EpKernelIO
+structs and shape arrays are built once per thread and only refilled. Values crossing EP
+boundaries are copied through the EP's data-transfer table, and a consumer on another stream
+waits for its producer through the producer stream's notification.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import abi
+from abi.dtypes import to_numpy
+from host import hostapi
+from host.ep import CPU_LOCATION, PluginEp, SyncStream
+from host.errors import EphostError, EpError, InvalidArgument, KernelError
+from host.hostapi import CONTEXTS, ffi
+from host.tensor import Allocation, DeviceTensor, host_array
+
+_NULL = ffi.NULL
+
+
+@dataclass
+class PlanNode:
+    index: int
+    name: str
+    op_type: str
+    inputs: tuple[int, ...]      # value ids, -1 for absent optional inputs
+    outputs: tuple[int, ...]
+    ep: PluginEp | None           # None: the CPU EP
+    kernel: object                # CPU OpKernel, or the plugin kernel's Slots
+    frees: tuple[int, ...] = ()   # values whose last consumer is this node
+
+
+@dataclass
+class Plan:
+    nodes: list[PlanNode]
+    value_ids: dict[str, int]
+    value_names: list[str]
+    elem_types: list[int]
+    input_ids: dict[str, int]
+    output_ids: dict[str, int]
+    constants: dict[int, np.ndarray]
+    eps: list[PluginEp] = field(default_factory=list)
+
+
+def compute_frees(nodes: list[PlanNode], keep: set[int]) -> None:
+    last: dict[int, int] = {}
+    for pos, n in enumerate(nodes):
+        for v in (*n.inputs, *n.outputs):
+            if v >= 0:
+                last[v] = pos
+    by_pos: dict[int, list[int]] = {}
+    for v, pos in last.items():
+        if v not in keep:
+            by_pos.setdefault(pos, []).append(v)
+    for pos, n in enumerate(nodes):
+        n.frees = tuple(by_pos.get(pos, ()))
+
+
+class KernelContext:
+    """What one plugin node sees during Compute on one thread; `handle` is the C pointer."""
+
+    def __init__(self, run: RunState, node: PlanNode, stream: SyncStream | None):
+        self.run = run
+        self.node = node
+        self.ep = node.ep
+        self.inputs = ffi.new("EpTensor[]", max(len(node.inputs), 1))
+        self.outputs = ffi.new("EpTensor[]", max(len(node.outputs), 1))
+        self.io = ffi.new("EpKernelIO*")
+        self.io.struct_size = ffi.sizeof("EpKernelIO")
+        self.io.version = abi.ABI_VERSION
+        self.io.num_inputs, self.io.num_outputs = len(node.inputs), len(node.outputs)
+        self.io.inputs = self.inputs
+        self.stream = stream
+        self.sync_stream = stream.ptr if stream is not None else None
+        self.io.gpu_compute_stream = stream.handle if stream is not None else _NULL
+        self.handle, self.key, self._holder = CONTEXTS.add(self)
+        self.compute = node.kernel.Compute
+        self.kernel_ptr = node.kernel.ptr
+
+    def get_output(self, index: int, dims: tuple):
+        if not 0 <= index < len(self.node.outputs):
+            raise InvalidArgument(f"output index {index} out of range 0..{len(self.node.outputs) - 1}")
+        vid = self.node.outputs[index]
+        value = self.run.make_output(vid, dims, self.ep, self.stream)
+        self.run.fill(self.outputs[index], value)
+        return self.outputs + index
+
+    def close(self) -> None:
+        CONTEXTS.remove(self.key)
+
+
+class RunState:
+    """Per-thread execution state of a session: contexts, streams, the values of a run."""
+
+    def __init__(self, executor: Executor, streams: dict[int, SyncStream | None]):
+        self.executor = executor
+        self.plan = executor.plan
+        self.streams = streams
+        self.values: list = [None] * len(self.plan.value_names)
+        self.bound_outputs: dict[int, object] = {}
+        self.producer: dict[int, SyncStream] = {}
+        self.shape_cache: dict[tuple, object] = {}
+        self.contexts: dict[int, KernelContext] = {}
+        for n in self.plan.nodes:
+            if n.ep is not None:
+                self.contexts[n.index] = KernelContext(self, n, streams.get(id(n.ep)))
+
+    def close(self) -> None:
+        for c in self.contexts.values():
+            c.close()
+        self.contexts.clear()
+
+    # -- values ------------------------------------------------------------------------------
+    def shape_array(self, shape: tuple):
+        arr = self.shape_cache.get(shape)
+        if arr is None:
+            arr = self.shape_cache[shape] = ffi.new("int64_t[]", shape or (0,))
+        return arr
+
+    def fill(self, t, value) -> None:
+        """Describe `value` (NumPy array or DeviceTensor) in the EpTensor `t`."""
+        if isinstance(value, np.ndarray):
+            t.data = ffi.cast("void*", value.__array_interface__["data"][0])
+            t.device_type, t.device_id = abi.DEVICE_CPU, 0
+            t.elem_type = self.executor.elem_type_of(value.dtype)
+        else:
+            t.data = ffi.cast("void*", value.ptr)
+            t.device_type, t.device_id = value.device_type, value.device_id
+            t.elem_type = self.executor.elem_type_of(value.dtype)
+        shape = value.shape
+        t.shape = self.shape_array(shape)
+        t.ndim = len(shape)
+        t.nbytes = value.nbytes
+
+    def make_output(self, vid: int, dims: tuple, ep: PluginEp, stream):
+        bound = self.bound_outputs.get(vid)
+        dtype = self.executor.dtype_of(vid)
+        if bound is not None:
+            if tuple(bound.shape) == dims and bound.dtype == dtype and _location(bound) == ep.location:
+                self.values[vid] = bound
+                return bound
+        if ep.location == CPU_LOCATION:
+            value = (np.empty(dims, dtype) if ep.allocator is None
+                     else host_array(ep.allocator, dims, dtype, stream.ptr if stream else None))
+        else:
+            nbytes = max(int(np.prod(dims, dtype=np.int64)) * dtype.itemsize, 1)
+            alloc = Allocation(ep.allocator, nbytes, stream.ptr if stream else None, ep.owner)
+            value = DeviceTensor(alloc.ptr, dims, dtype, ep.location[0], ep.location[1], alloc, stream)
+        self.values[vid] = value
+        return value
+
+
+def _location(value) -> tuple[int, int]:
+    if isinstance(value, np.ndarray):
+        return CPU_LOCATION
+    return (value.device_type, value.device_id)
+
+
+class Executor:
+    """Runs a Plan; one RunState per thread (or one shared, when runs are serialised)."""
+
+    def __init__(self, plan: Plan, concurrent: bool):
+        self.plan = plan
+        self.concurrent = concurrent
+        self._tls = threading.local()
+        self._states: list[RunState] = []
+        self._lock = threading.Lock()
+        self._dtypes = [to_numpy(t) if t else None for t in plan.elem_types]
+        self._etype_cache: dict[np.dtype, int] = {}
+        self._shared: RunState | None = None
+
+    def dtype_of(self, vid: int) -> np.dtype:
+        dt = self._dtypes[vid]
+        if dt is None:
+            raise EpError(f"value '{self.plan.value_names[vid]}' has no inferred element type")
+        return dt
+
+    def elem_type_of(self, dtype) -> int:
+        et = self._etype_cache.get(dtype)
+        if et is None:
+            from abi.dtypes import to_onnx
+            et = self._etype_cache[dtype] = to_onnx(dtype)
+        return et
+
+    def state(self) -> RunState:
+        st = getattr(self._tls, "state", None)
+        if st is not None:
+            return st
+        with self._lock:
+            if not self.concurrent and self._shared is not None:
+                self._tls.state = self._shared
+                return self._shared
+            streams = {id(ep): ep.create_stream() for ep in self.plan.eps}
+            st = RunState(self, streams)
+            self._states.append(st)
+            if not self.concurrent:
+                self._shared = st
+        self._tls.state = st
+        return st
+
+    def close(self) -> None:
+        for st in self._states:
+            st.close()
+        self._states.clear()
+        self._shared = None
+        self._tls = threading.local()
+
+    # -- one run ---------------------------------------------------------------------------------
+    def execute(self, st: RunState, feeds: dict[int, object]) -> None:
+        vals = st.values
+        for i in range(len(vals)):
+            vals[i] = None
+        for vid, arr in self.plan.constants.items():
+            vals[vid] = arr
+        for vid, v in feeds.items():
+            vals[vid] = v
+        st.producer.clear()
+        keep_outputs = set(self.plan.output_ids.values())
+        for node in self.plan.nodes:
+            if node.ep is None:
+                self._run_cpu(st, node)
+            else:
+                self._run_plugin(st, node)
+            for v in node.frees:
+                if v not in keep_outputs:
+                    vals[v] = None
+
+    def _input_for(self, st: RunState, vid: int, location, stream: SyncStream | None, ep: PluginEp | None):
+        value = st.values[vid]
+        if value is None:
+            raise EpError(f"value '{self.plan.value_names[vid]}' was not produced")
+        producer = st.producer.get(vid)
+        if producer is not None and producer is not stream:
+            producer.notify_and_wait(stream if location != CPU_LOCATION else None)
+            st.producer.pop(vid, None)
+        if _location(value) == location:
+            return value
+        moved = self.transfer(value, location, ep, stream)
+        st.values[vid] = moved if location == CPU_LOCATION else st.values[vid]
+        return moved
+
+    def _run_cpu(self, st: RunState, node: PlanNode) -> None:
+        args = [None if v < 0 else self._input_for(st, v, CPU_LOCATION, None, None) for v in node.inputs]
+        outs = node.kernel.run(*args)
+        for vid, arr in zip(node.outputs, outs):
+            if vid >= 0:
+                st.values[vid] = arr
+
+    def _run_plugin(self, st: RunState, node: PlanNode) -> None:
+        ctx = st.contexts[node.index]
+        ep = node.ep
+        ins = ctx.inputs
+        for j, vid in enumerate(node.inputs):
+            if vid < 0:
+                ins[j].data, ins[j].ndim = _NULL, -1
+                continue
+            st.fill(ins[j], self._input_for(st, vid, ep.location, ctx.stream, ep))
+        status = ctx.compute(ctx.kernel_ptr, ctx.handle)
+        if status != _NULL:
+            try:
+                hostapi.check(status, f"node '{node.name}' ({node.op_type}) on {ep.name}", KernelError)
+            except KernelError as exc:
+                exc.node, exc.ep = node.name, ep.name
+                raise
+        if ctx.stream is not None:
+            for vid in node.outputs:
+                if vid >= 0:
+                    st.producer[vid] = ctx.stream
+
+    # -- copies across EPs -----------------------------------------------------------------------
+    def transfer(self, value, location, ep: PluginEp | None, stream: SyncStream | None):
+        """Copy `value` to `location` with the data-transfer table of the EP on the device side."""
+        device_ep = ep if ep is not None and location != CPU_LOCATION else self._ep_at(_location(value))
+        if device_ep is None or device_ep.transfer is None:
+            raise EpError(f"no data transfer can copy from {_location(value)} to {location}")
+        src = ffi.new("EpTensor*")
+        dst = ffi.new("EpTensor*")
+        st = self.state()
+        if isinstance(value, np.ndarray):
+            value = np.ascontiguousarray(value)
+        st.fill(src, value)
+        if location == CPU_LOCATION:
+            out = np.empty(value.shape, value.dtype)
+        else:
+            nbytes = max(value.nbytes, 1)
+            alloc = Allocation(device_ep.allocator, nbytes, stream.ptr if stream else None, device_ep.owner)
+            out = DeviceTensor(alloc.ptr, value.shape, value.dtype, location[0], location[1], alloc, stream)
+        st.fill(dst, out)
+        streams = ffi.new("EpSyncStream*[1]", [stream.ptr if stream is not None else _NULL])
+        t = device_ep.transfer
+        hostapi.check(t.CopyTensors(t.ptr, src, dst, streams, 1), f"{device_ep.owner}: CopyTensors")
+        return out
+
+    def _ep_at(self, location) -> PluginEp | None:
+        for ep in self.plan.eps:
+            if ep.location == location:
+                return ep
+        return None
+
+    def to_host(self, value):
+        if isinstance(value, np.ndarray):
+            return value
+        return self.transfer(value, CPU_LOCATION, None, None)
+
+
+def wrap_kernel_error(exc: Exception, node: PlanNode) -> EphostError:
+    if isinstance(exc, EphostError):
+        return exc
+    ep = node.ep.name if node.ep is not None else "CPUExecutionProvider"
+    return KernelError(f"node '{node.name}' ({node.op_type}) on {ep} failed: {exc}", node.name, ep)

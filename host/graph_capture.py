@@ -1,0 +1,176 @@
+"""Graph capture orchestration: warm-up, capture, replay, annotation ids, asynchronous replay.
+
+An EP takes part only when its v3 slots are present and IsGraphCaptureEnabled says yes. The
+EP counts warm-up runs itself and captures in OnRunStart/OnRunEnd; the host drives the runs
+(the first run_with_iobinding for an id runs as many times as the EP needs, bounded), checks the
+node-assignment policy once, and replays afterwards. Unlike ONNX Runtime, a replay whose bound
+buffers differ from the captured ones is an error instead of stale results.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+
+import abi
+from host import hostapi
+from host.errors import GraphCaptureError, InvalidArgument
+
+_log = logging.getLogger("ephost")
+MAX_INTERNAL_RUNS = 16
+SHAPE_ELEM_TYPES = {7}  # int64: what shape arithmetic produces
+
+
+def _signature_of(value) -> tuple:
+    if isinstance(value, np.ndarray):
+        return (int(value.__array_interface__["data"][0]), tuple(value.shape), value.dtype.str)
+    return (int(value.ptr), tuple(value.shape), value.dtype.str)
+
+
+def parse_graph_id(value: str | None) -> int:
+    if value is None:
+        return 0
+    try:
+        gid = int(value)
+    except (TypeError, ValueError):
+        gid = None
+    if gid is None or gid < -1:
+        raise InvalidArgument(f"run option gpu_graph_id must be an integer >= -1 (-1 runs without capture); "
+                              f"got {value!r}")
+    return gid
+
+
+class GraphCapture:
+    """Per-session capture state: the capturing EP, captured ids and their bindings."""
+
+    def __init__(self, session):
+        self.session = session
+        self.ep = None
+        self.enabled = False
+        self.signatures: dict[int, dict[str, tuple]] = {}
+        for ep in session.plan.eps:
+            if ep.slots.negotiated < 3:
+                session.fallbacks["no_graph_capture"] += 1
+            elif ep.graph_capture_enabled():
+                self.ep = ep
+        if self.ep is not None:
+            self._validate_policy()
+            self.enabled = True
+
+    def _validate_policy(self) -> None:
+        policy = self.ep.graph_policy()
+        plan = self.session.plan
+        offending = []
+        for n in plan.nodes:
+            if n.ep is self.ep:
+                continue
+            shape_only = all(plan.elem_types[v] in SHAPE_ELEM_TYPES for v in n.outputs if v >= 0)
+            if policy == abi.GRAPH_ALLOW_CPU_FOR_SHAPES and n.ep is None and shape_only:
+                continue
+            where = n.ep.name if n.ep is not None else "CPUExecutionProvider"
+            offending.append(f"'{n.name}' ({n.op_type} on {where})")
+        if offending:
+            rule = ("all nodes on the EP" if policy == abi.GRAPH_ALL_NODES_ON_EP
+                    else "only shape computations (int64 outputs) on the CPU")
+            raise GraphCaptureError(
+                f"graph capture on {self.ep.name} requires {rule}; offending node(s): {', '.join(offending)}. "
+                f"Disable graph capture or make the EP support these nodes")
+
+    # -- runs --------------------------------------------------------------------------------------
+    def captured(self, gid: int) -> bool:
+        return bool(self.ep.slots.IsGraphCaptured(self.ep.ptr, gid))
+
+    def run(self, binding, ro) -> None:
+        s = self.session
+        if not self.enabled:
+            s._run_bound(binding, ro)
+            return
+        gid = parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))
+        if gid == -1:
+            s._run_bound(binding, ro, "-1")
+            return
+        if gid in self.signatures and self.captured(gid):
+            self._replay(binding, ro, gid)
+            return
+        self._require_bound_outputs(binding)
+        for _ in range(MAX_INTERNAL_RUNS):
+            s._run_bound(binding, ro, str(gid))
+            if self.captured(gid):
+                self.signatures[gid] = self._signature(binding)
+                s.fallbacks["graph_captured"] += 1
+                return
+        s.fallbacks["capture_not_reached"] += 1
+        warnings.warn(f"{self.ep.name} did not capture graph {gid} within {MAX_INTERNAL_RUNS} runs; "
+                      "running eagerly", RuntimeWarning, stacklevel=3)
+
+    def _require_bound_outputs(self, binding) -> None:
+        unbound = [n for n in binding.output_names() if binding.outputs.get(n) is None]
+        if unbound:
+            raise GraphCaptureError(
+                f"graph capture needs every output bound to a fixed buffer; unbound: {unbound}. "
+                "Bind them with IOBinding.bind_output(name, buffer), or run with gpu_graph_id=-1")
+
+    def _signature(self, binding) -> dict[str, tuple]:
+        sig = {f"input '{k}'": _signature_of(v) for k, v in binding.inputs.items()}
+        sig.update({f"output '{k}'": _signature_of(v) for k, v in binding.outputs.items() if v is not None})
+        return sig
+
+    def _check_binding(self, binding, gid: int) -> None:
+        self._require_bound_outputs(binding)
+        now = self._signature(binding)
+        then = self.signatures[gid]
+        for key in sorted(set(then) | set(now)):
+            a, b = then.get(key), now.get(key)
+            if a == b:
+                continue
+            what = ("is no longer bound" if b is None else "was not bound at capture" if a is None
+                    else f"moved from address {a[0]:#x} to {b[0]:#x}" if a[0] != b[0]
+                    else f"changed shape/dtype from {a[1]}/{a[2]} to {b[1]}/{b[2]}")
+            raise GraphCaptureError(
+                f"graph {gid} was captured with {key} at a fixed buffer; it {what}. Copy new data into "
+                f"the bound buffer instead of rebinding, or use another gpu_graph_id")
+
+    def _replay(self, binding, ro, gid: int) -> None:
+        s = self.session
+        self._check_binding(binding, gid)
+        sync = ro.get_run_config_entry("disable_synchronize_execution_providers") != "1"
+        ep = self.ep
+        lock = None if s._executor.concurrent else s._lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            if ep.slots.ReplayGraphWithSync is not None:
+                hostapi.check(ep.slots.ReplayGraphWithSync(ep.ptr, gid, int(sync)), f"{ep.owner}: ReplayGraphWithSync")
+                s.fallbacks["replay_stream_sync" if sync else "replay_async"] += 1
+            else:
+                hostapi.check(ep.slots.ReplayGraph(ep.ptr, gid), f"{ep.owner}: ReplayGraph")
+                if sync and ep.slots.Sync is not None:
+                    hostapi.check(ep.slots.Sync(ep.ptr), f"{ep.owner}: Sync")
+                s.fallbacks["replay_device_sync" if sync else "replay_async"] += 1
+        finally:
+            if lock is not None:
+                lock.release()
+        binding._results = {n: (binding.outputs.get(n)) for n in binding.output_names()}
+
+    # -- release -----------------------------------------------------------------------------------
+    def release(self, gid: int) -> None:
+        """Free graph `gid` and its memory (v4 ReleaseCapturedGraph); the next run captures again."""
+        if not self.enabled:
+            raise GraphCaptureError("graph capture is not enabled for this session")
+        fn = self.ep.slots.ReleaseCapturedGraph
+        if fn is None:
+            raise GraphCaptureError(f"{self.ep.name} (ABI v{self.ep.slots.negotiated}) cannot release a single "
+                                    "graph (ReleaseCapturedGraph is v4); close the session instead")
+        hostapi.check(fn(self.ep.ptr, gid), f"{self.ep.owner}: ReleaseCapturedGraph")
+        self.signatures.pop(gid, None)
+
+    def close(self) -> None:
+        if self.enabled and self.ep.slots.ReleaseCapturedGraph is not None:
+            for gid in list(self.signatures):
+                try:
+                    self.release(gid)
+                except Exception as exc:  # noqa: BLE001 - closing must go on
+                    _log.warning("releasing graph %s failed: %s", gid, exc)
+        self.signatures.clear()

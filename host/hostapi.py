@@ -1,0 +1,287 @@
+"""The host's side of the ABI: the EpApi/EpApiBase tables plugins call, and the status funnel.
+
+The host uses cffi in ABI mode (no compiler): its callbacks are `ffi.callback` objects kept
+alive by the HostApi. One HostApi serves one API version N: GetApi(v) answers for 1 <= v <= N,
+each version's table cut at its own struct_size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import abi
+from host.errors import EpError
+
+_log = logging.getLogger("ephost.plugin")
+
+EP_ABI = abi.ABI_VERSION
+ffi = abi.ffi_for(EP_ABI)
+
+
+class StatusStore:
+    """EpStatus objects created by CreateStatus and freed by ReleaseStatus."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[int, object, object]] = {}
+        self._lock = threading.Lock()
+
+    def create(self, code: int, message: bytes):
+        handle = ffi.new("char[1]")
+        text = ffi.new("char[]", message)
+        ptr = ffi.cast("EpStatus*", handle)
+        with self._lock:
+            self._items[int(ffi.cast("uintptr_t", ptr))] = (code, text, handle)
+        return ptr
+
+    def get(self, ptr) -> tuple[int, str] | None:
+        item = self._items.get(int(ffi.cast("uintptr_t", ptr)))
+        if item is None:
+            return None
+        return item[0], ffi.string(item[1]).decode("utf-8", "replace")
+
+    def release(self, ptr) -> None:
+        with self._lock:
+            self._items.pop(int(ffi.cast("uintptr_t", ptr)), None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+STATUSES = StatusStore()
+
+
+def check(status, what: str, error=EpError) -> None:
+    """The one funnel for statuses returned by plugins: raise `error` with the plugin's text."""
+    if status == ffi.NULL:
+        return
+    item = STATUSES.get(status)
+    if item is None:
+        raise error(f"{what}: the plugin returned a status the host did not create "
+                    f"(a bad pointer {int(ffi.cast('uintptr_t', status)):#x})")
+    STATUSES.release(status)
+    code, message = item
+    err = error(f"{what} failed ({abi.STATUS_NAMES.get(code, code)}): {message}")
+    err.code = code
+    raise err
+
+
+class KernelContextRegistry:
+    """Maps EpKernelContext handles to the host objects behind them."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, object] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def add(self, obj) -> tuple[object, int]:
+        holder = ffi.new("char[1]")
+        key = int(ffi.cast("uintptr_t", holder))
+        with self._lock:
+            self._items[key] = obj
+        return ffi.cast("EpKernelContext*", holder), key, holder
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
+    def get(self, ptr):
+        return self._items.get(int(ffi.cast("uintptr_t", ptr)))
+
+
+CONTEXTS = KernelContextRegistry()
+
+
+class LoggerRegistry:
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+        self._holders: list = []
+
+    def make(self, name: str):
+        holder = ffi.new("char[1]")
+        self._holders.append(holder)
+        self._names[int(ffi.cast("uintptr_t", holder))] = name
+        return ffi.cast("EpLogger*", holder)
+
+    def name(self, ptr) -> str:
+        return self._names.get(int(ffi.cast("uintptr_t", ptr)), "unknown")
+
+
+LOGGERS = LoggerRegistry()
+_SEVERITY = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}
+
+
+class SessionOptionsRegistry:
+    def __init__(self) -> None:
+        self._items: dict[int, dict[str, str]] = {}
+
+    def make(self, entries: dict[str, str]):
+        holder = ffi.new("char[1]")
+        self._items[int(ffi.cast("uintptr_t", holder))] = dict(entries)
+        return ffi.cast("EpSessionOptions*", holder), holder
+
+    def drop(self, ptr) -> None:
+        self._items.pop(int(ffi.cast("uintptr_t", ptr)), None)
+
+    def get(self, ptr) -> dict[str, str] | None:
+        return self._items.get(int(ffi.cast("uintptr_t", ptr)))
+
+
+SESSION_OPTIONS = SessionOptionsRegistry()
+
+
+def _status(code: int, message: str):
+    return STATUSES.create(code, message.encode("utf-8", "replace"))
+
+
+# ---- callbacks (module level so that every HostApi shares them) ---------------------------
+
+@ffi.callback("EpStatus*(int32_t, const char*)")
+def _create_status(code, message):
+    text = ffi.string(message) if message != ffi.NULL else b""
+    return STATUSES.create(code, text)
+
+
+@ffi.callback("int32_t(const EpStatus*)", error=abi.EP_INVALID_ARGUMENT)
+def _get_error_code(status):
+    item = STATUSES.get(status)
+    return abi.EP_INVALID_ARGUMENT if item is None else item[0]
+
+
+_UNKNOWN = ffi.new("char[]", b"unknown status (not created by this host)")
+
+
+@ffi.callback("const char*(const EpStatus*)")
+def _get_error_message(status):
+    item = STATUSES._items.get(int(ffi.cast("uintptr_t", status)))
+    return _UNKNOWN if item is None else item[1]
+
+
+@ffi.callback("void(EpStatus*)")
+def _release_status(status):
+    STATUSES.release(status)
+
+
+@ffi.callback("void(const EpLogger*, int32_t, const char*)")
+def _logger_log(logger, severity, message):
+    name = LOGGERS.name(logger) if logger != ffi.NULL else "unknown"
+    text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
+    logging.getLogger(f"ephost.plugin.{name}").log(_SEVERITY.get(severity, logging.INFO), "%s", text)
+
+
+@ffi.callback("EpStatus*(const EpSessionOptions*, const char*, char*, size_t*)")
+def _get_config_entry(options, key, value, size):
+    entries = SESSION_OPTIONS.get(options)
+    if entries is None or key == ffi.NULL or size == ffi.NULL:
+        return _status(abi.EP_INVALID_ARGUMENT, "SessionOptions_GetConfigEntry: bad session options, key or size")
+    name = ffi.string(key).decode()
+    if name not in entries:
+        return _status(abi.EP_NOT_FOUND, f"no session config entry {name!r}")
+    data = entries[name].encode() + b"\0"
+    if value == ffi.NULL:
+        size[0] = len(data)
+        return ffi.NULL
+    if size[0] < len(data):
+        need = len(data)
+        size[0] = need
+        return _status(abi.EP_INVALID_ARGUMENT, f"buffer of {int(size[0])} bytes too small; need {need}")
+    ffi.memmove(value, data, len(data))
+    size[0] = len(data)
+    return ffi.NULL
+
+
+def _context_call(name: str, context, fn):
+    obj = CONTEXTS.get(context)
+    if obj is None:
+        return _status(abi.EP_INVALID_ARGUMENT, f"{name}: unknown kernel context (a bad pointer or a "
+                                                "context used outside Compute)")
+    try:
+        return fn(obj)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a status for the plugin
+        code = getattr(exc, "abi_code", abi.EP_FAIL)
+        return _status(code, f"{name}: {exc}")
+
+
+@ffi.callback("EpStatus*(EpKernelContext*, const EpKernelIO**)")
+def _kc_get_io(context, io):
+    obj = CONTEXTS.get(context)
+    if obj is None or io == ffi.NULL:
+        return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetIO: unknown kernel context or NULL out")
+    io[0] = obj.io
+    return ffi.NULL
+
+
+@ffi.callback("EpStatus*(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)")
+def _kc_get_output(context, index, shape, ndim, out):
+    def run(obj):
+        if out == ffi.NULL or ndim < 0 or (ndim > 0 and shape == ffi.NULL):
+            return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetOutput: NULL out or bad shape")
+        dims = tuple(shape[i] for i in range(ndim))
+        out[0] = obj.get_output(index, dims)
+        return ffi.NULL
+    return _context_call("KernelContext_GetOutput", context, run)
+
+
+@ffi.callback("EpStatus*(EpKernelContext*, void**)")
+def _kc_get_stream(context, stream):
+    def run(obj):
+        stream[0] = obj.io.gpu_compute_stream
+        return ffi.NULL
+    return _context_call("KernelContext_GetGPUComputeStream", context, run)
+
+
+@ffi.callback("EpStatus*(EpKernelContext*, EpSyncStream**)")
+def _kc_get_sync_stream(context, stream):
+    def run(obj):
+        stream[0] = obj.sync_stream if obj.sync_stream is not None else ffi.NULL
+        return ffi.NULL
+    return _context_call("KernelContext_GetSyncStream", context, run)
+
+
+_VERSION_STRING = ffi.new("char[]", b"ephost 0.1.0")
+
+
+@ffi.callback("const char*(void)")
+def _get_version_string():
+    return _VERSION_STRING
+
+
+_SLOTS = {
+    "CreateStatus": _create_status, "GetErrorCode": _get_error_code,
+    "GetErrorMessage": _get_error_message, "ReleaseStatus": _release_status,
+    "Logger_Log": _logger_log, "SessionOptions_GetConfigEntry": _get_config_entry,
+    "KernelContext_GetIO": _kc_get_io, "KernelContext_GetOutput": _kc_get_output,
+    "KernelContext_GetGPUComputeStream": _kc_get_stream,
+    "KernelContext_GetSyncStream": _kc_get_sync_stream,
+}
+
+
+class HostApi:
+    """EpApiBase + one EpApi table per served version (1..api_version)."""
+
+    def __init__(self, api_version: int = EP_ABI):
+        abi.check_known_version(api_version)
+        self.version = api_version
+        self._tables = {v: self._make_table(v) for v in range(abi.ABI_MIN_VERSION, api_version + 1)}
+        self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup)
+        self.base = ffi.new("EpApiBase*")
+        self.base.struct_size = ffi.sizeof("EpApiBase")
+        self.base.version = api_version
+        self.base.GetApi = self._get_api
+        self.base.GetVersionString = _get_version_string
+        self.requested: list[int] = []
+
+    @staticmethod
+    def _make_table(version: int):
+        table = ffi.new("EpApi*")
+        table.struct_size = abi.ffi_for(version).sizeof("EpApi")
+        table.version = version
+        for name in abi.slots_at("EpApi", version):
+            setattr(table, name, _SLOTS[name])
+        return table
+
+    def _lookup(self, version):
+        self.requested.append(int(version))
+        table = self._tables.get(int(version))
+        return ffi.NULL if table is None else table

@@ -1,0 +1,113 @@
+"""Model loading with the `onnx` package: checker, shape inference, a flat graph the host plans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+
+from abi.dtypes import ONNX_TO_NUMPY
+from host.errors import ModelError
+from host.node import NodeInfo, node_info
+
+MIN_OPSET, MAX_OPSET = 7, 23
+
+
+@dataclass
+class ValueMeta:
+    """Type and shape of a value: dims are ints, or strings for symbolic ones, or None."""
+
+    name: str
+    elem_type: int = 0
+    shape: tuple | None = None
+
+
+@dataclass
+class Graph:
+    model: onnx.ModelProto
+    nodes: list[NodeInfo]
+    values: dict[str, ValueMeta]
+    initializers: dict[str, np.ndarray]
+    inputs: list[ValueMeta]
+    outputs: list[ValueMeta]
+    opsets: dict[str, int] = field(default_factory=dict)
+
+
+def _meta(vi: onnx.ValueInfoProto) -> ValueMeta:
+    t = vi.type.tensor_type
+    shape = None
+    if t.HasField("shape"):
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+    return ValueMeta(vi.name, t.elem_type, shape)
+
+
+def load_model(model) -> onnx.ModelProto:
+    """A ModelProto from a path, bytes or a ModelProto; parser errors carry the path."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        try:
+            return onnx.load_from_string(bytes(model))
+        except Exception as exc:  # noqa: BLE001 - protobuf raises several types
+            raise ModelError(f"model bytes could not be parsed: {exc}") from exc
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if not path.is_file():
+            raise ModelError(f"model file '{path}' does not exist")
+        try:
+            return onnx.load(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelError(f"model file '{path}' could not be parsed: {exc}") from exc
+    raise ModelError(f"model must be a path, bytes or onnx.ModelProto; got {type(model).__name__}")
+
+
+def _check_opsets(proto: onnx.ModelProto) -> dict[str, int]:
+    opsets = {(o.domain or ""): o.version for o in proto.opset_import}
+    if "ai.onnx" in opsets:
+        opsets[""] = opsets.pop("ai.onnx")
+    default = opsets.get("")
+    if default is None:
+        raise ModelError("model imports no default ONNX opset; expected an opset_import for domain ''")
+    if not MIN_OPSET <= default <= MAX_OPSET:
+        raise ModelError(f"model uses ONNX opset {default}; supported: {MIN_OPSET}..{MAX_OPSET}")
+    return opsets
+
+
+def build_graph(model) -> Graph:
+    proto = load_model(model)
+    opsets = _check_opsets(proto)
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"model is not valid ONNX: {exc}") from exc
+    try:
+        inferred = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - inference errors are model errors
+        raise ModelError(f"shape inference failed: {exc}") from exc
+    g = inferred.graph
+    inits = {}
+    for t in g.initializer:
+        if t.data_type not in ONNX_TO_NUMPY:
+            raise ModelError(f"initializer {t.name!r} has element type {t.data_type}; "
+                             f"supported: {sorted(ONNX_TO_NUMPY)}")
+        inits[t.name] = numpy_helper.to_array(t)
+    values: dict[str, ValueMeta] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        values[vi.name] = _meta(vi)
+    for name, arr in inits.items():
+        values[name] = ValueMeta(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+    nodes = []
+    for i, n in enumerate(g.node):
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            raise ModelError(f"node '{n.name or i}' ({n.op_type}) has a subgraph; subgraphs are not supported")
+        info = node_info(n, opsets.get(n.domain or "", 0))
+        if not info.name:
+            info = NodeInfo(f"{n.op_type}_{i}", info.op_type, info.domain, info.opset, info.attrs,
+                            info.inputs, info.outputs)
+        nodes.append(info)
+    inputs = [values[vi.name] for vi in g.input if vi.name not in inits]
+    outputs = [values[vi.name] for vi in g.output]
+    return Graph(inferred, nodes, values, inits, inputs, outputs, opsets)

@@ -1,0 +1,449 @@
+"""InferenceSession, SessionOptions, RunOptions and IOBinding, shaped like onnxruntime's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+import abi
+from abi.dtypes import to_numpy, to_onnx
+from host import cpu_ep, hostapi
+from host.environment import Environment
+from host.ep import CPU_LOCATION, PluginEp
+from host.errors import EphostError, EpError, InvalidArgument, ModelError
+from host.executor import Executor, Plan, PlanNode, compute_frees, wrap_kernel_error
+from host.graph_capture import GraphCapture
+from host.graphview import GraphView
+from host.hostapi import ffi
+from host.model import Graph, ValueMeta, build_graph
+from host.loader import negotiate
+from host.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
+
+_log = logging.getLogger("ephost")
+CPU_EP = "CPUExecutionProvider"
+
+_DEFAULT_ENV: Environment | None = None
+_ENV_LOCK = threading.Lock()
+
+
+def default_environment() -> Environment:
+    """The process-wide Environment used when a session is given none."""
+    global _DEFAULT_ENV
+    with _ENV_LOCK:
+        if _DEFAULT_ENV is None:
+            _DEFAULT_ENV = Environment()
+        return _DEFAULT_ENV
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.entries: dict[str, str] = {}
+
+    def _add(self, key: str, value: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"config key must be a non-empty string; got {key!r}")
+        self.entries[key] = str(value)
+
+    def _get(self, key: str, default: str | None = None) -> str | None:
+        return self.entries.get(key, default)
+
+
+class SessionOptions(_Config):
+    """Session-wide settings; config entries reach plugins through SessionOptions_GetConfigEntry."""
+
+    def add_session_config_entry(self, key: str, value: str) -> None:
+        self._add(key, value)
+
+    def get_session_config_entry(self, key: str) -> str | None:
+        return self._get(key)
+
+
+class RunOptions(_Config):
+    """Per-run settings: `gpu_graph_id`, `disable_synchronize_execution_providers`, ..."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._c: dict[tuple, tuple] = {}
+
+    def add_run_config_entry(self, key: str, value: str) -> None:
+        self._add(key, value)
+        self._c = {}
+
+    def get_run_config_entry(self, key: str) -> str | None:
+        return self._get(key)
+
+    def c_struct(self, overrides: dict[str, str] | None = None):
+        """The EpRunOptions handed to OnRunStart/OnRunEnd (cached until an entry changes)."""
+        key = tuple(sorted((overrides or {}).items()))
+        hit = self._c.get(key)
+        if hit is not None:
+            return hit[0]
+        entries = {**self.entries, **(overrides or {})}
+        keep = []
+        arr = ffi.new("EpKeyValue[]", max(len(entries), 1))
+        for i, (k, v) in enumerate(entries.items()):
+            kc, vc = ffi.new("char[]", k.encode()), ffi.new("char[]", v.encode())
+            keep += [kc, vc]
+            arr[i].key, arr[i].value = kc, vc
+        c = ffi.new("EpRunOptions*")
+        c.struct_size, c.version = ffi.sizeof("EpRunOptions"), abi.ABI_VERSION
+        c.num_entries, c.entries = len(entries), arr
+        self._c[key] = (c, arr, keep)
+        return c
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """Name, shape (ints, symbolic names or None) and type string of a model input or output."""
+
+    name: str
+    shape: list
+    type: str
+
+
+def _type_string(elem_type: int) -> str:
+    try:
+        return f"tensor({to_numpy(elem_type).name})".replace("float64", "double").replace("float32", "float")
+    except TypeError:
+        return f"tensor(elem_type={elem_type})"
+
+
+def _parse_providers(providers) -> list[tuple[str, dict[str, str]]]:
+    out = []
+    for p in providers or []:
+        if isinstance(p, str):
+            out.append((p, {}))
+        elif isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], dict):
+            out.append((p[0], {str(k): str(v) for k, v in p[1].items()}))
+        else:
+            raise InvalidArgument(f"a provider must be a name or (name, options dict); got {p!r}")
+    return out
+
+
+class InferenceSession:
+    """Runs one ONNX model with plugin EPs in priority order and the CPU EP for the rest."""
+
+    def __init__(self, model, sess_options: SessionOptions | None = None, providers=None,
+                 env: Environment | None = None):
+        self.env = env or default_environment()
+        self.options = sess_options or SessionOptions()
+        self.fallbacks: Counter[str] = Counter()
+        self._closed = False
+        self._eps: list[PluginEp] = []
+        self._regs = []
+        self._kernel_list: list = []
+        self._lock = threading.Lock()
+        self.graph = build_graph(model)
+        self._view = GraphView(self.graph)
+        try:
+            self._create_eps(_parse_providers(providers))
+            self.plan = self._partition()
+            self._executor = Executor(self.plan, self._concurrent())
+            self.capture = GraphCapture(self)
+        except BaseException:
+            self._release_eps()
+            raise
+
+    # -- creation -------------------------------------------------------------------------------
+    def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
+        for name, options in providers:
+            if name == CPU_EP:
+                continue
+            reg, factory = self.env.find_factory(name)
+            if factory is None:
+                known = sorted({d.ep_name for d in self.env.ep_devices()} | {CPU_EP})
+                raise InvalidArgument(f"execution provider {name!r} is not registered; available: {known}")
+            if not factory.devices:
+                warnings.warn(f"{name} has no device; its nodes fall back to {CPU_EP}", RuntimeWarning,
+                              stacklevel=3)
+                self.fallbacks["ep_without_device"] += 1
+                continue
+            ep = PluginEp(reg, factory, options, self.options.entries)
+            reg.acquire()
+            self._regs.append(reg)
+            self._eps.append(ep)
+
+    def _claims(self) -> dict[int, PluginEp]:
+        assigned: dict[int, PluginEp] = {}
+        n = len(self.graph.nodes)
+        for ep in self._eps:
+            claimed = ffi.new("uint8_t[]", max(n, 1))
+            hostapi.check(ep.slots.GetCapability(ep.ptr, self._view.ptr, claimed), f"{ep.owner}: GetCapability")
+            for i in range(n):
+                if claimed[i] and i not in assigned:
+                    assigned[i] = ep
+        return assigned
+
+    def _partition(self) -> Plan:
+        g = self.graph
+        ids = self._view.value_index
+        assigned = self._claims()
+        nodes, unsupported = [], []
+        for i, n in enumerate(g.nodes):
+            ep = assigned.get(i)
+            ins = tuple(ids[x] if x else -1 for x in n.inputs)
+            outs = tuple(ids[x] if x else -1 for x in n.outputs)
+            if ep is not None:
+                kernel = self._plugin_kernel(ep, i, n)
+            else:
+                if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
+                    unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {n.opset})")
+                    continue
+                kernel = cpu_ep.create_kernel(n)
+            nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, kernel))
+        if unsupported:
+            raise ModelError(f"no execution provider supports {len(unsupported)} node(s): "
+                             + ", ".join(unsupported))
+        names = self._view.value_names
+        elem_types = [(g.values.get(nm) or ValueMeta(nm)).elem_type for nm in names]
+        plan = Plan(nodes, dict(ids), names, elem_types,
+                    {v.name: ids[v.name] for v in g.inputs}, {v.name: ids[v.name] for v in g.outputs},
+                    {ids[k]: np.ascontiguousarray(v) for k, v in g.initializers.items()},
+                    [ep for ep in self._eps if any(pn.ep is ep for pn in nodes)])
+        compute_frees(nodes, set(plan.output_ids.values()) | set(plan.constants))
+        return plan
+
+    def _plugin_kernel(self, ep: PluginEp, index: int, node):
+        out = ffi.new("EpKernel**")
+        hostapi.check(ep.slots.CreateKernel(ep.ptr, self._view.ptr, index, out),
+                      f"{ep.owner}: CreateKernel for node '{node.name}' ({node.op_type})")
+        slots = negotiate("EpKernel", out[0], ep.slots.negotiated, ep.owner)
+        self._kernel_list.append(slots)
+        return slots
+
+    def _concurrent(self) -> bool:
+        ok = all(ep.concurrent_runs for ep in self.plan.eps)
+        self.fallbacks["concurrent_runs" if ok else "serialised_runs"] += 1
+        return ok
+
+    # -- introspection --------------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None, _type_string(v.elem_type))
+                for v in self.graph.inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None, _type_string(v.elem_type))
+                for v in self.graph.outputs]
+
+    def get_providers(self) -> list[str]:
+        return [ep.name for ep in self._eps] + [CPU_EP]
+
+    def node_assignment(self) -> dict[str, str]:
+        """Which EP runs each node, by node name."""
+        return {n.name: (n.ep.name if n.ep is not None else CPU_EP) for n in self.plan.nodes}
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    # -- running ----------------------------------------------------------------------------------
+    def _check_feed(self, meta: ValueMeta, value) -> object:
+        dev = value if isinstance(value, DeviceTensor) else as_device_tensor(value)
+        if dev is not None:
+            arr_dtype, shape = dev.dtype, dev.shape
+            value = dev
+        else:
+            value = np.ascontiguousarray(value)
+            arr_dtype, shape = value.dtype, value.shape
+        expected = to_numpy(meta.elem_type) if meta.elem_type else None
+        if expected is not None and arr_dtype != expected:
+            raise InvalidArgument(f"input '{meta.name}': expected dtype {expected}, got {arr_dtype}")
+        if meta.shape is not None:
+            if len(shape) != len(meta.shape):
+                raise InvalidArgument(f"input '{meta.name}': expected rank {len(meta.shape)} "
+                                      f"(shape {list(meta.shape)}), got rank {len(shape)} (shape {list(shape)})")
+            for axis, (want, got) in enumerate(zip(meta.shape, shape)):
+                if isinstance(want, int) and want > 0 and want != got:
+                    raise InvalidArgument(f"input '{meta.name}': dimension {axis} must be {want}, got {got} "
+                                          f"(expected shape {list(meta.shape)}, got {list(shape)})")
+        return value
+
+    def _feeds(self, feeds: dict) -> dict[int, object]:
+        if not isinstance(feeds, dict):
+            raise InvalidArgument(f"feeds must be a dict of input name to array; got {type(feeds).__name__}")
+        metas = {v.name: v for v in self.graph.inputs}
+        unknown = sorted(set(feeds) - set(metas))
+        if unknown:
+            raise InvalidArgument(f"unknown input name(s) {unknown}; model inputs: {sorted(metas)}")
+        missing = sorted(set(metas) - set(feeds))
+        if missing:
+            raise InvalidArgument(f"missing input(s) {missing}; model inputs: {sorted(metas)}")
+        return {self.plan.input_ids[k]: self._check_feed(metas[k], v) for k, v in feeds.items()}
+
+    def _output_ids(self, output_names) -> list[int]:
+        names = output_names or [v.name for v in self.graph.outputs]
+        bad = [n for n in names if n not in self.plan.output_ids]
+        if bad:
+            raise InvalidArgument(f"unknown output name(s) {bad}; model outputs: {sorted(self.plan.output_ids)}")
+        return [self.plan.output_ids[n] for n in names]
+
+    def run(self, output_names, feeds: dict, run_options: RunOptions | None = None) -> list[np.ndarray]:
+        """Run the model; outputs come back as NumPy arrays."""
+        self._check_open()
+        ids = self._output_ids(output_names)
+        fed = self._feeds(feeds)
+        ro = run_options or RunOptions()
+        st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
+        outs = [self._executor.to_host(st.values[i]) for i in ids]
+        # Views (of EP allocations, feeds or initializers) are copied so results are the caller's own.
+        return [o if o.flags.owndata else o.copy() for o in outs]
+
+    def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
+        ex = self._executor
+        lock = None if ex.concurrent else self._lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            st = ex.state()
+            st.bound_outputs = bound_outputs
+            c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None)
+            self._on_run_start(c_ro)
+            try:
+                ex.execute(st, feeds)
+            except EphostError:
+                self._on_run_end(c_ro, sync=True, failed=True)
+                raise
+            except Exception as exc:  # noqa: BLE001 - becomes a typed error naming the node
+                self._on_run_end(c_ro, sync=True, failed=True)
+                raise EpError(f"run failed: {exc}") from exc
+            self._on_run_end(c_ro, sync=ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
+            return st
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _on_run_start(self, c_ro) -> None:
+        for ep in self.plan.eps:
+            if ep.slots.OnRunStart is not None:
+                hostapi.check(ep.slots.OnRunStart(ep.ptr, c_ro), f"{ep.owner}: OnRunStart")
+
+    def _on_run_end(self, c_ro, sync: bool, failed: bool = False) -> None:
+        for ep in self.plan.eps:
+            if ep.slots.OnRunEnd is not None:
+                status = ep.slots.OnRunEnd(ep.ptr, c_ro, int(sync))
+                if failed:
+                    if status != ffi.NULL:
+                        hostapi.STATUSES.release(status)
+                    continue
+                hostapi.check(status, f"{ep.owner}: OnRunEnd")
+
+    def run_with_iobinding(self, binding: IOBinding, run_options: RunOptions | None = None) -> None:
+        self._check_open()
+        ro = run_options or RunOptions()
+        self.capture.run(binding, ro)
+
+    def _run_bound(self, binding: IOBinding, ro: RunOptions, graph_id: str | None = None) -> None:
+        feeds = self._feeds(binding.inputs)
+        bound = {self.plan.output_ids[k]: v for k, v in binding.outputs.items() if v is not None}
+        st = self._execute(feeds, bound, ro, graph_id)
+        binding._results = {name: st.values[self.plan.output_ids[name]] for name in binding.output_names()}
+
+    # -- lifetime ----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this InferenceSession is closed")
+
+    def _release_eps(self) -> None:
+        for k in getattr(self, "_kernel_list", []):
+            k.Release(k.ptr)
+        self._kernel_list = []
+        for ep in self._eps:
+            ep.close()
+        self._eps.clear()
+        for reg in self._regs:
+            reg.release()
+        self._regs.clear()
+
+    def close(self) -> None:
+        """Release kernels, streams, graphs and EPs; closing twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        self.capture.close()
+        self._executor.close()
+        self._release_eps()
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+class IOBinding:
+    """Inputs and outputs bound to fixed buffers (NumPy arrays, device buffers, DLPack objects)."""
+
+    def __init__(self, session: InferenceSession):
+        self.session = session
+        self.inputs: dict[str, object] = {}
+        self.outputs: dict[str, object] = {}
+        self._results: dict[str, object] = {}
+
+    def bind_input(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
+                   element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
+        """Bind an array-like, or a device buffer given as (element_type, shape, buffer_ptr)."""
+        metas = {v.name: v for v in self.session.graph.inputs}
+        if name not in metas:
+            raise InvalidArgument(f"unknown input name {name!r}; model inputs: {sorted(metas)}")
+        value = self._value(name, value, device_type, device_id, element_type, shape, buffer_ptr)
+        self.inputs[name] = self.session._check_feed(metas[name], value)
+
+    def bind_output(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
+                    element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
+        """Bind an output to a buffer; with no buffer, the EP allocates it on each run."""
+        if name not in self.session.plan.output_ids:
+            raise InvalidArgument(f"unknown output name {name!r}; model outputs: "
+                                  f"{sorted(self.session.plan.output_ids)}")
+        if value is None and buffer_ptr is None:
+            self.outputs[name] = None
+            return
+        self.outputs[name] = self._value(name, value, device_type, device_id, element_type, shape, buffer_ptr)
+
+    @staticmethod
+    def _value(name, value, device_type, device_id, element_type, shape, buffer_ptr):
+        if buffer_ptr is not None:
+            if element_type is None or shape is None:
+                raise InvalidArgument(f"binding {name!r} by pointer needs element_type and shape")
+            if device_type not in ("cuda", "gpu"):
+                raise InvalidArgument(f"binding {name!r} by pointer: device_type must be 'cuda'; got "
+                                      f"{device_type!r} (bind host memory as a NumPy array)")
+            return tensor_from_pointer(int(buffer_ptr), tuple(shape), to_onnx(np.dtype(element_type)),
+                                       abi.DEVICE_GPU, device_id)
+        if isinstance(value, (DeviceTensor, np.ndarray)):
+            return value
+        dev = as_device_tensor(value)
+        if dev is not None:
+            return dev
+        if hasattr(value, "__dlpack__"):
+            return np.from_dlpack(value)
+        return np.asarray(value)
+
+    def output_names(self) -> list[str]:
+        return list(self.outputs) or [v.name for v in self.session.graph.outputs]
+
+    def get_outputs(self) -> list:
+        """Outputs of the last run: NumPy arrays for host memory, DeviceTensors for device memory."""
+        return [self._results[n] for n in self.output_names()]
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        ex = self.session._executor
+        return [np.array(ex.to_host(v)) for v in self.get_outputs()]
+
+    def clear_binding_inputs(self) -> None:
+        self.inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self.outputs.clear()
+
+
+__all__ = ["InferenceSession", "SessionOptions", "RunOptions", "IOBinding", "NodeArg", "CPU_LOCATION"]

@@ -1,0 +1,612 @@
+"""cuBLAS owned by the CUDA plugin, called through cffi in ABI mode.
+
+CuPy refuses every cuBLAS call while a stream is capturing (its own guard raises
+NotImplementedError), yet cuBLAS itself captures fine when the handle's stream is set before
+capture and the handle has a user workspace (cublasSetWorkspace), so that cuBLAS allocates nothing
+while capturing. So the plugin owns its handles here: one handle per stream, used by one thread at
+a time (cuBLAS handles are not thread-safe).
+
+Everything here that runs per call (matmul, gemm) is capturable: no host synchronisation, no
+allocation except through CuPy's current (stream-aware) memory pool, no CuPy cuBLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import itertools
+import threading
+import warnings
+import weakref
+
+import cffi
+import numpy as np
+
+try:
+    import cupy
+except Exception:  # noqa: BLE001 - no CuPy (or a broken CUDA install) means zero devices, not a crash
+    cupy = None
+
+__all__ = [
+    "CublasError",
+    "CublasHandle",
+    "check",
+    "gemm",
+    "gemm_shape",
+    "load_library",
+    "matmul",
+    "matmul_shape",
+]
+
+# Enum values from cublas_api.h / library_types.h (stable since CUDA 11).
+CUBLAS_OP_N = 0
+CUBLAS_OP_T = 1
+CUDA_R_32F = 0
+CUDA_R_16F = 2
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_DEFAULT_MATH = 0
+CUBLAS_TF32_TENSOR_OP_MATH = 3
+
+CUBLAS_STATUS_SUCCESS = 0
+STATUS_NAMES = {
+    0: "CUBLAS_STATUS_SUCCESS",
+    1: "CUBLAS_STATUS_NOT_INITIALIZED",
+    3: "CUBLAS_STATUS_ALLOC_FAILED",
+    7: "CUBLAS_STATUS_INVALID_VALUE",
+    8: "CUBLAS_STATUS_ARCH_MISMATCH",
+    11: "CUBLAS_STATUS_MAPPING_ERROR",
+    13: "CUBLAS_STATUS_EXECUTION_FAILED",
+    14: "CUBLAS_STATUS_INTERNAL_ERROR",
+    15: "CUBLAS_STATUS_NOT_SUPPORTED",
+    16: "CUBLAS_STATUS_LICENSE_ERROR",
+}
+_STATUS_HINTS = {
+    1: "the handle was not created or was already destroyed",
+    3: "cuBLAS could not allocate device memory",
+    7: "an argument is out of range (sizes, leading dimensions, enum values)",
+    8: "the GPU lacks a feature this call needs",
+    13: "the kernel failed to launch: check the stream, the device and any capture in progress",
+    14: "an internal cuBLAS operation failed, often a CUDA error on the stream",
+    15: "the combination of types, compute type or algorithm is not supported",
+}
+
+_CDEF = """
+typedef void* cublasHandle_t;
+typedef void* cudaStream_t;
+int cublasCreate_v2(cublasHandle_t* handle);
+int cublasDestroy_v2(cublasHandle_t handle);
+int cublasSetStream_v2(cublasHandle_t handle, cudaStream_t streamId);
+int cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t workspaceSizeInBytes);
+int cublasSetMathMode(cublasHandle_t handle, int mode);
+int cublasSgemm_v2(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                   const float* alpha, const float* A, int lda, const float* B, int ldb,
+                   const float* beta, float* C, int ldc);
+int cublasSgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                              const float* alpha, const float* A, int lda, long long strideA,
+                              const float* B, int ldb, long long strideB, const float* beta,
+                              float* C, int ldc, long long strideC, int batchCount);
+int cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                 const void* alpha, const void* A, int Atype, int lda,
+                 const void* B, int Btype, int ldb, const void* beta,
+                 void* C, int Ctype, int ldc, int computeType, int algo);
+int cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                               const void* alpha, const void* A, int Atype, int lda, long long strideA,
+                               const void* B, int Btype, int ldb, long long strideB,
+                               const void* beta, void* C, int Ctype, int ldc, long long strideC,
+                               int batchCount, int computeType, int algo);
+const char* cublasGetStatusName(int status);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+
+# Host-side scalars for alpha/beta (host pointer mode: cuBLAS reads them when the call is made, so
+# a captured graph holds their values, not these addresses).
+_ONE = ffi.new("float *", 1.0)
+_ZERO = ffi.new("float *", 0.0)
+_NULL = ffi.NULL
+
+_INT32_MAX = 2**31 - 1
+
+
+class CublasError(RuntimeError):
+    """A cuBLAS call failed, or cuBLAS could not be loaded."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def status_name(status: int) -> str:
+    """Symbolic name of a cublasStatus_t value."""
+    name = STATUS_NAMES.get(status)
+    if name is None and _lib is not None:
+        # Newer cuBLAS versions may add codes; ask the library when it can tell.
+        try:
+            raw = _lib.cublasGetStatusName(status)
+            if raw != _NULL:
+                name = ffi.string(raw).decode("ascii", "replace")
+        except AttributeError:
+            pass
+    return name or f"CUBLAS_STATUS_UNKNOWN_{status}"
+
+
+def check(status: int, what: str) -> None:
+    """The single error funnel: raise CublasError naming the status and what was being done."""
+    if status == CUBLAS_STATUS_SUCCESS:
+        return
+    hint = _STATUS_HINTS.get(status)
+    message = f"{what} failed: {status_name(status)} ({status})"
+    if hint:
+        message += f"; {hint}"
+    raise CublasError(message, status)
+
+
+# ---------------------------------------------------------------------------------------------
+# Library loading
+
+_lib = None
+_lib_path: str | None = None
+_lib_lock = threading.Lock()
+_SONAMES = ("libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so")
+
+
+def _pathfinder_candidate():
+    """Where cuda-pathfinder finds cuBLAS (the way CuPy itself locates it): a path or a handle."""
+    from cuda import pathfinder  # cuda-pathfinder; CuPy 14 depends on it
+
+    loaded = pathfinder.load_nvidia_dynamic_lib("cublas")
+    # cuda-pathfinder >= 1.0 names it abs_path; earlier releases used other names.
+    for attr in ("abs_path", "abspath", "path"):
+        path = getattr(loaded, attr, None)
+        if path:
+            return str(path)
+    handle = getattr(loaded, "_handle_uint", None) or getattr(loaded, "handle", None)
+    if handle:
+        # Already loaded by someone else and its path is unknown: reuse the open handle.
+        return ffi.cast("void *", int(handle))
+    return None
+
+
+def _find_library_candidate():
+    return ctypes.util.find_library("cublas")
+
+
+def load_library():
+    """Load libcublas once per process and keep it alive; raise CublasError when it cannot be found."""
+    global _lib, _lib_path
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        tried: list[str] = []
+        candidates = []
+        try:
+            found = _pathfinder_candidate()
+            if found is not None:
+                candidates.append(found)
+            else:
+                tried.append("cuda.pathfinder: no path in its answer")
+        except Exception as e:  # noqa: BLE001 - any failure here just moves on to the fallbacks
+            tried.append(f"cuda.pathfinder: {type(e).__name__}: {e}")
+        found = _find_library_candidate()
+        if found:
+            candidates.append(found)
+        else:
+            tried.append("ctypes.util.find_library('cublas'): not found")
+        candidates.extend(_SONAMES)
+        for candidate in candidates:
+            try:
+                lib = ffi.dlopen(candidate)
+                lib.cublasCreate_v2  # noqa: B018 - fail early on a library that is not cuBLAS
+            except (OSError, AttributeError) as e:
+                tried.append(f"{candidate}: {e}")
+                continue
+            _lib = lib
+            _lib_path = candidate if isinstance(candidate, str) else "<handle from cuda.pathfinder>"
+            return _lib
+        raise CublasError(
+            "cannot load cuBLAS: install the CUDA toolkit or the nvidia-cublas wheel matching CuPy's "
+            "CUDA version; tried: " + "; ".join(tried)
+        )
+
+
+def library_path() -> str | None:
+    """The path cuBLAS was loaded from (None before the first handle)."""
+    return _lib_path
+
+
+# ---------------------------------------------------------------------------------------------
+# Handles
+
+
+class _StreamRef:
+    """A raw stream pointer speaking the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(ptr: int):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamRef(ptr))
+    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14, absent before nothing
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr)
+
+
+class _HandleState:
+    """What the finalizer releases. It holds no reference to the CublasHandle."""
+
+    __slots__ = ("lib", "handle", "workspace")
+
+    def __init__(self, lib, handle):
+        self.lib = lib
+        self.handle = handle
+        self.workspace = None
+
+
+def _release(state: _HandleState) -> None:
+    handle, state.handle = state.handle, None
+    if handle is not None:
+        try:
+            # cublasDestroy synchronises the device, so the workspace is idle afterwards.
+            state.lib.cublasDestroy_v2(handle)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter exit, dead context)
+            pass
+    state.workspace = None
+
+
+class CublasHandle:
+    """A cuBLAS handle bound to one stream, with a workspace from CuPy's pool.
+
+    Set the stream (constructor or set_stream) before any capture begins: cublasSetStream is not a
+    capturable operation. close() destroys the handle (it synchronises the device): never while a
+    stream is capturing.
+    """
+
+    def __init__(self, stream_ptr: int = 0, workspace_bytes: int = 32 << 20, use_tf32: bool = True):
+        if cupy is None:
+            raise CublasError("CuPy is not importable: the CUDA plugin has no device to run cuBLAS on")
+        workspace_bytes = int(workspace_bytes)
+        if workspace_bytes < 0:
+            raise ValueError(f"workspace_bytes is {workspace_bytes}; allowed: 0 or more bytes")
+        lib = load_library()
+        box = ffi.new("cublasHandle_t *")
+        check(lib.cublasCreate_v2(box), "cublasCreate_v2")
+        self._lib = lib
+        self._state = _HandleState(lib, box[0])
+        self._finalizer = weakref.finalize(self, _release, self._state)
+        # At interpreter exit the CUDA context may already be gone; the OS reclaims everything.
+        self._finalizer.atexit = False
+        self.workspace_bytes = workspace_bytes
+        self.use_tf32 = bool(use_tf32)
+        self._stream_ptr: int | None = None
+        try:
+            mode = CUBLAS_TF32_TENSOR_OP_MATH if self.use_tf32 else CUBLAS_DEFAULT_MATH
+            check(lib.cublasSetMathMode(self._state.handle, mode), "cublasSetMathMode")
+            self.set_stream(stream_ptr)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def raw(self):
+        """The cublasHandle_t (cffi cdata); CublasError once closed."""
+        handle = self._state.handle
+        if handle is None:
+            raise CublasError("cuBLAS handle is closed; create a new CublasHandle")
+        return handle
+
+    @property
+    def stream_ptr(self) -> int | None:
+        return self._stream_ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._state.handle is None
+
+    def set_stream(self, stream_ptr: int) -> None:
+        """Bind the handle to a stream; a no-op when it is already bound to it. Not during capture."""
+        ptr = int(stream_ptr)
+        if ptr == self._stream_ptr:
+            return
+        handle = self.raw
+        check(self._lib.cublasSetStream_v2(handle, ffi.cast("cudaStream_t", ptr)), "cublasSetStream_v2")
+        # cublasSetStream resets the workspace to cuBLAS's own pool (which would allocate lazily,
+        # even during capture), so the workspace is set again after every stream change. It is
+        # allocated on the new stream: once freed, CuPy's stream-aware pool reuses it only in that
+        # stream's order, after any GEMM still queued there.
+        workspace = None
+        ws_ptr = _NULL
+        if self.workspace_bytes:
+            with _cupy_stream(ptr):
+                workspace = cupy.cuda.alloc(self.workspace_bytes)
+            ws_ptr = ffi.cast("void *", workspace.ptr)
+        check(
+            self._lib.cublasSetWorkspace_v2(handle, ws_ptr, self.workspace_bytes),
+            "cublasSetWorkspace_v2",
+        )
+        self._state.workspace = workspace
+        self._stream_ptr = ptr
+
+    def close(self) -> None:
+        """Destroy the handle and return its workspace to the pool; safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self) -> CublasHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"stream=0x{self._stream_ptr or 0:x}"
+        return f"<CublasHandle {state} tf32={self.use_tf32}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM
+#
+# Row-major trick: cuBLAS is column-major, and a row-major (r, c) matrix read column-major is its
+# transpose. So C = A @ B (row-major) is computed as C^T = B^T A^T (column-major): the first
+# operand is B, the second is A, m = N, n = M, and no data moves.
+
+
+def _types(dtype, use_tf32: bool):
+    """(cudaDataType, cublasComputeType) for an operand dtype; FP16 accumulates in FP32."""
+    if dtype == np.float32:
+        return CUDA_R_32F, (CUBLAS_COMPUTE_32F_FAST_TF32 if use_tf32 else CUBLAS_COMPUTE_32F)
+    if dtype == np.float16:
+        return CUDA_R_16F, CUBLAS_COMPUTE_32F
+    raise ValueError(f"cuBLAS GEMM got dtype {dtype}; allowed: float32, float16")
+
+
+def _scalar(value: float):
+    if value == 1.0:
+        return _ONE
+    if value == 0.0:
+        return _ZERO
+    return ffi.new("float *", value)
+
+
+def _ptr(array) -> int:
+    return array.data.ptr
+
+
+def _vp(address: int):
+    return ffi.cast("void *", address)
+
+
+def matmul_shape(a_shape, b_shape) -> tuple:
+    """Output shape of ONNX MatMul (numpy.matmul rules); ValueError when the shapes do not fit."""
+    return _matmul_plan(tuple(a_shape), tuple(b_shape)).out_shape
+
+
+class _MatmulPlan:
+    __slots__ = ("out_shape", "m", "n", "k", "batch", "stride_a", "stride_b", "stride_c", "offsets",
+                 "empty", "k_zero")
+
+
+@functools.lru_cache(maxsize=4096)
+def _matmul_plan(a_shape: tuple, b_shape: tuple) -> _MatmulPlan:
+    if len(a_shape) == 0 or len(b_shape) == 0:
+        raise ValueError(f"MatMul got shapes {a_shape} and {b_shape}; allowed: rank 1 or more")
+    a2 = (1,) + a_shape if len(a_shape) == 1 else a_shape
+    b2 = b_shape + (1,) if len(b_shape) == 1 else b_shape
+    m, k = a2[-2:]
+    k2, n = b2[-2:]
+    if k != k2:
+        raise ValueError(
+            f"MatMul got shapes {a_shape} and {b_shape}; the inner dimensions {k} and {k2} must match"
+        )
+    try:
+        batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"MatMul got shapes {a_shape} and {b_shape}; their batch dimensions do not broadcast"
+        ) from None
+    out_shape = batch + ((m,) if len(a_shape) > 1 else ()) + ((n,) if len(b_shape) > 1 else ())
+
+    plan = _MatmulPlan()
+    plan.out_shape = out_shape
+    plan.empty = m == 0 or n == 0 or 0 in batch
+    plan.k_zero = k == 0
+    plan.m, plan.n, plan.k = m, n, k
+
+    def batch_strides(shape2, matrix):
+        """Element strides of a C-contiguous operand's batch dims, aligned to `batch` (0 = broadcast)."""
+        dims = shape2[:-2]
+        strides = []
+        step = matrix
+        for size in reversed(dims):
+            strides.append(step)
+            step *= size
+        strides.reverse()
+        lead = len(batch) - len(dims)
+        out = [0] * lead
+        for size, stride in zip(dims, strides):
+            out.append(stride if size != 1 else 0)
+        return out
+
+    sa = batch_strides(a2, m * k)
+    sb = batch_strides(b2, k * n)
+    sc = []
+    step = m * n
+    for size in reversed(batch):
+        sc.append(step)
+        step *= size
+    sc.reverse()
+
+    # A is batched and contiguous while B is one matrix: fold the batch into M, one plain GEMM.
+    if batch and all(s == 0 for s in sb) and a2[:-2] == batch:
+        plan.m = m * int(np.prod(batch))
+        dims = []
+    else:
+        # Drop size-1 dims, then merge neighbours whose strides chain for A, B and C alike, so
+        # that broadcasting as stride 0 or equal batches become a single strided-batched call.
+        dims = [(size, sa[i], sb[i], sc[i]) for i, size in enumerate(batch) if size != 1]
+        merged: list[tuple[int, int, int, int]] = []
+        for dim in dims:
+            if merged:
+                size0, a0, b0, c0 = merged[-1]
+                size1, a1, b1, c1 = dim
+                if a0 == a1 * size1 and b0 == b1 * size1 and c0 == c1 * size1:
+                    merged[-1] = (size0 * size1, a1, b1, c1)
+                    continue
+            merged.append(dim)
+        dims = merged
+
+    if dims:
+        size, plan.stride_a, plan.stride_b, plan.stride_c = dims[-1]
+        plan.batch = size
+        # Irregular broadcasts: a Python loop over the outer dims, strided-batched inside.
+        outer = dims[:-1]
+        offsets = []
+        for index in itertools.product(*(range(d[0]) for d in outer)):
+            offsets.append((
+                sum(i * d[1] for i, d in zip(index, outer)),
+                sum(i * d[2] for i, d in zip(index, outer)),
+                sum(i * d[3] for i, d in zip(index, outer)),
+            ))
+        plan.offsets = tuple(offsets)
+    else:
+        plan.batch = 1
+        plan.stride_a = plan.stride_b = plan.stride_c = 0
+        plan.offsets = ((0, 0, 0),)
+    if max(plan.m, plan.n, plan.k, plan.batch) > _INT32_MAX:
+        raise ValueError(
+            f"MatMul got shapes {a_shape} and {b_shape}; a GEMM dimension exceeds cuBLAS's int32 range"
+        )
+    return plan
+
+
+def _contiguous(x):
+    return x if x.flags.c_contiguous else cupy.ascontiguousarray(x)
+
+
+def matmul(handle: CublasHandle, a, b, out) -> None:
+    """out = a @ b with ONNX MatMul semantics, for float32 (TF32 when the handle says so) or float16.
+
+    `out` must be a C-contiguous CuPy array of matmul_shape(a.shape, b.shape) and the dtype of `a`.
+    """
+    dtype = a.dtype
+    if b.dtype != dtype or out.dtype != dtype:
+        raise ValueError(
+            f"MatMul got dtypes {a.dtype}, {b.dtype} -> {out.dtype}; all three must be the same"
+        )
+    plan = _matmul_plan(a.shape, b.shape)
+    if out.shape != plan.out_shape:
+        raise ValueError(f"MatMul output has shape {out.shape}; expected {plan.out_shape}")
+    if not out.flags.c_contiguous:
+        raise ValueError("MatMul output must be C-contiguous")
+    if plan.empty:
+        return
+    if plan.k_zero:
+        out.fill(0)
+        return
+    cuda_type, compute = _types(dtype, handle.use_tf32)
+    a = _contiguous(a)
+    b = _contiguous(b)
+    item = dtype.itemsize
+    pa, pb, pc = _ptr(a), _ptr(b), _ptr(out)
+    m, n, k = plan.m, plan.n, plan.k
+    raw = handle.raw
+    lib = handle._lib
+    if plan.batch == 1:
+        for oa, ob, oc in plan.offsets:
+            check(lib.cublasGemmEx(
+                raw, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
+                _ONE, _vp(pb + ob * item), cuda_type, n,
+                _vp(pa + oa * item), cuda_type, k,
+                _ZERO, _vp(pc + oc * item), cuda_type, n,
+                compute, CUBLAS_GEMM_DEFAULT,
+            ), "cublasGemmEx (MatMul)")
+        return
+    for oa, ob, oc in plan.offsets:
+        check(lib.cublasGemmStridedBatchedEx(
+            raw, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
+            _ONE, _vp(pb + ob * item), cuda_type, n, plan.stride_b,
+            _vp(pa + oa * item), cuda_type, k, plan.stride_a,
+            _ZERO, _vp(pc + oc * item), cuda_type, n, plan.stride_c,
+            plan.batch, compute, CUBLAS_GEMM_DEFAULT,
+        ), "cublasGemmStridedBatchedEx (MatMul)")
+
+
+def gemm_shape(a_shape, b_shape, trans_a: bool, trans_b: bool) -> tuple:
+    """Output shape (M, N) of ONNX Gemm; ValueError when the shapes do not fit."""
+    return _gemm_shape(tuple(a_shape), tuple(b_shape), bool(trans_a), bool(trans_b))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_shape(a_shape: tuple, b_shape: tuple, trans_a: bool, trans_b: bool) -> tuple:
+    if len(a_shape) != 2 or len(b_shape) != 2:
+        raise ValueError(f"Gemm got shapes {a_shape} and {b_shape}; allowed: two 2-D matrices")
+    m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
+    k2, n = (b_shape[1], b_shape[0]) if trans_b else b_shape
+    if k != k2:
+        raise ValueError(
+            f"Gemm got shapes {a_shape} (transA={int(trans_a)}) and {b_shape} (transB={int(trans_b)}); "
+            f"the inner dimensions {k} and {k2} must match"
+        )
+    if max(m, n, k) > _INT32_MAX:
+        raise ValueError(f"Gemm got shapes {a_shape} and {b_shape}; a dimension exceeds cuBLAS's int32 range")
+    return (m, n)
+
+
+def _operand(x, trans: bool):
+    """A 2-D operand as C-contiguous storage plus its transpose flag (an F-contiguous view flips)."""
+    if x.flags.c_contiguous:
+        return x, trans
+    if x.flags.f_contiguous:
+        return x.T, not trans
+    return cupy.ascontiguousarray(x), trans
+
+
+def gemm(handle: CublasHandle, a, b, c, alpha: float, beta: float, trans_a: bool, trans_b: bool,
+         out) -> None:
+    """out = alpha * op(a) @ op(b) + beta * c with ONNX Gemm semantics (c broadcasts; may be None)."""
+    dtype = a.dtype
+    if b.dtype != dtype or out.dtype != dtype or (c is not None and c.dtype != dtype):
+        raise ValueError(
+            f"Gemm got dtypes A {a.dtype}, B {b.dtype}, C {None if c is None else c.dtype} -> {out.dtype}; "
+            "all must be the same"
+        )
+    trans_a, trans_b = bool(trans_a), bool(trans_b)
+    m, n = _gemm_shape(a.shape, b.shape, trans_a, trans_b)
+    if out.shape != (m, n) or not out.flags.c_contiguous:
+        raise ValueError(f"Gemm output has shape {out.shape}; expected C-contiguous {(m, n)}")
+    if m == 0 or n == 0:
+        return
+    k = a.shape[0] if trans_a else a.shape[1]
+    if c is not None and beta != 0.0:
+        # cuBLAS accumulates beta * out in place, so out starts as C broadcast to (M, N).
+        cupy.copyto(out, c)
+    else:
+        beta = 0.0  # cuBLAS then never reads out, so NaN garbage in it cannot leak through
+    if k == 0:
+        if beta == 0.0:
+            out.fill(0)
+        elif beta != 1.0:
+            cupy.multiply(out, beta, out=out)
+        return
+    cuda_type, compute = _types(dtype, handle.use_tf32)
+    a, trans_a = _operand(a, trans_a)
+    b, trans_b = _operand(b, trans_b)
+    check(handle._lib.cublasGemmEx(
+        handle.raw, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
+        n, m, k,
+        _scalar(float(alpha)), _vp(_ptr(b)), cuda_type, b.shape[1],
+        _vp(_ptr(a)), cuda_type, a.shape[1],
+        _scalar(float(beta)), _vp(_ptr(out)), cuda_type, n,
+        compute, CUBLAS_GEMM_DEFAULT,
+    ), "cublasGemmEx (Gemm)")

@@ -1,0 +1,266 @@
+"""Kernel base class, op registry and attribute parsing for the CUDA plugin's ONNX kernels.
+
+A kernel is built once per node at session creation (attributes parsed there, never per call) and
+its compute(ctx) runs thousands of times per second, so compute does as little Python as it can.
+
+The context a kernel gets (provided by the plugin runtime):
+  ctx.inputs            list of cupy.ndarray, None for an absent optional input; the inputs listed
+                        in the kernel class's `host_inputs` (shapes, axes, slice bounds) should be
+                        NumPy arrays: a device array there costs a synchronising copy (not capturable)
+  ctx.output(i, shape, dtype) -> a preallocated C-contiguous cupy.ndarray to write output i into
+  ctx.cublas            a plugin_cuda.cublas.CublasHandle bound to the current stream
+  ctx.scratch(nbytes)   temporary device memory (kernels here let CuPy's stream-aware pool do it)
+  ctx.num_outputs       optional: how many outputs the node has (1 when missing)
+The runtime makes the stream current (`with stream:`) before calling compute.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import numpy as np
+
+try:
+    import cupy
+except Exception:  # noqa: BLE001 - no CuPy (or a broken CUDA install) means zero devices, not a crash
+    cupy = None
+
+__all__ = [
+    "FLOAT",
+    "INDEX",
+    "KERNELS",
+    "CudaKernel",
+    "UnsupportedOpError",
+    "claimable",
+    "lookup",
+    "register",
+    "supported_ops",
+]
+
+FLOAT = frozenset({"float32", "float16"})
+INDEX = frozenset({"int32", "int64"})
+BOOL = frozenset({"bool"})
+LATEST_OPSET = 22
+
+# ONNX TensorProto.DataType -> NumPy dtype name.
+ONNX_DTYPES = {
+    1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
+    9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64",
+}
+
+
+class UnsupportedOpError(LookupError):
+    """No kernel is registered for this op type at this opset."""
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """Normalise a dtype given as an ONNX element type, a NumPy dtype or a name; None stays None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        return ONNX_DTYPES.get(int(dtype), f"onnx-type-{int(dtype)}")
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def host_ints(x) -> tuple[int, ...]:
+    """The values of a small integer tensor (a shape, axes, slice bounds) as Python ints."""
+    if isinstance(x, np.ndarray):
+        return tuple(x.reshape(-1).tolist())
+    if isinstance(x, (list, tuple)):
+        return tuple(int(v) for v in x)
+    # A device array: a synchronising device-to-host copy, illegal during capture. The runtime
+    # should hand these inputs over as NumPy arrays (see CudaKernel.host_inputs).
+    return tuple(cupy.asnumpy(x).reshape(-1).tolist())
+
+
+@functools.lru_cache(maxsize=4096)
+def broadcast_shape(*shapes: tuple) -> tuple:
+    """numpy.broadcast_shapes, memoised: shapes repeat from call to call."""
+    return tuple(np.broadcast_shapes(*shapes))
+
+
+def num_outputs(ctx) -> int:
+    return getattr(ctx, "num_outputs", 1)
+
+
+class CudaKernel:
+    """One ONNX node's kernel. Subclasses parse attributes in __init__ and write _compute(ctx)."""
+
+    op_type: ClassVar[str] = ""
+    since: ClassVar[int] = 1
+    # Allowed dtype names per input position; None allows any. For variadic ops the last entry
+    # applies to every further input.
+    input_types: ClassVar[tuple[frozenset[str] | None, ...]] = (FLOAT,)
+    variadic: ClassVar[bool] = False
+    # Input positions that must share one dtype ("all" for every input).
+    same_type: ClassVar[tuple[int, ...] | str] = "all"
+    # Input positions read on the host (shapes, axes): the runtime should pass NumPy arrays there.
+    host_inputs: ClassVar[tuple[int, ...]] = ()
+
+    def __init__(self, attrs: dict, opset: int, node_name: str):
+        self.attrs = dict(attrs)
+        self.opset = int(opset)
+        self.node_name = node_name
+
+    def compute(self, ctx) -> None:
+        """Run the node on ctx's stream; errors carry the node's name."""
+        try:
+            self._compute(ctx)
+        except Exception as e:
+            e.add_note(f"in {self.op_type} node '{self.node_name}' (CUDA plugin)")
+            raise
+
+    def _compute(self, ctx) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _compute")
+
+    # -- claiming -----------------------------------------------------------------------------
+
+    @classmethod
+    def claims(cls, attrs: dict, dtypes: list[str | None], opset: int) -> bool:
+        """Whether this kernel runs a node with these attributes and input dtypes."""
+        types = cls.input_types
+        if len(dtypes) > len(types) and not cls.variadic:
+            return False
+        for i, dtype in enumerate(dtypes):
+            if dtype is None:
+                continue
+            allowed = types[min(i, len(types) - 1)]
+            if allowed is not None and dtype not in allowed:
+                return False
+        positions = range(len(dtypes)) if cls.same_type == "all" else cls.same_type
+        shared = {dtypes[i] for i in positions if i < len(dtypes) and dtypes[i] is not None}
+        if len(shared) > 1:
+            return False
+        try:
+            cls(attrs, opset, "<claimable>")
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    # -- attribute parsing (at construction only) --------------------------------------------------
+
+    def bad_attr(self, name: str, value: Any, allowed: str) -> ValueError:
+        return ValueError(
+            f"{self.op_type} node '{self.node_name}': attribute '{name}' is {value!r}; allowed: {allowed}"
+        )
+
+    def attr_int(self, name: str, default: int | None = None, allowed=None) -> int | None:
+        value = self.attrs.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise self.bad_attr(name, value, "an integer")
+        value = int(value)
+        if allowed is not None and value not in allowed:
+            raise self.bad_attr(name, value, " or ".join(str(v) for v in allowed))
+        return value
+
+    def attr_float(self, name: str, default: float | None = None) -> float | None:
+        value = self.attrs.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise self.bad_attr(name, value, "a number")
+        return float(value)
+
+    def attr_str(self, name: str, default: str | None = None, allowed=None) -> str | None:
+        value = self.attrs.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if not isinstance(value, str):
+            raise self.bad_attr(name, value, "a string")
+        if allowed is not None and value not in allowed:
+            raise self.bad_attr(name, value, ", ".join(repr(v) for v in allowed))
+        return value
+
+    def attr_ints(self, name: str, default=None, length: int | None = None,
+                  minimum: int | None = None) -> tuple[int, ...] | None:
+        value = self.attrs.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, np.ndarray):
+            value = value.reshape(-1).tolist()
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
+        ):
+            raise self.bad_attr(name, value, "a list of integers")
+        value = tuple(int(v) for v in value)
+        if length is not None and len(value) != length:
+            raise self.bad_attr(name, value, f"{length} integers")
+        if minimum is not None and any(v < minimum for v in value):
+            raise self.bad_attr(name, value, f"integers >= {minimum}")
+        return value
+
+    def axis(self, axis: int, rank: int, name: str = "axis", allow_end: bool = False) -> int:
+        """Normalise a possibly negative axis against `rank`; ValueError when out of range."""
+        top = rank + 1 if allow_end else rank
+        if not -top <= axis < top:
+            raise ValueError(
+                f"{self.op_type} node '{self.node_name}': {name} {axis} is out of range for rank {rank}; "
+                f"allowed: {-top}..{top - 1}"
+            )
+        return axis + top if axis < 0 else axis
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+KERNELS: dict[str, dict[int, type[CudaKernel]]] = {}
+
+
+def register(op_type: str, since: int = 1):
+    """Class decorator: register a kernel for `op_type` from opset `since` on."""
+
+    def decorate(cls: type[CudaKernel]) -> type[CudaKernel]:
+        versions = KERNELS.setdefault(op_type, {})
+        if since in versions:
+            raise RuntimeError(
+                f"kernel for {op_type} since opset {since} registered twice: "
+                f"{versions[since].__name__} and {cls.__name__}"
+            )
+        cls.op_type = op_type
+        cls.since = since
+        versions[since] = cls
+        return cls
+
+    return decorate
+
+
+def lookup(op_type: str, opset: int) -> type[CudaKernel]:
+    """The kernel class for `op_type` at `opset` (the newest registered at or below it)."""
+    versions = KERNELS.get(op_type)
+    if versions:
+        usable = [v for v in versions if v <= opset]
+        if usable:
+            return versions[max(usable)]
+        raise UnsupportedOpError(
+            f"CUDA plugin has {op_type} kernels from opset {min(versions)}; the model uses opset {opset}"
+        )
+    raise UnsupportedOpError(f"CUDA plugin has no kernel for op type {op_type!r}")
+
+
+def supported_ops() -> list[str]:
+    """Op types with at least one registered kernel."""
+    return sorted(KERNELS)
+
+
+def claimable(op_type: str, attrs: dict, input_dtypes, opset: int | None = None) -> bool:
+    """Whether the CUDA EP should claim a node: a kernel exists and supports these dtypes and attributes.
+
+    input_dtypes: one entry per input (None for an absent optional input), as ONNX element types,
+    NumPy dtypes or dtype names.
+    """
+    try:
+        cls = lookup(op_type, LATEST_OPSET if opset is None else opset)
+    except UnsupportedOpError:
+        return False
+    dtypes = [dtype_name(d) for d in input_dtypes]
+    return cls.claims(attrs, dtypes, LATEST_OPSET if opset is None else opset)

@@ -1,0 +1,296 @@
+"""The example EP: a Python plugin on the CPU, built at every ABI version from this one source.
+
+It runs a few ops with NumPy through the whole kernel path (kernel context, host-allocated
+outputs, its own allocator and sync stream) and records what it did in its runtime's Record
+(`abi.sdk.runtime(module).record`): host functions used, slots called, fallbacks taken, live
+objects. From v3 it offers graph capture with a *recorded* replay: during the capture run it
+records each kernel call, and ReplayGraph runs the recording again on the same buffers.
+
+Faults for tests are chosen with the environment variable EPHOST_TEST_FAULT, read when the
+host calls CreateEpFactories: entry_error, entry_null, create_ep_fails, version_low,
+version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails.
+Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
+min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+import abi
+from abi import sdk
+from abi.dtypes import to_numpy
+
+FAULT_ENV = "EPHOST_TEST_FAULT"
+EP_NAME = "ExampleEP"
+
+_OPS = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide,
+    "Relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
+    "Sigmoid": lambda x: (1 / (1 + np.exp(-x))).astype(x.dtype),
+    "MatMul": np.matmul, "Identity": lambda x: x.copy(),
+}
+_FLOAT_TYPES = (1, 11)  # float32, float64
+
+
+def create_factories(runtime: sdk.Runtime, registration_name: str, logger) -> list:
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault == "entry_error":
+        raise sdk.PluginError("injected failure in CreateEpFactories", abi.EP_FAIL)
+    if fault == "entry_null":
+        return [runtime.ffi.NULL]
+    factory = ExampleFactory(runtime, logger, fault)
+    return [_expose_factory(runtime, factory, fault)]
+
+
+def _expose_factory(runtime: sdk.Runtime, factory, fault: str):
+    ffi = runtime.ffi
+    if fault == "version_low":
+        return runtime.expose("EpFactory", factory, declared_version=0)
+    if fault == "version_future":
+        return runtime.expose("EpFactory", factory, declared_version=abi.ABI_NEXT_GENERATION + 1)
+    if fault == "struct_truncated":
+        return runtime.expose("EpFactory", factory, struct_size=ffi.offsetof("EpFactory", "GetName"))
+    if fault == "struct_oversized":
+        return runtime.expose("EpFactory", factory, struct_size=ffi.sizeof("EpFactory") + 64)
+    return runtime.expose("EpFactory", factory)
+
+
+class ExampleFactory(sdk.FactoryBase):
+    ep_name = EP_NAME
+    vendor = "ephost-tests"
+    plugin_version = "1.0.0"
+    stream_aware = True
+
+    def __init__(self, runtime, logger, fault: str):
+        super().__init__(runtime, logger)
+        self.fault = fault
+        if fault == "null_mandatory":
+            self.null_slots = ("GetSupportedDevices",)
+
+    def supported_devices(self):
+        return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, "example-cpu", "Cpu")]
+
+    def create_ep(self, devices, options, session_options, logger):
+        if self.fault == "create_ep_fails":
+            raise sdk.PluginError("injected failure in CreateEp", abi.EP_FAIL)
+        return ExampleEp(self.runtime, self, options, logger)
+
+    def create_allocator(self, spec):
+        return ExampleAllocator(self.runtime, self, spec)
+
+    def create_data_transfer(self):
+        return ExampleDataTransfer(self.runtime, self)
+
+    def create_sync_stream(self, spec):
+        return ExampleStream(self.runtime, self)
+
+
+class ExampleEp(sdk.EpBase):
+    name = EP_NAME
+
+    def __init__(self, runtime, factory, options: dict[str, str], logger):
+        super().__init__(runtime, factory)
+        allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
+                                  abi.EP_INVALID_ARGUMENT)
+        self.ops = set(options["ops"].split(",")) if options.get("ops") else set(_OPS)
+        self.fail_node = options.get("fail_node", "")
+        self.graph_enabled = options.get("enable_graph", "0") == "1"
+        self.min_runs = int(options.get("min_runs", "2"))
+        self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
+        self.mock_device = options.get("mock_device", "0") == "1"
+        self.lock = threading.Lock()
+        self.run_counts: dict[int, int] = {}
+        self.capturing: int | None = None
+        self.recording: list = []
+        self.graphs: dict[int, list] = {}
+        self.graph_memory: dict[int, list] = {}
+        self.capture_allocations: list = []
+        self.logger = logger
+
+    # -- capability and kernels --------------------------------------------------------
+    def claim(self, graph):
+        chosen = []
+        for node in graph.nodes:
+            types = [graph.values[i].elem_type for i in node.inputs if i >= 0]
+            if node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPS \
+                    and types and all(t in _FLOAT_TYPES for t in types):
+                chosen.append(node.index)
+        return chosen
+
+    def create_kernel(self, graph, node):
+        return ExampleKernel(self.runtime, self, node)
+
+    def CreateAllocator(self, info, out):
+        alloc = ExampleAllocator(self.runtime, self.factory, self.factory._spec(info))
+        alloc.ep = self
+        out[0] = self.runtime.expose("EpAllocator", alloc)
+
+    # -- v2 ----------------------------------------------------------------------------
+    def Sync(self):
+        self.runtime.record.fallbacks["ep_device_sync"] += 1
+
+    def IsConcurrentRunSupported(self, supported):
+        supported[0] = 0 if self.graph_enabled else 1
+
+    # -- runs and graphs (v3..v5) --------------------------------------------------------
+    def OnRunStart(self, run_options):
+        if not self.graph_enabled:
+            return
+        gid = int(self.run_options(run_options).get("gpu_graph_id", "0"))
+        if gid == -1 or gid in self.graphs:
+            return
+        with self.lock:
+            count = self.run_counts[gid] = self.run_counts.get(gid, 0) + 1
+            if count > self.min_runs:
+                self.capturing, self.recording, self.capture_allocations = gid, [], []
+
+    def OnRunEnd(self, run_options, sync_stream):
+        with self.lock:
+            if self.capturing is not None:
+                self.graphs[self.capturing] = self.recording
+                self.graph_memory[self.capturing] = self.capture_allocations
+                self.capturing = None
+
+    def IsGraphCaptureEnabled(self):
+        return int(self.graph_enabled)
+
+    def IsGraphCaptured(self, graph_id):
+        return int(graph_id in self.graphs)
+
+    def GetGraphCaptureNodeAssignmentPolicy(self):
+        return abi.GRAPH_ALL_NODES_ON_EP
+
+    def ReplayGraph(self, graph_id):
+        self._replay(graph_id)
+
+    def ReleaseCapturedGraph(self, graph_id):
+        self.graphs.pop(graph_id, None)
+        self.graph_memory.pop(graph_id, None)
+        self.run_counts.pop(graph_id, None)
+
+    def ReplayGraphWithSync(self, graph_id, sync):
+        self._replay(graph_id)
+        if sync:
+            self.runtime.record.fallbacks["ep_stream_sync"] += 1
+
+    def _replay(self, graph_id: int) -> None:
+        steps = self.graphs.get(graph_id)
+        if steps is None:
+            raise sdk.PluginError(f"graph {graph_id} was not captured", abi.EP_INVALID_ARGUMENT)
+        self.runtime.record.slot_calls["replayed_steps"] += len(steps)
+        for fn, inputs, out in steps:
+            out[...] = fn(*inputs)
+
+    def close(self):
+        self.graphs.clear()
+        self.graph_memory.clear()
+
+
+def _view(ffi, t) -> np.ndarray:
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    dtype = to_numpy(t.elem_type)
+    if t.nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(ffi.buffer(t.data, t.nbytes), dtype=dtype).reshape(shape)
+
+
+class ExampleKernel(sdk.KernelBase):
+    def __init__(self, runtime, ep: ExampleEp, node):
+        super().__init__(runtime, ep)
+        self.ep = ep
+        self.node = node
+        self.fn = _OPS[node.op_type]
+        self.fail = ep.fail_node == node.name
+        self._get_io, self._get_output = self.api.get_io, self.api.get_output
+        self._record = runtime.record
+
+    def Compute(self, context):
+        ffi = self.ffi
+        rec = self._record.host_calls
+        io = ffi.new("const EpKernelIO**")
+        rec["KernelContext_GetIO"] += 1
+        self.api.check(self._get_io(context, io))
+        if self.fail:
+            raise sdk.PluginError(f"injected kernel failure in node '{self.node.name}'")
+        # The framework stream tags scratch memory (seed 000); older hosts take the fallback.
+        self.api.sync_stream(context)
+        inputs = [_view(ffi, io[0].inputs[i]) for i in range(io[0].num_inputs)]
+        result = np.asarray(self.fn(*inputs))
+        out = ffi.new("EpTensor**")
+        rec["KernelContext_GetOutput"] += 1
+        self.api.check(self._get_output(context, 0, ffi.new("int64_t[]", result.shape),
+                                                result.ndim, out))
+        target = _view(ffi, out[0])
+        target[...] = result
+        if self.ep.capturing is not None:
+            self.ep.recording.append((self.fn, inputs, target))
+
+
+class ExampleAllocator(sdk.AllocatorBase):
+    """Host memory from NumPy; while a graph is captured, frees are held by the graph."""
+
+    def __init__(self, runtime, factory, spec):
+        super().__init__(runtime, factory, spec)
+        self.blocks: dict[int, np.ndarray] = {}
+        self.ep: ExampleEp | None = None
+        self.total_allocs = 0
+
+    def alloc(self, size: int, stream) -> int:
+        block = np.empty(max(size, 1), np.uint8)
+        ptr = block.ctypes.data
+        self.blocks[ptr] = block
+        self.total_allocs += 1
+        self.runtime.record.live["allocation"] += 1
+        if stream is not None:
+            self.runtime.record.host_calls["stream_tagged_alloc"] += 1
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        block = self.blocks.pop(ptr, None)
+        if block is None:
+            return
+        self.runtime.record.live["allocation"] -= 1
+        ep = self.ep
+        if ep is not None and ep.capturing is not None:
+            # A captured graph replays into this memory: the graph owns it from now on.
+            ep.capture_allocations.append(block)
+
+    def close(self):
+        self.runtime.record.live["allocation"] -= len(self.blocks)
+        self.blocks.clear()
+
+
+class ExampleStream(sdk.SyncStreamBase):
+    """A CPU stream: work is done when the kernel returns, so waits are immediate."""
+
+    def create_notification(self):
+        return ExampleNotification(self.runtime, self)
+
+
+class ExampleNotification(sdk.NotificationBase):
+    def WaitOnDevice(self, consumer):
+        self.runtime.record.host_calls["notification_wait_device"] += 1
+
+    def WaitOnHost(self):
+        self.runtime.record.host_calls["notification_wait_host"] += 1
+
+
+class ExampleDataTransfer(sdk.Impl):
+    table = "EpDataTransfer"
+
+    def CanCopy(self, src, dst):
+        return int(src.device_type == abi.DEVICE_CPU and dst.device_type == abi.DEVICE_CPU)
+
+    def CopyTensors(self, src, dst, streams, count):
+        for i in range(count):
+            self.ffi.memmove(dst[i].data, src[i].data, src[i].nbytes)
+
+    def Release(self):
+        self.runtime.forget(self._c_table, "EpDataTransfer")
