@@ -61,15 +61,15 @@ class OpKernel:
             f"node '{self.name}' ({self.op_type}): attribute '{attr}' is {got}; allowed: {allowed}"
         )
 
-    def attr(self, attr: str, default=_MISSING):
+    def attr(self, attr: str, default=_MISSING, allowed: str = "a value"):
         """The raw attribute value; a missing attribute without default is a ModelError."""
         value = self.node.attrs.get(attr, default)
         if value is _MISSING:
-            raise self.bad_attr(attr, _MISSING, "a value (the attribute is required)")
+            raise self.bad_attr(attr, _MISSING, f"{allowed} (the attribute is required)")
         return value
 
     def attr_int(self, attr: str, default=_MISSING, lo: int | None = None, hi: int | None = None) -> int:
-        value = self.attr(attr, default)
+        value = self.attr(attr, default, "an int")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise self.bad_attr(attr, value, "an int")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -79,14 +79,14 @@ class OpKernel:
         return int(value)
 
     def attr_float(self, attr: str, default=_MISSING) -> float:
-        value = self.attr(attr, default)
+        value = self.attr(attr, default, "a float")
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             raise self.bad_attr(attr, value, "a float")
         return float(value)
 
     def attr_ints(self, attr: str, default=_MISSING, length: int | None = None,
                   lo: int | None = None) -> list[int] | None:
-        value = self.attr(attr, default)
+        value = self.attr(attr, default, "a list of ints")
         if value is None:
             return None
         ok = isinstance(value, (list, tuple)) and all(
@@ -100,10 +100,10 @@ class OpKernel:
         return [int(v) for v in value]
 
     def attr_str(self, attr: str, default=_MISSING, choices: Sequence[str] | None = None) -> str:
-        value = self.attr(attr, default)
+        allowed = "a string" if choices is None else "one of " + ", ".join(repr(c) for c in choices)
+        value = self.attr(attr, default, allowed)
         if not isinstance(value, str) or (choices is not None and value not in choices):
-            raise self.bad_attr(attr, value, "one of " + ", ".join(repr(c) for c in choices)
-                                if choices is not None else "a string")
+            raise self.bad_attr(attr, value, allowed)
         return value
 
     def attr_bool(self, attr: str, default: int = 0) -> bool:

@@ -80,6 +80,13 @@ def _windows(xp: np.ndarray, g: _Geometry, kernel, strides, dilations) -> np.nda
     return w[index]
 
 
+def _taps(win: np.ndarray, nd: int):
+    """The (N, C, *out) views win[..., k1, .., knd] for each kernel tap, row-major. Looping
+    over taps (not pixels) with whole-array ops beats reducing over the strided view."""
+    for tap in np.ndindex(*win.shape[-nd:]):
+        yield win[(Ellipsis, *tap)]
+
+
 class _Spatial(OpKernel):
     """Attributes shared by Conv and the pools; lengths are checked once rank is known."""
 
@@ -98,7 +105,7 @@ class _Spatial(OpKernel):
         for name, want in (("strides", nd), ("dilations", nd), ("pads", 2 * nd)):
             value = getattr(self, name)
             if value is not None and len(value) != want:
-                raise self.bad_attr(name, value, f"{want} ints for {nd} spatial axes")
+                raise self.bad_attr(name, value, f"a list of {want} ints ({nd} spatial axes)")
 
     def _params(self, x: np.ndarray, kernel):
         nd = x.ndim - 2
@@ -137,25 +144,47 @@ class Conv(_Spatial):
         if 0 in g.out or x.size == 0:
             return (np.zeros((n, m, *g.out), dtype=dtype),)
         cg, mg = c // G, m // G
-        kprod, oprod = math.prod(kernel), math.prod(g.out)
         cols = _windows(_pad_spatial(x.astype(ct, copy=False), g, 0), g, kernel, strides, dilations)
+        if cg == 1:
+            y = self._depthwise(cols, w.astype(ct, copy=False), mg, nd)
+        else:
+            y = self._im2col(cols, w.astype(ct, copy=False), g, mg, cg, nd)
+        y = y.reshape(n, m, *g.out)
+        if b is not None:
+            y = y + b.astype(ct, copy=False).reshape(1, m, *([1] * nd))
+        return (np.ascontiguousarray(y).astype(dtype, copy=False),)
+
+    @staticmethod
+    def _depthwise(cols, w, mg, nd):
+        """One input channel per group: multiply-add per kernel tap, no im2col copy."""
+        spatial_ones = (1,) * nd
+        taps = w.reshape(w.shape[0] // mg, mg, -1)  # (G, Mg, K)
+        y = np.zeros((cols.shape[0], cols.shape[1], mg, *cols.shape[2:2 + nd]), dtype=cols.dtype)
+        for k, tap in enumerate(_taps(cols, nd)):
+            y += tap[:, :, None] * taps[None, :, :, k].reshape(1, -1, mg, *spatial_ones)
+        return y
+
+    @staticmethod
+    def _im2col(cols, w, g, mg, cg, nd):
+        """(N, G*Cg, *out, *kernel) windows times weights as one batched GEMM over groups."""
+        n, G = cols.shape[0], cols.shape[1] // cg
+        kernel = cols.shape[2 + nd:]
+        kprod, oprod = math.prod(kernel), math.prod(g.out)
         cols = cols.reshape(n, G, cg, *g.out, *kernel)
         # (G, N, *out, Cg, *kernel) -> (G, N*out, Cg*kernel): the one copy (im2col).
         perm = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
         cols = cols.transpose(perm).reshape(G, n * oprod, cg * kprod)
-        wm = w.astype(ct, copy=False).reshape(G, mg, cg * kprod).transpose(0, 2, 1)
+        wm = w.reshape(G, mg, cg * kprod).transpose(0, 2, 1)
         y = np.matmul(cols, wm)  # (G, N*out, Mg)
-        y = y.reshape(G, n, *g.out, mg).transpose(1, 0, nd + 2, *range(2, 2 + nd)).reshape(n, m, *g.out)
-        if b is not None:
-            y = y + b.astype(ct, copy=False).reshape(1, m, *([1] * nd))
-        return (np.ascontiguousarray(y).astype(dtype, copy=False),)
+        return y.reshape(G, n, *g.out, mg).transpose(1, 0, nd + 2, *range(2, 2 + nd))
 
 
 class _Pool(_Spatial):
     def __init__(self, node):
         super().__init__(node)
-        if self.kernel_shape is None:
-            raise self.bad_attr("kernel_shape", self.attr("kernel_shape", None), "a list of ints >= 1")
+        # Pools have no weight to take the kernel shape from: the attribute is required.
+        self.kernel_shape = self.attr_ints("kernel_shape", lo=1)
+        self._check_lengths(len(self.kernel_shape))
 
 
 @register("MaxPool")
@@ -179,15 +208,21 @@ class MaxPool(_Pool):
         if 0 in g.out or x.size == 0:
             y = np.zeros(lead, dtype=x.dtype)
             return (y, np.zeros(lead, dtype=np.int64)) if self.want_indices else (y,)
-        win = _windows(_pad_spatial(x, g, low), g, self.kernel_shape, strides, dilations)
+        taps = _taps(_windows(_pad_spatial(x, g, low), g, self.kernel_shape, strides, dilations), nd)
+        y = next(taps).copy()
         if not self.want_indices:
-            return (win.max(axis=tuple(range(-nd, 0))),)
-        flat = win.reshape(*lead, -1)
-        arg = flat.argmax(axis=-1)[..., None]
-        y = np.take_along_axis(flat, arg, axis=-1)[..., 0]
-        idx_win = _windows(_pad_spatial(self._flat_index(x.shape), g, -1), g,
-                           self.kernel_shape, strides, dilations).reshape(*lead, -1)
-        return (y, np.take_along_axis(idx_win, arg, axis=-1)[..., 0])
+            for tap in taps:
+                np.maximum(y, tap, out=y)
+            return (y,)
+        index_taps = _taps(_windows(_pad_spatial(self._flat_index(x.shape), g, -1), g,
+                                    self.kernel_shape, strides, dilations), nd)
+        index = next(index_taps).copy()
+        for tap, index_tap in zip(taps, index_taps):
+            # Strictly greater: ties keep the first tap, as the reference kernels do.
+            better = tap > y
+            np.copyto(y, tap, where=better)
+            np.copyto(index, index_tap, where=better)
+        return (y, index)
 
     def _flat_index(self, shape) -> np.ndarray:
         spatial = shape[2:]
@@ -216,7 +251,10 @@ class AveragePool(_Pool):
             return (np.zeros(x.shape[:2] + g.out, dtype=dtype),)
         ct = compute_dtype(dtype)
         win = _windows(_pad_spatial(x.astype(ct, copy=False), g, 0), g, self.kernel_shape, strides, dilations)
-        total = win.sum(axis=tuple(range(-nd, 0)))
+        taps = _taps(win, nd)
+        total = next(taps).copy()
+        for tap in taps:
+            total += tap
         # The counted-cell mask is a product of 1-D masks, so the divisor is too.
         divisor = np.ones((1, 1), dtype=ct)
         for i in range(nd):

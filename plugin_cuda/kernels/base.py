@@ -42,6 +42,7 @@ FLOAT = frozenset({"float32", "float16"})
 INDEX = frozenset({"int32", "int64"})
 BOOL = frozenset({"bool"})
 LATEST_OPSET = 22
+_PLAN_LIMIT = 256
 
 # ONNX TensorProto.DataType -> NumPy dtype name.
 ONNX_DTYPES = {
@@ -83,6 +84,20 @@ def broadcast_shape(*shapes: tuple) -> tuple:
     return tuple(np.broadcast_shapes(*shapes))
 
 
+def kernel_table(sources: dict):
+    """A getter building each ElementwiseKernel of `sources` (name -> (in, out, body)) once.
+
+    CuPy then compiles it lazily, once per device and dtype combination.
+    """
+
+    @functools.cache
+    def get(name: str):
+        in_params, out_params, body = sources[name]
+        return cupy.ElementwiseKernel(in_params, out_params, body, f"ephost_{name}")
+
+    return get
+
+
 def num_outputs(ctx) -> int:
     return getattr(ctx, "num_outputs", 1)
 
@@ -105,6 +120,17 @@ class CudaKernel:
         self.attrs = dict(attrs)
         self.opset = int(opset)
         self.node_name = node_name
+        self._plans: dict = {}
+
+    def plan(self, key: tuple, make):
+        """make(*key), memoised per kernel: per-shape work is done once, not on every call."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make(*key)
+            if len(self._plans) >= _PLAN_LIMIT:  # dynamic shapes must not grow this without bound
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def compute(self, ctx) -> None:
         """Run the node on ctx's stream; errors carry the node's name."""

@@ -1,0 +1,185 @@
+"""CUDA graph capture and replay for the CUDA EP (seeds 002 and 003).
+
+Graphs are kept per thread and per annotation id (`gpu_graph_id`), so a thread never replays
+a graph captured on another thread's stream. Capture starts at the first kernel of the run
+after the warm-up runs (the EP learns its stream there), in thread-local capture mode, and ends
+in OnRunEnd, which then launches the graph once: a capture run computes nothing by itself.
+Memory the host frees during capture is held by the graph, which replays into it. A capture
+that fails is ended, the sticky error is cleared, the kernels recorded so far run eagerly, and
+that id runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import abi
+from abi.sdk import PluginError
+
+_log = logging.getLogger("ephost.plugin_cuda")
+_THREAD_LOCAL_CAPTURE = 1  # cudaStreamCaptureModeThreadLocal
+
+
+@dataclass
+class Captured:
+    graph: object
+    state: object
+    keep: list
+
+
+@dataclass
+class Capturing:
+    gid: int
+    state: object
+    pool_before: int
+    keep: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+
+class ThreadGraphs:
+    def __init__(self) -> None:
+        self.graphs: dict[int, Captured] = {}
+        self.runs: dict[int, int] = {}
+        self.failed: set[int] = set()
+        self.pending: int | None = None
+        self.capturing: Capturing | None = None
+
+
+class GraphManager:
+    def __init__(self, ep):
+        self.ep = ep
+        self._tls = threading.local()
+        self._threads: list[ThreadGraphs] = []
+        self._lock = threading.Lock()
+
+    def _t(self) -> ThreadGraphs:
+        t = getattr(self._tls, "v", None)
+        if t is None:
+            t = self._tls.v = ThreadGraphs()
+            with self._lock:
+                self._threads.append(t)
+        return t
+
+    # -- warm-up and capture --------------------------------------------------------------
+    def on_run_start(self, run_options: dict[str, str]) -> None:
+        if not self.ep.opts.enable_cuda_graph:
+            return
+        gid = int(run_options.get("gpu_graph_id", "0"))
+        t = self._t()
+        if gid == -1 or gid in t.graphs or gid in t.failed:
+            return
+        t.runs[gid] = t.runs.get(gid, 0) + 1
+        if t.runs[gid] > self.ep.opts.min_num_runs_before_cuda_graph_capture:
+            t.pending = gid
+
+    def before_kernel(self, state) -> None:
+        t = self._tls.__dict__.get("v")
+        if t is None or t.pending is None:
+            return
+        gid, t.pending = t.pending, None
+        state.cublas  # noqa: B018 - create the handle and its workspace before capture
+        before = self.ep.memory.total_bytes()
+        state.stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
+        t.capturing = Capturing(gid, state, before)
+
+    def capturing(self) -> bool:
+        t = self._tls.__dict__.get("v")
+        return t is not None and t.capturing is not None
+
+    def check_forced_failure(self) -> None:
+        if self.ep.opts.debug_force_capture_failure and self.capturing():
+            raise RuntimeError("capture failure forced by debug_force_capture_failure=1")
+
+    def record(self, adapter, call, state) -> None:
+        t = self._tls.__dict__.get("v")
+        if t is not None and t.capturing is not None:
+            t.capturing.calls.append((adapter, call, state))
+
+    def hold(self, mem) -> bool:
+        """Keep a freed block alive when the current thread is capturing."""
+        t = self._tls.__dict__.get("v")
+        if t is None or t.capturing is None:
+            return False
+        t.capturing.keep.append(mem)
+        return True
+
+    def abort_capture(self, exc: BaseException) -> None:
+        t = self._t()
+        c, t.capturing = t.capturing, None
+        try:
+            c.state.stream.end_capture()
+        except Exception:  # noqa: BLE001 - an invalidated capture raises here too
+            pass
+        self._clear_sticky_error()
+        t.failed.add(c.gid)
+        self.ep.stats["capture_failures"] = self.ep.stats.get("capture_failures", 0) + 1
+        message = f"CUDA graph capture of graph {c.gid} failed ({exc}); that graph id runs eagerly from now on"
+        _log.warning("%s", message)
+        self.ep.api.log(self.ep.logger, abi.header().constants["EP_LOG_WARNING"], message)
+        # The kernels recorded during capture did not run: run them now.
+        for adapter, call, state in c.calls:
+            adapter._launch(call, state)
+
+    def _clear_sticky_error(self) -> None:
+        rt = self.ep.cupy.cuda.runtime
+        fn = getattr(rt, "getLastError", None) or getattr(rt, "peekAtLastError", None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - reading the error resets it
+                pass
+
+    def on_run_end(self, sync: bool) -> None:
+        t = self._tls.__dict__.get("v")
+        if t is None:
+            return
+        t.pending = None
+        c = t.capturing
+        if c is None:
+            return
+        t.capturing = None
+        graph = c.state.stream.end_capture()
+        grew = self.ep.memory.total_bytes() - c.pool_before
+        if grew > 0:
+            self.ep.stats["capture_allocations"] += 1
+            _log.warning("CUDA graph %s: %d bytes of device memory were allocated during capture", c.gid, grew)
+        t.graphs[c.gid] = Captured(graph, c.state, c.keep)
+        graph.launch(c.state.stream)
+        if sync:
+            c.state.stream.synchronize()
+
+    # -- replay and release ----------------------------------------------------------------
+    def captured(self, gid: int) -> bool:
+        t = self._tls.__dict__.get("v")
+        return t is not None and gid in t.graphs
+
+    def replay(self, gid: int, sync: bool) -> None:
+        t = self._t()
+        cap = t.graphs.get(gid)
+        if cap is None:
+            raise PluginError(f"CUDA graph {gid} was not captured on this thread; captured here: "
+                              f"{sorted(t.graphs)}", abi.EP_INVALID_ARGUMENT)
+        cap.graph.launch(cap.state.stream)
+        if sync:
+            cap.state.stream.synchronize()
+
+    def release(self, gid: int) -> None:
+        t = self._t()
+        cap = t.graphs.pop(gid, None)
+        t.runs.pop(gid, None)
+        if cap is not None:
+            cap.state.stream.synchronize()  # the graph may still be running on its stream
+            cap.keep.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for t in threads:
+            for cap in t.graphs.values():
+                try:
+                    cap.state.stream.synchronize()
+                except Exception:  # noqa: BLE001 - closing goes on
+                    pass
+            t.graphs.clear()

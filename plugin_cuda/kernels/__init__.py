@@ -1,0 +1,22 @@
+"""ONNX kernels of the CUDA plugin, in CuPy, registered in one table.
+
+Importing this package needs neither CuPy nor a GPU: kernels resolve CuPy objects when they are
+built or run, so a machine without CUDA can load the plugin and report zero devices.
+"""
+
+from __future__ import annotations
+
+# Each op module registers its kernels with @register when imported: the explicit list below is
+# the whole registration (no scanning).
+from . import conv, elementwise, linalg, nn, reduce, shape  # noqa: F401
+from .base import (
+    KERNELS,
+    CudaKernel,
+    UnsupportedOpError,
+    claimable,
+    lookup,
+    register,
+    supported_ops,
+)
+
+__all__ = ["KERNELS", "CudaKernel", "UnsupportedOpError", "claimable", "lookup", "register", "supported_ops"]

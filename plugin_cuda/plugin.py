@@ -1,0 +1,495 @@
+"""The CUDA execution provider plugin: CuPy streams and memory, cuBLAS through cffi, CUDA graphs.
+
+Loaded by build.py's embedding shim; talks to the host only through the tables of ep_abi.h.
+Zero devices (no CuPy, no driver, no GPU) is a normal answer: the plugin loads, lists no
+device and logs why; sessions that asked for it fall back to the CPU EP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+import abi
+from abi import sdk
+from abi.dtypes import to_numpy
+from abi.sdk import PluginError
+from plugin_cuda.options import CudaOptions, OptionError, parse_options
+
+EP_NAME = "CUDAExecutionProvider"
+NVIDIA_VENDOR_ID = 0x10DE
+_log = logging.getLogger("ephost.plugin_cuda")
+# Inputs that carry shapes/axes: the EP claims a node only when they are constants, which the
+# kernel receives as NumPy arrays (reading device memory on the host would need a sync).
+SHAPE_INPUTS = {"Reshape": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,),
+                "Expand": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "Split": (1,)}
+_MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D = 1, 2, 3
+
+
+def probe_devices():
+    """(cupy module or None, device names, reason when there are none)."""
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - any import failure means no device
+        return None, [], f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver raises CUDARuntimeError
+        return None, [], f"no CUDA driver or device ({exc})"
+    if count == 0:
+        return None, [], "the CUDA driver reports no device"
+    names = []
+    for i in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props["name"]
+        names.append(name.decode() if isinstance(name, bytes) else str(name))
+    return cupy, names, ""
+
+
+def create_factories(runtime: sdk.Runtime, registration_name: str, logger) -> list:
+    return [CudaFactory(runtime, logger)]
+
+
+class CudaFactory(sdk.FactoryBase):
+    ep_name = EP_NAME
+    vendor = "ephost"
+    plugin_version = "0.1.0"
+    stream_aware = True
+
+    def __init__(self, runtime, logger):
+        super().__init__(runtime, logger)
+        self.cupy, self.device_names, reason = probe_devices()
+        if reason:
+            self.api.log(logger, abi.header().constants["EP_LOG_WARNING"],
+                         f"{EP_NAME}: no CUDA device available: {reason}")
+        self.transfer = None
+
+    def supported_devices(self):
+        return [sdk.DeviceSpec(abi.DEVICE_GPU, i, NVIDIA_VENDOR_ID, n, "Cuda")
+                for i, n in enumerate(self.device_names)]
+
+    def create_ep(self, devices, options, session_options, logger):
+        try:
+            opts = parse_options(options, len(self.device_names))
+        except OptionError as exc:
+            raise PluginError(str(exc), abi.EP_INVALID_ARGUMENT) from None
+        return CudaEp(self.runtime, self, opts, logger)
+
+    def create_allocator(self, spec):
+        return None  # allocators are per EP (per session): see CudaEp.CreateAllocator
+
+    def create_data_transfer(self):
+        return CudaDataTransfer(self.runtime, self)
+
+    def create_sync_stream(self, spec):
+        return None  # streams are per EP: see CudaEp.CreateSyncStreamForDevice
+
+
+class StreamState:
+    """One CUDA stream the EP computes on, with its cuBLAS handle."""
+
+    def __init__(self, ep: CudaEp, stream, owned: bool):
+        self.ep = ep
+        self.stream = stream
+        self.owned = owned
+        self.ptr = int(stream.ptr)
+        self._cublas = None
+
+    @property
+    def cublas(self):
+        if self._cublas is None:
+            from plugin_cuda.cublas import CublasHandle
+
+            with self.ep.using_memory():
+                self._cublas = CublasHandle(self.ptr, use_tf32=self.ep.opts.use_tf32)
+        return self._cublas
+
+    def close(self) -> None:
+        if self._cublas is not None:
+            self._cublas.close()
+            self._cublas = None
+
+
+class CudaEp(sdk.EpBase):
+    name = EP_NAME
+
+    def __init__(self, runtime, factory: CudaFactory, opts: CudaOptions, logger):
+        super().__init__(runtime, factory)
+        from plugin_cuda.graphs import GraphManager
+        from plugin_cuda.memory import DeviceMemory
+
+        self.cupy = cp = factory.cupy
+        self.opts = opts
+        self.logger = logger
+        self.device_id = opts.device_id
+        self.device = cp.cuda.Device(opts.device_id)
+        self.memory = DeviceMemory(cp, self.ffi, opts, opts.device_id)
+        self.streams: dict[int, StreamState] = {}
+        self.blocks: dict[int, object] = {}
+        self.stats = {"copies_default_stream": 0, "copies_compute_stream": 0, "tagged_scratch": 0,
+                      "untagged_scratch": 0, "capture_allocations": 0}
+        self._views: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self.unified = None
+        if opts.unified_stream:
+            with self.device:
+                stream = (cp.cuda.ExternalStream(opts.user_compute_stream, opts.device_id)
+                          if opts.has_user_compute_stream else cp.cuda.Stream(non_blocking=True))
+            self.unified = StreamState(self, stream, owned=not opts.has_user_compute_stream)
+            self.streams[self.unified.ptr] = self.unified
+        self.graphs = GraphManager(self)
+        self._set_alloc, self._get_alloc = _thread_allocator_functions(cp)
+
+    # -- memory ------------------------------------------------------------------------------
+    def using_memory(self):
+        return self.cupy.cuda.using_allocator(self.memory.allocator)
+
+    def alloc_block(self, size: int, stream_state: StreamState | None) -> int:
+        stream = stream_state.stream if stream_state is not None else self.cupy.cuda.Stream.null
+        with self.device, stream:
+            mem = self.memory.malloc(max(size, 1))
+        ptr = int(mem.ptr)
+        with self._lock:
+            self.blocks[ptr] = mem
+        return ptr
+
+    def free_block(self, ptr: int) -> None:
+        with self._lock:
+            mem = self.blocks.pop(ptr, None)
+            if mem is None:
+                return
+            if len(self._views) > 4096:
+                self._views.clear()
+        # A graph captured on this thread replays into this memory: it keeps it.
+        if not self.graphs.hold(mem):
+            del mem
+
+    def view(self, ptr: int, shape: tuple, dtype):
+        """A CuPy array over device memory the host handed us (cached: building one costs µs)."""
+        key = (ptr, shape, dtype)
+        arr = self._views.get(key)
+        if arr is None:
+            cp = self.cupy
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 1), None, self.device_id)
+            arr = cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
+            self._views[key] = arr
+        return arr
+
+    # -- streams -----------------------------------------------------------------------------
+    def CreateSyncStreamForDevice(self, info, out):
+        if self.unified is not None:
+            state = self.unified
+        else:
+            with self.device:
+                state = StreamState(self, self.cupy.cuda.Stream(non_blocking=True), owned=True)
+            self.streams[state.ptr] = state
+        out[0] = self.runtime.expose("EpSyncStream", CudaSyncStream(self.runtime, self, state))
+
+    def stream_state(self, handle) -> StreamState | None:
+        return self.streams.get(int(self.ffi.cast("uintptr_t", handle)))
+
+    def CreateAllocator(self, info, out):
+        out[0] = self.runtime.expose("EpAllocator", CudaAllocator(self.runtime, self, self.factory._spec(info)))
+
+    # -- capability and kernels -----------------------------------------------------------------
+    def claim(self, graph):
+        from plugin_cuda import kernels
+
+        chosen = []
+        for node in graph.nodes:
+            if node.domain not in ("", "ai.onnx") or kernels.lookup(node.op_type, node.opset) is None:
+                continue
+            shape_inputs = SHAPE_INPUTS.get(node.op_type, ())
+            if any(i < len(node.inputs) and node.inputs[i] >= 0 and graph.values[node.inputs[i]].constant is None
+                   for i in shape_inputs):
+                continue
+            dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None
+                      for v in node.inputs]
+            if kernels.claimable(node.op_type, node.attrs, dtypes):
+                chosen.append(node.index)
+        return chosen
+
+    def create_kernel(self, graph, node):
+        return CudaKernelAdapter(self.runtime, self, graph, node)
+
+    # -- v2 ------------------------------------------------------------------------------------------
+    def Sync(self):
+        with self.device:
+            self.cupy.cuda.runtime.deviceSynchronize()
+
+    def IsConcurrentRunSupported(self, supported):
+        # Seed 000: only with stream-tagged scratch (host >= v4) and a stream per thread.
+        ok = self.api.has("KernelContext_GetSyncStream") and not self.opts.unified_stream
+        if not self.api.has("KernelContext_GetSyncStream"):
+            self.runtime.record.fallbacks["no_concurrent_run_claim"] += 1
+        supported[0] = int(ok)
+
+    # -- runs and graphs (v3..v5) ----------------------------------------------------------------------
+    def OnRunStart(self, run_options):
+        self.graphs.on_run_start(self.run_options(run_options))
+
+    def OnRunEnd(self, run_options, sync_stream):
+        self.graphs.on_run_end(bool(sync_stream))
+
+    def IsGraphCaptureEnabled(self):
+        return int(self.opts.enable_cuda_graph)
+
+    def IsGraphCaptured(self, graph_id):
+        return int(self.graphs.captured(graph_id))
+
+    def GetGraphCaptureNodeAssignmentPolicy(self):
+        return abi.GRAPH_ALLOW_CPU_FOR_SHAPES
+
+    def ReplayGraph(self, graph_id):
+        self.graphs.replay(graph_id, sync=False)
+
+    def ReleaseCapturedGraph(self, graph_id):
+        self.graphs.release(graph_id)
+
+    def ReplayGraphWithSync(self, graph_id, sync):
+        self.graphs.replay(graph_id, sync=bool(sync))
+
+    def close(self):
+        self.graphs.close()
+        self._views.clear()
+        for s in list(self.streams.values()):
+            s.close()
+        self.streams.clear()
+        self.blocks.clear()
+        self.memory.close()
+
+
+def _thread_allocator_functions(cp):
+    """CuPy's thread-local allocator setter/getter (what `using_allocator` uses), or None."""
+    mem = cp.cuda.memory
+    setter = getattr(mem, "_set_thread_local_allocator", None)
+    getter = getattr(mem, "_get_thread_local_allocator", None)
+    return setter, getter
+
+
+class KernelCall:
+    """What a kernel of plugin_cuda.kernels sees during compute (see kernels/base.py)."""
+
+    __slots__ = ("inputs", "cublas", "_adapter", "_context", "_state", "_outs")
+
+    def __init__(self, adapter, context, inputs, state: StreamState):
+        self._outs = {}
+        self.inputs = inputs
+        self._adapter = adapter
+        self._context = context
+        self._state = state
+        self.cublas = state.cublas if adapter.needs_cublas else None
+
+    def output(self, index: int, shape, dtype):
+        # Memoised: a kernel re-run after a failed capture must write to the same buffers.
+        arr = self._outs.get(index)
+        if arr is None:
+            arr = self._outs[index] = self._adapter.output(self._context, index, tuple(int(d) for d in shape),
+                                                           np.dtype(dtype))
+        return arr
+
+    def scratch(self, nbytes: int):
+        return self._adapter.scratch(self._context, nbytes, self._state)
+
+
+class CudaKernelAdapter(sdk.KernelBase):
+    def __init__(self, runtime, ep: CudaEp, graph, node):
+        super().__init__(runtime, ep)
+        from plugin_cuda import kernels
+
+        self.ep = ep
+        self.node = node
+        cls = kernels.lookup(node.op_type, node.opset)
+        self.kernel = cls(node.attrs, node.opset, node.name)
+        self.needs_cublas = node.op_type in ("MatMul", "Gemm", "Conv")
+        self.constants = {i: graph.values[v].constant for i, v in enumerate(node.inputs)
+                          if v >= 0 and i in SHAPE_INPUTS.get(node.op_type, ())}
+        self.dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None
+                       for v in node.outputs]
+        self._io = threading.local()
+        self._get_io, self._get_output = self.api.get_io, self.api.get_output
+
+    def _read_inputs(self, kio) -> list:
+        ffi, ep = self.ffi, self.ep
+        out = []
+        for i in range(kio.num_inputs):
+            const = self.constants.get(i)
+            if const is not None:
+                out.append(const)
+                continue
+            t = kio.inputs[i]
+            if t.data == ffi.NULL and t.ndim < 0:
+                out.append(None)
+                continue
+            shape = tuple(t.shape[d] for d in range(t.ndim))
+            ptr = int(ffi.cast("uintptr_t", t.data))
+            if t.device_type == abi.DEVICE_CPU:
+                out.append(np.frombuffer(ffi.buffer(t.data, t.nbytes), to_numpy(t.elem_type)).reshape(shape))
+            else:
+                out.append(ep.view(ptr, shape, to_numpy(t.elem_type)))
+        return out
+
+    def Compute(self, context):
+        ffi, ep = self.ffi, self.ep
+        io = ffi.new("const EpKernelIO**")
+        self.api.check(self._get_io(context, io))
+        kio = io[0]
+        state = ep.stream_state(kio.gpu_compute_stream) if kio.gpu_compute_stream != ffi.NULL else None
+        if state is None:
+            raise PluginError(f"node '{self.node.name}': the host gave no CUDA stream of this EP")
+        inputs = self._read_inputs(kio)
+        call = KernelCall(self, context, inputs, state)
+        ep.graphs.before_kernel(state)
+        try:
+            ep.graphs.check_forced_failure()
+            self._launch(call, state)
+        except Exception as exc:
+            if not ep.graphs.capturing():
+                raise
+            ep.graphs.abort_capture(exc)  # re-runs the kernels recorded so far, eagerly
+            self._launch(call, state)
+            return
+        ep.graphs.record(self, call, state)
+
+    def _launch(self, call: KernelCall, state: StreamState) -> None:
+        ep = self.ep
+        setter, getter = ep._set_alloc, ep._get_alloc
+        if setter is not None:
+            prev = getter()
+            setter(ep.memory.allocator)
+            try:
+                with state.stream:
+                    self.kernel.compute(call)
+            finally:
+                setter(prev)
+        else:
+            with ep.using_memory(), state.stream:
+                self.kernel.compute(call)
+
+    def output(self, context, index: int, shape: tuple, dtype):
+        ffi = self.ffi
+        out = ffi.new("EpTensor**")
+        self.api.check(self._get_output(context, index, ffi.new("int64_t[]", shape or (0,)), len(shape), out))
+        t = out[0]
+        return self.ep.view(int(ffi.cast("uintptr_t", t.data)), shape, dtype)
+
+    def scratch(self, context, nbytes: int, state: StreamState):
+        """Temporary memory tagged with the framework stream (seed 000), untagged on old hosts."""
+        framework = self.api.sync_stream(context)
+        ep = self.ep
+        if framework is None:
+            ep.stats["untagged_scratch"] += 1
+            with ep.device, ep.cupy.cuda.Stream.null:
+                return ep.memory.malloc(nbytes)
+        owner = self.runtime.obj(framework)
+        tagged = owner.state if isinstance(owner, CudaSyncStream) else state
+        ep.stats["tagged_scratch"] += 1
+        with ep.device, tagged.stream:
+            return ep.memory.malloc(nbytes)
+
+
+class CudaAllocator(sdk.AllocatorBase):
+    """The EP's device allocator: blocks from its DeviceMemory, tagged with a stream when given."""
+
+    def __init__(self, runtime, ep: CudaEp, spec):
+        super().__init__(runtime, ep.factory, spec)
+        self.ep = ep
+
+    def alloc(self, size: int, stream) -> int:
+        state = None
+        if stream is not None:
+            owner = self.runtime.obj(stream)
+            state = owner.state if isinstance(owner, CudaSyncStream) else None
+        return self.ep.alloc_block(size, state)
+
+    def free(self, ptr: int) -> None:
+        self.ep.free_block(ptr)
+
+
+class CudaSyncStream(sdk.SyncStreamBase):
+    def __init__(self, runtime, ep: CudaEp, state: StreamState):
+        super().__init__(runtime, ep)
+        self.ep = ep
+        self.state = state
+
+    def handle(self) -> int:
+        return self.state.ptr
+
+    def create_notification(self):
+        return CudaNotification(self.runtime, self)
+
+    def close(self):
+        if self.state.owned and self.state is not self.ep.unified:
+            self.ep.streams.pop(self.state.ptr, None)
+            self.state.close()
+
+
+class CudaNotification(sdk.NotificationBase):
+    def __init__(self, runtime, stream: CudaSyncStream):
+        super().__init__(runtime, stream)
+        self.stream = stream
+        self.event = None
+
+    def Activate(self):
+        cp = self.stream.ep.cupy
+        self.event = cp.cuda.Event(disable_timing=True)
+        self.event.record(self.stream.state.stream)
+
+    def WaitOnDevice(self, consumer):
+        owner = self.runtime.obj(consumer)
+        if isinstance(owner, CudaSyncStream) and self.event is not None:
+            owner.state.stream.wait_event(self.event)
+        elif self.event is not None:
+            self.event.synchronize()
+
+    def WaitOnHost(self):
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class CudaDataTransfer(sdk.Impl):
+    """Host<->device and device<->device copies, on the compute stream or the default stream."""
+
+    table = "EpDataTransfer"
+
+    def __init__(self, runtime, factory: CudaFactory):
+        super().__init__(runtime, factory)
+        self.factory = factory
+
+    def CanCopy(self, src, dst):
+        kinds = {src.device_type, dst.device_type}
+        return int(kinds <= {abi.DEVICE_CPU, abi.DEVICE_GPU} and abi.DEVICE_GPU in kinds)
+
+    def CopyTensors(self, src, dst, streams, count):
+        for i in range(count):
+            owner = self.runtime.obj(streams[i]) if streams != self.ffi.NULL and streams[i] != self.ffi.NULL else None
+            self._copy(src[i], dst[i], owner.state if isinstance(owner, CudaSyncStream) else None)
+
+    def _copy(self, s, d, state: StreamState | None) -> None:
+        cp = self.factory.cupy
+        rt = cp.cuda.runtime
+        n = int(s.nbytes)
+        if n == 0:
+            return
+        sp, dp = int(self.ffi.cast("uintptr_t", s.data)), int(self.ffi.cast("uintptr_t", d.data))
+        kind = (_MEMCPY_H2D if s.device_type == abi.DEVICE_CPU else
+                _MEMCPY_D2H if d.device_type == abi.DEVICE_CPU else _MEMCPY_D2D)
+        ep = state.ep if state is not None else None
+        default = ep is None or ep.opts.do_copy_in_default_stream
+        copy_stream = cp.cuda.Stream.null if default else state.stream
+        if ep is not None:
+            ep.stats["copies_default_stream" if default else "copies_compute_stream"] += 1
+        if default and state is not None and kind != _MEMCPY_H2D:
+            # The default stream must first see the compute stream's work on the source.
+            cp.cuda.Stream.null.wait_event(state.stream.record())
+        rt.memcpyAsync(dp, sp, n, kind, copy_stream.ptr)
+        if kind == _MEMCPY_D2H:
+            copy_stream.synchronize()  # host memory must be readable when CopyTensors returns
+        elif default and state is not None:
+            state.stream.wait_event(copy_stream.record())
+
+    def Release(self):
+        self.runtime.forget(self._c_table, "EpDataTransfer")

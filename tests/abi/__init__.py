@@ -1,0 +1,1 @@
+"""Tests of the ABI contract: header rules, golden layouts, version matrix, load errors, C interop."""

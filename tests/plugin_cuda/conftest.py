@@ -1,0 +1,47 @@
+"""Fixtures for the CUDA plugin tests: GPU tests skip with a stated reason where there is no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_configure(config):
+    # Declared here too so that this directory runs without warnings on its own; registering a
+    # marker twice is harmless.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (CuPy and at least one GPU)")
+
+
+@pytest.fixture(scope="session")
+def cp():
+    """The cupy module, or a skip: 'no CUDA device: cupy not importable / no GPU'."""
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install raising anything
+        pytest.skip(f"no CUDA device: cupy not importable ({type(e).__name__}: {e})")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError when there is no driver or no device
+        pytest.skip(f"no CUDA device: no GPU ({type(e).__name__}: {e})")
+    if count == 0:
+        pytest.skip("no CUDA device: no GPU (cupy.cuda.runtime.getDeviceCount() == 0)")
+    return cupy
+
+
+@pytest.fixture
+def cublas_handle(cp):
+    """A CublasHandle (TF32 on) bound to the current stream, closed after the test."""
+    from plugin_cuda.cublas import CublasHandle
+
+    handle = CublasHandle(cp.cuda.get_current_stream().ptr)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def cublas_handle_fp32(cp):
+    """A CublasHandle with TF32 off (plain FP32 accumulate), for tight float32 comparisons."""
+    from plugin_cuda.cublas import CublasHandle
+
+    handle = CublasHandle(cp.cuda.get_current_stream().ptr, use_tf32=False)
+    yield handle
+    handle.close()
