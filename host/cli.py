@@ -231,11 +231,13 @@ def cmd_make_model(args) -> int:
 
     builders = {"mlp": zoo.mlp, "cnn": zoo.cnn, "transformer": zoo.transformer_block}
     allowed = _MODEL_OPTIONS[args.kind]
-    # `is not` because `0 in (None, False)` is true and --layers 0 must reach the builder's check.
-    given = {d: getattr(args, d) for d in _ALL_MODEL_OPTIONS if getattr(args, d) is not None and getattr(args, d) is not False}
+    values = {d: getattr(args, d) for d in _ALL_MODEL_OPTIONS}
+    # `is not` because `0 in (None, False)` is true, and --layers 0 must reach the builder's check.
+    given = {d: v for d, v in values.items() if v is not None and v is not False}
     stray = sorted(_flag(d) for d in given if d not in allowed)
     if stray:
-        raise InvalidArgument(f"{', '.join(stray)} do(es) not apply to {args.kind}; "
+        verb = "does" if len(stray) == 1 else "do"
+        raise InvalidArgument(f"{', '.join(stray)} {verb} not apply to {args.kind}; "
                               f"{args.kind} takes {', '.join(_flag(d) for d in allowed)}")
     kwargs = {allowed[d]: v for d, v in given.items()}
     model = builders[args.kind](seed=args.seed, opset=args.opset, dynamic_batch=args.dynamic_batch, **kwargs)
@@ -300,8 +302,10 @@ def _bound_runner(session, feeds: dict, fixed_outputs: bool):
         binding.bind_input(name, value if cupy is None else on_device(lambda v=value: cupy.asarray(v)))
     if fixed_outputs:
         for name, shape, dtype in _output_specs(session, feeds):
-            buf = np.empty(shape, dtype) if cupy is None else on_device(lambda s=shape, d=dtype: cupy.empty(s, d))
-            binding.bind_output(name, buf)
+            if cupy is None:
+                binding.bind_output(name, np.empty(shape, dtype))
+            else:
+                binding.bind_output(name, on_device(lambda s=shape, d=dtype: cupy.empty(s, d)))
     else:
         for out in session.get_outputs():
             binding.bind_output(out.name)
@@ -341,8 +345,10 @@ def cmd_bench(args) -> int:
         session, model = _open_session(stack, args, extra)
         feeds = _feeds(args, model, session, random_missing=True)
         if args.cuda_graph or args.iobinding:
-            run = _bound_runner(session, feeds, fixed_outputs=args.cuda_graph)
-            mode = "run_with_iobinding" + (" + enable_cuda_graph=1" if args.cuda_graph else "")
+            # An EP capturing graphs (whatever option turned it on) replays into fixed buffers.
+            fixed = args.cuda_graph or session.capture.enabled
+            run = _bound_runner(session, feeds, fixed_outputs=fixed)
+            mode = "run_with_iobinding" + (", graph capture" if session.capture.enabled else "")
         else:
             def run():
                 session.run(None, feeds)

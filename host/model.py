@@ -76,6 +76,25 @@ def _check_opsets(proto: onnx.ModelProto) -> dict[str, int]:
     return opsets
 
 
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attribute) != 1:
+        return None
+    a = node.attribute[0]
+    if a.name == "value":
+        arr = numpy_helper.to_array(a.t)
+    elif a.name == "value_float":
+        arr = np.array(a.f, np.float32)
+    elif a.name == "value_floats":
+        arr = np.array(list(a.floats), np.float32)
+    elif a.name == "value_int":
+        arr = np.array(a.i, np.int64)
+    elif a.name == "value_ints":
+        arr = np.array(list(a.ints), np.int64)
+    else:
+        return None
+    return arr if arr.dtype in ONNX_TO_NUMPY.values() else None
+
+
 def build_graph(model) -> Graph:
     proto = load_model(model)
     opsets = _check_opsets(proto)
@@ -101,6 +120,13 @@ def build_graph(model) -> Graph:
         values[name] = ValueMeta(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
     nodes = []
     for i, n in enumerate(g.node):
+        folded = _constant_value(n)
+        if folded is not None:
+            # Constants become initializers, so EPs see shapes and axes as constant data.
+            inits[n.output[0]] = folded
+            values[n.output[0]] = ValueMeta(n.output[0], onnx.helper.np_dtype_to_tensor_dtype(folded.dtype),
+                                            folded.shape)
+            continue
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             raise ModelError(f"node '{n.name or i}' ({n.op_type}) has a subgraph; subgraphs are not supported")
         info = node_info(n, opsets.get(n.domain or "", 0))

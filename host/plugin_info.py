@@ -15,7 +15,7 @@ from pathlib import Path
 import abi
 from host import hostapi
 from host.environment import Environment
-from host.errors import EphostError, EpError
+from host.errors import EpError, EphostError
 from host.hostapi import ffi
 from host.loader import Factory, PluginRegistration, Slots, negotiate
 
@@ -23,9 +23,23 @@ _NAMES = itertools.count(1)
 _DEVICE_TYPES = {abi.DEVICE_CPU: "CPU", abi.DEVICE_GPU: "GPU"}
 
 
+def _absent_reason(slots: Slots, name: str, since: int) -> str | None:
+    if slots.has(name):
+        return None
+    if since > slots.negotiated:
+        return f"needs v{since}"
+    if slots.struct_size < ffi.offsetof(slots.table, name) + ffi.sizeof("void*"):
+        return "beyond struct_size"
+    return "NULL"
+
+
 def _slot_rows(slots: Slots) -> list[dict]:
-    return [{"slot": name, "since": since, "required": required, "present": slots.has(name)}
-            for name, (since, required) in abi.since_table()[slots.table].items()]
+    rows = []
+    for name, (since, required) in abi.since_table()[slots.table].items():
+        reason = _absent_reason(slots, name, since)
+        rows.append({"slot": name, "since": since, "required": required, "present": reason is None,
+                     "absent_reason": reason})
+    return rows
 
 
 def _table(slots: Slots) -> dict:
@@ -109,7 +123,7 @@ def format_plugin_info(info: dict) -> str:
             lines.append(f"  {name} (declared v{table['declared_version']}, negotiated v{table['negotiated_version']}, "
                          f"struct_size {table['struct_size']})")
             rows = [["slot", "since", "required", "present"]]
-            rows += [[s["slot"], str(s["since"]), "yes" if s["required"] else "no", "yes" if s["present"] else "no"]
+            rows += [[s["slot"], str(s["since"]), "yes" if s["required"] else "no", "yes" if s["present"] else f"no ({s['absent_reason']})"]
                      for s in table["slots"]]
             lines += _columns(rows, indent="    ")
     return "\n".join(lines) + "\n"

@@ -1,9 +1,9 @@
 """Fixtures and helpers of the ABI tests.
 
-The plugins are built once per session into a temporary directory (never into build/lib, which
-other runs may have mapped). Every test of one process loads them from that one directory: a
-library is dlopened once per process and its cffi module name is global, so two copies of the
-same plugin must never meet in one process.
+The plugins are built once per process with build.py through the suite-wide `built_plugin` of
+tests/conftest.py (into build/lib). Every test of one process must load them from that one
+place: a library is dlopened once per process and its cffi module name is global, so two copies
+of the same plugin (say one in a tmp dir, one in build/lib) must never meet in one process.
 
 Helpers that stand in for the session API (a graph view, a kernel context, a raw EP) are plain
 functions here so that the tests drive the C tables directly.
@@ -36,6 +36,7 @@ from host import hostapi  # noqa: E402
 from host.errors import EpError  # noqa: E402
 from host.hostapi import ffi  # noqa: E402
 from host.loader import Slots, negotiate  # noqa: E402
+from tests.conftest import built_plugin  # noqa: E402  (the one build cache of the process)
 
 NO_CC_REASON = "no C compiler ($CC or cc on PATH): the plugins (cffi shims and the C plugin) cannot be built"
 
@@ -50,7 +51,7 @@ class Plugins:
 
     out_dir: Path
     example: dict[int, Path]
-    c_plugin: Path | None
+    c_plugin: Path
 
     def example_module(self, version: int) -> str:
         return build.module_name("example", version)
@@ -65,11 +66,10 @@ def cc() -> str:
 
 
 @pytest.fixture(scope="session")
-def plugins(tmp_path_factory, cc) -> Plugins:
-    out = tmp_path_factory.mktemp("plugins")
-    example = {v: build.build_python_plugin("example", v, out) for v in abi.SUPPORTED_VERSIONS}
-    c_path = build.build_c_plugin("example_c", out)
-    return Plugins(out, example, c_path)
+def plugins(cc) -> Plugins:
+    example = {v: built_plugin("example", v) for v in abi.SUPPORTED_VERSIONS}
+    c_path = built_plugin("example_c")
+    return Plugins(c_path.parent, example, c_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Benchmarks of ephost (run them as scripts: python bench/dispatch.py)."""

@@ -1,0 +1,50 @@
+"""Shared fixtures: plugins built once per test session, hypothesis profiles."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import build  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=10, deadline=None)
+settings.load_profile(os.environ.get("EPHOST_HYPOTHESIS_PROFILE", "ci"))
+
+
+@functools.lru_cache(maxsize=None)
+def built_plugin(name: str, version: int | None = None) -> Path:
+    """Build a plugin into build/lib once per process (build.py is the one build entry point)."""
+    if name in build.C_PLUGINS:
+        return build.build_c_plugin(name)
+    spec = build.PYTHON_PLUGINS[name]
+    return build.build_python_plugin(name, version or max(spec.versions))
+
+
+@pytest.fixture(scope="session")
+def example_plugin():
+    """A function version -> path of the example plugin built for that ABI version."""
+    return lambda version=5: built_plugin("example", version)
+
+
+@pytest.fixture(scope="session")
+def cuda_plugin_path():
+    return built_plugin("cuda")
+
+
+def example_record(version: int):
+    from abi import sdk
+
+    return sdk.runtime(build.module_name("example", version)).record
