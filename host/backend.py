@@ -29,6 +29,21 @@ def _outputs_tuple(names: Sequence[str], values: Sequence[np.ndarray]) -> tuple[
     return namedtupledict("Outputs", list(names))(*values)
 
 
+def _typed_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its graph outputs typed by shape inference (the checker wants typed outputs)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception as exc:  # noqa: BLE001 - inference raises several types
+        raise InvalidArgument(f"run_node: the node's output types could not be inferred ({exc}); "
+                              "pass outputs_info=[(dtype, shape), ...]") from exc
+    untyped = [o.name for o in inferred.graph.output if not o.type.tensor_type.elem_type]
+    if untyped:
+        raise InvalidArgument(f"run_node: no type could be inferred for output(s) {untyped}; "
+                              "pass outputs_info=[(dtype, shape), ...]")
+    del inferred.graph.value_info[:]
+    return inferred
+
+
 class EphostBackendRep(BackendRep):
     """A prepared model: one InferenceSession, run with positional or named inputs."""
 
@@ -115,13 +130,20 @@ class EphostBackend(Backend):
         graph_inputs = [onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(a.dtype),
                                                            a.shape)
                         for name, a in zip(present, arrays)]
-        graph_outputs = [onnx.helper.make_empty_tensor_value_info(name) for name in node.output if name]
+        output_names = [name for name in node.output if name]
+        if outputs_info is not None:
+            graph_outputs = [onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(
+                np.dtype(dtype)), shape) for name, (dtype, shape) in zip(output_names, outputs_info)]
+        else:
+            graph_outputs = [onnx.helper.make_empty_tensor_value_info(name) for name in output_names]
         opset = int(kwargs.pop("opset_version", MAX_OPSET))
         graph = onnx.helper.make_graph([node], f"run_node_{node.op_type}", graph_inputs, graph_outputs)
         opset_imports = [onnx.helper.make_opsetid("", opset)]
         if node.domain not in ("", "ai.onnx"):
             opset_imports.append(onnx.helper.make_opsetid(node.domain, 1))
         model = onnx.helper.make_model(graph, opset_imports=opset_imports)
+        if outputs_info is None:
+            model = _typed_outputs(model)
         return cls.run_model(model, dict(zip(present, arrays)), device, **kwargs)
 
     @classmethod

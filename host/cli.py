@@ -250,8 +250,13 @@ def cmd_make_model(args) -> int:
 
 
 # ---- ephost bench ------------------------------------------------------------------------------
+def has_package(name: str) -> bool:
+    """Whether `name` can be imported (without importing it)."""
+    return importlib.util.find_spec(name) is not None
+
+
 def _require_matplotlib() -> None:
-    if importlib.util.find_spec("matplotlib") is None:
+    if not has_package("matplotlib"):
         raise CliError("--plot needs the 'matplotlib' package, which is not installed (pip install matplotlib)")
 
 

@@ -105,6 +105,7 @@ class RunState:
         self.values: list = [None] * len(self.plan.value_names)
         self.bound_outputs: dict[int, object] = {}
         self.producer: dict[int, SyncStream] = {}
+        self.keep: list = []  # copies made for this run: alive until the next run starts
         self.shape_cache: dict[tuple, object] = {}
         self.contexts: dict[int, KernelContext] = {}
         for n in self.plan.nodes:
@@ -174,6 +175,8 @@ class Executor:
         self._dtypes = [to_numpy(t) if t else None for t in plan.elem_types]
         self._etype_cache: dict[np.dtype, int] = {}
         self._shared: RunState | None = None
+        # Initializers copied to a device once and reused by every run (weights stay resident).
+        self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
 
     def dtype_of(self, vid: int) -> np.dtype:
         dt = self._dtypes[vid]
@@ -209,6 +212,7 @@ class Executor:
             st.close()
         self._states.clear()
         self._shared = None
+        self._device_constants.clear()
         self._tls = threading.local()
 
     # -- one run ---------------------------------------------------------------------------------
@@ -221,6 +225,7 @@ class Executor:
         for vid, v in feeds.items():
             vals[vid] = v
         st.producer.clear()
+        st.keep.clear()
         keep_outputs = set(self.plan.output_ids.values())
         for node in self.plan.nodes:
             if node.ep is None:
@@ -241,8 +246,17 @@ class Executor:
             st.producer.pop(vid, None)
         if _location(value) == location:
             return value
+        if vid in self.plan.constants:
+            key = (vid, location)
+            moved = self._device_constants.get(key)
+            if moved is None:
+                moved = self._device_constants[key] = self.transfer(value, location, ep, stream)
+            return moved
         moved = self.transfer(value, location, ep, stream)
-        st.values[vid] = moved if location == CPU_LOCATION else st.values[vid]
+        if location == CPU_LOCATION:
+            st.values[vid] = moved
+        else:
+            st.keep.append(moved)  # the kernel reads it after this returns
         return moved
 
     def _run_cpu(self, st: RunState, node: PlanNode) -> None:

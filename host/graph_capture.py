@@ -10,6 +10,7 @@ buffers differ from the captured ones is an error instead of stale results.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 
 import numpy as np
@@ -49,7 +50,8 @@ class GraphCapture:
         self.session = session
         self.ep = None
         self.enabled = False
-        self.signatures: dict[int, dict[str, tuple]] = {}
+        # Graphs belong to the thread that captured them (the EP replays on that thread's stream).
+        self._signatures: dict[tuple[int, int], dict[str, tuple]] = {}
         for ep in session.plan.eps:
             if ep.slots.negotiated < 3:
                 session.fallbacks["no_graph_capture"] += 1
@@ -78,6 +80,15 @@ class GraphCapture:
                 f"graph capture on {self.ep.name} requires {rule}; offending node(s): {', '.join(offending)}. "
                 f"Disable graph capture or make the EP support these nodes")
 
+    @property
+    def signatures(self) -> dict[int, dict[str, tuple]]:
+        """Captured graph ids of the calling thread and the bindings they were captured with."""
+        tid = threading.get_ident()
+        return {gid: sig for (t, gid), sig in self._signatures.items() if t == tid}
+
+    def _key(self, gid: int) -> tuple[int, int]:
+        return (threading.get_ident(), gid)
+
     # -- runs --------------------------------------------------------------------------------------
     def captured(self, gid: int) -> bool:
         return bool(self.ep.slots.IsGraphCaptured(self.ep.ptr, gid))
@@ -91,14 +102,14 @@ class GraphCapture:
         if gid == -1:
             s._run_bound(binding, ro, "-1")
             return
-        if gid in self.signatures and self.captured(gid):
+        if self._key(gid) in self._signatures and self.captured(gid):
             self._replay(binding, ro, gid)
             return
         self._require_bound_outputs(binding)
         for _ in range(MAX_INTERNAL_RUNS):
             s._run_bound(binding, ro, str(gid))
             if self.captured(gid):
-                self.signatures[gid] = self._signature(binding)
+                self._signatures[self._key(gid)] = self._signature(binding)
                 s.fallbacks["graph_captured"] += 1
                 return
         s.fallbacks["capture_not_reached"] += 1
@@ -120,7 +131,7 @@ class GraphCapture:
     def _check_binding(self, binding, gid: int) -> None:
         self._require_bound_outputs(binding)
         now = self._signature(binding)
-        then = self.signatures[gid]
+        then = self._signatures[self._key(gid)]
         for key in sorted(set(then) | set(now)):
             a, b = then.get(key), now.get(key)
             if a == b:
@@ -164,7 +175,7 @@ class GraphCapture:
             raise GraphCaptureError(f"{self.ep.name} (ABI v{self.ep.slots.negotiated}) cannot release a single "
                                     "graph (ReleaseCapturedGraph is v4); close the session instead")
         hostapi.check(fn(self.ep.ptr, gid), f"{self.ep.owner}: ReleaseCapturedGraph")
-        self.signatures.pop(gid, None)
+        self._signatures.pop(self._key(gid), None)
 
     def close(self) -> None:
         if self.enabled and self.ep.slots.ReleaseCapturedGraph is not None:
@@ -173,4 +184,5 @@ class GraphCapture:
                     self.release(gid)
                 except Exception as exc:  # noqa: BLE001 - closing must go on
                     _log.warning("releasing graph %s failed: %s", gid, exc)
-        self.signatures.clear()
+        # Graphs of other threads go with the EP, which the session releases next.
+        self._signatures.clear()

@@ -72,8 +72,8 @@ def _factory(reg: PluginRegistration, f: Factory) -> dict:
         "declared_version": f.slots.declared,
         "negotiated_version": f.negotiated,
         "devices": [{"device_type": _DEVICE_TYPES.get(d.device_type, str(d.device_type)),
-                     "device_id": d.device_id, "vendor_id": d.vendor_id, "name": d.name, "memory": d.memory_name}
-                    for d in f.devices],
+                     "device_id": d.device_id, "vendor_id": d.vendor_id, "name": d.name,
+                     "memory": d.memory_name} for d in f.devices],
         "tables": {"EpFactory": _table(f.slots), "Ep": _ep_table(reg, f)},
     }
 
@@ -112,18 +112,19 @@ def format_plugin_info(info: dict) -> str:
                            ["negotiated ABI", str(f["negotiated_version"])],
                            ["devices", str(len(f["devices"]))]])
         if f["devices"]:
-            lines += _columns([["#", "type", "id", "vendor", "name", "memory"]]
-                              + [[str(i), d["device_type"], str(d["device_id"]), f"{d['vendor_id']:#06x}", d["name"],
-                                  d["memory"]] for i, d in enumerate(f["devices"])], indent="    ")
+            rows = [["#", "type", "id", "vendor", "name", "memory"]]
+            rows += [[str(i), d["device_type"], str(d["device_id"]), f"{d['vendor_id']:#06x}", d["name"],
+                      d["memory"]] for i, d in enumerate(f["devices"])]
+            lines += _columns(rows, indent="    ")
         for name, table in f["tables"].items():
             lines.append("")
             if "error" in table:
                 lines.append(f"  {name}: not available: {table['error']}")
                 continue
-            lines.append(f"  {name} (declared v{table['declared_version']}, negotiated v{table['negotiated_version']}, "
-                         f"struct_size {table['struct_size']})")
+            lines.append(f"  {name} (declared v{table['declared_version']}, "
+                         f"negotiated v{table['negotiated_version']}, struct_size {table['struct_size']})")
             rows = [["slot", "since", "required", "present"]]
-            rows += [[s["slot"], str(s["since"]), "yes" if s["required"] else "no", "yes" if s["present"] else f"no ({s['absent_reason']})"]
-                     for s in table["slots"]]
+            rows += [[s["slot"], str(s["since"]), "yes" if s["required"] else "no",
+                      "yes" if s["present"] else f"no ({s['absent_reason']})"] for s in table["slots"]]
             lines += _columns(rows, indent="    ")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)

@@ -21,10 +21,6 @@ from plugin_cuda.options import CudaOptions, OptionError, parse_options
 EP_NAME = "CUDAExecutionProvider"
 NVIDIA_VENDOR_ID = 0x10DE
 _log = logging.getLogger("ephost.plugin_cuda")
-# Inputs that carry shapes/axes: the EP claims a node only when they are constants, which the
-# kernel receives as NumPy arrays (reading device memory on the host would need a sync).
-SHAPE_INPUTS = {"Reshape": (1,), "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,),
-                "Expand": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,), "Split": (1,)}
 _MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D = 1, 2, 3
 
 
@@ -200,15 +196,16 @@ class CudaEp(sdk.EpBase):
 
         chosen = []
         for node in graph.nodes:
-            if node.domain not in ("", "ai.onnx") or kernels.lookup(node.op_type, node.opset) is None:
+            if node.domain not in ("", "ai.onnx"):
                 continue
-            shape_inputs = SHAPE_INPUTS.get(node.op_type, ())
-            if any(i < len(node.inputs) and node.inputs[i] >= 0 and graph.values[node.inputs[i]].constant is None
-                   for i in shape_inputs):
+            dtypes = [graph.values[v].elem_type or None if v >= 0 else None for v in node.inputs]
+            if not kernels.claimable(node.op_type, node.attrs, dtypes, node.opset):
                 continue
-            dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None
-                      for v in node.inputs]
-            if kernels.claimable(node.op_type, node.attrs, dtypes):
+            # Shapes and axes are read on the host: claim the node only when they are constants,
+            # which the kernel then receives as NumPy arrays (a device read would synchronise).
+            host_inputs = kernels.lookup(node.op_type, node.opset).host_inputs
+            if all(i >= len(node.inputs) or node.inputs[i] < 0 or graph.values[node.inputs[i]].constant is not None
+                   for i in host_inputs):
                 chosen.append(node.index)
         return chosen
 
@@ -306,7 +303,7 @@ class CudaKernelAdapter(sdk.KernelBase):
         self.kernel = cls(node.attrs, node.opset, node.name)
         self.needs_cublas = node.op_type in ("MatMul", "Gemm", "Conv")
         self.constants = {i: graph.values[v].constant for i, v in enumerate(node.inputs)
-                          if v >= 0 and i in SHAPE_INPUTS.get(node.op_type, ())}
+                          if v >= 0 and i in cls.host_inputs}
         self.dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None
                        for v in node.outputs]
         self._io = threading.local()

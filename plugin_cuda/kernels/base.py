@@ -226,14 +226,15 @@ class CudaKernel:
         return value
 
     def axis(self, axis: int, rank: int, name: str = "axis", allow_end: bool = False) -> int:
-        """Normalise a possibly negative axis against `rank`; ValueError when out of range."""
-        top = rank + 1 if allow_end else rank
-        if not -top <= axis < top:
+        """Normalise a possibly negative axis against `rank` (`allow_end`: `rank` itself is allowed,
+        as in Flatten); ValueError when out of range."""
+        top = rank if allow_end else rank - 1
+        if not -rank <= axis <= top:
             raise ValueError(
                 f"{self.op_type} node '{self.node_name}': {name} {axis} is out of range for rank {rank}; "
-                f"allowed: {-top}..{top - 1}"
+                f"allowed: {-rank}..{top}"
             )
-        return axis + top if axis < 0 else axis
+        return axis + rank if axis < 0 else axis
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ SOURCES = {
     "avg_pool": (
         "raw T x, " + _GEOMETRY + ", int32 PEH, int32 PEW, int32 include_pad", "T y",
         _WINDOW_HEAD + """
-        float sum = 0.0f;
-        int count = 0;
+        float acc = 0.0f;
+        int taps = 0;
         for (int ky = 0; ky < KH; ++ky) {
           const int iy = oy * SH - PH + ky * DH;
           if (iy < -PH || iy >= H + PEH) continue;
@@ -95,14 +95,14 @@ SOURCES = {
             const int ix = ox * SW - PW + kx * DW;
             if (ix < -PW || ix >= W + PEW) continue;
             if (iy >= 0 && iy < H && ix >= 0 && ix < W) {
-              sum += float(x[base + (ptrdiff_t)iy * W + ix]);
-              ++count;
+              acc += float(x[base + (ptrdiff_t)iy * W + ix]);
+              ++taps;
             } else if (include_pad) {
-              ++count;
+              ++taps;
             }
           }
         }
-        y = T(count > 0 ? sum / (float)count : 0.0f);
+        y = T(taps > 0 ? acc / (float)taps : 0.0f);
         """,
     ),
 }

@@ -42,7 +42,8 @@ NO_CC_REASON = "no C compiler ($CC or cc on PATH): the plugins (cffi shims and t
 
 
 def c_compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    """The compiler build.py and cffi will use ($CC, else cc), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,8 @@ class GraphView:
 
 def add_graph(shape_a=(2, 3), shape_b=(2, 3), elem_type: int = 1, domain: str = "") -> GraphView:
     """One node `c = Add(a, b)`; the output has a's shape."""
-    return GraphView([Value("a", elem_type, shape_a), Value("b", elem_type, shape_b), Value("c", elem_type, shape_a)],
-                     [Node("add0", "Add", (0, 1), (2,), domain)])
+    values = [Value("a", elem_type, shape_a), Value("b", elem_type, shape_b), Value("c", elem_type, shape_a)]
+    return GraphView(values, [Node("add0", "Add", (0, 1), (2,), domain)])
 
 
 class KernelContext:

@@ -61,8 +61,8 @@ def test_parser_rejects_a_member_without_since_tag():
 
 def test_tables_start_with_struct_size_and_version():
     h = header()
-    assert set(TABLES) >= {"EpApi", "EpApiBase", "EpFactory", "Ep", "EpKernel", "EpAllocator", "EpDataTransfer",
-                           "EpSyncStream", "EpNotification"}
+    assert set(TABLES) >= {"EpApi", "EpApiBase", "EpFactory", "Ep", "EpKernel", "EpAllocator",
+                           "EpDataTransfer", "EpSyncStream", "EpNotification"}
     for st in h.structs:
         if any(m.is_slot for m in st.members):
             assert st.is_table, f"{st.name} has function slots but does not start with struct_size, version"
@@ -124,7 +124,8 @@ def test_cdef_of_matches_abi_cdef():
 
 
 def test_unknown_version_is_refused():
-    with pytest.raises(ValueError, match=r"^ABI version 6 is not one this package describes; allowed: 1\.\.5$"):
+    with pytest.raises(ValueError,
+                       match=r"^ABI version 6 is not one this package describes; allowed: 1\.\.5$"):
         abi.ffi_for(abi.ABI_VERSION + 1)
 
 
@@ -157,8 +158,8 @@ def test_golden_values_are_the_c_compiler_view():
     assert golden["4"]["EpApi"]["size"] == 8 + 10 * 8
     assert golden["5"]["Ep"]["offsets"]["ReplayGraphWithSync"] == 8 + 14 * 8
     assert golden["5"]["Ep"]["size"] == 8 + 15 * 8
-    assert golden["1"]["EpTensor"] == {"size": 40, "offsets": {"data": 0, "shape": 8, "ndim": 16, "elem_type": 20,
-                                                               "device_type": 24, "device_id": 28, "nbytes": 32}}
+    assert golden["1"]["EpTensor"] == {"size": 40, "offsets": {
+        "data": 0, "shape": 8, "ndim": 16, "elem_type": 20, "device_type": 24, "device_id": 28, "nbytes": 32}}
 
 
 # ---- the check function on edited headers -------------------------------------------------------
@@ -168,7 +169,8 @@ def test_check_detects_a_slot_inserted_in_the_middle():
                  "  EpStatus* (*Inserted)(struct Ep* self); /* since 5 */")
     problems = layouts.check_header_text(text)
     ep = layouts.load_golden()["5"]["Ep"]
-    assert any(p.startswith("Ep.OnRunEnd (since 1) follows Ep.Inserted (since 5)") for p in problems), problems
+    assert any(p.startswith("Ep.OnRunEnd (since 1) follows Ep.Inserted (since 5)") for p in problems), \
+        problems
     off = ep["offsets"]["OnRunEnd"]
     assert f"v5: offsetof(Ep, OnRunEnd) is {off + 8}; released as {off}" in problems
     assert f"v5: sizeof(Ep) is {ep['size'] + 8}; released as {ep['size']}" in problems
@@ -218,7 +220,8 @@ def test_write_adds_a_new_version_and_refuses_to_rewrite_a_released_one(tmp_path
 
     tampered = json.loads(json.dumps(golden))
     tampered["2"]["Ep"]["size"] += 8
-    with pytest.raises(layouts.LayoutError, match=r"^refusing to rewrite released layouts:\n  v2: sizeof\(Ep\) "):
+    with pytest.raises(layouts.LayoutError,
+                       match=r"^refusing to rewrite released layouts:\n  v2: sizeof\(Ep\) "):
         layouts.merged_for_write(tampered, current)
 
     path = tmp_path / "golden.json"

@@ -86,7 +86,8 @@ def test_the_scanner_finds_forbidden_imports(rel, source, forbidden, expected):
 
 
 @pytest.mark.parametrize(("rel", "source", "forbidden"), [
-    ("host/x.py", "import abi\nfrom abi import sdk\nfrom . import errors\n", ("plugin_cuda", "tests.plugins")),
+    ("host/x.py", "import abi\nfrom abi import sdk\nfrom . import errors\n",
+     ("plugin_cuda", "tests.plugins")),
     ("plugin_cuda/x.py", "import hostname_utils\nfrom .host_copy import f\n", ("host",)),
     ("tests/plugins/x.py", "from tests.host_helpers import x\n", ("host",)),
 ])

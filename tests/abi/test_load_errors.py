@@ -24,6 +24,8 @@ from host.environment import Environment
 from host.errors import AbiVersionError, EphostError, InvalidArgument, PluginLoadError
 from tests.abi.conftest import ABI_DIR, last_json, run_python
 
+V = abi.ABI_VERSION
+
 
 def _real(path) -> str:
     return re.escape(os.path.realpath(path))
@@ -76,10 +78,10 @@ def test_truncated_library(plugins, tmp_path):
     with path.open("r+b") as fh:
         fh.truncate(1000)
     with pytest.raises(PluginLoadError,
-                       match=f"^plugin '{_real(path)}': not a loadable shared library "
-                             r"\(.*past EOF 1000\)$") as info:
+                       match=f"^plugin '{_real(path)}': not a loadable shared library \\(.+\\)$") as info:
         Environment().register_plugin("truncated", path)
-    assert info.value.__cause__ is not None
+    # The ELF header survives the cut; reading the section headers past the end is what fails.
+    assert type(info.value.__cause__).__module__.startswith("elftools."), repr(info.value.__cause__)
 
 
 def test_elf_without_entry_symbols(cc, tmp_path):
@@ -97,7 +99,8 @@ def test_elf_without_entry_symbols(cc, tmp_path):
 def test_plugin_linked_against_another_libpython(cc, tmp_path):
     fake = tmp_path / "fakepy.c"
     fake.write_text("void Py_FakeInitialize(void) {}\n")
-    _gcc(cc, "-shared", "-fPIC", "-Wl,-soname,libpython3.2.so.1.0", fake, "-o", tmp_path / "libpython3.2.so.1.0")
+    _gcc(cc, "-shared", "-fPIC", "-Wl,-soname,libpython3.2.so.1.0", fake, "-o",
+         tmp_path / "libpython3.2.so.1.0")
     src = tmp_path / "oldpy.c"
     src.write_text(_ENTRY_C)
     path = tmp_path / "liboldpy.so"
@@ -107,8 +110,9 @@ def test_plugin_linked_against_another_libpython(cc, tmp_path):
     if not ours:
         pytest.skip("this interpreter reports no libpython soname, so no foreign one can be told apart")
     with pytest.raises(PluginLoadError,
-                       match=f"^plugin '{_real(path)}' links libpython3\\.2\\.so\\.1\\.0, but this interpreter "
-                             f"is {re.escape(ours)}; rebuild the plugin with this Python \\(python build\\.py\\)$"):
+                       match=f"^plugin '{_real(path)}' links libpython3\\.2\\.so\\.1\\.0, but this "
+                             f"interpreter is {re.escape(ours)}; rebuild the plugin with this Python "
+                             r"\(python build\.py\)$"):
         Environment().register_plugin("oldpy", path)
 
 
@@ -186,6 +190,20 @@ try:
             f.slots.ReleaseEp(f.ptr, out[0])
         except EpError as exc:
             result["ep_error"] = describe(exc) | {"code": exc.code, "out_is_null": out[0] == ffi.NULL}
+        try:
+            from host.session import InferenceSession
+        except ModuleNotFoundError:
+            result["session_error"] = None
+        else:
+            from onnx import TensorProto, helper
+            vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "abc"]
+            graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"], name="add0")], "g", vi[:2], vi[2:])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            try:
+                InferenceSession(model.SerializeToString(), providers=["ExampleEP"], env=env)
+                result["session_error"] = "no error"
+            except Exception as exc:
+                result["session_error"] = describe(exc)
     env.unregister_plugin("faulty")
 except Exception as exc:
     result["error"] = describe(exc)
@@ -213,7 +231,8 @@ def fault_runs(plugins):
     module = plugins.example_module(abi.ABI_VERSION)
 
     def run(fault):
-        return run_python(_FAULT_SCRIPT, path, module, int(fault == "create_ep_fails"), EPHOST_TEST_FAULT=fault)
+        create_ep = int(fault == "create_ep_fails")
+        return run_python(_FAULT_SCRIPT, path, module, create_ep, EPHOST_TEST_FAULT=fault)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         procs = dict(zip(FAULTS, pool.map(run, FAULTS)))
@@ -261,6 +280,12 @@ def test_create_ep_fails(fault_runs, plugins):
     assert re.match(f"^ExampleEP: CreateEp failed \\(FAIL\\): {mod}: EpFactory.CreateEp failed: "
                     "injected failure in CreateEp$", err["message"]), err["message"]
     assert "ep_created" not in r
+    if r["session_error"] is not None:  # the session API is there: creating a session fails the same way
+        err = r["session_error"]
+        assert "EpError" in err["types"], err
+        assert re.match(f"^EP 'ExampleEP' of plugin 'faulty' \\({re.escape(str(plugins.example[V]))}\\): "
+                        f"CreateEp failed \\(FAIL\\): {mod}: EpFactory.CreateEp failed: injected failure in "
+                        "CreateEp$", err["message"]), err["message"]
     _survived(r)
 
 
@@ -276,8 +301,8 @@ def test_version_future(fault_runs, plugins):
     future = abi.ABI_NEXT_GENERATION + 1
     r = fault_runs["version_future"]
     _error(r, AbiVersionError, f"^{_owner(plugins)}: EpFactory declares ABI version {future}, a future "
-                               f"incompatible generation \\(>= {abi.ABI_NEXT_GENERATION}\\); this host supports "
-                               f"{abi.ABI_MIN_VERSION}\\.\\.{abi.ABI_VERSION}$")
+                               f"incompatible generation \\(>= {abi.ABI_NEXT_GENERATION}\\); this host "
+                               f"supports {abi.ABI_MIN_VERSION}\\.\\.{abi.ABI_VERSION}$")
     assert r["live_factories_after_failure"] == 0
     _survived(r)
 
@@ -285,8 +310,9 @@ def test_version_future(fault_runs, plugins):
 def test_struct_truncated(fault_runs, plugins):
     ffi = abi.ffi_for(abi.ABI_VERSION)
     r = fault_runs["struct_truncated"]
-    _error(r, AbiVersionError, f"^{_owner(plugins)}: EpFactory.struct_size is {ffi.offsetof('EpFactory', 'GetName')} "
-                               f"bytes; version {abi.ABI_VERSION} needs at least {ffi.sizeof('EpFactory')}$")
+    cut = ffi.offsetof("EpFactory", "GetName")
+    _error(r, AbiVersionError, f"^{_owner(plugins)}: EpFactory.struct_size is {cut} bytes; version "
+                               f"{abi.ABI_VERSION} needs at least {ffi.sizeof('EpFactory')}$")
     assert r["live_factories_after_failure"] == 0
     _survived(r)
 

@@ -75,7 +75,8 @@ def test_format_is_an_aligned_table(plugins):
     assert lines[0] == f"plugin: {plugins.example[3]}"
     assert "factory ExampleEP" in lines
     assert re.search(r"^  negotiated ABI  3$", text, re.M)
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("  Ep (declared v3, negotiated v3, struct_size "))
+    start = next(i for i, ln in enumerate(lines)
+                 if ln.startswith("  Ep (declared v3, negotiated v3, struct_size "))
     header, rows = lines[start + 1], lines[start + 2:]
     assert [r.split()[0] for r in rows] == list(abi.since_table()["Ep"])
     # Every column starts where its heading does.
@@ -90,5 +91,6 @@ def test_format_is_an_aligned_table(plugins):
 
 def test_unloadable_path(tmp_path):
     path = tmp_path / "libnothing.so"
-    with pytest.raises(PluginLoadError, match=f"^plugin '{re.escape(os.path.realpath(path))}': no such file$"):
+    expected = f"^plugin '{re.escape(os.path.realpath(path))}': no such file$"
+    with pytest.raises(PluginLoadError, match=expected):
         plugin_info(path)

@@ -1,0 +1,437 @@
+"""PyTorch eager equivalents of ONNX models, built from the ONNX graph itself (same weights).
+
+`torch_module_from_onnx(model)` walks the graph's nodes in order once, at construction, and turns
+each into a closure over torch ops; initializers and Constant outputs become tensors on the
+device. `forward` then only runs those closures: it is "PyTorch eager on the same weights", what
+the CUDA benchmark compares ephost with (eager, and captured in a torch.cuda.CUDAGraph).
+
+Only the ops the model zoo uses (and a few neighbours) are supported; shapes, axes and perms must be
+constants (initializers, Constant nodes or attributes): there is no Shape op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+import torch
+import torch.nn.functional as F
+
+# ONNX TensorProto element types -> torch dtypes.
+_TORCH_DTYPES = {
+    1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
+    9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16,
+}
+_FLOAT_ELEM_TYPES = {1, 10, 11, 16}
+
+_UNARY: dict[str, Callable] = {
+    "Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Erf": torch.erf, "Sqrt": torch.sqrt,
+    "Exp": torch.exp, "Log": torch.log, "Neg": torch.neg, "Abs": torch.abs, "Reciprocal": torch.reciprocal,
+}
+_BINARY: dict[str, Callable] = {
+    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Pow": torch.pow,
+    "MatMul": torch.matmul,
+}
+
+
+class UnsupportedOnnxOp(NotImplementedError):
+    """The graph uses an op (or a form of it) this interpreter does not translate."""
+
+
+def supported_ops() -> list[str]:
+    special = ["Gemm", "Reshape", "Transpose", "Softmax", "LayerNormalization", "Gelu", "ReduceMean",
+               "ReduceSum", "Constant", "Identity", "Cast", "Concat", "Unsqueeze", "Squeeze", "Flatten"]
+    return sorted({*_UNARY, *_BINARY, *special})
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    return 1
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray:
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if a.name == "value":
+            return numpy_helper.to_array(v)
+        if a.name == "value_float":
+            return np.array(v, np.float32)
+        if a.name == "value_floats":
+            return np.array(list(v), np.float32)
+        if a.name == "value_int":
+            return np.array(v, np.int64)
+        if a.name == "value_ints":
+            return np.array(list(v), np.int64)
+    raise UnsupportedOnnxOp(f"Constant node '{node.name}': only value/value_float(s)/value_int(s) are supported")
+
+
+def _norm_axes(axes, rank: int) -> list[int]:
+    return sorted(a + rank if a < 0 else a for a in axes)
+
+
+class OnnxTorchModule(torch.nn.Module):
+    """The result of torch_module_from_onnx: forward(*inputs) in graph-input order (or by name)."""
+
+    def __init__(self, steps: list, template: list, input_slots: dict[str, int], output_slots: list[int],
+                 output_names: list[str], constants: list):
+        super().__init__()
+        self._steps = steps
+        self._template = template
+        self._input_slots = input_slots
+        self._input_order = list(input_slots.values())
+        self._output_slots = output_slots
+        self.input_names = list(input_slots)
+        self.output_names = output_names
+        # Kept so the tensors are visible (and stay alive) with the module; forward uses _template.
+        self._constants = constants
+
+    def forward(self, *args, **kwargs):
+        env = list(self._template)
+        if len(args) > len(self._input_order):
+            raise TypeError(f"expected at most {len(self._input_order)} inputs {self.input_names}; got {len(args)}")
+        for slot, x in zip(self._input_order, args):
+            env[slot] = x
+        for name, x in kwargs.items():
+            slot = self._input_slots.get(name)
+            if slot is None:
+                raise TypeError(f"unknown input {name!r}; inputs: {self.input_names}")
+            env[slot] = x
+        for step in self._steps:
+            step(env)
+        outs = [env[s] for s in self._output_slots]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _make_step(fn: Callable, ins: list[int], outs: list[int]) -> Callable:
+    """A closure env -> None running fn on env[ins] and storing into env[outs]."""
+    if len(outs) == 1:
+        o = outs[0]
+        if len(ins) == 1:
+            a = ins[0]
+
+            def step1(env):
+                env[o] = fn(env[a])
+            return step1
+        if len(ins) == 2:
+            a, b = ins
+
+            def step2(env):
+                env[o] = fn(env[a], env[b])
+            return step2
+        if len(ins) == 3:
+            a, b, c = ins
+
+            def step3(env):
+                env[o] = fn(env[a], env[b], env[c])
+            return step3
+
+        def stepn(env):
+            env[o] = fn(*[env[i] for i in ins])
+        return stepn
+
+    def stepm(env):
+        res = fn(*[env[i] for i in ins])
+        for slot, value in zip(outs, res):
+            if slot >= 0:
+                env[slot] = value
+    return stepm
+
+
+class _Translator:
+    def __init__(self, model: onnx.ModelProto, device, dtype):
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.opset = _opset(model)
+        self.consts: dict[str, np.ndarray] = {
+            t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        self.slots: dict[str, int] = {"": 0}  # slot 0 is the absent optional input: always None
+        self.template: list = [None]
+        self.device_consts: dict[str, torch.Tensor] = {}
+        self.steps: list[Callable] = []
+
+    # -- values ---------------------------------------------------------------------------------
+    def slot(self, name: str) -> int:
+        s = self.slots.get(name)
+        if s is None:
+            s = self.slots[name] = len(self.template)
+            self.template.append(None)
+        return s
+
+    def tensor(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.array(arr, copy=True))
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        return t.to(self.device)
+
+    def runtime_input(self, name: str) -> int:
+        """The slot of an input read at run time; constants get their device tensor in the template."""
+        s = self.slot(name)
+        if name and name in self.consts and name not in self.device_consts:
+            self.device_consts[name] = self.template[s] = self.tensor(self.consts[name])
+        return s
+
+    def const(self, node: onnx.NodeProto, index: int, what: str) -> np.ndarray | None:
+        """A constant input (shape, axes): None when absent; an error when computed at run time."""
+        if index >= len(node.input) or not node.input[index]:
+            return None
+        name = node.input[index]
+        if name not in self.consts:
+            raise UnsupportedOnnxOp(f"{node.op_type} node '{node.name}': input {index} ({what}) must be a constant "
+                                    f"(initializer or Constant); '{name}' is computed at run time")
+        return self.consts[name]
+
+    def add(self, node: onnx.NodeProto, fn: Callable, runtime_inputs: list[str]) -> None:
+        ins = [self.runtime_input(n) for n in runtime_inputs]
+        outs = [self.slot(n) if n else -1 for n in node.output]
+        while outs and outs[-1] == -1:
+            outs.pop()
+        self.steps.append(_make_step(fn, ins, outs))
+
+    # -- translation ------------------------------------------------------------------------------
+    def translate(self) -> OnnxTorchModule:
+        g = self.model.graph
+        inits = {t.name for t in g.initializer}
+        input_slots = {vi.name: self.slot(vi.name) for vi in g.input if vi.name not in inits}
+        for node in g.node:
+            if node.domain not in ("", "ai.onnx"):
+                raise UnsupportedOnnxOp(f"node '{node.name}': domain {node.domain!r} is not supported")
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            handler = getattr(self, f"op_{node.op_type}", None)
+            if handler is None:
+                if node.op_type in _UNARY:
+                    self.add(node, _UNARY[node.op_type], [node.input[0]])
+                elif node.op_type in _BINARY:
+                    self.add(node, _BINARY[node.op_type], [node.input[0], node.input[1]])
+                else:
+                    raise UnsupportedOnnxOp(f"node '{node.name}': op {node.op_type} is not supported by "
+                                            f"torch_module_from_onnx; supported: {', '.join(supported_ops())}")
+            else:
+                handler(node, attrs)
+        output_names = [vi.name for vi in g.output]
+        output_slots = [self.runtime_input(n) for n in output_names]
+        return OnnxTorchModule(self.steps, self.template, input_slots, output_slots, output_names,
+                               list(self.device_consts.values()))
+
+    # -- ops ---------------------------------------------------------------------------------------
+    def op_Constant(self, node, attrs):
+        self.consts[node.output[0]] = _constant_value(node)
+
+    def op_Identity(self, node, attrs):
+        if node.input[0] in self.consts:
+            self.consts[node.output[0]] = self.consts[node.input[0]]
+            return
+        self.add(node, lambda x: x, [node.input[0]])
+
+    def op_Cast(self, node, attrs):
+        to = int(attrs["to"])
+        if to not in _TORCH_DTYPES:
+            raise UnsupportedOnnxOp(f"Cast node '{node.name}': target type {to} is not supported")
+        dtype = self.dtype if (self.dtype is not None and to in _FLOAT_ELEM_TYPES) else _TORCH_DTYPES[to]
+        self.add(node, lambda x: x.to(dtype), [node.input[0]])
+
+    def op_Gemm(self, node, attrs):
+        alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+        trans_a, trans_b = int(attrs.get("transA", 0)), int(attrs.get("transB", 0))
+        a_name, b_name = node.input[0], node.input[1]
+        c_name = node.input[2] if len(node.input) > 2 else ""
+        b_const = self.consts.get(b_name)
+        c_const = self.consts.get(c_name) if c_name else None
+        if b_const is not None and b_const.ndim == 2 and (not c_name or c_const is not None):
+            # What torch.nn.Linear does: F.linear(x, W[out, in], bias[out]).
+            w = b_const if trans_b else b_const.T
+            n_out = w.shape[0]
+            weight = self.tensor(np.ascontiguousarray(w) * np.asarray(alpha, w.dtype) if alpha != 1.0 else w)
+            bias = None
+            general_c = None
+            if c_const is not None and beta != 0.0:
+                c = c_const * np.asarray(beta, c_const.dtype) if beta != 1.0 else c_const
+                if c.size == n_out and (c.ndim <= 1 or c.shape == (1, n_out)):
+                    bias = self.tensor(c.reshape(n_out))
+                else:
+                    general_c = self.tensor(c)
+            self.device_consts[f"{node.name}/weight"] = weight
+            if bias is not None:
+                self.device_consts[f"{node.name}/bias"] = bias
+            if general_c is not None:
+                self.device_consts[f"{node.name}/c"] = general_c
+
+            def gemm_linear(x):
+                if trans_a:
+                    x = x.t()
+                y = F.linear(x, weight, bias)
+                return y if general_c is None else y + general_c
+            self.add(node, gemm_linear, [a_name])
+            return
+
+        def gemm(a, b, c=None):
+            if trans_a:
+                a = a.t()
+            if trans_b:
+                b = b.t()
+            y = torch.matmul(a, b)
+            if alpha != 1.0:
+                y = y * alpha
+            if c is not None and beta != 0.0:
+                y = y + (c * beta if beta != 1.0 else c)
+            return y
+        self.add(node, gemm, [a_name, b_name] + ([c_name] if c_name else []))
+
+    def op_Reshape(self, node, attrs):
+        shape = [int(d) for d in self.const(node, 1, "shape")]
+        allowzero = int(attrs.get("allowzero", 0))
+        if allowzero or 0 not in shape:
+            target = tuple(shape)
+            self.add(node, lambda x: x.reshape(target), [node.input[0]])
+            return
+        zeros = [i for i, d in enumerate(shape) if d == 0]
+
+        def reshape(x):
+            s = list(shape)
+            for i in zeros:
+                s[i] = x.shape[i]
+            return x.reshape(s)
+        self.add(node, reshape, [node.input[0]])
+
+    def op_Transpose(self, node, attrs):
+        perm = attrs.get("perm")
+        if perm is None:
+            self.add(node, lambda x: x.permute(*reversed(range(x.dim()))), [node.input[0]])
+        else:
+            p = tuple(int(i) for i in perm)
+            self.add(node, lambda x: x.permute(p), [node.input[0]])
+
+    def op_Softmax(self, node, attrs):
+        if self.opset >= 13:
+            axis = int(attrs.get("axis", -1))
+            self.add(node, lambda x: torch.softmax(x, axis), [node.input[0]])
+            return
+        axis = int(attrs.get("axis", 1))
+
+        def softmax_flat(x):  # opset < 13: softmax over the input coerced to 2-D at `axis`
+            ax = axis + x.dim() if axis < 0 else axis
+            if ax == x.dim() - 1:
+                return torch.softmax(x, -1)
+            return torch.softmax(x.reshape(math.prod(x.shape[:ax]), -1), -1).reshape(x.shape)
+        self.add(node, softmax_flat, [node.input[0]])
+
+    def op_LayerNormalization(self, node, attrs):
+        axis = int(attrs.get("axis", -1))
+        eps = float(attrs.get("epsilon", 1e-5))
+        x_name, s_name = node.input[0], node.input[1]
+        b_name = node.input[2] if len(node.input) > 2 else ""
+        extra = any(n for n in node.output[1:])
+        scale = self.consts.get(s_name)
+        bias = self.consts.get(b_name) if b_name else None
+        if (not extra and axis < 0 and scale is not None and scale.ndim == -axis
+                and (not b_name or (bias is not None and bias.shape == scale.shape))):
+            normalized = tuple(int(d) for d in scale.shape)
+            self.add(node, lambda x, w, b=None: F.layer_norm(x, normalized, w, b, eps),
+                     [x_name, s_name] + ([b_name] if b_name else []))
+            return
+
+        def layer_norm(x, w, b=None):
+            ax = axis + x.dim() if axis < 0 else axis
+            ns = tuple(x.shape[ax:])
+            if tuple(w.shape) == ns and (b is None or tuple(b.shape) == ns):
+                y = F.layer_norm(x, ns, w, b, eps)
+            else:
+                y = F.layer_norm(x, ns, None, None, eps) * w
+                if b is not None:
+                    y = y + b
+            if not extra:
+                return y
+            dims = tuple(range(ax, x.dim()))
+            mean = x.mean(dims, keepdim=True)
+            inv_std = torch.rsqrt(x.var(dims, keepdim=True, correction=0) + eps)
+            return y, mean, inv_std
+        self.add(node, layer_norm, [x_name, s_name] + ([b_name] if b_name else []))
+
+    def op_Gelu(self, node, attrs):
+        approximate = attrs.get("approximate", "none")
+        if isinstance(approximate, bytes):
+            approximate = approximate.decode()
+        self.add(node, lambda x: F.gelu(x, approximate=approximate), [node.input[0]])
+
+    def _reduce(self, node, attrs, fn, axes_input_since: int):
+        if self.opset >= axes_input_since:
+            axes = self.const(node, 1, "axes")
+        else:
+            axes = attrs.get("axes")
+        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        keepdims = bool(int(attrs.get("keepdims", 1)))
+        noop = int(attrs.get("noop_with_empty_axes", 0))
+        if not axes:
+            if noop:
+                self.add(node, lambda x: x, [node.input[0]])
+            else:
+                self.add(node, lambda x: fn(x, tuple(range(x.dim())), keepdim=keepdims), [node.input[0]])
+            return
+        dims = tuple(axes)
+        self.add(node, lambda x: fn(x, dims, keepdim=keepdims), [node.input[0]])
+
+    def op_ReduceMean(self, node, attrs):
+        self._reduce(node, attrs, torch.mean, 18)
+
+    def op_ReduceSum(self, node, attrs):
+        self._reduce(node, attrs, torch.sum, 13)
+
+    def op_Concat(self, node, attrs):
+        axis = int(attrs["axis"])
+        self.add(node, lambda *xs: torch.cat(xs, axis), [n for n in node.input if n])
+
+    def op_Unsqueeze(self, node, attrs):
+        raw = self.const(node, 1, "axes") if self.opset >= 13 else attrs.get("axes")
+        if raw is None:
+            raise UnsupportedOnnxOp(f"Unsqueeze node '{node.name}': axes are required")
+        axes = [int(a) for a in np.asarray(raw).reshape(-1)]
+
+        def unsqueeze(x):
+            for a in _norm_axes(axes, x.dim() + len(axes)):
+                x = x.unsqueeze(a)
+            return x
+        self.add(node, unsqueeze, [node.input[0]])
+
+    def op_Squeeze(self, node, attrs):
+        raw = self.const(node, 1, "axes") if self.opset >= 13 else attrs.get("axes")
+        if raw is None or np.asarray(raw).size == 0:
+            self.add(node, lambda x: x.squeeze(), [node.input[0]])
+            return
+        axes = [int(a) for a in np.asarray(raw).reshape(-1)]
+
+        def squeeze(x):
+            for a in reversed(_norm_axes(axes, x.dim())):
+                x = x.squeeze(a)
+            return x
+        self.add(node, squeeze, [node.input[0]])
+
+    def op_Flatten(self, node, attrs):
+        axis = int(attrs.get("axis", 1))
+
+        def flatten(x):
+            ax = axis + x.dim() if axis < 0 else axis
+            return x.reshape(math.prod(x.shape[:ax]), -1)
+        self.add(node, flatten, [node.input[0]])
+
+
+def torch_module_from_onnx(model: onnx.ModelProto, device="cuda", dtype: torch.dtype | None = None) -> OnnxTorchModule:
+    """A torch.nn.Module computing `model` with its own initializers, as tensors on `device`.
+
+    With `dtype` (e.g. torch.float64), floating-point weights and float Casts use that dtype: a
+    higher-precision reference; feed inputs of that dtype then. The module is built for `device`
+    (don't move it with .to()). Raises UnsupportedOnnxOp for ops it does not translate.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"model must be an onnx.ModelProto; got {type(model).__name__}")
+    module = _Translator(model, device, dtype).translate()
+    module.eval()
+    return module
+
+
+__all__ = ["OnnxTorchModule", "UnsupportedOnnxOp", "supported_ops", "torch_module_from_onnx"]

@@ -1,0 +1,183 @@
+"""The `ephost` command line, through main(argv) in-process (plus one `python -m` smoke test)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host import cli, loader, zoo
+from host.session import InferenceSession
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plugin(example_plugin) -> str:
+    # tests/conftest.py builds with build.build_python_plugin("example", 5) once per process:
+    # rebuilding here would rewrite a .so that other tests already have mapped.
+    return str(example_plugin(5))
+
+
+@pytest.fixture(scope="module")
+def mlp_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "mlp.onnx"
+    assert cli.main(["make-model", "mlp", str(path), "--layers", "2", "--hidden", "8"]) == 0
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def direct_run(model_path, feeds, **kw):
+    with InferenceSession(str(model_path), **kw) as s:
+        return s.run(None, feeds)
+
+
+# ---- make-model and run ------------------------------------------------------------------------
+def test_make_model_then_run_saves_outputs_equal_to_a_direct_run(capsys, tmp_path):
+    model = tmp_path / "t.onnx"
+    rc, out, _ = run_cli(capsys, "make-model", "transformer", model, "--seq", 4, "--hidden", 16, "--heads", 2,
+                         "--ffn", 32)
+    assert rc == 0 and out.startswith(f"wrote {model}: transformer")
+    rc, out, err = run_cli(capsys, "run", model, "--random-inputs", "--seed", 3, "--output-dir", tmp_path / "out")
+    assert rc == 0, err
+    assert "CPUExecutionProvider: " in out
+    assert "output: shape=[1, 4, 16] dtype=float32 min=" in out
+    saved = np.load(tmp_path / "out" / "output.npy")
+    feeds = zoo.random_inputs(zoo.transformer_block(seq=4, hidden=16, heads=2, ffn=32), seed=3)
+    np.testing.assert_array_equal(saved, direct_run(model, feeds)[0])
+
+
+def test_run_with_input_file(capsys, tmp_path, mlp_path):
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
+    np.save(tmp_path / "x.npy", x)
+    rc, _, err = run_cli(capsys, "run", mlp_path, "--input", f"input={tmp_path / 'x.npy'}", "--output-dir", tmp_path)
+    assert rc == 0, err
+    np.testing.assert_array_equal(np.load(tmp_path / "output.npy"), direct_run(mlp_path, {"input": x})[0])
+
+
+def test_run_on_example_plugin_reports_node_counts(capsys, plugin, mlp_path):
+    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--ep", "ExampleEP", "--random-inputs")
+    assert rc == 0, err
+    assert out.splitlines()[0] == "ExampleEP: 6 nodes"
+
+
+def test_ep_options_go_to_the_first_or_the_named_ep(capsys, plugin, mlp_path):
+    for option in ("ops=MatMul,Add", "ExampleEP:ops=MatMul,Add"):
+        rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", f"ex={plugin}", "--ep-option", option,
+                               "--random-inputs")
+        assert rc == 0, err
+        assert out.splitlines()[:2] == ["ExampleEP: 4 nodes", "CPUExecutionProvider: 2 nodes"]
+
+
+def test_plugin_without_device_warns_on_one_line(capsys, plugin, mlp_path, monkeypatch):
+    describe = loader.PluginRegistration._describe
+
+    def no_devices(self, slots):
+        f = describe(self, slots)
+        f.devices = []  # what a GPU plugin reports on a machine without a GPU
+        return f
+
+    monkeypatch.setattr(loader.PluginRegistration, "_describe", no_devices)
+    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--random-inputs")
+    assert rc == 0
+    assert err.splitlines() == ["warning: ExampleEP has no device; its nodes fall back to CPUExecutionProvider"]
+    assert out.splitlines()[0] == "CPUExecutionProvider: 6 nodes"
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def assert_error(rc, out, err, *fragments):
+    assert rc == 2
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err + out
+    for f in fragments:
+        assert f in err
+
+
+def test_unknown_ep_is_an_error(capsys, plugin, mlp_path):
+    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--ep", "NoSuchEP", "--random-inputs")
+    assert_error(rc, out, err, "'NoSuchEP' is not registered", "ExampleEP")
+
+
+def test_malformed_model_names_the_path(capsys, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a protobuf at all")
+    assert_error(*run_cli(capsys, "run", bad, "--random-inputs"), str(bad))
+    assert_error(*run_cli(capsys, "run", tmp_path / "missing.onnx"), "missing.onnx", "does not exist")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--ep-option", "nokey"], "expected KEY=VALUE or EP:KEY=VALUE"),
+    (["--ep-option", "Other:ops=Add"], "targets EP 'Other', which is not chosen"),
+    (["--ep-option", "ops=Add", "--ep", "CPUExecutionProvider"], "CPUExecutionProvider takes no options"),
+    ([], "missing input(s) ['input']; give --input NAME=FILE.npy or --random-inputs"),
+    (["--input", "input=/nonexistent.npy"], "--input input: cannot read '/nonexistent.npy'"),
+])
+def test_argument_value_errors(capsys, mlp_path, argv, fragment):
+    assert_error(*run_cli(capsys, "run", mlp_path, *argv), fragment)
+
+
+def test_make_model_rejects_options_of_other_kinds(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, "make-model", "mlp", tmp_path / "m.onnx", "--seq", 4)
+    assert_error(rc, out, err, "--seq does not apply to mlp; mlp takes --layers")
+    assert_error(*run_cli(capsys, "make-model", "cnn", tmp_path / "m.onnx", "--batch", 0), "batch must be")
+
+
+def test_argparse_errors_exit_2(capsys):
+    assert cli.main(["run"]) == 2
+    assert cli.main(["make-model", "resnet", "x.onnx"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+def test_bench_prints_percentiles(capsys, plugin, mlp_path):
+    rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--warmup", 2, "--iters", 5)
+    assert rc == 0, err
+    for label in ("first run: ", "p50: ", "p90: ", "p99: ", "mean: "):
+        assert label in out
+    assert "ExampleEP: 6 nodes" in out
+
+
+def test_bench_iobinding_with_graph_capture_binds_fixed_outputs(capsys, plugin, mlp_path):
+    rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--ep-option", "enable_graph=1",
+                           "--iobinding", "--warmup", 3, "--iters", 5)
+    assert rc == 0, err
+    assert "mode: run_with_iobinding, graph capture" in out
+
+
+def test_bench_cuda_graph_passes_enable_cuda_graph_to_the_ep(capsys, plugin, mlp_path):
+    # ExampleEP knows no enable_cuda_graph option, so its refusal shows the option arrived.
+    rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--cuda-graph", "--iters", 1)
+    assert_error(rc, out, err, "unknown option(s) ['enable_cuda_graph']")
+    assert_error(*run_cli(capsys, "bench", mlp_path, "--cuda-graph"), "need a plugin EP")
+
+
+def test_bench_plot_without_matplotlib_names_the_package(capsys, mlp_path, monkeypatch):
+    monkeypatch.setattr(cli, "has_package", lambda name: False)
+    assert_error(*run_cli(capsys, "bench", mlp_path, "--iters", 1, "--plot", "x.png"), "'matplotlib'")
+
+
+# ---- plugin-info and entry points --------------------------------------------------------------
+def test_plugin_info(capsys, plugin):
+    pytest.importorskip("host.plugin_info")
+    rc, out, err = run_cli(capsys, "plugin-info", plugin)
+    assert rc == 0, err
+    assert "ExampleEP" in out
+    assert_error(*run_cli(capsys, "plugin-info", "/nonexistent/lib.so"), "/nonexistent/lib.so")
+
+
+def test_python_dash_m_entry_points(tmp_path):
+    out = tmp_path / "c.onnx"
+    for module in ("host.cli", "host"):
+        r = subprocess.run([sys.executable, "-m", module, "make-model", "cnn", str(out), "--size", "8"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert out.is_file()
