@@ -91,8 +91,16 @@ def build_python_plugin(plugin: str, version: int, out_dir: Path = DEFAULT_OUT) 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         built = ffi.compile(tmpdir=tmp, target=f"lib{mod}.*", verbose=False)
-        shutil.copyfile(built, target)
+        _install(Path(built), target)
     return target
+
+
+def _install(built: Path, target: Path) -> None:
+    """Replace `target` atomically: a process that has the old library mapped keeps a valid
+    file (writing into the same inode would corrupt its mapped code)."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, target)
 
 
 def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT) -> Path:
@@ -100,8 +108,10 @@ def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT) -> Path:
     target = library_path(plugin, out_dir=out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cc = os.environ.get("CC", "cc")
-    cmd = [cc, "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-I", str(ROOT / "abi"), str(src), "-o", str(target)]
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    cmd = [cc, "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-I", str(ROOT / "abi"), str(src), "-o", str(tmp)]
     subprocess.run(cmd, check=True)
+    os.replace(tmp, target)
     return target
 
 

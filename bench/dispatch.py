@@ -79,7 +79,7 @@ def _strip(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if k != "samples_us"}
 
 
-def measure(nodes: int = 1000, size: int = 4, warmup: int = 20, iters: int = 200, plugin: str | None = None,
+def measure(nodes: int = 1000, size: int = 4, warmup: int = 5, iters: int = 50, plugin: str | None = None,
             profile_runs: int = 0) -> dict:
     """Times paths A, B and C; returns their stats, per-node costs and (optionally) a profile."""
     from host.environment import Environment
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--size", type=int, default=4, help="elements in the float32 tensor")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--plugin", help="example plugin library (default: build/lib/libephost_example_v5.so)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--profile", action="store_true", help="cProfile path A and print the top 15 by tottime")

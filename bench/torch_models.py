@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
-
 import torch
 import torch.nn.functional as F
+from onnx import helper, numpy_helper
 
 # ONNX TensorProto element types -> torch dtypes.
 _TORCH_DTYPES = {

@@ -124,8 +124,10 @@ class PluginEp:
         slots = negotiate("EpAllocator", out[0], self.slots.negotiated, self.owner)
         fs = self.factory.slots
         if fs.ReleaseAllocator is not None:
-            # Live allocations keep the Slots object alive; the allocator goes when the last does.
-            weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr)
+            # Live allocations keep the Slots object alive; the allocator goes when the last does,
+            # or when the plugin is unregistered, whichever comes first (never after its factory).
+            fin = weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr)
+            self.factory.allocator_finalizers.append(fin)
         return slots
 
     def _create_transfer(self) -> Slots | None:

@@ -161,6 +161,7 @@ class Factory:
     plugin_version: str = ""
     devices: list[EpDeviceInfo] = field(default_factory=list)
     device_structs: object = None
+    allocator_finalizers: list = field(default_factory=list)
 
     @property
     def ptr(self):
@@ -250,6 +251,9 @@ class PluginRegistration:
         self._closed = True
         errors = []
         for f in self.factories:
+            for fin in f.allocator_finalizers:
+                fin()  # allocators still held by outputs go now, while their factory exists
+            f.allocator_finalizers.clear()
             try:
                 hostapi.check(self.library.ReleaseEpFactory(f.ptr), f"{self._owner()}: ReleaseEpFactory", EpError)
             except EpError as exc:

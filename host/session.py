@@ -340,7 +340,35 @@ class InferenceSession:
         feeds = self._feeds(binding.inputs)
         bound = {self.plan.output_ids[k]: v for k, v in binding.outputs.items() if v is not None}
         st = self._execute(feeds, bound, ro, graph_id)
-        binding._results = {name: st.values[self.plan.output_ids[name]] for name in binding.output_names()}
+        results = {}
+        for name in binding.output_names():
+            value = st.values[self.plan.output_ids[name]]
+            target = binding.outputs.get(name)
+            if target is not None and value is not target:
+                self._copy_into(target, value, name)  # produced elsewhere (e.g. the CPU EP): fill the buffer
+                value = target
+            results[name] = value
+        binding._results = results
+
+    def _copy_into(self, target, value, name: str) -> None:
+        if tuple(target.shape) != tuple(value.shape) or target.dtype != value.dtype:
+            raise InvalidArgument(f"output '{name}' is bound to a buffer of shape {list(target.shape)} and dtype "
+                                  f"{target.dtype}; the model produced shape {list(value.shape)}, dtype {value.dtype}")
+        if isinstance(target, np.ndarray):
+            np.copyto(target, self._executor.to_host(value))
+            return
+        moved = self._executor.transfer(value, (target.device_type, target.device_id), None, None)
+        dev = moved if isinstance(moved, DeviceTensor) else None
+        if dev is None:
+            raise EpError(f"output '{name}' could not be copied into its bound device buffer")
+        src = ffi.new("EpTensor*")
+        dst = ffi.new("EpTensor*")
+        st = self._executor.state()
+        st.fill(src, dev)
+        st.fill(dst, target)
+        ep = self._executor._ep_at((target.device_type, target.device_id))
+        t = ep.transfer
+        hostapi.check(t.CopyTensors(t.ptr, src, dst, ffi.new("EpSyncStream*[1]"), 1), f"{ep.owner}: CopyTensors")
 
     # -- lifetime ----------------------------------------------------------------------------------
     def _check_open(self) -> None:

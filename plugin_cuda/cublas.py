@@ -235,11 +235,28 @@ class _StreamRef:
         return (0, self.ptr)
 
 
-def _cupy_stream(ptr: int):
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+class _NoScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stream_scope(ptr: int):
+    """A context making the stream `ptr` CuPy's current stream (a no-op when it already is).
+
+    The wrapper does not own the stream: leaving the scope or collecting it destroys nothing.
+    """
+    if cupy.cuda.get_current_stream().ptr == ptr:
+        return _NoScope()
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
     if from_external is not None:
-        return from_external(_StreamRef(ptr))
-    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14, absent before nothing
+        try:
+            return from_external(_StreamRef(ptr))
+        except (TypeError, ValueError):
+            pass
+    with warnings.catch_warnings():  # ExternalStream is deprecated from CuPy 14 on
         warnings.simplefilter("ignore", DeprecationWarning)
         return cupy.cuda.ExternalStream(ptr)
 
@@ -329,7 +346,7 @@ class CublasHandle:
         workspace = None
         ws_ptr = _NULL
         if self.workspace_bytes:
-            with _cupy_stream(ptr):
+            with _stream_scope(ptr):
                 workspace = cupy.cuda.alloc(self.workspace_bytes)
             ws_ptr = ffi.cast("void *", workspace.ptr)
         check(

@@ -4,9 +4,11 @@ Graphs are kept per thread and per annotation id (`gpu_graph_id`), so a thread n
 a graph captured on another thread's stream. Capture starts at the first kernel of the run
 after the warm-up runs (the EP learns its stream there), in thread-local capture mode, and ends
 in OnRunEnd, which then launches the graph once: a capture run computes nothing by itself.
-Memory the host frees during capture is held by the graph, which replays into it. A capture
-that fails is ended, the sticky error is cleared, the kernels recorded so far run eagerly, and
-that id runs eagerly from then on.
+Every allocation of an id's warm-up and capture runs comes from a memory pool private to that
+(thread, id): the warm-up runs fill it, so capture allocates nothing new, blocks freed during
+capture are reused inside the graph only, and after capture nobody else allocates from it, so
+replays own their memory. A capture that fails is ended, the sticky error is cleared, the
+kernels recorded so far run eagerly, and that id runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Capturing:
 
 class ThreadGraphs:
     def __init__(self) -> None:
+        self.pools: dict[int, object] = {}
+        self.active_pool = None
         self.graphs: dict[int, Captured] = {}
         self.runs: dict[int, int] = {}
         self.failed: set[int] = set()
@@ -63,13 +67,32 @@ class GraphManager:
         return t
 
     # -- warm-up and capture --------------------------------------------------------------
+    def malloc(self):
+        """The allocator for the calling thread: its graph's private pool during warm-up/capture."""
+        t = self._tls.__dict__.get("v")
+        if t is not None and t.active_pool is not None:
+            return t.active_pool.malloc
+        return self.ep.memory.allocator
+
+    def pool_bytes(self) -> int:
+        t = self._tls.__dict__.get("v")
+        pool = t.active_pool if t is not None else None
+        return int(pool.total_bytes()) if pool is not None else self.ep.memory.total_bytes()
+
     def on_run_start(self, run_options: dict[str, str]) -> None:
         if not self.ep.opts.enable_cuda_graph:
             return
         gid = int(run_options.get("gpu_graph_id", "0"))
         t = self._t()
+        t.active_pool = None
         if gid == -1 or gid in t.graphs or gid in t.failed:
             return
+        if self.ep.memory.external is None:  # the external allocator owns all memory: no private pool
+            pool = t.pools.get(gid)
+            if pool is None:
+                with self.ep.device:
+                    pool = t.pools[gid] = self.ep.cupy.cuda.MemoryPool()
+            t.active_pool = pool
         t.runs[gid] = t.runs.get(gid, 0) + 1
         if t.runs[gid] > self.ep.opts.min_num_runs_before_cuda_graph_capture:
             t.pending = gid
@@ -80,7 +103,7 @@ class GraphManager:
             return
         gid, t.pending = t.pending, None
         state.cublas  # noqa: B018 - create the handle and its workspace before capture
-        before = self.ep.memory.total_bytes()
+        before = self.pool_bytes()
         state.stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
         t.capturing = Capturing(gid, state, before)
 
@@ -96,14 +119,6 @@ class GraphManager:
         t = self._tls.__dict__.get("v")
         if t is not None and t.capturing is not None:
             t.capturing.calls.append((adapter, call, state))
-
-    def hold(self, mem) -> bool:
-        """Keep a freed block alive when the current thread is capturing."""
-        t = self._tls.__dict__.get("v")
-        if t is None or t.capturing is None:
-            return False
-        t.capturing.keep.append(mem)
-        return True
 
     def abort_capture(self, exc: BaseException) -> None:
         t = self._t()
@@ -138,10 +153,12 @@ class GraphManager:
         t.pending = None
         c = t.capturing
         if c is None:
+            t.active_pool = None
             return
         t.capturing = None
         graph = c.state.stream.end_capture()
-        grew = self.ep.memory.total_bytes() - c.pool_before
+        grew = self.pool_bytes() - c.pool_before
+        t.active_pool = None
         if grew > 0:
             self.ep.stats["capture_allocations"] += 1
             _log.warning("CUDA graph %s: %d bytes of device memory were allocated during capture", c.gid, grew)
@@ -172,6 +189,9 @@ class GraphManager:
         if cap is not None:
             cap.state.stream.synchronize()  # the graph may still be running on its stream
             cap.keep.clear()
+        pool = t.pools.pop(gid, None)
+        if pool is not None:
+            pool.free_all_blocks()
 
     def close(self) -> None:
         with self._lock:
@@ -183,3 +203,6 @@ class GraphManager:
                 except Exception:  # noqa: BLE001 - closing goes on
                     pass
             t.graphs.clear()
+            for pool in t.pools.values():
+                pool.free_all_blocks()
+            t.pools.clear()

@@ -60,9 +60,9 @@ class DeviceMemory:
         """The function to install as CuPy's allocator while this EP computes."""
         return self._malloc
 
-    def malloc(self, size: int):
+    def malloc(self, size: int, allocator=None):
         try:
-            return self._malloc(size)
+            return (allocator or self._malloc)(size)
         except self.cupy.cuda.memory.OutOfMemoryError as exc:
             used = self.used_bytes()
             limit = f", limit {self.limit} bytes" if self.limit else ""

@@ -136,6 +136,7 @@ class CudaEp(sdk.EpBase):
             self.unified = StreamState(self, stream, owned=not opts.has_user_compute_stream)
             self.streams[self.unified.ptr] = self.unified
         self.graphs = GraphManager(self)
+        self.run_streams = threading.local()  # .state: the stream this thread's run computed on
         self._set_alloc, self._get_alloc = _thread_allocator_functions(cp)
 
     # -- memory ------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class CudaEp(sdk.EpBase):
     def alloc_block(self, size: int, stream_state: StreamState | None) -> int:
         stream = stream_state.stream if stream_state is not None else self.cupy.cuda.Stream.null
         with self.device, stream:
-            mem = self.memory.malloc(max(size, 1))
+            mem = self.memory.malloc(max(size, 1), self.graphs.malloc())
         ptr = int(mem.ptr)
         with self._lock:
             self.blocks[ptr] = mem
@@ -158,9 +159,7 @@ class CudaEp(sdk.EpBase):
                 return
             if len(self._views) > 4096:
                 self._views.clear()
-        # A graph captured on this thread replays into this memory: it keeps it.
-        if not self.graphs.hold(mem):
-            del mem
+        del mem  # back to its pool, ordered on the stream it was allocated on
 
     def view(self, ptr: int, shape: tuple, dtype):
         """A CuPy array over device memory the host handed us (cached: building one costs µs)."""
@@ -230,6 +229,11 @@ class CudaEp(sdk.EpBase):
 
     def OnRunEnd(self, run_options, sync_stream):
         self.graphs.on_run_end(bool(sync_stream))
+        state = getattr(self.run_streams, "state", None)
+        if sync_stream and state is not None:
+            # Outputs left in device memory are ready when run() returns, unless the caller
+            # asked otherwise (disable_synchronize_execution_providers).
+            state.stream.synchronize()
 
     def IsGraphCaptureEnabled(self):
         return int(self.opts.enable_cuda_graph)
@@ -338,6 +342,7 @@ class CudaKernelAdapter(sdk.KernelBase):
         if state is None:
             raise PluginError(f"node '{self.node.name}': the host gave no CUDA stream of this EP")
         inputs = self._read_inputs(kio)
+        ep.run_streams.state = state
         call = KernelCall(self, context, inputs, state)
         ep.graphs.before_kernel(state)
         try:
@@ -356,7 +361,7 @@ class CudaKernelAdapter(sdk.KernelBase):
         setter, getter = ep._set_alloc, ep._get_alloc
         if setter is not None:
             prev = getter()
-            setter(ep.memory.allocator)
+            setter(ep.graphs.malloc())
             try:
                 with state.stream:
                     self.kernel.compute(call)
@@ -380,12 +385,12 @@ class CudaKernelAdapter(sdk.KernelBase):
         if framework is None:
             ep.stats["untagged_scratch"] += 1
             with ep.device, ep.cupy.cuda.Stream.null:
-                return ep.memory.malloc(nbytes)
+                return ep.memory.malloc(nbytes, ep.graphs.malloc())
         owner = self.runtime.obj(framework)
         tagged = owner.state if isinstance(owner, CudaSyncStream) else state
         ep.stats["tagged_scratch"] += 1
         with ep.device, tagged.stream:
-            return ep.memory.malloc(nbytes)
+            return ep.memory.malloc(nbytes, ep.graphs.malloc())
 
 
 class CudaAllocator(sdk.AllocatorBase):

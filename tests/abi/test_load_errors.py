@@ -197,7 +197,8 @@ try:
         else:
             from onnx import TensorProto, helper
             vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "abc"]
-            graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"], name="add0")], "g", vi[:2], vi[2:])
+            node = helper.make_node("Add", ["a", "b"], ["c"], name="add0")
+            graph = helper.make_graph([node], "g", vi[:2], vi[2:])
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
             try:
                 InferenceSession(model.SerializeToString(), providers=["ExampleEP"], env=env)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from host import cli, loader, zoo
+from host.benchutil import bench_session
+from host.errors import InvalidArgument
 from host.session import InferenceSession
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,6 +165,26 @@ def test_bench_cuda_graph_passes_enable_cuda_graph_to_the_ep(capsys, plugin, mlp
 def test_bench_plot_without_matplotlib_names_the_package(capsys, mlp_path, monkeypatch):
     monkeypatch.setattr(cli, "has_package", lambda name: False)
     assert_error(*run_cli(capsys, "bench", mlp_path, "--iters", 1, "--plot", "x.png"), "'matplotlib'")
+
+
+def test_bench_session_counts_calls_and_orders_percentiles():
+    calls = []
+    stats = bench_session(lambda: calls.append(1), warmup=3, iters=7)
+    assert len(calls) == 10 and len(stats["samples_us"]) == 7
+    assert stats["min_us"] <= stats["p50_us"] <= stats["p90_us"] <= stats["p99_us"] <= stats["max_us"]
+    assert stats["first_run_us"] <= stats["warmup_us"]
+    assert bench_session(lambda: None, warmup=0, iters=1)["first_run_us"] > 0
+    with pytest.raises(InvalidArgument, match="^iters must be an integer >= 1; got 0$"):
+        bench_session(lambda: None, 1, 0)
+    with pytest.raises(InvalidArgument, match="^warmup must be an integer >= 0; got -1$"):
+        bench_session(lambda: None, -1, 1)
+
+
+def test_summarize_handles_empty_and_bool_outputs():
+    assert cli.summarize("e", np.zeros((0, 3), np.float32)) == "e: shape=[0, 3] dtype=float32 (empty)"
+    line = cli.summarize("b", np.array([True, False, True, True, False, True]))
+    assert line.startswith("b: shape=[6] dtype=bool min=0 max=1 mean=0.666667 values=[ True, False,")
+    assert line.endswith(", ...]")
 
 
 # ---- plugin-info and entry points --------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The plugin's own cuBLAS binding: errors, handle lifetime, GEMM semantics, and capture in a CUDA graph.
 
-float32 GEMMs run in TF32 by default (10-bit mantissa inputs, FP32 accumulate), hence rtol/atol 1e-2
-against float64 NumPy; the plain-FP32 handle is held to 1e-4.
+float32 GEMMs run in TF32 by default (inputs rounded to a 10-bit mantissa, FP32 accumulate: the error
+of a K=32 dot product of standard normals reaches ~1e-2 at the tail), hence rtol 1e-2 / atol 5e-2
+against NumPy; the plain-FP32 handle is held to 1e-4.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from plugin_cuda import cublas
 from plugin_cuda.cublas import CublasError, CublasHandle
 
 gpu = pytest.mark.gpu
-TF32_TOL = dict(rtol=1e-2, atol=1e-2)
+TF32_TOL = dict(rtol=1e-2, atol=5e-2)
 
 
 def rand(*shape, seed=0):

@@ -1,10 +1,11 @@
 """CUDA plugin kernels against the ONNX reference evaluator (NumPy) on seeded random inputs.
 
 Tolerances: float32 elementwise/reductions rtol 1e-5 (CUDA's expf/erff/tanhf are within a few ulp);
-float32 GEMM-based ops (MatMul, Gemm, Conv) rtol/atol 1e-2 because cuBLAS runs them in TF32 (10-bit
-mantissa inputs, FP32 accumulate: ~5e-4 relative per product, growing with K), except where a test
-uses the plain-FP32 handle (1e-4); float16 outputs rtol/atol 1e-2 (float16 has an 11-bit mantissa,
-and the reference sees the same float16-rounded inputs computed in float32).
+float32 GEMM-based ops (MatMul, Gemm, Conv) rtol 1e-2 / atol 2e-2 because cuBLAS runs them in TF32
+(inputs rounded to a 10-bit mantissa, FP32 accumulate: ~5e-4 relative error per product, growing like
+sqrt(K); K <= 24 here), except where a test uses the plain-FP32 handle (1e-4); float16 outputs rtol/atol
+1e-2 (float16 has an 11-bit mantissa, and the reference sees the same float16-rounded inputs computed
+in float32); LayerNormalization in float32 1e-4 (mean and variance are summed in another order).
 
 Tests without the gpu mark (claimable, attribute validation, registry) run on any machine.
 """
@@ -23,7 +24,7 @@ gpu = pytest.mark.gpu
 F32 = np.float32
 F16 = np.float16
 TOL = {np.dtype(F32): dict(rtol=1e-5, atol=1e-6), np.dtype(F16): dict(rtol=1e-2, atol=1e-2)}
-TF32_TOL = dict(rtol=1e-2, atol=1e-2)
+TF32_TOL = dict(rtol=1e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +267,9 @@ def test_layer_normalization(cp, axis, with_bias, dtype):
     inputs = [x, rand(*shape, seed=1), rand(*shape, seed=2) if with_bias else None]
     if not with_bias:
         inputs.pop()
-    got = check(cp, "LayerNormalization", inputs, {"axis": axis, "epsilon": 1e-3}, 17, dtype, num_outputs=3)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == F32 else None
+    got = check(cp, "LayerNormalization", inputs, {"axis": axis, "epsilon": 1e-3}, 17, dtype, num_outputs=3,
+                tol=tol)
     assert got[1].dtype == F32 and got[2].dtype == F32  # Mean / InvStdDev follow stash_type (float)
 
 
