@@ -274,10 +274,11 @@ def _thread_allocator_functions(cp):
 class KernelCall:
     """What a kernel of plugin_cuda.kernels sees during compute (see kernels/base.py)."""
 
-    __slots__ = ("inputs", "cublas", "_adapter", "_context", "_state", "_outs")
+    __slots__ = ("inputs", "num_outputs", "cublas", "_adapter", "_context", "_state", "_outs")
 
-    def __init__(self, adapter, context, inputs, state: StreamState):
+    def __init__(self, adapter, context, inputs, state: StreamState, num_outputs: int = 1):
         self._outs = {}
+        self.num_outputs = num_outputs
         self.inputs = inputs
         self._adapter = adapter
         self._context = context
@@ -343,7 +344,7 @@ class CudaKernelAdapter(sdk.KernelBase):
             raise PluginError(f"node '{self.node.name}': the host gave no CUDA stream of this EP")
         inputs = self._read_inputs(kio)
         ep.run_streams.state = state
-        call = KernelCall(self, context, inputs, state)
+        call = KernelCall(self, context, inputs, state, kio.num_outputs)
         ep.graphs.before_kernel(state)
         try:
             ep.graphs.check_forced_failure()
