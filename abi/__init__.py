@@ -45,7 +45,7 @@ GRAPH_ALLOW_CPU_FOR_SHAPES = _C["EP_GRAPH_ALLOW_CPU_FOR_SHAPES"]
 TABLES = tuple(s.name for s in header().structs if s.is_table)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def since_table() -> dict[str, dict[str, tuple[int, bool]]]:
     """{table: {slot: (since, required)}} for every function table of the header."""
     return {
@@ -63,7 +63,7 @@ def slots_at(table: str, version: int) -> list[str]:
     return [name for name, (s, _) in since_table()[table].items() if s <= version]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ffi_for(version: int = ABI_VERSION) -> cffi.FFI:
     """An FFI holding the ABI declarations of `version` (cached: cdef parsing costs ms)."""
     check_known_version(version)

@@ -119,7 +119,7 @@ def _struct_text(s: Struct, version: int) -> str:
     return f"struct {s.name} {{\n{body}\n}};"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cdef(version: int, exports: bool = True) -> str:
     """cffi declarations of the ABI at `version`: each table cut at its last slot with since <= version."""
     h = header()

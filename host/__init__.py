@@ -1,8 +1,17 @@
 """ephost host runtime: loads EP plugins by path and runs ONNX models through them."""
 
 from host.environment import Environment
-from host.errors import (AbiVersionError, EpError, EphostError, GraphCaptureError, InvalidArgument,
-                         KernelError, ModelError, OutOfMemoryError, PluginLoadError)
+from host.errors import (
+    AbiVersionError,
+    EpError,
+    EphostError,
+    GraphCaptureError,
+    InvalidArgument,
+    KernelError,
+    ModelError,
+    OutOfMemoryError,
+    PluginLoadError,
+)
 
 __all__ = [
     "Environment", "InferenceSession", "SessionOptions", "RunOptions", "IOBinding",

@@ -17,7 +17,7 @@ import abi
 from abi.dtypes import to_numpy
 from host import hostapi
 from host.ep import CPU_LOCATION, PluginEp, SyncStream
-from host.errors import EphostError, EpError, InvalidArgument, KernelError
+from host.errors import EpError, EphostError, InvalidArgument, KernelError
 from host.hostapi import CONTEXTS, ffi
 from host.tensor import Allocation, DeviceTensor, host_array
 
@@ -245,12 +245,19 @@ class Executor:
             producer.notify_and_wait(stream if location != CPU_LOCATION else None)
             st.producer.pop(vid, None)
         if _location(value) == location:
+            if ep is not None and isinstance(value, np.ndarray) and not value.flags.c_contiguous:
+                # Plugins see pointer + shape, no strides: views of the CPU EP must be made dense.
+                value = st.values[vid] = np.asarray(value, order="C")
             return value
         if vid in self.plan.constants:
             key = (vid, location)
             moved = self._device_constants.get(key)
             if moved is None:
-                moved = self._device_constants[key] = self.transfer(value, location, ep, stream)
+                moved = self.transfer(value, location, ep, stream)
+                if stream is not None:
+                    # Other threads reuse this copy at once, on their own streams: let it land first.
+                    stream.notify_and_wait(None)
+                self._device_constants[key] = moved
             return moved
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:
@@ -297,7 +304,7 @@ class Executor:
         dst = ffi.new("EpTensor*")
         st = self.state()
         if isinstance(value, np.ndarray):
-            value = np.ascontiguousarray(value)
+            value = np.asarray(value, order="C")
         st.fill(src, value)
         if location == CPU_LOCATION:
             out = np.empty(value.shape, value.dtype)

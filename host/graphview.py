@@ -66,7 +66,7 @@ class GraphView:
         return c
 
     def tensor(self, arr: np.ndarray):
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr, order="C")
         t = ffi.new("EpTensor*")
         self._keep += [t, arr]
         t.data = ffi.cast("void*", arr.ctypes.data)

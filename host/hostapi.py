@@ -75,7 +75,7 @@ class KernelContextRegistry:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def add(self, obj) -> tuple[object, int]:
+    def add(self, obj) -> tuple[object, int, object]:
         holder = ffi.new("char[1]")
         key = int(ffi.cast("uintptr_t", holder))
         with self._lock:
@@ -183,9 +183,9 @@ def _get_config_entry(options, key, value, size):
         size[0] = len(data)
         return ffi.NULL
     if size[0] < len(data):
-        need = len(data)
+        have, need = int(size[0]), len(data)
         size[0] = need
-        return _status(abi.EP_INVALID_ARGUMENT, f"buffer of {int(size[0])} bytes too small; need {need}")
+        return _status(abi.EP_INVALID_ARGUMENT, f"buffer of {have} bytes too small; need {need}")
     ffi.memmove(value, data, len(data))
     size[0] = len(data)
     return ffi.NULL
@@ -257,13 +257,30 @@ _SLOTS = {
 }
 
 
+_API_TABLES: dict[int, object] = {}
+
+
+def _api_table(version: int):
+    """The EpApi table of `version`, one per process: plugins keep the pointer for as long as they
+    live, which can be longer than the Environment that handed it out."""
+    table = _API_TABLES.get(version)
+    if table is None:
+        table = ffi.new("EpApi*")
+        table.struct_size = abi.ffi_for(version).sizeof("EpApi")
+        table.version = version
+        for name in abi.slots_at("EpApi", version):
+            setattr(table, name, _SLOTS[name])
+        _API_TABLES[version] = table
+    return table
+
+
 class HostApi:
     """EpApiBase + one EpApi table per served version (1..api_version)."""
 
     def __init__(self, api_version: int = EP_ABI):
         abi.check_known_version(api_version)
         self.version = api_version
-        self._tables = {v: self._make_table(v) for v in range(abi.ABI_MIN_VERSION, api_version + 1)}
+        self._tables = {v: _api_table(v) for v in range(abi.ABI_MIN_VERSION, api_version + 1)}
         self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup)
         self.base = ffi.new("EpApiBase*")
         self.base.struct_size = ffi.sizeof("EpApiBase")
@@ -271,15 +288,6 @@ class HostApi:
         self.base.GetApi = self._get_api
         self.base.GetVersionString = _get_version_string
         self.requested: list[int] = []
-
-    @staticmethod
-    def _make_table(version: int):
-        table = ffi.new("EpApi*")
-        table.struct_size = abi.ffi_for(version).sizeof("EpApi")
-        table.version = version
-        for name in abi.slots_at("EpApi", version):
-            setattr(table, name, _SLOTS[name])
-        return table
 
     def _lookup(self, version):
         self.requested.append(int(version))

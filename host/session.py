@@ -15,13 +15,13 @@ from abi.dtypes import to_numpy, to_onnx
 from host import cpu_ep, hostapi
 from host.environment import Environment
 from host.ep import CPU_LOCATION, PluginEp
-from host.errors import EphostError, EpError, InvalidArgument, ModelError
-from host.executor import Executor, Plan, PlanNode, compute_frees, wrap_kernel_error
+from host.errors import EpError, EphostError, InvalidArgument, ModelError
+from host.executor import Executor, Plan, PlanNode, compute_frees
 from host.graph_capture import GraphCapture
 from host.graphview import GraphView
 from host.hostapi import ffi
-from host.model import Graph, ValueMeta, build_graph
 from host.loader import negotiate
+from host.model import ValueMeta, build_graph
 from host.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 
 _log = logging.getLogger("ephost")
@@ -203,7 +203,7 @@ class InferenceSession:
         elem_types = [(g.values.get(nm) or ValueMeta(nm)).elem_type for nm in names]
         plan = Plan(nodes, dict(ids), names, elem_types,
                     {v.name: ids[v.name] for v in g.inputs}, {v.name: ids[v.name] for v in g.outputs},
-                    {ids[k]: np.ascontiguousarray(v) for k, v in g.initializers.items()},
+                    {ids[k]: np.asarray(v, order="C") for k, v in g.initializers.items()},
                     [ep for ep in self._eps if any(pn.ep is ep for pn in nodes)])
         compute_frees(nodes, set(plan.output_ids.values()) | set(plan.constants))
         return plan
@@ -247,7 +247,7 @@ class InferenceSession:
             arr_dtype, shape = dev.dtype, dev.shape
             value = dev
         else:
-            value = np.ascontiguousarray(value)
+            value = np.asarray(value, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
             arr_dtype, shape = value.dtype, value.shape
         expected = to_numpy(meta.elem_type) if meta.elem_type else None
         if expected is not None and arr_dtype != expected:

@@ -24,7 +24,7 @@ settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("EPHOST_HYPOTHESIS_PROFILE", "ci"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def built_plugin(name: str, version: int | None = None) -> Path:
     """Build a plugin into build/lib once per process (build.py is the one build entry point)."""
     if name in build.C_PLUGINS:

@@ -154,13 +154,9 @@ def example_env(example_plugin):
     env.close()
 
 
-# The host hands a CPU EP output that is a strided NumPy view (Transpose, Slice, Expand return views)
-# to a plugin as if it were C-contiguous: EpTensor has no strides, so the plugin reads the wrong
-# elements. Bug in host/executor.py (Executor._input_for should make such values contiguous).
-STRIDED_INPUT_BUG = pytest.mark.xfail(strict=True, reason="host passes non-contiguous CPU EP outputs to plugins")
-
-
-@pytest.mark.parametrize("make", [small_mlp, pytest.param(small_transformer, marks=STRIDED_INPUT_BUG)],
+# A strided NumPy view from the CPU EP (Transpose, Slice, Expand) must reach a plugin densely:
+# EpTensor carries no strides. These tests pin that (they failed before the host made it dense).
+@pytest.mark.parametrize("make", [small_mlp, small_transformer],
                          ids=["mlp", "transformer"])
 def test_split_across_example_ep_matches_cpu_ep(make, example_env):
     model = make(17)
@@ -176,7 +172,6 @@ def test_split_across_example_ep_matches_cpu_ep(make, example_env):
     assert_matches(split, cpu_only, "CPU EP alone")
 
 
-@STRIDED_INPUT_BUG
 def test_transposed_cpu_output_reaches_plugin_in_logical_order(example_env):
     g = onnx.helper.make_graph(
         [onnx.helper.make_node("Transpose", ["x"], ["t"], name="transpose", perm=[1, 0]),

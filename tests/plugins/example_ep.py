@@ -207,7 +207,7 @@ class ExampleKernel(sdk.KernelBase):
         self.ep = ep
         self.node = node
         self.fn = _OPS[node.op_type]
-        self.fail = ep.fail_node == node.name
+        self.fail = ep.fail_node == node.name or ep.factory.fault == "kernel_fails"
         self._get_io, self._get_output = self.api.get_io, self.api.get_output
         self._record = runtime.record
 
