@@ -8,6 +8,7 @@ waits for its producer through the producer stream's notification.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -127,7 +128,7 @@ class RunState:
     def fill(self, t, value) -> None:
         """Describe `value` (NumPy array or DeviceTensor) in the EpTensor `t`."""
         if isinstance(value, np.ndarray):
-            t.data = ffi.cast("void*", value.__array_interface__["data"][0])
+            t.data = ffi.from_buffer(value) if value.size else _NULL
             t.device_type, t.device_id = abi.DEVICE_CPU, 0
             t.elem_type = self.executor.elem_type_of(value.dtype)
         else:
@@ -147,10 +148,12 @@ class RunState:
                 self.values[vid] = bound
                 return bound
         if ep.location == CPU_LOCATION:
-            value = (np.empty(dims, dtype) if ep.allocator is None
+            # Host memory comes from NumPy (no crossing into the plugin), except for an EP that
+            # captures graphs: the graph must own the memory it replays into, so it allocates.
+            value = (np.empty(dims, dtype) if ep.allocator is None or not self.executor.ep_allocates_host
                      else host_array(ep.allocator, dims, dtype, stream.ptr if stream else None))
         else:
-            nbytes = max(int(np.prod(dims, dtype=np.int64)) * dtype.itemsize, 1)
+            nbytes = max(math.prod(dims) * dtype.itemsize, 1)
             alloc = Allocation(ep.allocator, nbytes, stream.ptr if stream else None, ep.owner)
             value = DeviceTensor(alloc.ptr, dims, dtype, ep.location[0], ep.location[1], alloc, stream)
         self.values[vid] = value
@@ -166,9 +169,10 @@ def _location(value) -> tuple[int, int]:
 class Executor:
     """Runs a Plan; one RunState per thread (or one shared, when runs are serialised)."""
 
-    def __init__(self, plan: Plan, concurrent: bool):
+    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False):
         self.plan = plan
         self.concurrent = concurrent
+        self.ep_allocates_host = ep_allocates_host
         self._tls = threading.local()
         self._states: list[RunState] = []
         self._lock = threading.Lock()

@@ -75,19 +75,20 @@ class KernelContextRegistry:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def add(self, obj) -> tuple[object, int, object]:
+    def add(self, obj) -> tuple[object, object, object]:
         holder = ffi.new("char[1]")
-        key = int(ffi.cast("uintptr_t", holder))
+        # cffi pointers hash and compare by address: the handle itself is the key (no cast per call).
+        handle = ffi.cast("EpKernelContext*", holder)
         with self._lock:
-            self._items[key] = obj
-        return ffi.cast("EpKernelContext*", holder), key, holder
+            self._items[handle] = obj
+        return handle, handle, holder
 
-    def remove(self, key: int) -> None:
+    def remove(self, key) -> None:
         with self._lock:
             self._items.pop(key, None)
 
     def get(self, ptr):
-        return self._items.get(int(ffi.cast("uintptr_t", ptr)))
+        return self._items.get(ptr)
 
 
 CONTEXTS = KernelContextRegistry()
@@ -214,13 +215,15 @@ def _kc_get_io(context, io):
 
 @ffi.callback("EpStatus*(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)")
 def _kc_get_output(context, index, shape, ndim, out):
-    def run(obj):
-        if out == ffi.NULL or ndim < 0 or (ndim > 0 and shape == ffi.NULL):
-            return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetOutput: NULL out or bad shape")
-        dims = tuple(shape[i] for i in range(ndim))
-        out[0] = obj.get_output(index, dims)
-        return ffi.NULL
-    return _context_call("KernelContext_GetOutput", context, run)
+    obj = CONTEXTS.get(context)
+    if obj is None or out == ffi.NULL or ndim < 0 or (ndim > 0 and shape == ffi.NULL):
+        return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetOutput: unknown kernel context (a bad pointer "
+                                                "or a context used outside Compute), NULL out or bad shape")
+    try:
+        out[0] = obj.get_output(index, tuple(shape[0:ndim]) if ndim else ())
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a status for the plugin
+        return _status(getattr(exc, "abi_code", abi.EP_FAIL), f"KernelContext_GetOutput: {exc}")
+    return ffi.NULL
 
 
 @ffi.callback("EpStatus*(EpKernelContext*, void**)")

@@ -69,10 +69,12 @@ class RunOptions(_Config):
     def __init__(self) -> None:
         super().__init__()
         self._c: dict[tuple, tuple] = {}
+        self.parsed = None  # (gpu_graph_id, sync) cached by the replay path
 
     def add_run_config_entry(self, key: str, value: str) -> None:
         self._add(key, value)
         self._c = {}
+        self.parsed = None
 
     def get_run_config_entry(self, key: str) -> str | None:
         return self._get(key)
@@ -143,7 +145,8 @@ class InferenceSession:
         try:
             self._create_eps(_parse_providers(providers))
             self.plan = self._partition()
-            self._executor = Executor(self.plan, self._concurrent())
+            capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
+            self._executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps)
             self.capture = GraphCapture(self)
         except BaseException:
             self._release_eps()
@@ -416,6 +419,7 @@ class IOBinding:
         self.inputs: dict[str, object] = {}
         self.outputs: dict[str, object] = {}
         self._results: dict[str, object] = {}
+        self.version = 0  # bumped by every bind/clear: replay re-checks buffers only when it moved
 
     def bind_input(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
                    element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
@@ -425,6 +429,7 @@ class IOBinding:
             raise InvalidArgument(f"unknown input name {name!r}; model inputs: {sorted(metas)}")
         value = self._value(name, value, device_type, device_id, element_type, shape, buffer_ptr)
         self.inputs[name] = self.session._check_feed(metas[name], value)
+        self.version += 1
 
     def bind_output(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
                     element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
@@ -432,6 +437,7 @@ class IOBinding:
         if name not in self.session.plan.output_ids:
             raise InvalidArgument(f"unknown output name {name!r}; model outputs: "
                                   f"{sorted(self.session.plan.output_ids)}")
+        self.version += 1
         if value is None and buffer_ptr is None:
             self.outputs[name] = None
             return
@@ -469,9 +475,11 @@ class IOBinding:
 
     def clear_binding_inputs(self) -> None:
         self.inputs.clear()
+        self.version += 1
 
     def clear_binding_outputs(self) -> None:
         self.outputs.clear()
+        self.version += 1
 
 
 __all__ = ["InferenceSession", "SessionOptions", "RunOptions", "IOBinding", "NodeArg", "CPU_LOCATION"]

@@ -7,7 +7,7 @@ and is never freed by the host.
 
 from __future__ import annotations
 
-import weakref
+import math
 
 import numpy as np
 
@@ -17,17 +17,13 @@ from host.errors import InvalidArgument, OutOfMemoryError
 from host.hostapi import STATUSES, ffi
 
 
-def _free(allocator, ptr) -> None:
-    try:
-        allocator.Free(allocator.ptr, ffi.cast("void*", ptr))
-    except Exception:  # noqa: BLE001 - a finalizer must not raise at interpreter exit
-        pass
-
-
 class Allocation:
-    """`size` bytes from an EP allocator; freed by close() or when garbage collected."""
+    """`size` bytes from an EP allocator; freed by close() or when garbage collected.
 
-    __slots__ = ("ptr", "size", "_finalizer", "__weakref__")
+    A plain __del__ (guarded, idempotent) instead of weakref.finalize: one is made per kernel
+    output, and finalize objects cost several microseconds each."""
+
+    __slots__ = ("ptr", "size", "_allocator", "__weakref__")
 
     def __init__(self, allocator, size: int, stream=None, owner: str = "EP"):
         out = ffi.new("void**")
@@ -44,10 +40,18 @@ class Allocation:
             raise OutOfMemoryError(f"{owner}: allocator returned NULL for {size} bytes", size)
         self.ptr = int(ffi.cast("uintptr_t", out[0]))
         self.size = size
-        self._finalizer = weakref.finalize(self, _free, allocator, self.ptr)
+        self._allocator = allocator
 
     def close(self) -> None:
-        self._finalizer()
+        allocator, self._allocator = self._allocator, None
+        if allocator is not None:
+            try:
+                allocator.Free(allocator.ptr, ffi.cast("void*", self.ptr))
+            except Exception:  # noqa: BLE001 - also runs from __del__, which must not raise
+                pass
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class HostBuffer:
@@ -62,7 +66,7 @@ class HostBuffer:
 
 
 def host_array(allocator, shape: tuple, dtype: np.dtype, stream=None) -> np.ndarray:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     alloc = Allocation(allocator, max(nbytes, 1), stream)
     return np.asarray(HostBuffer(alloc, shape, dtype))
 
@@ -83,7 +87,7 @@ class DeviceTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def elem_type(self) -> int:

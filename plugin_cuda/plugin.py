@@ -145,20 +145,24 @@ class CudaEp(sdk.EpBase):
 
     def alloc_block(self, size: int, stream_state: StreamState | None) -> int:
         stream = stream_state.stream if stream_state is not None else self.cupy.cuda.Stream.null
-        with self.device, stream:
-            mem = self.memory.malloc(max(size, 1), self.graphs.malloc())
+        # The pool picks its per-stream arena from the current stream; the device context is
+        # entered only when needed (entering it costs a driver query per allocation).
+        if self.cupy.cuda.runtime.getDevice() == self.device_id:
+            with stream:
+                mem = self.memory.malloc(max(size, 1), self.graphs.malloc())
+        else:
+            with self.device, stream:
+                mem = self.memory.malloc(max(size, 1), self.graphs.malloc())
         ptr = int(mem.ptr)
-        with self._lock:
-            self.blocks[ptr] = mem
+        self.blocks[ptr] = mem  # dict updates are atomic under the GIL
         return ptr
 
     def free_block(self, ptr: int) -> None:
-        with self._lock:
-            mem = self.blocks.pop(ptr, None)
-            if mem is None:
-                return
-            if len(self._views) > 4096:
-                self._views.clear()
+        mem = self.blocks.pop(ptr, None)
+        if mem is None:
+            return
+        if len(self._views) > 4096:
+            self._views.clear()
         del mem  # back to its pool, ordered on the stream it was allocated on
 
     def view(self, ptr: int, shape: tuple, dtype):
@@ -229,11 +233,40 @@ class CudaEp(sdk.EpBase):
 
     def OnRunEnd(self, run_options, sync_stream):
         self.graphs.on_run_end(bool(sync_stream))
-        state = getattr(self.run_streams, "state", None)
+        state = self.run_streams.__dict__.get("state")
+        self.leave_run()
         if sync_stream and state is not None:
             # Outputs left in device memory are ready when run() returns, unless the caller
             # asked otherwise (disable_synchronize_execution_providers).
             state.stream.synchronize()
+
+    def enter_run(self, state: StreamState) -> None:
+        """Make the run's stream and allocator current on this thread until OnRunEnd: the host
+        runs nothing but kernels on this thread in between, and switching per kernel costs µs."""
+        run = self.run_streams
+        if run.__dict__.get("state") is not None:
+            self.leave_run()
+        cp = self.cupy
+        run.prev_stream = cp.cuda.get_current_stream()
+        run.prev_alloc = self._get_alloc() if self._get_alloc is not None else None
+        state.stream.use()
+        if self._set_alloc is not None:
+            self._set_alloc(self.graphs.malloc())
+        else:
+            run.alloc_ctx = self.using_memory()
+            run.alloc_ctx.__enter__()
+        run.state = state
+
+    def leave_run(self) -> None:
+        run = self.run_streams
+        if run.__dict__.get("state") is None:
+            return
+        run.state = None
+        run.prev_stream.use()
+        if self._set_alloc is not None:
+            self._set_alloc(run.prev_alloc)
+        else:
+            run.alloc_ctx.__exit__(None, None, None)
 
     def IsGraphCaptureEnabled(self):
         return int(self.opts.enable_cuda_graph)
@@ -343,7 +376,8 @@ class CudaKernelAdapter(sdk.KernelBase):
         if state is None:
             raise PluginError(f"node '{self.node.name}': the host gave no CUDA stream of this EP")
         inputs = self._read_inputs(kio)
-        ep.run_streams.state = state
+        if ep.run_streams.__dict__.get("state") is not state:
+            ep.enter_run(state)
         call = KernelCall(self, context, inputs, state, kio.num_outputs)
         ep.graphs.before_kernel(state)
         try:
@@ -358,19 +392,8 @@ class CudaKernelAdapter(sdk.KernelBase):
         ep.graphs.record(self, call, state)
 
     def _launch(self, call: KernelCall, state: StreamState) -> None:
-        ep = self.ep
-        setter, getter = ep._set_alloc, ep._get_alloc
-        if setter is not None:
-            prev = getter()
-            setter(ep.graphs.malloc())
-            try:
-                with state.stream:
-                    self.kernel.compute(call)
-            finally:
-                setter(prev)
-        else:
-            with ep.using_memory(), state.stream:
-                self.kernel.compute(call)
+        # The run's stream and allocator are current on this thread (CudaEp.enter_run).
+        self.kernel.compute(call)
 
     def output(self, context, index: int, shape: tuple, dtype):
         ffi = self.ffi
