@@ -218,6 +218,7 @@ def test_user_compute_stream_carries_the_work(genv):
     b.bind_input(name, cp.asarray(feeds[name]))
     out = cp.zeros(ref.shape, cp.float32)
     b.bind_output(s.get_outputs()[0].name, out)
+    s.run_with_iobinding(b)  # the first run uploads the weights and waits for that upload
     with user:
         spin((1,), (1,), (np.int64(2_000_000_000),))  # ~1 s on the user's stream
     ro = RunOptions()
