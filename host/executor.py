@@ -261,7 +261,9 @@ class Executor:
                 if stream is not None:
                     # Other threads reuse this copy at once, on their own streams: let it land first.
                     stream.notify_and_wait(None)
-                self._device_constants[key] = moved
+                # Two threads may race here: the first copy stored is the one everybody keeps
+                # (returning a copy that nothing holds would free it before the kernel runs).
+                moved = self._device_constants.setdefault(key, moved)
             return moved
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:

@@ -178,6 +178,7 @@ class GraphManager:
         if cap is None:
             raise PluginError(f"CUDA graph {gid} was not captured on this thread; captured here: "
                               f"{sorted(t.graphs)}", abi.EP_INVALID_ARGUMENT)
+        cap.state.after_default_stream()
         cap.graph.launch(cap.state.stream)
         if sync:
             cap.state.stream.synchronize()

@@ -92,6 +92,19 @@ class StreamState:
         self.owned = owned
         self.ptr = int(stream.ptr)
         self._cublas = None
+        self._event = None
+
+    def after_default_stream(self) -> None:
+        """Order this stream after work queued on CuPy's default stream (how callers usually fill
+        bound device buffers): without it a non-blocking stream may read them before they are
+        written. Skipped for a caller's own stream, where the caller orders its work."""
+        if not self.owned:
+            return
+        cp = self.ep.cupy
+        if self._event is None:
+            self._event = cp.cuda.Event(disable_timing=True)
+        self._event.record(cp.cuda.Stream.null)
+        self.stream.wait_event(self._event)
 
     @property
     def cublas(self):
@@ -250,6 +263,7 @@ class CudaEp(sdk.EpBase):
         run.prev_stream = cp.cuda.get_current_stream()
         run.prev_alloc = self._get_alloc() if self._get_alloc is not None else None
         state.stream.use()
+        state.after_default_stream()
         if self._set_alloc is not None:
             self._set_alloc(self.graphs.malloc())
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 
@@ -45,3 +47,23 @@ def cublas_handle_fp32(cp):
     handle = CublasHandle(cp.cuda.get_current_stream().ptr, use_tf32=False)
     yield handle
     handle.close()
+
+
+@pytest.fixture(autouse=True)
+def close_sessions(monkeypatch):
+    """Close every InferenceSession a test made, while the test's locals (a caller's CUDA stream
+    borrowed by a session, bound buffers) are still alive, even when the test failed."""
+    from host import session as session_module
+
+    made = []
+    original = session_module.InferenceSession.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        made.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(session_module.InferenceSession, "__init__", tracking_init)
+    yield
+    for s in reversed(made):
+        with contextlib.suppress(Exception):
+            s.close()

@@ -215,8 +215,10 @@ def test_user_compute_stream_carries_the_work(genv):
     assert s.fallbacks["serialised_runs"] == 1  # a user stream means one stream: no concurrent runs
     b = s.io_binding()
     name = s.get_inputs()[0].name
-    b.bind_input(name, cp.asarray(feeds[name]))
-    out = cp.zeros(ref.shape, cp.float32)
+    with user:  # with a user stream, the caller orders its own writes on it
+        x = cp.asarray(feeds[name])
+        out = cp.zeros(ref.shape, cp.float32)
+    b.bind_input(name, x)
     b.bind_output(s.get_outputs()[0].name, out)
     s.run_with_iobinding(b)  # the first run uploads the weights and waits for that upload
     with user:

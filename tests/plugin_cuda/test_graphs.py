@@ -58,6 +58,7 @@ def bind(cp, s, feeds):
     for arg, r in zip(s.get_outputs(), ref):
         outs[arg.name] = cp.zeros(r.shape, r.dtype)
         b.bind_output(arg.name, outs[arg.name])
+    cp.cuda.Device().synchronize()  # a user-stream session does not order itself after CuPy's stream
     return b, ins, outs
 
 
