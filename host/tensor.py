@@ -26,6 +26,7 @@ class Allocation:
     __slots__ = ("ptr", "size", "_allocator", "__weakref__")
 
     def __init__(self, allocator, size: int, stream=None, owner: str = "EP"):
+        self._allocator = None  # set last: __del__ of a failed allocation frees nothing
         out = ffi.new("void**")
         use_stream = stream is not None and allocator.AllocOnStream is not None
         status = (allocator.AllocOnStream(allocator.ptr, size, stream, out) if use_stream

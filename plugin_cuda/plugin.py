@@ -406,8 +406,14 @@ class CudaKernelAdapter(sdk.KernelBase):
         ep.graphs.record(self, call, state)
 
     def _launch(self, call: KernelCall, state: StreamState) -> None:
-        # The run's stream and allocator are current on this thread (CudaEp.enter_run).
-        self.kernel.compute(call)
+        # The run's stream and allocator are current on this thread (CudaEp.enter_run). While
+        # capturing, the stream is also entered per kernel: measured on CuPy 14, a graph captured
+        # under Stream.use() alone computed wrong results, one captured this way is exact.
+        if self.ep.graphs.capturing():
+            with state.stream:
+                self.kernel.compute(call)
+        else:
+            self.kernel.compute(call)
 
     def output(self, context, index: int, shape: tuple, dtype):
         ffi = self.ffi
