@@ -254,15 +254,13 @@ class CudaEp(sdk.EpBase):
             state.stream.synchronize()
 
     def enter_run(self, state: StreamState) -> None:
-        """Make the run's stream and allocator current on this thread until OnRunEnd: the host
-        runs nothing but kernels on this thread in between, and switching per kernel costs µs."""
+        """Make the run's allocator current on this thread until OnRunEnd (the host runs nothing
+        but kernels on this thread in between, and switching it per kernel costs µs), and order
+        the run's stream after the caller's work on CuPy's default stream."""
         run = self.run_streams
         if run.__dict__.get("state") is not None:
             self.leave_run()
-        cp = self.cupy
-        run.prev_stream = cp.cuda.get_current_stream()
         run.prev_alloc = self._get_alloc() if self._get_alloc is not None else None
-        state.stream.use()
         state.after_default_stream()
         if self._set_alloc is not None:
             self._set_alloc(self.graphs.malloc())
@@ -276,7 +274,6 @@ class CudaEp(sdk.EpBase):
         if run.__dict__.get("state") is None:
             return
         run.state = None
-        run.prev_stream.use()
         if self._set_alloc is not None:
             self._set_alloc(run.prev_alloc)
         else:
@@ -406,13 +403,10 @@ class CudaKernelAdapter(sdk.KernelBase):
         ep.graphs.record(self, call, state)
 
     def _launch(self, call: KernelCall, state: StreamState) -> None:
-        # The run's stream and allocator are current on this thread (CudaEp.enter_run). While
-        # capturing, the stream is also entered per kernel: measured on CuPy 14, a graph captured
-        # under Stream.use() alone computed wrong results, one captured this way is exact.
-        if self.ep.graphs.capturing():
-            with state.stream:
-                self.kernel.compute(call)
-        else:
+        # The allocator is current for the whole run (CudaEp.enter_run); the stream is entered
+        # per kernel: measured on CuPy 14, making it current once per run with Stream.use() gave
+        # wrong results under capture and on an ExternalStream, while this form is exact.
+        with state.stream:
             self.kernel.compute(call)
 
     def output(self, context, index: int, shape: tuple, dtype):

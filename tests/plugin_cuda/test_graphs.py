@@ -58,7 +58,9 @@ def bind(cp, s, feeds):
     for arg, r in zip(s.get_outputs(), ref):
         outs[arg.name] = cp.zeros(r.shape, r.dtype)
         b.bind_output(arg.name, outs[arg.name])
-    cp.cuda.Device().synchronize()  # a user-stream session does not order itself after CuPy's stream
+    # A user-stream session does not order itself after CuPy's stream; and a stream sync, not a
+    # device sync, so that a graph another thread is capturing is not invalidated.
+    cp.cuda.get_current_stream().synchronize()
     return b, ins, outs
 
 
@@ -235,14 +237,19 @@ def test_four_threads_with_their_own_graphs(cp, genv):
     errors = []
 
     def worker(seed):
+        # Each thread works on its own stream and synchronises only it: a device-wide sync (or the
+        # legacy default stream) while another thread captures would invalidate that capture.
         try:
             rng = np.random.default_rng(seed)
             feeds = {name: rng.standard_normal((1, 64)).astype(np.float32)}
-            b, ins, outs = bind(cp, s, feeds)
+            mine = cp.cuda.Stream(non_blocking=True)
+            with mine:
+                b, ins, outs = bind(cp, s, feeds)
             for i in range(10):
                 x = rng.standard_normal((1, 64)).astype(np.float32)
-                ins[name][...] = cp.asarray(x)
-                cp.cuda.Device().synchronize()
+                with mine:
+                    ins[name][...] = cp.asarray(x)
+                mine.synchronize()
                 s.run_with_iobinding(b)
                 got = cp.asnumpy(outs[s.get_outputs()[0].name])
                 if i >= 3 and not np.allclose(got, cpu_ref(m, {name: x})[0], rtol=2e-4, atol=2e-4):
