@@ -109,7 +109,9 @@ class GraphCapture:
             s._run_bound(binding, ro, "-1")
             return
         key = self._key(gid)
-        if key in self._signatures and self.captured(gid):
+        # A signature is recorded only once the EP reports the graph captured and is dropped when
+        # it is released: no IsGraphCaptured crossing per replay.
+        if key in self._signatures:
             self._replay(binding, parsed[1], gid, key)
             return
         self._require_bound_outputs(binding)
