@@ -67,3 +67,18 @@ def close_sessions(monkeypatch):
     for s in reversed(made):
         with contextlib.suppress(Exception):
             s.close()
+
+
+@pytest.fixture(scope="module")
+def genv(cp, cuda_plugin_path):
+    """An Environment with the CUDA plugin registered (skips without a GPU, through `cp`)."""
+    import gc
+
+    import host
+
+    env = host.Environment()
+    env.register_plugin("cuda", cuda_plugin_path)
+    yield env
+    gc.collect()
+    with contextlib.suppress(host.PluginLoadError):  # a failed test's traceback may still hold a session
+        env.close()

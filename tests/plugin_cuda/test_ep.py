@@ -5,7 +5,6 @@ GPU tests run with `pytest -m gpu` on a machine with a GPU; the no-device path r
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 import warnings
@@ -74,23 +73,6 @@ def test_no_device_falls_back_to_cpu_with_a_warning(cuda_plugin_path, monkeypatc
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def genv(cuda_plugin_path):
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            raise RuntimeError("getDeviceCount() == 0")
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no CUDA device: {exc}")
-    env = host.Environment()
-    env.register_plugin("cuda", cuda_plugin_path)
-    yield env
-    gc.collect()
-    with contextlib.suppress(host.PluginLoadError):  # a failed test's traceback may still hold a session
-        env.close()
-
-
 def cuda_eps():
     return [o for o in sdk.runtime(CUDA_MODULE)._objects.values() if type(o).__name__ == "CudaEp"]
 

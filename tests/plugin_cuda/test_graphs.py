@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 import time
 
 import numpy as np
 import pytest
 
-import host
 from abi import sdk
 from host import zoo
 from host.errors import GraphCaptureError
@@ -18,28 +15,6 @@ from host.session import InferenceSession, RunOptions
 
 CUDA = "CUDAExecutionProvider"
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cp():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            raise RuntimeError("getDeviceCount() == 0")
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no CUDA device: {exc}")
-    return cupy
-
-
-@pytest.fixture(scope="module")
-def genv(cp, cuda_plugin_path):
-    env = host.Environment()
-    env.register_plugin("cuda", cuda_plugin_path)
-    yield env
-    gc.collect()
-    with contextlib.suppress(host.PluginLoadError):  # a failed test's traceback may still hold a session
-        env.close()
 
 
 def graph_session(genv, model, **opts):
