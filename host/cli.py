@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import re
 import sys
 import warnings
@@ -102,10 +103,27 @@ def _environment(plugins: list[str]):
     return env
 
 
+# Short EP names for the command line; `--ep cuda` also registers the CUDA plugin build.py made.
+EP_ALIASES = {"cuda": "CUDAExecutionProvider", "cpu": CPU_EP, "example": "ExampleEP"}
+DEFAULT_CUDA_PLUGIN = Path(__file__).resolve().parents[1] / "build" / "lib" / "libephost_cuda_v5.so"
+
+
 def _chosen_eps(env, names: list[str]) -> list[str]:
-    if names:
-        return list(names)
-    return [f.name for reg in env.plugins.values() for f in reg.factories]
+    if not names:
+        return [f.name for reg in env.plugins.values() for f in reg.factories]
+    chosen = []
+    for name in names:
+        reg = env.plugins.get(name)
+        if reg is not None:  # a plugin's registration name stands for its EPs
+            chosen += [f.name for f in reg.factories]
+            continue
+        ep = EP_ALIASES.get(name.lower(), name)
+        if ep == "CUDAExecutionProvider" and env.find_factory(ep)[1] is None:
+            path = Path(os.environ.get("EPHOST_CUDA_PLUGIN", DEFAULT_CUDA_PLUGIN))
+            if path.is_file():
+                env.register_plugin("cuda", path)
+        chosen.append(ep)
+    return chosen
 
 
 def _open_session(stack: contextlib.ExitStack, args, extra_options: dict[str, str] | None = None):

@@ -203,3 +203,20 @@ def test_python_dash_m_entry_points(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert out.is_file()
+
+
+def test_ep_aliases_name_plugins_and_builtin_eps(capsys, plugin, mlp_path, cuda_plugin_path, monkeypatch):
+    # `--ep cuda` registers the CUDA plugin build.py made; without a GPU it falls back with a warning.
+    monkeypatch.setenv("EPHOST_CUDA_PLUGIN", str(cuda_plugin_path))
+    rc, out, err = run_cli(capsys, "run", str(mlp_path), "--ep", "cuda", "--random-inputs")
+    assert rc == 0, err
+    assert "output" in out
+    from plugin_cuda.plugin import probe_devices
+
+    if not probe_devices()[1]:
+        assert "CUDAExecutionProvider has no device" in err
+        assert "CPUExecutionProvider: 6 nodes" in out
+    rc, out, err = run_cli(capsys, "run", str(mlp_path), "--plugin", f"ex={plugin}", "--ep", "ex",
+                           "--random-inputs")
+    assert rc == 0, err
+    assert "ExampleEP:" in out

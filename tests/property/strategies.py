@@ -414,6 +414,7 @@ def graphs(draw, ops: tuple[str, ...] = ALL_OPS, min_nodes: int = 1, max_nodes: 
             [helper.make_tensor_value_info(o, TensorProto.FLOAT, list(values[o])) for o in outs],
             initializer=inits),
         opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10  # what onnxruntime accepts (the newest onnx writes a newer IR by default)
     feeds = {k: _array(draw, s) for k, s in inputs.items()}
     feeds2 = {k: _array(draw, s) for k, s in inputs.items()}
     return Case(model, feeds, feeds2, kinds, {o: values[o] for o in outs}, opset, desc)

@@ -1,0 +1,134 @@
+"""Environments, sessions and references for the property tests.
+
+Every Environment is made by `example_env`, which closes it (after a gc.collect(), because
+sessions left to the garbage collector close in their finalizers). A plugin's Record is one per
+process and per plugin version; tests clear it right before they act and read it right after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+from onnx.reference import ReferenceEvaluator
+
+import build
+from abi import sdk
+from host.environment import Environment
+from host.session import InferenceSession
+from tests.conftest import built_plugin
+
+EXAMPLE_EP = "ExampleEP"
+
+# Float32 tolerances. Elementwise ops are correctly rounded everywhere, but Sigmoid's exp is
+# not (NumPy, MLAS and the reference differ by an ulp), and an ulp of an intermediate of size
+# S is an absolute error ~S*6e-8 after a cancelling Sub: atol scales with the largest
+# intermediate magnitude `scale` (>= 1) of the graph.
+TIGHT = {"rtol": 1e-5, "atol": 1e-6}
+# MatMul and reductions sum in different orders (pairwise NumPy, FMA in MLAS, float64
+# accumulation in the host's CPU EP): ~k*eps relative error for k terms, k <= 64 here.
+LOOSE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def example_module(version: int) -> str:
+    return build.module_name("example", version)
+
+
+def record(version: int) -> sdk.Record | None:
+    rt = sdk.runtimes().get(example_module(version))
+    return rt.record if rt is not None else None
+
+
+def clear_record(version: int) -> None:
+    rec = record(version)
+    if rec is not None:
+        rec.clear()
+
+
+@contextlib.contextmanager
+def example_env(host_version: int, plugin_versions=(), clear: bool = True):
+    """An Environment serving `host_version` with the example plugin(s) registered as exV."""
+    gc.collect()  # stale sessions of an earlier example must not call slots during this one
+    for v in plugin_versions:
+        if clear:
+            clear_record(v)
+    env = Environment(api_version=host_version)
+    try:
+        for v in plugin_versions:
+            env.register_plugin(f"ex{v}", built_plugin("example", v))
+        yield env
+    finally:
+        gc.collect()
+        env.close()
+
+
+def session(case_or_model, env, opts: dict[str, str] | None = None, providers=None):
+    model = getattr(case_or_model, "model", case_or_model)
+    if providers is None:
+        providers = [(EXAMPLE_EP, dict(opts or {}))]
+    return InferenceSession(model, providers=providers, env=env)
+
+
+# ---- references ---------------------------------------------------------------------------------
+class References:
+    """Outputs of one Case from the ONNX reference evaluator and ONNX Runtime's CPU EP."""
+
+    def __init__(self, case):
+        self.case = case
+        self._ref = ReferenceEvaluator(case.model)
+        so = ort.SessionOptions()
+        # No fusions (MatMul+Add -> Gemm changes rounding): compare kernel against kernel.
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
+        self._ort = ort.InferenceSession(case.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in case.model.graph.output]
+
+    def reference(self, feeds) -> tuple[list[np.ndarray], float]:
+        """Reference outputs and the scale of the graph (largest |intermediate|, at least 1)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            everything = self._ref.run(None, feeds, intermediate=True)
+        scale = max([1.0] + [float(np.max(np.abs(v))) for v in everything.values()
+                             if isinstance(v, np.ndarray) and v.size and v.dtype.kind == "f"])
+        return [np.asarray(everything[n]) for n in self.names], scale
+
+    def onnxruntime(self, feeds) -> list[np.ndarray]:
+        return self._ort.run(None, feeds)
+
+    def tolerance(self, scale: float) -> dict[str, float]:
+        tol = LOOSE if self.case.loose else TIGHT
+        return {"rtol": tol["rtol"], "atol": tol["atol"] * scale}
+
+    def check(self, got: list, feeds, what: str) -> None:
+        """`got` equals both references within the stated tolerance, with the same shapes/dtypes."""
+        ref, scale = self.reference(feeds)
+        ortv = self.onnxruntime(feeds)
+        tol = self.tolerance(scale)
+        assert len(got) == len(ref), what
+        for name, g, r, o in zip(self.names, got, ref, ortv):
+            g = np.asarray(g)
+            assert g.shape == r.shape == o.shape, f"{what}: output {name} shapes {g.shape} / ref {r.shape} / ort {o.shape}"
+            assert g.dtype == np.float32, f"{what}: output {name} dtype {g.dtype}"
+            np.testing.assert_allclose(g, r, err_msg=f"{what}: output {name} vs ReferenceEvaluator", **tol)
+            np.testing.assert_allclose(g, o, err_msg=f"{what}: output {name} vs onnxruntime CPU EP", **tol)
+
+
+def bind(sess, feeds: dict[str, np.ndarray], out_shapes: dict[str, tuple]):
+    """An IOBinding over private copies of `feeds` and zeroed outputs: (binding, inputs, outputs)."""
+    b = sess.io_binding()
+    ins = {k: np.array(v, copy=True) for k, v in feeds.items()}
+    outs = {k: np.zeros(s, np.float32) for k, s in out_shapes.items()}
+    for k, v in ins.items():
+        b.bind_input(k, v)
+    for k, v in outs.items():
+        b.bind_output(k, v)
+    return b, ins, outs
+
+
+def refill(buffers: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None:
+    """Copy new data into bound buffers (rebinding would move them)."""
+    for k, v in feeds.items():
+        buffers[k][...] = v
