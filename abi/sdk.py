@@ -166,7 +166,9 @@ class Runtime:
         self.api: HostApi | None = None
         self.record = Record()
         self._create_factories = create_factories
-        self._objects: dict[int, object] = {}
+        # Keyed by the table pointer itself: cffi pointers hash and compare by address, whatever
+        # their C type, so a trampoline looks its object up without a cast per call.
+        self._objects: dict[object, object] = {}
         self._tables: dict[int, object] = {}
         self._lock = threading.Lock()
         self._strings: dict[tuple[int, str], object] = {}
@@ -195,7 +197,7 @@ class Runtime:
             if slot in null_slots or getattr(obj, slot, None) is None:
                 continue
             setattr(c, slot, getattr(self.lib, trampoline_name(table, slot)))
-        key = int(self.ffi.cast("uintptr_t", c))
+        key = self.ffi.cast("void*", c)
         with self._lock:
             self._objects[key] = obj
             self._tables[key] = c
@@ -205,16 +207,15 @@ class Runtime:
 
     def forget(self, ptr, table: str | None = None):
         """Drop the table behind `ptr`; returns the Python object (or None if unknown)."""
-        key = int(self.ffi.cast("uintptr_t", ptr))
         with self._lock:
-            obj = self._objects.pop(key, None)
-            self._tables.pop(key, None)
+            obj = self._objects.pop(ptr, None)
+            self._tables.pop(ptr, None)
         if obj is not None and table:
             self.record.live[table] -= 1
         return obj
 
     def obj(self, ptr):
-        return self._objects.get(int(self.ffi.cast("uintptr_t", ptr)))
+        return self._objects.get(ptr)
 
     def cstr(self, owner, text: str):
         """A char* that lives as long as the runtime (names are asked for repeatedly)."""
@@ -242,7 +243,7 @@ class Runtime:
 
         def trampoline(this, *args):
             record.slot_calls[qual] += 1
-            obj = objects.get(int(ffi.cast("uintptr_t", this)))
+            obj = objects.get(this)
             if obj is None:
                 raise PluginError(f"{qual} called with an unknown {table} pointer", abi.EP_INVALID_ARGUMENT)
             try:

@@ -164,7 +164,9 @@ class GraphCapture:
             lock.acquire()
         try:
             if ep.slots.ReplayGraphWithSync is not None:
-                hostapi.check(ep.slots.ReplayGraphWithSync(ep.ptr, gid, int(sync)), f"{ep.owner}: ReplayGraphWithSync")
+                status = ep.slots.ReplayGraphWithSync(ep.ptr, gid, int(sync))
+                if status != hostapi.ffi.NULL:  # the message is built only on failure
+                    hostapi.check(status, f"{ep.owner}: ReplayGraphWithSync")
                 s.fallbacks["replay_stream_sync" if sync else "replay_async"] += 1
             else:
                 hostapi.check(ep.slots.ReplayGraph(ep.ptr, gid), f"{ep.owner}: ReplayGraph")

@@ -99,6 +99,10 @@ class RunOptions(_Config):
         return c
 
 
+# Shared by calls that pass no RunOptions: its parsed entries are cached on it (never add to it).
+_DEFAULT_RUN_OPTIONS = RunOptions()
+
+
 @dataclass(frozen=True)
 class NodeArg:
     """Name, shape (ints, symbolic names or None) and type string of a model input or output."""
@@ -336,8 +340,7 @@ class InferenceSession:
 
     def run_with_iobinding(self, binding: IOBinding, run_options: RunOptions | None = None) -> None:
         self._check_open()
-        ro = run_options or RunOptions()
-        self.capture.run(binding, ro)
+        self.capture.run(binding, run_options or _DEFAULT_RUN_OPTIONS)
 
     def _run_bound(self, binding: IOBinding, ro: RunOptions, graph_id: str | None = None) -> None:
         feeds = self._feeds(binding.inputs)

@@ -132,3 +132,33 @@ def refill(buffers: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None
     """Copy new data into bound buffers (rebinding would move them)."""
     for k, v in feeds.items():
         buffers[k][...] = v
+
+
+# ---- what the host should do with a given plugin -----------------------------------------------------
+def capture_state(negotiated: int, null_slots, opts: dict[str, str]) -> str:
+    """'off': no graph capture for this EP; 'never': enabled, but the EP has no OnRunStart/OnRunEnd
+    to capture in, so the host gives up after MAX_INTERNAL_RUNS; 'on': captures and replays."""
+    from tests.property.strategies import CAPTURE_SLOTS
+
+    null = set(null_slots)
+    if opts.get("enable_graph") != "1" or negotiated < 3 or CAPTURE_SLOTS & null:
+        return "off"
+    if {"OnRunStart", "OnRunEnd"} & null:
+        return "never"
+    return "on"
+
+
+def concurrent(negotiated: int, null_slots, opts: dict[str, str]) -> bool:
+    """Runs may proceed in parallel: the EP says so (v2 slot, present), and ExampleEP says no
+    while graph capture is on."""
+    return negotiated >= 2 and "IsConcurrentRunSupported" not in null_slots and opts.get("enable_graph") != "1"
+
+
+def claimed_ops(opts: dict[str, str]) -> set[str]:
+    from tests.property.strategies import EXAMPLE_EP_OPS
+
+    return set(opts["ops"].split(",")) & set(EXAMPLE_EP_OPS) if opts.get("ops") else set(EXAMPLE_EP_OPS)
+
+
+def with_null_slots(opts: dict[str, str], null_slots) -> dict[str, str]:
+    return {**opts, "null_slots": ",".join(null_slots)} if null_slots else dict(opts)

@@ -1,0 +1,145 @@
+"""Property 1: whatever the graph, the version pair, the NULL slots and the (valid) options, a
+session with ExampleEP gives the outputs of onnxruntime's CPU EP and of onnx's ReferenceEvaluator
+within the tolerances stated in harness.py: eagerly, from several threads, and replayed from a
+captured graph (v3..v5, ALL_NODES_ON_EP: a graph with a node ExampleEP does not take must be
+refused at session creation, naming that node).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from host.errors import GraphCaptureError
+from tests.property import harness as h
+from tests.property import strategies as s
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExampleEP did not capture graph:RuntimeWarning")
+
+
+@given(case=s.graphs(), host=s.versions, plugin=s.versions, null_slots=s.null_slot_sets,
+       opts=s.example_ep_options(graph=False))
+@settings(deadline=None)
+def test_eager_run_matches_references(case, host, plugin, null_slots, opts):
+    refs = h.References(case)
+    with h.example_env(host, [plugin]) as env:
+        sess = h.session(case, env, h.with_null_slots(opts, null_slots))
+        cpu = h.session(case, env, providers=[])
+        try:
+            expected_on_ep = {n for n, op in case.nodes.items() if op in h.claimed_ops(opts)}
+            assert {n for n, ep in sess.node_assignment().items() if ep == h.EXAMPLE_EP} == expected_on_ep
+            refs.check(sess.run(None, case.feeds), case.feeds, "ExampleEP eager run")
+            refs.check(sess.run(None, case.feeds2), case.feeds2, "ExampleEP second eager run")
+            refs.check(cpu.run(None, case.feeds), case.feeds, "host CPU EP run")
+            # Output names in another order (and a subset) come back in that order.
+            names = list(case.outputs)[::-1]
+            got = sess.run(names, case.feeds)
+            ref, scale = refs.reference(case.feeds)
+            by_name = dict(zip(refs.names, ref))
+            for n, g in zip(names, got):
+                np.testing.assert_allclose(g, by_name[n], **refs.tolerance(scale))
+        finally:
+            sess.close()
+            cpu.close()
+
+
+@given(case=s.graphs(), host=s.versions, plugin=s.versions, null_slots=s.null_slot_sets,
+       opts=s.example_ep_options(graph=False), threads=s.thread_counts)
+@settings(deadline=None, max_examples=s.budget(15))
+def test_runs_from_threads_match_references(case, host, plugin, null_slots, opts, threads):
+    refs = h.References(case)
+    feeds = [case.feeds, case.feeds2]
+    expected = [refs.reference(f) for f in feeds]
+    errors: list[BaseException] = []
+    with h.example_env(host, [plugin]) as env:
+        sess = h.session(case, env, h.with_null_slots(opts, null_slots))
+        try:
+            negotiated = min(host, plugin)
+            on_ep = any(op in h.claimed_ops(opts) for op in case.nodes.values())
+            want = h.concurrent(negotiated, null_slots, opts) or not on_ep
+            assert sess.fallbacks["concurrent_runs" if want else "serialised_runs"] == 1
+
+            def worker(i: int) -> None:
+                try:
+                    for j in range(3):
+                        k = (i + j) % 2
+                        got = sess.run(None, feeds[k])
+                        for g, r in zip(got, expected[k][0]):
+                            np.testing.assert_allclose(g, r, **refs.tolerance(expected[k][1]))
+                except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                    errors.append(exc)
+
+            ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        finally:
+            sess.close()
+    if errors:
+        raise errors[0]
+
+
+capture_versions = st.sampled_from([3, 4, 5])
+
+
+@given(case=s.graphs(max_nodes=5), host=capture_versions, plugin=capture_versions, null_slots=s.null_slot_sets,
+       opts=s.example_ep_options(graph=True), ro=s.run_options)
+@settings(deadline=None)
+def test_replay_matches_references(case, host, plugin, null_slots, opts, ro):
+    refs = h.References(case)
+    negotiated = min(host, plugin)
+    state = h.capture_state(negotiated, null_slots, opts)
+    ops = h.claimed_ops(opts)
+    with h.example_env(host, [plugin]) as env:
+        if state != "off" and not any(op in ops for op in case.nodes.values()):
+            # No node on ExampleEP at all: the host drops the EP from the plan and with it the
+            # capture request (a known bug, pinned in test_regressions.py). Either answer passes
+            # here, so that this property keeps running until it is fixed.
+            try:
+                sess = h.session(case, env, h.with_null_slots(opts, null_slots))
+            except GraphCaptureError as exc:
+                assert all(f"'{n}'" in str(exc) for n in case.nodes), str(exc)
+            else:
+                assert not sess.capture.enabled
+                sess.close()
+            return
+        if state != "off" and not case.claimable_by(ops):
+            with pytest.raises(GraphCaptureError, match=r"^graph capture on ExampleEP requires all nodes on the EP; "
+                                                        r"offending node\(s\): ") as info:
+                h.session(case, env, h.with_null_slots(opts, null_slots))
+            listed = str(info.value)
+            for name, op in case.nodes.items():
+                named = f"'{name}' ({op} on CPUExecutionProvider)" in listed
+                assert named is (name in case.offending(ops)), listed
+            return
+        sess = h.session(case, env, h.with_null_slots(opts, null_slots))
+        try:
+            assert sess.capture.enabled is (state != "off")
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            run_opts = ro.make()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sess.run_with_iobinding(b, run_opts)  # warm-up runs and the capture, in one call
+            refs.check([outs[n] for n in refs.names], case.feeds, "capturing run")
+            captures = state == "on" and ro.gid != -1
+            gave_up = state == "never" and ro.gid != -1
+            assert sess.fallbacks["graph_captured"] == int(captures)
+            assert sess.fallbacks["capture_not_reached"] == int(gave_up)
+            assert any("did not capture graph" in str(w.message) for w in caught) is gave_up
+            assert [o is outs[n] for n, o in zip(refs.names, b.get_outputs())] == [True] * len(refs.names)
+            rec = h.record(plugin)
+            steps_before = rec.slot_calls["replayed_steps"]
+            h.refill(ins, case.feeds2)
+            for o in outs.values():
+                o[...] = np.nan  # a replay that writes nothing is caught
+            sess.run_with_iobinding(b, run_opts)
+            refs.check([outs[n] for n in refs.names], case.feeds2, "replayed run" if captures else "eager bound run")
+            assert rec.slot_calls["replayed_steps"] - steps_before == (len(case.nodes) if captures else 0)
+        finally:
+            sess.close()
