@@ -14,7 +14,7 @@ import numpy as np
 
 import abi
 from abi import sdk
-from abi.dtypes import to_numpy
+from abi.dtypes import ONNX_TO_NUMPY, to_numpy
 from abi.sdk import PluginError
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
 
@@ -368,15 +368,16 @@ class CudaKernelAdapter(sdk.KernelBase):
                 out.append(const)
                 continue
             t = kio.inputs[i]
-            if t.data == ffi.NULL and t.ndim < 0:
+            ndim = t.ndim
+            if ndim < 0 and t.data == ffi.NULL:
                 out.append(None)
                 continue
-            shape = tuple(t.shape[d] for d in range(t.ndim))
-            ptr = int(ffi.cast("uintptr_t", t.data))
+            shape = tuple(t.shape[0:ndim]) if ndim else ()
+            dtype = ONNX_TO_NUMPY[t.elem_type]
             if t.device_type == abi.DEVICE_CPU:
-                out.append(np.frombuffer(ffi.buffer(t.data, t.nbytes), to_numpy(t.elem_type)).reshape(shape))
+                out.append(np.frombuffer(ffi.buffer(t.data, t.nbytes), dtype).reshape(shape))
             else:
-                out.append(ep.view(ptr, shape, to_numpy(t.elem_type)))
+                out.append(ep.view(int(ffi.cast("uintptr_t", t.data)), shape, dtype))
         return out
 
     def Compute(self, context):

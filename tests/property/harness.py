@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import warnings
 
 import numpy as np
@@ -162,3 +163,18 @@ def claimed_ops(opts: dict[str, str]) -> set[str]:
 
 def with_null_slots(opts: dict[str, str], null_slots) -> dict[str, str]:
     return {**opts, "null_slots": ",".join(null_slots)} if null_slots else dict(opts)
+
+
+class Sentinels:
+    """Blocks of the sizes a graph's intermediates have, filled with a pattern. Made right after a
+    capture, they likely take memory the capture run freed: a replay that writes into memory the
+    graph does not own overwrites them (a use-after-free made visible)."""
+
+    PATTERN = 0xAB
+
+    def __init__(self, case, copies: int = 8):
+        sizes = sorted({max(math.prod(shape) * 4, 1) for shape in case.intermediates.values()})
+        self.blocks = [np.full(n, self.PATTERN, np.uint8) for n in sizes for _ in range(copies)]
+
+    def overwritten(self) -> int:
+        return sum(int((b != self.PATTERN).any()) for b in self.blocks)

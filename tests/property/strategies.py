@@ -249,6 +249,7 @@ class Case:
     outputs: dict[str, tuple[int, ...]]
     opset: int
     description: list[str] = field(default_factory=list)
+    intermediates: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node outputs and shapes
 
     @property
     def loose(self) -> bool:
@@ -417,7 +418,8 @@ def graphs(draw, ops: tuple[str, ...] = ALL_OPS, min_nodes: int = 1, max_nodes: 
     model.ir_version = 10  # what onnxruntime accepts (the newest onnx writes a newer IR by default)
     feeds = {k: _array(draw, s) for k, s in inputs.items()}
     feeds2 = {k: _array(draw, s) for k, s in inputs.items()}
-    return Case(model, feeds, feeds2, kinds, {o: values[o] for o in outs}, opset, desc)
+    return Case(model, feeds, feeds2, kinds, {o: values[o] for o in outs}, opset, desc,
+                {v: values[v] for v in produced})
 
 
 def _shape_of(name: str, values: dict, inits: list) -> tuple[int, ...]:

@@ -138,7 +138,9 @@ def test_replay_matches_references(case, host, plugin, null_slots, opts, ro):
             h.refill(ins, case.feeds2)
             for o in outs.values():
                 o[...] = np.nan  # a replay that writes nothing is caught
+            sentinels = h.Sentinels(case)
             sess.run_with_iobinding(b, run_opts)
+            assert sentinels.overwritten() == 0, "the replay wrote into memory its graph does not own"
             refs.check([outs[n] for n in refs.names], case.feeds2, "replayed run" if captures else "eager bound run")
             assert rec.slot_calls["replayed_steps"] - steps_before == (len(case.nodes) if captures else 0)
         finally:
