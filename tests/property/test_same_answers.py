@@ -86,9 +86,14 @@ def test_runs_from_threads_match_references(case, host, plugin, null_slots, opts
 
 
 capture_versions = st.sampled_from([3, 4, 5])
+# CreateAllocator is not left NULL here: ExampleEP's factory allocator does not keep the memory a
+# captured graph replays into (a bug pinned by test_regressions.py::test_capture_with_factory_allocator_
+# keeps_graph_memory). Put it back once that test passes.
+replay_null_slots = st.lists(st.sampled_from([x for x in s.OPTIONAL_EP_SLOTS if x != "CreateAllocator"]),
+                             unique=True, max_size=4).map(tuple)
 
 
-@given(case=s.graphs(max_nodes=5), host=capture_versions, plugin=capture_versions, null_slots=s.null_slot_sets,
+@given(case=s.graphs(max_nodes=5), host=capture_versions, plugin=capture_versions, null_slots=replay_null_slots,
        opts=s.example_ep_options(graph=True), ro=s.run_options)
 @settings(deadline=None)
 def test_replay_matches_references(case, host, plugin, null_slots, opts, ro):

@@ -1,0 +1,101 @@
+"""Property 4: every invalid option set gives a typed error that names the option, and nothing
+is left broken: sessions created afterwards work (run and compared with the references).
+
+- CUDA provider options through `plugin_cuda.options.parse_options` (no GPU needed): unknown
+  keys, malformed booleans/integers/pointers, duplicates through prefixes, devices that do not
+  exist, and the mutually exclusive combinations -> OptionError naming the option.
+- ExampleEP through InferenceSession: unknown keys -> host.errors.InvalidArgument naming them.
+- Run options: a malformed gpu_graph_id on a capturing session -> InvalidArgument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from host import hostapi
+from host.errors import InvalidArgument
+from plugin_cuda.options import CudaOptions, OptionError, parse_options
+from tests.property import harness as h
+from tests.property import strategies as s
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(CudaOptions)}
+
+
+# ---- CUDA options ----------------------------------------------------------------------------------
+@given(data=st.data(), device_count=st.integers(1, 4))
+@settings(deadline=None, max_examples=s.budget(100))
+def test_valid_cuda_options_parse_to_their_values(data, device_count):
+    raw, want = data.draw(s.valid_cuda_options(device_count))
+    parsed = dataclasses.asdict(parse_options(raw, device_count))
+    assert parsed == {**DEFAULTS, **want}
+
+
+@given(data=st.data(), device_count=st.integers(1, 4))
+@settings(deadline=None, max_examples=s.budget(200))
+def test_invalid_cuda_options_raise_option_error_naming_the_option(data, device_count):
+    bad = data.draw(s.invalid_cuda_options(device_count))
+    with pytest.raises(OptionError) as info:
+        parse_options(bad.raw, device_count)
+    msg = str(info.value)
+    assert any(name in msg for name in bad.names), f"{msg!r} names none of {bad.names}"
+    # The parser keeps no state: a valid set parses right after.
+    raw, want = data.draw(s.valid_cuda_options(device_count))
+    assert dataclasses.asdict(parse_options(raw, device_count)) == {**DEFAULTS, **want}
+
+
+@given(data=st.data())
+@settings(deadline=None, max_examples=s.budget(25))
+def test_no_cuda_device_refuses_every_option_set(data):
+    raw, _ = data.draw(s.valid_cuda_options(1))
+    with pytest.raises(OptionError, match=r"device_id"):
+        parse_options(raw, 0)
+
+
+# ---- ExampleEP through the host ----------------------------------------------------------------------
+@given(case=s.graphs(max_nodes=4), host=s.versions, plugin=s.versions, opts=s.example_ep_options(),
+       unknown=st.dictionaries(s.unknown_example_keys, st.text(alphabet=st.characters(codec="utf-8",
+                                                                                    exclude_characters="\x00"),
+                                                                  max_size=6), min_size=1, max_size=3))
+@settings(deadline=None)
+def test_unknown_example_options_are_invalid_argument_and_later_sessions_work(case, host, plugin, opts, unknown):
+    refs = h.References(case)
+    statuses = len(hostapi.STATUSES)
+    with h.example_env(host, [plugin]) as env:
+        before = dict(h.record(plugin).live)
+        with pytest.raises(InvalidArgument, match=r"^EP 'ExampleEP' of plugin .* CreateEp failed \(INVALID_ARGUMENT\)"
+                                                  r": .*unknown option\(s\) \[.*\] for ExampleEP") as info:
+            h.session(case, env, {**opts, **unknown})
+        for key in unknown:
+            assert repr(key) in str(info.value)
+        del info
+        assert {k: v for k, v in h.record(plugin).live.items() if v != before.get(k, 0)} == {}
+        opts = {k: v for k, v in opts.items() if k != "enable_graph"}  # capture is property 1's business
+        sess = h.session(case, env, opts)
+        try:
+            refs.check(sess.run(None, case.feeds), case.feeds, "session after a refused one")
+        finally:
+            sess.close()
+    assert len(hostapi.STATUSES) == statuses
+
+
+@given(case=s.elementwise_graphs(max_nodes=3), version=st.sampled_from([3, 4, 5]), gid=s.malformed_graph_ids,
+       good=s.run_options)
+@settings(deadline=None, max_examples=s.budget(15))
+def test_malformed_graph_id_is_invalid_argument_and_the_session_goes_on(case, version, gid, good):
+    refs = h.References(case)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "1"})
+        try:
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            with pytest.raises(InvalidArgument, match=r"^run option gpu_graph_id must be an integer >= -1 "
+                                                      r"\(-1 runs without capture\); got "):
+                sess.run_with_iobinding(b, s.RunOpts(gid, None).make())
+            sess.run_with_iobinding(b, good.make())
+            refs.check([outs[n] for n in refs.names], case.feeds, "bound run after a refused one")
+            refs.check(sess.run(None, case.feeds2), case.feeds2, "eager run after a refused one")
+        finally:
+            sess.close()
