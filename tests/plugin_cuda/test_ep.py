@@ -138,46 +138,59 @@ def test_bad_option_at_session_creation(genv):
     compare_with_cpu(genv, zoo.mlp(layers=1, hidden=8)).close()
 
 
+class CountingAllocator:
+    """C functions (cffi callbacks) for the external-allocator options, with their own counters."""
+
+    def __init__(self):
+        import cffi
+        import cupy as cp
+
+        self.ffi = ffi = cffi.FFI()
+        self.counts = {"alloc": 0, "free": 0, "empty": 0}
+        self.live = {}
+
+        @ffi.callback("void*(size_t)")
+        def alloc(size):
+            self.counts["alloc"] += 1
+            ptr = cp.cuda.runtime.malloc(max(size, 1))
+            self.live[ptr] = size
+            return ffi.cast("void*", ptr)
+
+        @ffi.callback("void(void*)")
+        def free(p):
+            self.counts["free"] += 1
+            ptr = int(ffi.cast("uintptr_t", p))
+            self.live.pop(ptr, None)
+            cp.cuda.runtime.free(ptr)
+
+        @ffi.callback("void(void)")
+        def empty():
+            self.counts["empty"] += 1
+
+        self._callbacks = (alloc, free, empty)  # the addresses stay valid while this object lives
+
+    def options(self) -> dict[str, str]:
+        addr = [str(int(self.ffi.cast("uintptr_t", f))) for f in self._callbacks]
+        return {"gpu_external_alloc": addr[0], "gpu_external_free": addr[1], "gpu_external_empty_cache": addr[2],
+                "use_tf32": "0"}
+
+
 @pytest.mark.gpu
 def test_external_allocator_counts_and_is_per_session(genv):
-    import cffi
-    import cupy as cp
-
-    ffi = cffi.FFI()
-    counts = {"alloc": 0, "free": 0, "empty": 0}
-    live = {}
-
-    @ffi.callback("void*(size_t)")
-    def alloc(size):
-        counts["alloc"] += 1
-        ptr = cp.cuda.runtime.malloc(max(size, 1))
-        live[ptr] = size
-        return ffi.cast("void*", ptr)
-
-    @ffi.callback("void(void*)")
-    def free(p):
-        counts["free"] += 1
-        ptr = int(ffi.cast("uintptr_t", p))
-        live.pop(ptr, None)
-        cp.cuda.runtime.free(ptr)
-
-    @ffi.callback("void(void)")
-    def empty():
-        counts["empty"] += 1
-
-    addr = lambda f: str(int(ffi.cast("uintptr_t", f)))  # noqa: E731
-    opts = {"gpu_external_alloc": addr(alloc), "gpu_external_free": addr(free),
-            "gpu_external_empty_cache": addr(empty), "use_tf32": "0"}
-    s = compare_with_cpu(genv, zoo.mlp(layers=2, hidden=32), opts)
-    assert counts["alloc"] > 0
-    before = dict(counts)
+    a, b = CountingAllocator(), CountingAllocator()
+    s = compare_with_cpu(genv, zoo.mlp(layers=2, hidden=32), a.options())
+    assert a.counts["alloc"] > 0
+    before = dict(a.counts)
     other = compare_with_cpu(genv, zoo.mlp(layers=2, hidden=32))  # no external allocator
-    assert counts["alloc"] == before["alloc"]
-    other.close()
-    s.close()
+    assert a.counts["alloc"] == before["alloc"]
+    changed = compare_with_cpu(genv, zoo.mlp(layers=2, hidden=32), b.options())  # new functions take effect
+    assert b.counts["alloc"] > 0 and a.counts["alloc"] == before["alloc"]
+    for sess in (other, s, changed):
+        sess.close()
     gc.collect()
-    assert counts["empty"] == 1
-    assert counts["free"] == counts["alloc"] - len(live)
+    for allocator in (a, b):
+        assert allocator.counts["empty"] == 1
+        assert allocator.counts["free"] == allocator.counts["alloc"] - len(allocator.live)
 
 
 @pytest.mark.gpu
