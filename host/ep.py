@@ -100,6 +100,7 @@ class PluginEp:
         try:
             hostapi.check(status, f"{self.owner}: CreateEp", EpError)
         except EpError as exc:
+            hostapi.SESSION_OPTIONS.drop(sess_ptr)  # no EP, so nobody reads them again
             if exc.code == abi.EP_INVALID_ARGUMENT:
                 raise InvalidArgument(str(exc)) from None
             raise
@@ -127,7 +128,8 @@ class PluginEp:
             # Live allocations keep the Slots object alive; the allocator goes when the last does,
             # or when the plugin is unregistered, whichever comes first (never after its factory).
             fin = weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr)
-            self.factory.allocator_finalizers.append(fin)
+            alive = [f for f in self.factory.allocator_finalizers if f.alive]  # drop the ones that ran
+            self.factory.allocator_finalizers[:] = [*alive, fin]
         return slots
 
     def _create_transfer(self) -> Slots | None:

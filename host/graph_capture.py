@@ -52,9 +52,11 @@ class GraphCapture:
         self.enabled = False
         # Graphs belong to the thread that captured them (the EP replays on that thread's stream).
         self._signatures: dict[tuple[int, int], dict[str, tuple]] = {}
-        # (binding, version) last found equal to a graph's signature: replays skip the re-check.
+        # (binding serial, version) last found equal to a graph's signature: replays skip the re-check.
         self._verified: dict[tuple[int, int], tuple[int, int]] = {}
-        for ep in session.plan.eps:
+        # Every EP the session asked for, also one that got no node: capture was asked of it, and
+        # its policy decides whether a session without it on the EP is allowed.
+        for ep in session._eps:
             if ep.slots.negotiated < 3:
                 session.fallbacks["no_graph_capture"] += 1
             elif ep.graph_capture_enabled():
@@ -97,13 +99,13 @@ class GraphCapture:
 
     def run(self, binding, ro) -> None:
         s = self.session
+        parsed = ro.parsed
+        if parsed is None:  # validated whether or not this session captures
+            parsed = ro.parsed = (parse_graph_id(ro.get_run_config_entry("gpu_graph_id")),
+                                  ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
         if not self.enabled:
             s._run_bound(binding, ro)
             return
-        parsed = ro.parsed
-        if parsed is None:
-            parsed = ro.parsed = (parse_graph_id(ro.get_run_config_entry("gpu_graph_id")),
-                                  ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
         gid = parsed[0]
         if gid == -1:
             s._run_bound(binding, ro, "-1")
@@ -154,7 +156,7 @@ class GraphCapture:
 
     def _replay(self, binding, sync: bool, gid: int, key) -> None:
         s = self.session
-        stamp = (id(binding), binding.version)
+        stamp = (binding.serial, binding.version)
         if self._verified.get(key) != stamp:
             self._check_binding(binding, gid)
             self._verified[key] = stamp

@@ -108,6 +108,11 @@ class LoggerRegistry:
     def name(self, ptr) -> str:
         return self._names.get(int(ffi.cast("uintptr_t", ptr)), "unknown")
 
+    def drop(self, ptr) -> None:
+        key = int(ffi.cast("uintptr_t", ptr))
+        self._names.pop(key, None)
+        self._holders = [h for h in self._holders if int(ffi.cast("uintptr_t", h)) != key]
+
 
 LOGGERS = LoggerRegistry()
 _SEVERITY = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}

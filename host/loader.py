@@ -259,5 +259,6 @@ class PluginRegistration:
             except EpError as exc:
                 errors.append(str(exc))
         self.factories.clear()
+        hostapi.LOGGERS.drop(self.logger)
         if errors:
             _log.warning("%s", "; ".join(errors))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import warnings
@@ -119,13 +120,27 @@ def _type_string(elem_type: int) -> str:
         return f"tensor(elem_type={elem_type})"
 
 
+def _option_text(ep: str, what: str, key, value) -> str:
+    """A provider option key or value as text that reaches the plugin intact (a C string)."""
+    text = str(value)
+    if "\0" in text:
+        raise InvalidArgument(f"{ep} option {str(key)!r}: the {what} contains a NUL character; "
+                              "keys and values must be plain text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{ep} option {str(key)!r}: the {what} is not encodable as UTF-8 ({exc.reason})") from None
+    return text
+
+
 def _parse_providers(providers) -> list[tuple[str, dict[str, str]]]:
     out = []
     for p in providers or []:
         if isinstance(p, str):
             out.append((p, {}))
         elif isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], dict):
-            out.append((p[0], {str(k): str(v) for k, v in p[1].items()}))
+            out.append((p[0], {_option_text(p[0], "key", k, k): _option_text(p[0], "value", k, v)
+                               for k, v in p[1].items()}))
         else:
             raise InvalidArgument(f"a provider must be a name or (name, options dict); got {p!r}")
     return out
@@ -294,6 +309,9 @@ class InferenceSession:
         ids = self._output_ids(output_names)
         fed = self._feeds(feeds)
         ro = run_options or RunOptions()
+        from host.graph_capture import parse_graph_id
+
+        parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         outs = [self._executor.to_host(st.values[i]) for i in ids]
         # Views (of EP allocations, feeds or initializers) are copied so results are the caller's own.
@@ -414,6 +432,9 @@ class InferenceSession:
             pass
 
 
+_BINDING_SERIALS = itertools.count(1)
+
+
 class IOBinding:
     """Inputs and outputs bound to fixed buffers (NumPy arrays, device buffers, DLPack objects)."""
 
@@ -423,6 +444,7 @@ class IOBinding:
         self.outputs: dict[str, object] = {}
         self._results: dict[str, object] = {}
         self.version = 0  # bumped by every bind/clear: replay re-checks buffers only when it moved
+        self.serial = next(_BINDING_SERIALS)  # unlike id(), never reused by a later binding
 
     def bind_input(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
                    element_type=None, shape=None, buffer_ptr: int | None = None) -> None:

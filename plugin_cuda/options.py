@@ -7,6 +7,7 @@ addresses of functions already loaded in the process.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 PREFIXES = ("ep.cuda.", "ep.CUDAExecutionProvider.")
@@ -25,11 +26,15 @@ def _bool(key: str, raw: str) -> bool:
     raise OptionError(f"option {key}={raw!r}: expected a boolean; allowed: 0, 1, true, false")
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+_HEX = re.compile(r"0x[0-9a-f]+")
+
+
 def _int(key: str, raw: str, minimum: int = 0) -> int:
-    try:
-        v = int(raw.strip(), 10)
-    except ValueError:
-        raise OptionError(f"option {key}={raw!r}: expected a decimal integer >= {minimum}") from None
+    # ASCII digits only: Python's int() also takes '1_000' and non-ASCII digits.
+    if not _DECIMAL.fullmatch(raw.strip()):
+        raise OptionError(f"option {key}={raw!r}: expected a decimal integer >= {minimum}")
+    v = int(raw.strip(), 10)
     if v < minimum:
         raise OptionError(f"option {key}={raw!r}: must be >= {minimum}")
     return v
@@ -37,10 +42,9 @@ def _int(key: str, raw: str, minimum: int = 0) -> int:
 
 def _pointer(key: str, raw: str) -> int:
     text = raw.strip().lower()
-    try:
-        v = int(text, 16) if text.startswith("0x") else int(text, 10)
-    except ValueError:
-        raise OptionError(f"option {key}={raw!r}: expected an address in decimal or 0x-hex") from None
+    if not (_HEX.fullmatch(text) or _DECIMAL.fullmatch(text)):
+        raise OptionError(f"option {key}={raw!r}: expected an address in decimal or 0x-hex")
+    v = int(text, 16) if text.startswith("0x") else int(text, 10)
     if v < 0 or v >= 1 << 64:
         raise OptionError(f"option {key}={raw!r}: address out of range 0..2**64-1")
     return v

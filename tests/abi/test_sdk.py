@@ -111,12 +111,18 @@ def test_plugin_error_keeps_its_code(env_v5, plugins):
     assert rt.record.live["Ep"] == 0
 
 
-def test_any_exception_becomes_ep_fail(env_v5, plugins):
+def test_any_exception_becomes_ep_fail(env_v5, plugins, monkeypatch):
+    from tests.plugins import example_ep
+
+    def broken(self, *args):
+        return 1 / 0
+
+    monkeypatch.setattr(example_ep.ExampleFactory, "create_ep", broken)
     _, reg, _ = env_v5
-    status = _create_ep_status(reg, {"min_runs": "many"})
+    status = _create_ep_status(reg, {})
     mod = plugins.example_module(V)
     with pytest.raises(EpError, match=f"^CreateEp failed \\(FAIL\\): {mod}: EpFactory.CreateEp "
-                                      r"failed: invalid literal for int\(\) with base 10: 'many'$") as info:
+                                      r"failed: division by zero$") as info:
         hostapi.check(status, "CreateEp")
     assert info.value.code == abi.EP_FAIL
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -68,6 +69,7 @@ class ExampleFactory(sdk.FactoryBase):
     def __init__(self, runtime, logger, fault: str):
         super().__init__(runtime, logger)
         self.fault = fault
+        self.eps: weakref.WeakSet = weakref.WeakSet()
         if fault == "null_mandatory":
             self.null_slots = ("GetSupportedDevices",)
 
@@ -77,10 +79,15 @@ class ExampleFactory(sdk.FactoryBase):
     def create_ep(self, devices, options, session_options, logger):
         if self.fault == "create_ep_fails":
             raise sdk.PluginError("injected failure in CreateEp", abi.EP_FAIL)
-        return ExampleEp(self.runtime, self, options, logger)
+        ep = ExampleEp(self.runtime, self, options, logger)
+        self.eps.add(ep)
+        return ep
 
     def create_allocator(self, spec):
-        return ExampleAllocator(self.runtime, self, spec)
+        # A factory allocator serves every EP of the factory: it asks them which one is capturing.
+        alloc = ExampleAllocator(self.runtime, self, spec)
+        alloc.factory_eps = self.eps
+        return alloc
 
     def create_data_transfer(self):
         return ExampleDataTransfer(self.runtime, self)
@@ -102,7 +109,11 @@ class ExampleEp(sdk.EpBase):
         self.ops = set(options["ops"].split(",")) if options.get("ops") else set(_OPS)
         self.fail_node = options.get("fail_node", "")
         self.graph_enabled = options.get("enable_graph", "0") == "1"
-        self.min_runs = int(options.get("min_runs", "2"))
+        min_runs = options.get("min_runs", "2")
+        if not (min_runs.isascii() and min_runs.isdigit()):
+            raise sdk.PluginError(f"option min_runs={min_runs!r}: expected a decimal integer >= 0",
+                                  abi.EP_INVALID_ARGUMENT)
+        self.min_runs = int(min_runs)
         self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
         self.mock_device = options.get("mock_device", "0") == "1"
         self.lock = threading.Lock()
@@ -240,6 +251,7 @@ class ExampleAllocator(sdk.AllocatorBase):
         super().__init__(runtime, factory, spec)
         self.blocks: dict[int, np.ndarray] = {}
         self.ep: ExampleEp | None = None
+        self.factory_eps = ()
         self.total_allocs = 0
 
     def alloc(self, size: int, stream) -> int:
@@ -257,10 +269,11 @@ class ExampleAllocator(sdk.AllocatorBase):
         if block is None:
             return
         self.runtime.record.live["allocation"] -= 1
-        ep = self.ep
-        if ep is not None and ep.capturing is not None:
+        eps = [self.ep] if self.ep is not None else list(self.factory_eps)
+        capturing = next((ep for ep in eps if ep.capturing is not None), None)
+        if capturing is not None:
             # A captured graph replays into this memory: the graph owns it from now on.
-            ep.capture_allocations.append(block)
+            capturing.capture_allocations.append(block)
 
     def close(self):
         self.runtime.record.live["allocation"] -= len(self.blocks)
