@@ -94,7 +94,9 @@ class GraphManager:
                     pool = t.pools[gid] = self.ep.cupy.cuda.MemoryPool()
             t.active_pool = pool
         t.runs[gid] = t.runs.get(gid, 0) + 1
-        if t.runs[gid] > self.ep.opts.min_num_runs_before_cuda_graph_capture:
+        # At least one warm-up run: it fills the graph's private pool, so capture allocates nothing
+        # (thread-local capture forbids cudaMalloc). The host runs it inside the same first call.
+        if t.runs[gid] > max(1, self.ep.opts.min_num_runs_before_cuda_graph_capture):
             t.pending = gid
 
     def before_kernel(self, state) -> None:
