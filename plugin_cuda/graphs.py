@@ -2,7 +2,7 @@
 
 Graphs are kept per thread and per annotation id (`gpu_graph_id`), so a thread never replays
 a graph captured on another thread's stream. Capture starts at the first kernel of the run
-after the warm-up runs (the EP learns its stream there), in thread-local capture mode, and ends
+after the warm-up runs (the EP learns its stream there), in relaxed capture mode, and ends
 in OnRunEnd, which then launches the graph once: a capture run computes nothing by itself.
 Every allocation of an id's warm-up and capture runs comes from a memory pool private to that
 (thread, id): the warm-up runs fill it, so capture allocates nothing new, blocks freed during
@@ -21,7 +21,10 @@ import abi
 from abi.sdk import PluginError
 
 _log = logging.getLogger("ephost.plugin_cuda")
-_THREAD_LOCAL_CAPTURE = 1  # cudaStreamCaptureModeThreadLocal
+# cudaStreamCaptureModeRelaxed: an allocation the warmed pool cannot serve then succeeds (the graph's
+# private pool keeps it, and on_run_end reports it) instead of invalidating the capture, which
+# thread-local mode does. Other threads are unaffected in either mode.
+_CAPTURE_MODE = 2
 
 
 @dataclass
@@ -106,7 +109,7 @@ class GraphManager:
         gid, t.pending = t.pending, None
         state.cublas  # noqa: B018 - create the handle and its workspace before capture
         before = self.pool_bytes()
-        state.stream.begin_capture(mode=_THREAD_LOCAL_CAPTURE)
+        state.stream.begin_capture(mode=_CAPTURE_MODE)
         t.capturing = Capturing(gid, state, before)
 
     def capturing(self) -> bool:
