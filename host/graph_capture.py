@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class GraphCapture:
         self._signatures: dict[tuple[int, int], dict[str, tuple]] = {}
         # (binding serial, version) last found equal to a graph's signature: replays skip the re-check.
         self._verified: dict[tuple[int, int], tuple[int, int]] = {}
+        self._tls = threading.local()
         # Every EP the session asked for, also one that got no node: capture was asked of it, and
         # its policy decides whether a session without it on the EP is allowed.
         for ep in session._eps:
@@ -87,11 +89,20 @@ class GraphCapture:
     @property
     def signatures(self) -> dict[int, dict[str, tuple]]:
         """Captured graph ids of the calling thread and the bindings they were captured with."""
-        tid = threading.get_ident()
+        tid = self._thread()
         return {gid: sig for (t, gid), sig in self._signatures.items() if t == tid}
 
+    def _thread(self) -> int:
+        """A key for the calling thread. Not threading.get_ident(), which a new thread can inherit
+        from a dead one: a token in thread-local storage, whose entries go when the thread does."""
+        token = getattr(self._tls, "token", None)
+        if token is None:
+            token = self._tls.token = _ThreadToken()
+            weakref.finalize(token, _forget_thread, self._signatures, self._verified, id(token))
+        return id(token)
+
     def _key(self, gid: int) -> tuple[int, int]:
-        return (threading.get_ident(), gid)
+        return (self._thread(), gid)
 
     # -- runs --------------------------------------------------------------------------------------
     def captured(self, gid: int) -> bool:
@@ -204,3 +215,13 @@ class GraphCapture:
         # Graphs of other threads go with the EP, which the session releases next.
         self._signatures.clear()
         self._verified.clear()
+
+
+class _ThreadToken:
+    __slots__ = ("__weakref__",)
+
+
+def _forget_thread(signatures: dict, verified: dict, tid: int) -> None:
+    for d in (signatures, verified):
+        for key in [k for k in d if k[0] == tid]:
+            d.pop(key, None)

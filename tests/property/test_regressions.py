@@ -251,10 +251,8 @@ def test_threads_capturing_the_same_graph_id_get_their_own_graphs(env5):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="host/graph_capture.py keys graphs and verified bindings by "
-                                       "threading.get_ident(), which is recycled: a new thread that gets a dead "
-                                       "thread's ident inherits its graphs (GraphCaptureError 'moved' for its own "
-                                       "fresh binding), and entries of dead threads are never dropped")
+# Was: host/graph_capture.py keyed graphs by threading.get_ident(), which a new thread can inherit from
+# a dead one (fixed: a thread-local token whose entries go with the thread).
 def test_new_thread_does_not_inherit_a_dead_threads_graphs(env5):
     import threading
 
