@@ -132,31 +132,34 @@ class Transpose(OpKernel):
         return (np.transpose(x, self.perm),)
 
 
-@register("Squeeze")
-class Squeeze(OpKernel):
-    """Without axes every 1-dimension goes; listed axes must be 1."""
+class _AxesKernel(OpKernel):
+    """An op whose axes are an attribute before opset 13 and an input from then on."""
 
     def __init__(self, node):
         super().__init__(node)
         self.axes_attr = self.attr_ints("axes", None)
 
+    def axes(self, axes_input) -> list[int]:
+        return self.axes_attr if self.axes_attr is not None else int_list(axes_input)
+
+
+@register("Squeeze")
+class Squeeze(_AxesKernel):
+    """Without axes every 1-dimension goes; listed axes must be 1."""
+
     def _run(self, x, axes=None):
-        axes = self.axes_attr if self.axes_attr is not None else int_list(axes)
+        axes = self.axes(axes)
         if not axes:
             return (np.squeeze(x),)
         return (np.squeeze(x, axis=normalize_axes(axes, x.ndim)),)
 
 
 @register("Unsqueeze")
-class Unsqueeze(OpKernel):
+class Unsqueeze(_AxesKernel):
     """Axes index the output, whose rank is input rank + len(axes)."""
 
-    def __init__(self, node):
-        super().__init__(node)
-        self.axes_attr = self.attr_ints("axes", None)
-
     def _run(self, x, axes=None):
-        axes = self.axes_attr if self.axes_attr is not None else int_list(axes)
+        axes = self.axes(axes)
         if not axes:
             raise ValueError("axes is empty")
         return (np.expand_dims(x, normalize_axes(axes, x.ndim + len(axes))),)
