@@ -224,7 +224,7 @@ def test_threads_capturing_the_same_graph_id_get_their_own_graphs(env5):
         s.run_with_iobinding(b)  # replay of this thread's graph 0
         results[i] = z - expected(x, y)
 
-    # Both threads alive till the end (a recycled thread ident is another bug), runs one at a time.
+    # Both threads alive till the end, so that they are surely two threads; runs one at a time.
     turn = [threading.Event(), threading.Event()]
     done = threading.Barrier(2)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from onnx import TensorProto, helper, numpy_helper
@@ -121,8 +121,9 @@ class SessionMachine(RuleBasedStateMachine):
         super().__init__()
         self.env = None
 
-    @initialize(host=s.versions)
-    def start(self, host):
+    @initialize(host=s.versions, first=st.one_of(st.none(), s.versions), graph=st.sampled_from(["chain", "mlp"]),
+                capture=st.sampled_from([True, True, False]))
+    def start(self, host, first, graph, capture):
         gc.collect()
         self.host = host
         self.env = Environment(api_version=host)
@@ -132,6 +133,13 @@ class SessionMachine(RuleBasedStateMachine):
         self.base_live = {v: _live(v) for v in s.VERSIONS}
         self.base_statuses = len(hostapi.STATUSES)
         self.base_contexts = len(hostapi.CONTEXTS._items)
+        if first is not None:  # most runs start with a plugin and a session, so that they get somewhere
+            self.register(first)
+            self.create(graph, capture, 1, ())  # chain and mlp run whole on ExampleEP: never refused
+            t = self.sessions[-1]
+            self.bind_session(t, 0)
+            for i in range(2):  # a capture (where the versions allow it) and a replay
+                self._bound_once(t, i, s.RunOpts(None, None), None)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _feeds(self, graph: str, seed: int) -> dict[str, np.ndarray]:
@@ -147,8 +155,8 @@ class SessionMachine(RuleBasedStateMachine):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, err_msg=what, **tol)
 
-    def _pick(self, data, need_binding: bool = False) -> Tracked:
-        pool = [t for t in self.sessions if t.binding is not None] if need_binding else self.sessions
+    def _pick(self, data) -> Tracked:
+        pool = self.sessions
         # An index, not the object: hypothesis keeps drawn values for its report, and a session it
         # kept would outlive a `close(drop=True)`.
         return pool[data.draw(st.integers(0, len(pool) - 1), label="session index")]
@@ -223,16 +231,26 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sessions)
     @rule(data=st.data(), seed=st.integers(0, 2**16))
     def bind(self, data, seed):
-        t = self._pick(data)
+        self.bind_session(self._pick(data), seed)
+
+    def bind_session(self, t: Tracked, seed: int) -> None:
         # The old binding goes (a new one may take its address: replays must still see the change).
         t.binding = h.bind(t.sess, self._feeds(t.graph, seed), POOL[t.graph].outputs)
         t.generation += 1
 
-    @precondition(lambda self: any(t.binding is not None for t in self.sessions))
+    @precondition(lambda self: self.sessions)
     @rule(data=st.data(), seed=st.integers(0, 2**16), ro=s.run_options,
-          malformed=st.one_of(st.none(), s.malformed_graph_ids))
-    def run_bound(self, data, seed, ro, malformed):
-        t = self._pick(data, need_binding=True)
+          malformed=st.one_of(st.none(), st.none(), st.none(), s.malformed_graph_ids), repeat=st.integers(1, 3))
+    def run_bound(self, data, seed, ro, malformed, repeat):
+        """`repeat` bound runs with new data each (so that a capture is followed by replays)."""
+        t = self._pick(data)
+        if t.binding is None:
+            self.bind_session(t, seed)
+        for i in range(repeat):
+            if not self._bound_once(t, seed + i, ro, malformed):
+                break
+
+    def _bound_once(self, t: Tracked, seed: int, ro: s.RunOpts, malformed: str | None) -> bool:
         b, ins, outs = t.binding
         feeds = self._feeds(t.graph, seed)
         h.refill(ins, feeds)
@@ -242,13 +260,13 @@ class SessionMachine(RuleBasedStateMachine):
             # Checked whether or not the session captures (the EP would get it in OnRunStart).
             with pytest.raises(InvalidArgument, match=r"^run option gpu_graph_id must be an integer >= -1"):
                 t.sess.run_with_iobinding(b, s.RunOpts(malformed, ro.disable_sync).make())
-            return
+            return False
         gid = None if t.state == "off" else ro.gid
         if gid is not None and gid in t.captured and t.captured[gid] != t.generation:
             with pytest.raises(GraphCaptureError, match=rf"^graph {gid} was captured with (input|output) '\w+' at a "
                                                         r"fixed buffer; it moved from address"):
                 t.sess.run_with_iobinding(b, ro.make())
-            return
+            return False
         captured_before = t.sess.fallbacks["graph_captured"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -263,8 +281,11 @@ class SessionMachine(RuleBasedStateMachine):
         assert t.sess.fallbacks["graph_captured"] - captured_before == int(t.captured.get(gid) == t.generation
                                                                             and not replayed)
         t.ran = t.ran or not replayed
+        event("bound run: " + ("replay" if replayed else "capture" if t.captured.get(gid) == t.generation
+                               else "eager"))
         self._check(t.graph, [outs[n] for n in POOL[t.graph].outputs], feeds,
                     f"{'replayed' if replayed else 'bound'} run of {t.graph} ({ro})")
+        return True
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data(), gid=st.integers(0, 3))
@@ -279,6 +300,7 @@ class SessionMachine(RuleBasedStateMachine):
                 t.sess.capture.release(gid)
         else:
             t.sess.capture.release(gid)
+            event("release: " + ("a captured graph" if gid in t.captured else "nothing captured"))
             t.captured.pop(gid, None)
             assert not t.sess.capture.captured(gid)
 
@@ -301,8 +323,6 @@ class SessionMachine(RuleBasedStateMachine):
             return
         for v in s.VERSIONS:
             mine = [t for t in self.sessions if t.version == v]
-            delta = _live(v) - self.base_live[v]
-            delta.subtract(Counter())  # keep negative deltas visible
             got = {k: _live(v)[k] - self.base_live[v][k] for k in ("EpFactory", "Ep", "EpKernel", "EpDataTransfer",
                                                                      "EpSyncStream", "EpNotification")}
             want = {"EpFactory": int(f"ex{v}" in self.regs), "Ep": len(mine),
@@ -336,5 +356,5 @@ class SessionMachine(RuleBasedStateMachine):
         assert len(hostapi.CONTEXTS._items) == self.base_contexts
 
 
-SessionMachine.TestCase.settings = settings(max_examples=s.budget(20), stateful_step_count=25, deadline=None)
+SessionMachine.TestCase.settings = settings(max_examples=s.budget(30), stateful_step_count=20, deadline=None)
 test_session_machine = SessionMachine.TestCase
