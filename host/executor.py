@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import abi
-from abi.dtypes import to_numpy
+from abi.dtypes import to_numpy, to_onnx
 from host import hostapi
 from host.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.errors import EpError, EphostError, InvalidArgument, KernelError
@@ -191,7 +191,6 @@ class Executor:
     def elem_type_of(self, dtype) -> int:
         et = self._etype_cache.get(dtype)
         if et is None:
-            from abi.dtypes import to_onnx
             et = self._etype_cache[dtype] = to_onnx(dtype)
         return et
 

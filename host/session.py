@@ -18,7 +18,7 @@ from host.environment import Environment
 from host.ep import CPU_LOCATION, PluginEp
 from host.errors import EpError, EphostError, InvalidArgument, ModelError
 from host.executor import Executor, Plan, PlanNode, compute_frees
-from host.graph_capture import GraphCapture
+from host.graph_capture import GraphCapture, parse_graph_id
 from host.graphview import GraphView
 from host.hostapi import ffi
 from host.loader import negotiate
@@ -309,8 +309,6 @@ class InferenceSession:
         ids = self._output_ids(output_names)
         fed = self._feeds(feeds)
         ro = run_options or RunOptions()
-        from host.graph_capture import parse_graph_id
-
         parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         outs = [self._executor.to_host(st.values[i]) for i in ids]
