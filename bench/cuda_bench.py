@@ -4,7 +4,7 @@
     python bench/cuda_bench.py [--iters 1000] [--warmup 50] [--json results.json]
 
 Models: MLP 8 x 256 (batch 1), MLP 8 x 1024 (batch 1), transformer block (hidden 256, 4 heads,
-seq 128, batch 1), float32, from host.zoo. The PyTorch side is bench.torch_models, an interpreter
+seq 128, batch 1), float32, from host.cli.zoo. The PyTorch side is bench.torch_models, an interpreter
 of the same ONNX graph (same initializers). Per model, in one process:
 
 1. correctness: ephost (CuPy-bound IOBinding) vs torch, max abs diff, allclose(rtol 1e-2), TF32 as set;
@@ -222,7 +222,7 @@ class Bench:
         self.cp.cuda.runtime.deviceSynchronize()
 
     def session(self, model, **options):
-        from host.session import InferenceSession
+        from host.runtime.session import InferenceSession
 
         opts = {"use_tf32": self.tf32, **{k: str(v) for k, v in options.items()}}
         before = cuda_ep_objects()
@@ -246,7 +246,7 @@ class Bench:
 
     def run_model(self, key: str) -> dict:
         from bench.torch_models import torch_module_from_onnx
-        from host import zoo
+        from host.cli import zoo
 
         torch, cp = self.torch, self.cp
         title, builder, kwargs = MODEL_SPECS[key]
@@ -402,7 +402,7 @@ class Bench:
 
     def bench_graph(self, key, model, feeds, feeds2, out_specs, first_out, torch_ref, torch_ref2, tm, x_t,
                     res) -> dict:
-        from host.session import RunOptions
+        from host.runtime.session import RunOptions
 
         torch, cp, args = self.torch, self.cp, self.args
         out: dict = {}
@@ -719,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ensure_plugin(path, explicit=bool(args.plugin)):
         return 1
 
-    from host.environment import Environment
+    from host.plugins.environment import Environment
 
     set_torch_tf32(torch, bool(args.tf32))
     meta = environment_info(torch, cupy)

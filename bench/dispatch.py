@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
-from host.benchutil import bench_session  # noqa: E402
+from host.cli.benchutil import bench_session  # noqa: E402
 
 EP_NAME = "ExampleEP"
 
@@ -82,8 +82,8 @@ def _strip(stats: dict) -> dict:
 def measure(nodes: int = 1000, size: int = 4, warmup: int = 5, iters: int = 50, plugin: str | None = None,
             profile_runs: int = 0) -> dict:
     """Times paths A, B and C; returns their stats, per-node costs and (optionally) a profile."""
-    from host.environment import Environment
-    from host.session import InferenceSession
+    from host.plugins.environment import Environment
+    from host.runtime.session import InferenceSession
 
     model = relu_chain(nodes, size)
     x = np.linspace(-1.0, 1.0, size, dtype=np.float32)

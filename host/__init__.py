@@ -1,6 +1,5 @@
 """ephost host runtime: loads EP plugins by path and runs ONNX models through them."""
 
-from host.environment import Environment
 from host.errors import (
     AbiVersionError,
     EpError,
@@ -12,6 +11,7 @@ from host.errors import (
     OutOfMemoryError,
     PluginLoadError,
 )
+from host.plugins.environment import Environment
 
 __all__ = [
     "Environment", "InferenceSession", "SessionOptions", "RunOptions", "IOBinding",
@@ -23,7 +23,7 @@ __all__ = [
 def __getattr__(name):
     # The session pulls in onnx and the CPU EP; load it only when asked for.
     if name in ("InferenceSession", "SessionOptions", "RunOptions", "IOBinding"):
-        from host import session
+        from host.runtime import session
 
         return getattr(session, name)
     raise AttributeError(f"module 'host' has no attribute {name!r}")

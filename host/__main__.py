@@ -2,6 +2,6 @@
 
 import sys
 
-from host.cli import main
+from host.cli.app import main
 
 sys.exit(main())

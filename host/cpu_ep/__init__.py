@@ -9,7 +9,7 @@ from host.cpu_ep import ops_elementwise, ops_math, ops_nn, ops_reduce, ops_shape
 from host.cpu_ep.base import EP_NAME, OpKernel
 from host.cpu_ep.registry import CPU_KERNELS, lookup, register, supported_ops
 from host.errors import ModelError
-from host.node import NodeInfo
+from host.runtime.node import NodeInfo
 
 
 def create_kernel(node: NodeInfo) -> OpKernel:

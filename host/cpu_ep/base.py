@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from host.errors import EphostError, KernelError, ModelError
-from host.node import NodeInfo
+from host.runtime.node import NodeInfo
 
 EP_NAME = "CPUExecutionProvider"
 

@@ -32,10 +32,10 @@ if str(ROOT) not in sys.path:
 import abi  # noqa: E402
 import build  # noqa: E402
 from abi.dtypes import to_onnx  # noqa: E402
-from host import hostapi  # noqa: E402
 from host.errors import EpError  # noqa: E402
-from host.hostapi import ffi  # noqa: E402
-from host.loader import Slots, negotiate  # noqa: E402
+from host.plugins import hostapi  # noqa: E402
+from host.plugins.hostapi import ffi  # noqa: E402
+from host.plugins.loader import Slots, negotiate  # noqa: E402
 from tests.conftest import built_plugin  # noqa: E402  (the one build cache of the process)
 
 NO_CC_REASON = "no C compiler ($CC or cc on PATH): the plugins (cffi shims and the C plugin) cannot be built"

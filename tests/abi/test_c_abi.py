@@ -15,9 +15,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import abi
-from host.environment import Environment
 from host.errors import EpError
-from host.hostapi import ffi
+from host.plugins.environment import Environment
+from host.plugins.hostapi import ffi
 from tests.abi.conftest import (
     ABI_DIR,
     ROOT,
@@ -203,7 +203,7 @@ def _add_model(shape_b=(2, 3)) -> bytes:
 
 @pytest.mark.parametrize("host", [3, V])
 def test_session_runs_the_c_add_kernel(c_plugin, live, host):
-    session_mod = pytest.importorskip("host.session", reason="the session API (host.session) is missing")
+    session_mod = pytest.importorskip("host.runtime.session", reason="the session API (host.runtime.session) is missing")
     base = live()
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2, 3), dtype=np.float32)

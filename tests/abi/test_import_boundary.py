@@ -75,10 +75,10 @@ def test_no_import_across_the_boundary(package, forbidden):
     ("host/x.py", "from tests import plugins\n", ("tests.plugins",), "imports tests.plugins"),
     ("host/x.py", "import importlib\nimportlib.import_module('plugin_cuda.kernels')\n", ("plugin_cuda",),
      "imports plugin_cuda.kernels"),
-    ("plugin_cuda/x.py", "from host.loader import Slots\n", ("host",), "imports host.loader"),
+    ("plugin_cuda/x.py", "from host.plugins.loader import Slots\n", ("host",), "imports host.plugins.loader"),
     ("plugin_cuda/x.py", "def f():\n    import host\n", ("host",), "imports host"),
     ("tests/plugins/x.py", "from ...host import errors\n", ("host",), "imports host"),
-    ("tests/plugins/x.py", "__import__('host.environment')\n", ("host",), "imports host.environment"),
+    ("tests/plugins/x.py", "__import__('host.plugins.environment')\n", ("host",), "imports host.plugins.environment"),
 ])
 def test_the_scanner_finds_forbidden_imports(rel, source, forbidden, expected):
     found = violations(ROOT / rel, forbidden, source)

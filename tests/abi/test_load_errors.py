@@ -20,8 +20,8 @@ import textwrap
 import pytest
 
 import abi
-from host.environment import Environment
 from host.errors import AbiVersionError, EphostError, InvalidArgument, PluginLoadError
+from host.plugins.environment import Environment
 from tests.abi.conftest import ABI_DIR, last_json, run_python
 
 V = abi.ABI_VERSION
@@ -158,10 +158,10 @@ _FAULT_SCRIPT = """
 import json, os, sys
 import abi
 from abi import sdk
-from host import hostapi
-from host.environment import Environment
+from host.plugins import hostapi
+from host.plugins.environment import Environment
 from host.errors import EpError
-from host.hostapi import ffi
+from host.plugins.hostapi import ffi
 
 path, module, create_ep = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 
@@ -191,7 +191,7 @@ try:
         except EpError as exc:
             result["ep_error"] = describe(exc) | {"code": exc.code, "out_is_null": out[0] == ffi.NULL}
         try:
-            from host.session import InferenceSession
+            from host.runtime.session import InferenceSession
         except ModuleNotFoundError:
             result["session_error"] = None
         else:

@@ -1,4 +1,4 @@
-"""host.plugin_info: what a plugin offers this host, and its text report."""
+"""host.plugins.plugin_info: what a plugin offers this host, and its text report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import abi
 from abi import sdk
 from host.errors import PluginLoadError
-from host.plugin_info import format_plugin_info, plugin_info
+from host.plugins.plugin_info import format_plugin_info, plugin_info
 
 
 def _slots(info: dict, table: str) -> dict[str, dict]:

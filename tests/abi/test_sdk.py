@@ -10,10 +10,10 @@ import pytest
 
 import abi
 from abi import sdk
-from host import hostapi
-from host.environment import Environment
 from host.errors import EpError
-from host.hostapi import ffi
+from host.plugins import hostapi
+from host.plugins.environment import Environment
+from host.plugins.hostapi import ffi
 from tests.abi.conftest import KernelContext, add_graph, compute, kernel, raw_ep
 
 V = abi.ABI_VERSION

@@ -15,8 +15,8 @@ import pytest
 
 import abi
 from abi import sdk
-from host.environment import Environment
-from host.hostapi import ffi
+from host.plugins.environment import Environment
+from host.plugins.hostapi import ffi
 from tests.abi.conftest import KernelContext, add_graph, claimed_nodes, compute, kernel, raw_ep
 
 VERSIONS = list(abi.SUPPORTED_VERSIONS)

@@ -1,4 +1,4 @@
-"""onnx's backend node tests through host.backend.EphostBackend, for every op the CPU EP registers.
+"""onnx's backend node tests through host.runtime.backend.EphostBackend, for every op the CPU EP registers.
 
 Where the data comes from: this onnx (1.23) ships no node test data files
 (onnx/backend/test/data/node does not exist); `onnx.backend.test.loader.load_model_tests(kind="node")`
@@ -35,9 +35,9 @@ from onnx.backend.test.runner import Runner
 
 import host
 from host import cpu_ep
-from host.backend import EphostBackend, EphostBackendRep
 from host.errors import InvalidArgument
-from host.model import MAX_OPSET, MIN_OPSET
+from host.runtime.backend import EphostBackend, EphostBackendRep
+from host.runtime.model import MAX_OPSET, MIN_OPSET
 
 # ---- which node tests belong to which op ---------------------------------------------------------------
 # onnx names a node test test_<name>_<variant>; <name> is the op type in lower case unless listed here.
@@ -84,7 +84,7 @@ STRINGS = "string tensors: ephost has no string element type"
 SEQUENCES = "sequence or optional values: ephost runs tensor values only"
 NOT_REGISTERED = "an op the CPU EP does not register, whose test name starts with a registered op's prefix"
 NARROW_TYPES = "bfloat16 / float8 / float4 / int4 / int2 element types: not in ephost's dtype table (abi/dtypes.py)"
-OPSET = f"model's default opset is outside ephost's window {MIN_OPSET}..{MAX_OPSET} (host/model.py)"
+OPSET = f"model's default opset is outside ephost's window {MIN_OPSET}..{MAX_OPSET} (host/runtime/model.py)"
 
 EXCLUDED: list[tuple[str, str]] = [
     (r"^test_equal_string", STRINGS),                         # Equal on string tensors
@@ -114,7 +114,7 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^test_unsqueeze_", OPSET),                             # Unsqueeze-25
 ]
 
-# Tests that feed a 0-d (scalar) input: host/session.py `_check_feed` turns 0-d feeds into shape (1,)
+# Tests that feed a 0-d (scalar) input: host/runtime/session.py `_check_feed` turns 0-d feeds into shape (1,)
 # (np.ascontiguousarray returns ndim >= 1) and then rejects them against the declared rank-0 input. They are
 # expected failures while that bug is there (probed below) and run normally once it is fixed.
 def feeds_a_scalar(name: str) -> bool:
@@ -127,7 +127,7 @@ def _as_array(x) -> np.ndarray:
 
 
 def _scalar_feeds_lose_rank() -> bool:
-    """Whether a 0-d feed is rejected against a rank-0 input (the host/session.py bug above)."""
+    """Whether a 0-d feed is rejected against a rank-0 input (the host/runtime/session.py bug above)."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
     model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "probe", [x], [y]),
@@ -166,7 +166,7 @@ RUN = [name for name in INCLUDED if exclusion_reason(name) is None]
 SCALAR_FEED_XFAIL = sorted(n for n in INCLUDED if SCALAR_FEED_BUG and feeds_a_scalar(n))
 for _name in SCALAR_FEED_XFAIL:
     if _name in RUN:
-        backend_test.xfail(rf"^{_name}$")  # the host/session.py bug above: 0-d feeds become shape (1,)
+        backend_test.xfail(rf"^{_name}$")  # the host/runtime/session.py bug above: 0-d feeds become shape (1,)
 
 OnnxBackendNodeModelTest = backend_test.test_cases["OnnxBackendNodeModelTest"]
 # Keep the CPU variants of the included tests (excluded ones stay, reported as skipped with their pattern);
@@ -224,7 +224,7 @@ def run_case(name: str, model: onnx.ModelProto | None = None, **prepare_kwargs) 
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    reason="host/session.py turns 0-d feeds into shape (1,)", strict=True)) if n in SCALAR_FEED_XFAIL else n
+    reason="host/runtime/session.py turns 0-d feeds into shape (1,)", strict=True)) if n in SCALAR_FEED_XFAIL else n
     for n in retargetable()])
 def test_node_retargeted(name):
     run_case(name, retargeted(NODE_CASES[name].model))
@@ -256,7 +256,7 @@ def format_summary() -> str:
     lines = [f"onnx {onnx.__version__} node tests for the {s['ops']} ops of the CPU EP: {s['included']} tests "
              f"match their prefixes; {s['run']} run through BackendTest ({s['expanded']} of them *_expanded "
              f"function bodies), {s['expected_to_pass']} expected to pass"
-             + (f", {s['xfail_scalar_feed_bug']} expected failures (0-d feed bug in host/session.py)"
+             + (f", {s['xfail_scalar_feed_bug']} expected failures (0-d feed bug in host/runtime/session.py)"
                 if s["xfail_scalar_feed_bug"] else "") + ";",
              f"{sum(s['excluded'].values())} excluded:"]
     lines += [f"  {count:4d}  {reason}" for reason, count in s["excluded"].items()]

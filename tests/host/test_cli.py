@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host import cli, loader, zoo
-from host.benchutil import bench_session
+from host.cli import app as cli
+from host.cli import zoo
+from host.cli.benchutil import bench_session
 from host.errors import InvalidArgument
-from host.session import InferenceSession
+from host.plugins import loader
+from host.runtime.session import InferenceSession
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,7 +191,7 @@ def test_summarize_handles_empty_and_bool_outputs():
 
 # ---- plugin-info and entry points --------------------------------------------------------------
 def test_plugin_info(capsys, plugin):
-    pytest.importorskip("host.plugin_info")
+    pytest.importorskip("host.plugins.plugin_info")
     rc, out, err = run_cli(capsys, "plugin-info", plugin)
     assert rc == 0, err
     assert "ExampleEP" in out

@@ -16,7 +16,7 @@ from onnx.reference import ReferenceEvaluator
 
 from host.cpu_ep import CPU_KERNELS, OpKernel, create_kernel, lookup, register, supported_ops
 from host.errors import InvalidArgument, KernelError, ModelError
-from host.node import NodeInfo, node_info
+from host.runtime.node import NodeInfo, node_info
 
 OPSET = 21
 RTOL, ATOL = 1e-5, 1e-6

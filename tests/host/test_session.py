@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 import host
 from host.errors import GraphCaptureError, InvalidArgument, KernelError, ModelError
-from host.session import InferenceSession, RunOptions
+from host.runtime.session import InferenceSession, RunOptions
 from tests.conftest import example_record
 
 

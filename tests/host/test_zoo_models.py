@@ -16,10 +16,10 @@ import onnxruntime as ort
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-from host import zoo
-from host.environment import Environment
+from host.cli import zoo
 from host.errors import InvalidArgument
-from host.session import InferenceSession
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
 
 CPU_EP = "CPUExecutionProvider"
 TOL = {np.dtype(np.float32): {"rtol": 1e-4, "atol": 1e-5}, np.dtype(np.float64): {"rtol": 1e-9, "atol": 1e-12}}

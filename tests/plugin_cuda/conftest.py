@@ -53,7 +53,7 @@ def cublas_handle_fp32(cp):
 def close_sessions(monkeypatch):
     """Close every InferenceSession a test made, while the test's locals (a caller's CUDA stream
     borrowed by a session, bound buffers) are still alive, even when the test failed."""
-    from host import session as session_module
+    from host.runtime import session as session_module
 
     made = []
     original = session_module.InferenceSession.__init__

@@ -14,9 +14,9 @@ import pytest
 
 import host
 from abi import sdk
-from host import zoo
+from host.cli import zoo
 from host.errors import InvalidArgument, KernelError
-from host.session import InferenceSession, RunOptions
+from host.runtime.session import InferenceSession, RunOptions
 from plugin_cuda.options import OptionError, parse_options
 
 CUDA = "CUDAExecutionProvider"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from abi import sdk
-from host import zoo
+from host.cli import zoo
 from host.errors import GraphCaptureError
-from host.session import InferenceSession, RunOptions
+from host.runtime.session import InferenceSession, RunOptions
 
 CUDA = "CUDAExecutionProvider"
 pytestmark = pytest.mark.gpu

@@ -18,8 +18,8 @@ from onnx.reference import ReferenceEvaluator
 
 import build
 from abi import sdk
-from host.environment import Environment
-from host.session import InferenceSession
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
 from tests.conftest import built_plugin
 
 EXAMPLE_EP = "ExampleEP"

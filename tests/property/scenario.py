@@ -22,7 +22,7 @@ from host.errors import GraphCaptureError
 from tests.property import harness as h
 from tests.property import strategies as s
 
-MAX_INTERNAL_RUNS = 16  # host/graph_capture.py: runs the host drives before giving up on a capture
+MAX_INTERNAL_RUNS = 16  # host/runtime/graph_capture.py: runs the host drives before giving up on a capture
 
 
 @dataclass

@@ -93,7 +93,7 @@ class RunOpts:
     disable_sync: str | None  # None, "0" or "1"
 
     def make(self):
-        from host.session import RunOptions
+        from host.runtime.session import RunOptions
 
         ro = RunOptions()
         if self.graph_id is not None:

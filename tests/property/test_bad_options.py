@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host import hostapi
 from host.errors import InvalidArgument
+from host.plugins import hostapi
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
 from tests.property import harness as h
 from tests.property import strategies as s

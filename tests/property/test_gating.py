@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import abi
-from host.environment import Environment
+from host.plugins.environment import Environment
 from tests.conftest import built_plugin
 from tests.property import harness as h
 from tests.property import scenario

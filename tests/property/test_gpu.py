@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from abi import sdk
-from host import hostapi
-from host.environment import Environment
 from host.errors import EphostError, GraphCaptureError
-from host.session import InferenceSession
+from host.plugins import hostapi
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
 from tests.property import harness as h
 from tests.property import strategies as s
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host import hostapi
 from host.errors import EphostError
+from host.plugins import hostapi
 from tests.property import harness as h
 from tests.property import strategies as s
 

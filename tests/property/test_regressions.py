@@ -14,9 +14,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from host import hostapi
 from host.errors import GraphCaptureError, InvalidArgument
-from host.session import InferenceSession, RunOptions
+from host.plugins import hostapi
+from host.runtime.session import InferenceSession, RunOptions
 from plugin_cuda.options import OptionError, parse_options
 from tests.conftest import built_plugin
 from tests.property import harness as h
@@ -54,8 +54,8 @@ def env5():
         yield env
 
 
-# ---- host/graph_capture.py ------------------------------------------------------------------------------
-# Was: host/graph_capture.py GraphCapture.__init__ looks only at plan.eps: an EP asked to capture that got no
+# ---- host/runtime/graph_capture.py ------------------------------------------------------------------------------
+# Was: host/runtime/graph_capture.py GraphCapture.__init__ looks only at plan.eps: an EP asked to capture that got no
 # node is dropped from the plan, and the capture request with it, silently (ALL_NODES_ON_EP says: refuse the
 # session) (fixed in 4a23a5c).
 def test_capture_requested_with_no_node_on_the_ep_is_refused(env5):
@@ -68,7 +68,7 @@ def test_capture_requested_with_no_node_on_the_ep_is_refused(env5):
         InferenceSession(m, providers=[("ExampleEP", {"enable_graph": "1"})], env=env5).close()
 
 
-# Was: host/graph_capture.py GraphCapture._replay stamps a verified binding with (id(binding), binding.version):
+# Was: host/runtime/graph_capture.py GraphCapture._replay stamps a verified binding with (id(binding), binding.version):
 # a new IOBinding at a collected one's address with as many binds skips the buffer check and replays into the
 # old buffers (fixed in 4a23a5c).
 def test_replay_check_survives_binding_address_reuse(env5):
@@ -98,7 +98,7 @@ def test_replay_check_survives_binding_address_reuse(env5):
         s.close()
 
 
-# Was: host/graph_capture.py GraphCapture.run (and InferenceSession.run) check gpu_graph_id only when the
+# Was: host/runtime/graph_capture.py GraphCapture.run (and InferenceSession.run) check gpu_graph_id only when the
 # session captures; otherwise the raw value goes to the EP's OnRunStart, and ExampleEP fails with an untyped
 # EpError(FAIL) (fixed in 4a23a5c).
 @pytest.mark.parametrize("version", [2, 5])
@@ -117,8 +117,8 @@ def test_malformed_graph_id_is_invalid_argument_without_capture(version):
             s.close()
 
 
-# ---- host/ep.py -----------------------------------------------------------------------------------------
-# Was: host/ep.py PluginEp._create_ep registers the session options (SESSION_OPTIONS.make) before CreateEp and
+# ---- host/plugins/ep.py -----------------------------------------------------------------------------------------
+# Was: host/plugins/ep.py PluginEp._create_ep registers the session options (SESSION_OPTIONS.make) before CreateEp and
 # drops them only in close(): a refused CreateEp leaks the entry (fixed in 4a23a5c).
 def test_refused_create_ep_leaves_no_session_options(env5):
     before = len(hostapi.SESSION_OPTIONS._items)
@@ -129,7 +129,7 @@ def test_refused_create_ep_leaves_no_session_options(env5):
     assert len(hostapi.SESSION_OPTIONS._items) == before
 
 
-# Was: host/ep.py PluginEp._create_allocator appends a weakref.finalize per session to
+# Was: host/plugins/ep.py PluginEp._create_allocator appends a weakref.finalize per session to
 # factory.allocator_finalizers and nothing prunes the dead ones until the plugin is unregistered: the list grows
 # with every session (fixed in 4a23a5c).
 def test_allocator_finalizers_do_not_accumulate(env5):
@@ -141,22 +141,22 @@ def test_allocator_finalizers_do_not_accumulate(env5):
     assert len(factory.allocator_finalizers) <= 1
 
 
-# Was: host/ep.py _kv_array turns option keys/values into C strings without a check: an embedded NUL truncates
+# Was: host/plugins/ep.py _kv_array turns option keys/values into C strings without a check: an embedded NUL truncates
 # the key ('ops\x00junk' is applied as 'ops') (fixed in 4a23a5c).
 def test_option_key_with_nul_is_invalid_argument(env5):
     with pytest.raises(InvalidArgument, match=r"ops"):
         InferenceSession(chain_model(), providers=[("ExampleEP", {"ops\x00junk": "Add"})], env=env5).close()
 
 
-# Was: host/ep.py _kv_array encodes option keys/values with str.encode(): a value UTF-8 cannot encode (a lone
+# Was: host/plugins/ep.py _kv_array encodes option keys/values with str.encode(): a value UTF-8 cannot encode (a lone
 # surrogate) raises a bare UnicodeEncodeError (fixed in 4a23a5c).
 def test_option_value_not_encodable_is_invalid_argument(env5):
     with pytest.raises(InvalidArgument, match=r"min_runs"):
         InferenceSession(chain_model(), providers=[("ExampleEP", {"min_runs": "\ud800"})], env=env5).close()
 
 
-# ---- host/loader.py, host/hostapi.py ------------------------------------------------------------------
-# Was: host/loader.py PluginRegistration makes a logger per registration (hostapi.LOGGERS.make) and close()
+# ---- host/plugins/loader.py, host/plugins/hostapi.py ------------------------------------------------------------------
+# Was: host/plugins/loader.py PluginRegistration makes a logger per registration (hostapi.LOGGERS.make) and close()
 # never drops it: LOGGERS grows forever (fixed in 4a23a5c).
 def test_unregistering_releases_the_logger(env5):
     before = len(hostapi.LOGGERS._holders)
@@ -251,7 +251,7 @@ def test_threads_capturing_the_same_graph_id_get_their_own_graphs(env5):
         s.close()
 
 
-# Was: host/graph_capture.py keyed graphs by threading.get_ident(), which a new thread can inherit from
+# Was: host/runtime/graph_capture.py keyed graphs by threading.get_ident(), which a new thread can inherit from
 # a dead one (fixed: a thread-local token whose entries go with the thread).
 def test_new_thread_does_not_inherit_a_dead_threads_graphs(env5):
     import threading
@@ -293,7 +293,7 @@ def test_new_thread_does_not_inherit_a_dead_threads_graphs(env5):
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="host/executor.py Executor.state keeps a RunState (kernel contexts and a plugin "
+@pytest.mark.xfail(strict=True, reason="host/runtime/executor.py Executor.state keeps a RunState (kernel contexts and a plugin "
                                        "sync stream per EP) for every thread that ever ran, in self._states, until the "
                                        "session closes: a session used from short-lived threads grows without bound")
 def test_runs_from_short_lived_threads_do_not_accumulate_state(env5):

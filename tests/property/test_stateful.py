@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from onnx import TensorProto, helper, numpy_helper
 
-from host import hostapi
-from host.environment import Environment
 from host.errors import GraphCaptureError, InvalidArgument, PluginLoadError
+from host.plugins import hostapi
+from host.plugins.environment import Environment
 from tests.conftest import built_plugin
 from tests.property import harness as h
 from tests.property import strategies as s

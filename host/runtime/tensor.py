@@ -14,7 +14,7 @@ import numpy as np
 import abi
 from abi.dtypes import to_numpy, to_onnx
 from host.errors import InvalidArgument, OutOfMemoryError
-from host.hostapi import STATUSES, ffi
+from host.plugins.hostapi import STATUSES, ffi
 
 
 class Allocation:

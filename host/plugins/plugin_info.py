@@ -13,11 +13,11 @@ import itertools
 from pathlib import Path
 
 import abi
-from host import hostapi
-from host.environment import Environment
 from host.errors import EpError, EphostError
-from host.hostapi import ffi
-from host.loader import Factory, PluginRegistration, Slots, negotiate
+from host.plugins import hostapi
+from host.plugins.environment import Environment
+from host.plugins.hostapi import ffi
+from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate
 
 _NAMES = itertools.count(1)
 _DEVICE_TYPES = {abi.DEVICE_CPU: "CPU", abi.DEVICE_GPU: "GPU"}

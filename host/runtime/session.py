@@ -13,17 +13,18 @@ import numpy as np
 
 import abi
 from abi.dtypes import to_numpy, to_onnx
-from host import cpu_ep, hostapi
-from host.environment import Environment
-from host.ep import CPU_LOCATION, PluginEp
+from host import cpu_ep
 from host.errors import EpError, EphostError, InvalidArgument, ModelError
-from host.executor import Executor, Plan, PlanNode, compute_frees
-from host.graph_capture import GraphCapture, parse_graph_id
-from host.graphview import GraphView
-from host.hostapi import ffi
-from host.loader import negotiate
-from host.model import ValueMeta, build_graph
-from host.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
+from host.plugins import hostapi
+from host.plugins.environment import Environment
+from host.plugins.ep import CPU_LOCATION, PluginEp
+from host.plugins.hostapi import ffi
+from host.plugins.loader import negotiate
+from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
+from host.runtime.graph_capture import GraphCapture, parse_graph_id
+from host.runtime.graphview import GraphView
+from host.runtime.model import ValueMeta, build_graph
+from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 
 _log = logging.getLogger("ephost")
 CPU_EP = "CPUExecutionProvider"

@@ -17,8 +17,8 @@ import weakref
 import numpy as np
 
 import abi
-from host import hostapi
 from host.errors import GraphCaptureError, InvalidArgument
+from host.plugins import hostapi
 
 _log = logging.getLogger("ephost")
 MAX_INTERNAL_RUNS = 16

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import abi
 from host.errors import InvalidArgument, PluginLoadError
-from host.hostapi import HostApi
-from host.loader import EpDeviceInfo, PluginRegistration
+from host.plugins.hostapi import HostApi
+from host.plugins.loader import EpDeviceInfo, PluginRegistration
 
 
 class Environment:

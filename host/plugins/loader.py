@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import abi
-from host import hostapi
 from host.errors import AbiVersionError, EpError, PluginLoadError
-from host.hostapi import ffi
+from host.plugins import hostapi
+from host.plugins.hostapi import ffi
 
 _log = logging.getLogger("ephost")
 MAX_FACTORIES = 8

@@ -85,13 +85,13 @@ def _warnings_as_lines():
 
 
 def _load_model(path: str):
-    from host.model import load_model
+    from host.runtime.model import load_model
 
     return load_model(path)
 
 
 def _environment(plugins: list[str]):
-    from host.environment import Environment
+    from host.plugins.environment import Environment
 
     env = Environment()
     try:
@@ -128,7 +128,7 @@ def _chosen_eps(env, names: list[str]) -> list[str]:
 
 def _open_session(stack: contextlib.ExitStack, args, extra_options: dict[str, str] | None = None):
     """Environment, plugins and InferenceSession from the shared options; closed by `stack`."""
-    from host.session import InferenceSession
+    from host.runtime.session import InferenceSession
 
     model = _load_model(args.model)
     env = _environment(args.plugin)
@@ -164,7 +164,7 @@ def _feeds(args, model, session, random_missing: bool) -> dict[str, np.ndarray]:
     if missing and not random_missing:
         raise InvalidArgument(f"missing input(s) {missing}; give --input NAME=FILE.npy or --random-inputs")
     if missing:
-        from host.zoo import random_inputs
+        from host.cli.zoo import random_inputs
 
         generated = random_inputs(model, seed=args.seed)
         feeds.update({name: generated[name] for name in missing})
@@ -245,7 +245,7 @@ def _flag(dest: str) -> str:
 def cmd_make_model(args) -> int:
     import onnx
 
-    from host import zoo
+    from host.cli import zoo
 
     builders = {"mlp": zoo.mlp, "cnn": zoo.cnn, "transformer": zoo.transformer_block}
     allowed = _MODEL_OPTIONS[args.kind]
@@ -359,7 +359,7 @@ def _plot(samples: list[float], path: str, title: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from host.benchutil import bench_session, format_stats
+    from host.cli.benchutil import bench_session, format_stats
 
     if args.plot:
         _require_matplotlib()  # fail before a long run, not after
@@ -391,11 +391,11 @@ def cmd_bench(args) -> int:
 # ---- ephost plugin-info ------------------------------------------------------------------------
 def cmd_plugin_info(args) -> int:
     try:
-        from host import plugin_info as pinfo
+        from host.plugins import plugin_info as pinfo
     except ModuleNotFoundError as exc:
-        if exc.name != "host.plugin_info":
+        if exc.name != "host.plugins.plugin_info":
             raise
-        raise CliError("plugin-info needs host.plugin_info, which this installation lacks") from exc
+        raise CliError("plugin-info needs host.plugins.plugin_info, which this installation lacks") from exc
     import abi
 
     version = abi.ABI_VERSION if args.api_version is None else args.api_version

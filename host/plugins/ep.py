@@ -7,10 +7,10 @@ import threading
 import weakref
 
 import abi
-from host import hostapi
 from host.errors import EpError, InvalidArgument, PluginLoadError
-from host.hostapi import ffi
-from host.loader import Factory, PluginRegistration, Slots, negotiate
+from host.plugins import hostapi
+from host.plugins.hostapi import ffi
+from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate
 
 _log = logging.getLogger("ephost")
 CPU_LOCATION = (abi.DEVICE_CPU, 0)

@@ -18,8 +18,8 @@ import onnx
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
 from host.errors import InvalidArgument
-from host.model import MAX_OPSET, MIN_OPSET
-from host.session import InferenceSession
+from host.runtime.model import MAX_OPSET, MIN_OPSET
+from host.runtime.session import InferenceSession
 
 _SESSION_KWARGS = ("sess_options", "providers", "env")
 

@@ -9,8 +9,8 @@ import numpy as np
 
 import abi
 from abi.dtypes import to_onnx
-from host.hostapi import ffi
-from host.model import Graph
+from host.plugins.hostapi import ffi
+from host.runtime.model import Graph
 
 _ATTR_FLOAT, _ATTR_INT, _ATTR_STRING, _ATTR_TENSOR, _ATTR_FLOATS, _ATTR_INTS, _ATTR_STRINGS = 1, 2, 3, 4, 6, 7, 8
 

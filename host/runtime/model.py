@@ -11,7 +11,7 @@ from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY
 from host.errors import ModelError
-from host.node import NodeInfo, node_info
+from host.runtime.node import NodeInfo, node_info
 
 MIN_OPSET, MAX_OPSET = 7, 23
 

@@ -16,11 +16,11 @@ import numpy as np
 
 import abi
 from abi.dtypes import to_numpy, to_onnx
-from host import hostapi
-from host.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.errors import EpError, EphostError, InvalidArgument, KernelError
-from host.hostapi import CONTEXTS, ffi
-from host.tensor import Allocation, DeviceTensor, host_array
+from host.plugins import hostapi
+from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
+from host.plugins.hostapi import CONTEXTS, ffi
+from host.runtime.tensor import Allocation, DeviceTensor, host_array
 
 _NULL = ffi.NULL
 

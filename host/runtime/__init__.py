@@ -1,0 +1,1 @@
+"""The runtime: sessions, the executor, tensors, graph-capture orchestration, the ONNX backend."""
