@@ -12,12 +12,8 @@ so several versions of one plugin can live in one process.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
 import sys
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +22,7 @@ DEFAULT_OUT = ROOT / "build" / "lib"
 sys.path.insert(0, str(ROOT))
 
 import abi  # noqa: E402
-from abi import sdk  # noqa: E402
-from abi.header import cdef  # noqa: E402
+from abi import builder  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -44,24 +39,6 @@ PYTHON_PLUGINS = {
 }
 C_PLUGINS = {"example_c": ROOT / "tests" / "plugins" / "c_plugin" / "example_c.c"}
 
-_EXPORTS = """
-EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_base, const EpLogger* logger,
-                            EpFactory** factories, size_t max_factories, size_t* num_factories);
-EpStatus* ReleaseEpFactory(EpFactory* factory);
-"""
-
-_INIT = """
-import sys
-if {root!r} not in sys.path:
-    sys.path.insert(0, {root!r})
-import importlib
-from {module} import ffi, lib
-from abi import sdk
-_impl = importlib.import_module({impl!r})
-sdk.serve(ffi, lib, {version}, getattr(_impl, {func!r}), {module!r})
-"""
-
-
 def module_name(plugin: str, version: int) -> str:
     return f"_ephost_{plugin}_v{version}"
 
@@ -76,43 +53,13 @@ def library_path(plugin: str, version: int | None = None, out_dir: Path = DEFAUL
 
 
 def build_python_plugin(plugin: str, version: int, out_dir: Path = DEFAULT_OUT) -> Path:
-    import cffi
-
     spec = PYTHON_PLUGINS[plugin]
-    abi.check_known_version(version)
-    mod = module_name(plugin, version)
-    impl, func = spec.entry.split(":")
-    ffi = cffi.FFI()
-    ffi.cdef(cdef(version, exports=False) + sdk.extern_python_decls(version))
-    ffi.embedding_api(_EXPORTS)
-    ffi.set_source(mod, cdef(version, exports=False))
-    ffi.embedding_init_code(_INIT.format(root=str(ROOT), module=mod, impl=impl, func=func, version=version))
-    target = library_path(plugin, version, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        built = ffi.compile(tmpdir=tmp, target=f"lib{mod}.*", verbose=False)
-        _install(Path(built), target)
-    return target
-
-
-def _install(built: Path, target: Path) -> None:
-    """Replace `target` atomically: a process that has the old library mapped keeps a valid
-    file (writing into the same inode would corrupt its mapped code)."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.copyfile(built, tmp)
-    os.replace(tmp, target)
+    return builder.build_python_plugin(module_name(plugin, version), spec.entry, version,
+                                       library_path(plugin, version, out_dir), root=ROOT, name=plugin)
 
 
 def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT) -> Path:
-    src = C_PLUGINS[plugin]
-    target = library_path(plugin, out_dir=out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cc = os.environ.get("CC", "cc")
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [cc, "-O2", "-fPIC", "-shared", "-Wall", "-Werror", "-I", str(ROOT / "abi"), str(src), "-o", str(tmp)]
-    subprocess.run(cmd, check=True)
-    os.replace(tmp, target)
-    return target
+    return builder.build_c_plugin(plugin, C_PLUGINS[plugin], library_path(plugin, out_dir=out_dir))
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:
@@ -138,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     if sysconfig.get_config_var("Py_ENABLE_SHARED") != 1:
         print("note: this Python has no shared libpython; plugins resolve it from the executable",
               file=sys.stderr)
-    for path in build_all(args.out_dir, args.plugin, args.abi_version):
+    try:
+        built = build_all(args.out_dir, args.plugin, args.abi_version)
+    except builder.BuildError as exc:
+        print(f"build.py: error: {exc}", file=sys.stderr)
+        return 2
+    for path in built:
         print(path)
     return 0
 

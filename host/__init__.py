@@ -9,13 +9,14 @@ from host.errors import (
     KernelError,
     ModelError,
     OutOfMemoryError,
+    PluginBuildError,
     PluginLoadError,
 )
 from host.plugins.environment import Environment
 
 __all__ = [
     "Environment", "InferenceSession", "SessionOptions", "RunOptions", "IOBinding",
-    "EphostError", "PluginLoadError", "AbiVersionError", "EpError", "ModelError", "InvalidArgument",
+    "EphostError", "PluginLoadError", "PluginBuildError", "AbiVersionError", "EpError", "ModelError", "InvalidArgument",
     "KernelError", "GraphCaptureError", "OutOfMemoryError",
 ]
 

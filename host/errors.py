@@ -11,6 +11,10 @@ class PluginLoadError(EphostError):
     """A plugin library could not be loaded or registered."""
 
 
+class PluginBuildError(PluginLoadError):
+    """A plugin library could not be built (no C compiler, no Python headers, a failed compile)."""
+
+
 class AbiVersionError(PluginLoadError):
     """A plugin declares an ABI version or table size this host cannot use."""
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import os
 import re
 import sys
 import warnings
@@ -103,9 +102,9 @@ def _environment(plugins: list[str]):
     return env
 
 
-# Short EP names for the command line; `--ep cuda` also registers the CUDA plugin build.py made.
+# Short EP names for the command line; `--ep cuda` also registers the built-in CUDA plugin
+# (built for this Python into the per-user cache on first use; $EPHOST_CUDA_PLUGIN overrides the path).
 EP_ALIASES = {"cuda": "CUDAExecutionProvider", "cpu": CPU_EP, "example": "ExampleEP"}
-DEFAULT_CUDA_PLUGIN = Path(__file__).resolve().parents[1] / "build" / "lib" / "libephost_cuda_v5.so"
 
 
 def _chosen_eps(env, names: list[str]) -> list[str]:
@@ -118,10 +117,7 @@ def _chosen_eps(env, names: list[str]) -> list[str]:
             chosen += [f.name for f in reg.factories]
             continue
         ep = EP_ALIASES.get(name.lower(), name)
-        if ep == "CUDAExecutionProvider" and env.find_factory(ep)[1] is None:
-            path = Path(os.environ.get("EPHOST_CUDA_PLUGIN", DEFAULT_CUDA_PLUGIN))
-            if path.is_file():
-                env.register_plugin("cuda", path)
+        env.ensure_builtin(ep)  # a built-in provider (CUDA) is built/found and registered on first use
         chosen.append(ep)
     return chosen
 
@@ -403,6 +399,14 @@ def cmd_plugin_info(args) -> int:
     return 0
 
 
+def cmd_build(args) -> int:
+    from host.plugins.builtin import BUILTIN_PLUGINS, find_builtin_plugin
+
+    for provider in BUILTIN_PLUGINS:
+        print(f"{provider}: {find_builtin_plugin(provider)}")
+    return 0
+
+
 # ---- parser ------------------------------------------------------------------------------------
 def _add_session_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="ONNX model file")
@@ -447,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=100, metavar="N")
     p.add_argument("--plot", metavar="FILE.png", help="latency histogram (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("build", help="build the built-in plugins for this Python into the per-user cache")
+    p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("plugin-info", help="a plugin's ABI versions, slots and devices")
     p.add_argument("path", metavar="PATH")

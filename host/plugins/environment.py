@@ -7,6 +7,7 @@ from pathlib import Path
 
 import abi
 from host.errors import InvalidArgument, PluginLoadError
+from host.plugins.builtin import builtin_registration_name, find_builtin_plugin  # noqa: F401 (re-export)
 from host.plugins.hostapi import HostApi
 from host.plugins.loader import EpDeviceInfo, PluginRegistration
 
@@ -64,6 +65,23 @@ class Environment:
                 if f.name == ep_name:
                     return reg, f
         return None, None
+
+    def ensure_builtin(self, provider: str) -> bool:
+        """Register the built-in plugin for `provider` unless an EP of that name is registered already.
+
+        True when an EP called `provider` is available afterwards; False when `provider` is not built in.
+        """
+        if self.find_factory(provider)[1] is not None:
+            return True
+        name = builtin_registration_name(provider)
+        if name is None:
+            return False
+        path = find_builtin_plugin(provider)
+        with self._lock:
+            registered = name in self._plugins
+        if not registered:
+            self.register_plugin(name, path)
+        return self.find_factory(provider)[1] is not None
 
     def close(self) -> None:
         if self._closed:

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
+import abi
 import host
 from abi import sdk
 from host.cli import zoo
@@ -20,7 +21,7 @@ from host.runtime.session import InferenceSession, RunOptions
 from plugin_cuda.options import OptionError, parse_options
 
 CUDA = "CUDAExecutionProvider"
-CUDA_MODULE = "_ephost_cuda_v5"
+CUDA_MODULE = f"_ephost_cuda_v{abi.ABI_VERSION}"  # the module name build.py gives the CUDA plugin
 
 
 # ---- options: parsed without a GPU -------------------------------------------------------------------

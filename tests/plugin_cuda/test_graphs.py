@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+import abi
 from abi import sdk
 from host.cli import zoo
 from host.errors import GraphCaptureError
@@ -44,7 +45,7 @@ def cpu_ref(model, feeds):
 
 
 def the_ep():
-    eps = [o for o in sdk.runtime("_ephost_cuda_v5")._objects.values() if type(o).__name__ == "CudaEp"]
+    eps = [o for o in sdk.runtime(f"_ephost_cuda_v{abi.ABI_VERSION}")._objects.values() if type(o).__name__ == "CudaEp"]
     return eps[-1]
 
 
@@ -165,7 +166,7 @@ def test_v5_stream_sync_does_not_wait_for_another_sessions_graph(cp, genv):
     t0 = time.perf_counter()
     small_s.run_with_iobinding(sb)  # synchronous, but only on its own graph stream
     small_time = time.perf_counter() - t0
-    busy = [not c.state.stream.done for ep in [o for o in sdk.runtime("_ephost_cuda_v5")._objects.values()
+    busy = [not c.state.stream.done for ep in [o for o in sdk.runtime(f"_ephost_cuda_v{abi.ABI_VERSION}")._objects.values()
                                                 if type(o).__name__ == "CudaEp"]
             for c in getattr(getattr(ep.graphs._tls, "v", None), "graphs", {}).values()]
     assert any(busy), "the long graph should still be running"

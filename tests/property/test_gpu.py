@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import abi
 from abi import sdk
 from host.errors import EphostError, GraphCaptureError
 from host.plugins import hostapi
@@ -26,7 +27,7 @@ from tests.property import strategies as s
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
-CUDA_MODULE = "_ephost_cuda_v5"
+CUDA_MODULE = f"_ephost_cuda_v{abi.ABI_VERSION}"  # the module name build.py gives the CUDA plugin
 CUDA_ABI = 5
 
 

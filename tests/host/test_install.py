@@ -1,0 +1,148 @@
+"""Installing anywhere: the built-in plugin cache, clear build errors, a non-editable install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from abi import builder
+from host.cli import app as cli
+from host.errors import PluginBuildError
+from host.plugins import builtin
+from host.plugins.environment import Environment
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA = "CUDAExecutionProvider"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("EPHOST_CUDA_PLUGIN", raising=False)
+    return tmp_path / "cache"
+
+
+def test_missing_compiler_is_a_plugin_build_error_naming_it_and_how_to_install(cache, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-cc-xyz")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(PluginBuildError, match=r"^CUDAExecutionProvider needs its plugin built for this Python: "
+                                               r"building plugin 'cuda' needs a C compiler; 'no-such-cc-xyz' "
+                                               r"was not found on PATH; install one \(Debian/Ubuntu: `apt-get "
+                                               r"install gcc`"):
+        builtin.find_builtin_plugin(CUDA)
+    assert not cache.exists() or not any(cache.rglob("*.so"))
+
+
+def test_missing_compiler_suggests_one_that_exists(monkeypatch, tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "gcc").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "gcc").chmod(0o755)
+    monkeypatch.setenv("CC", "no-such-cc-xyz")
+    monkeypatch.setenv("PATH", str(fake))
+    with pytest.raises(builder.BuildError, match=r"^building plugin 'x' needs a C compiler; 'no-such-cc-xyz' was "
+                                                 r"not found on PATH; found 'gcc': set CC=gcc; install one"):
+        builder.check_toolchain("x")
+
+
+def test_missing_python_headers_are_named(monkeypatch, tmp_path):
+    real = builder.sysconfig.get_paths
+
+    def paths():
+        return {**real(), "include": str(tmp_path / "no-include")}
+
+    monkeypatch.setattr(builder.sysconfig, "get_paths", paths)
+    with pytest.raises(builder.BuildError, match=r"^building plugin 'x' needs the Python 3\.\d+ headers; "
+                                                 r".*Python\.h is missing; install them"):
+        builder.check_toolchain("x")
+
+
+def test_a_failed_c_compile_is_a_build_error_with_the_compiler_message(tmp_path):
+    src = tmp_path / "bad.c"
+    src.write_text("this is not C;\n")
+    with pytest.raises(builder.BuildError, match=r"^building plugin 'bad' from .*bad\.c failed \(exit \d+\): .*error"):
+        builder.build_c_plugin("bad", src, tmp_path / "libbad.so")
+    assert not (tmp_path / "libbad.so").exists()
+
+
+def test_the_cache_key_follows_what_the_shim_is_compiled_from():
+    entry = "plugin_cuda.plugin:create_factories"
+    base = builder.cache_key("m", entry, 5)
+    assert builder.cache_key("m", entry, 5) == base
+    assert builder.cache_key("m", entry, 4) != base                       # another ABI version
+    assert builder.cache_key("m", "other.mod:fn", 5) != base               # another entry point
+    assert builder.cache_key("m", entry, 5, root=Path("/moved/checkout")) != base  # a moved package
+
+
+def test_builtin_cuda_plugin_is_built_once_into_the_cache_and_reused(cache):
+    first = builtin.find_builtin_plugin(CUDA)
+    assert first.is_file() and cache in first.parents
+    assert sys.implementation.cache_tag in first.parent.name
+    stamp = first.stat().st_mtime_ns
+    assert builtin.find_builtin_plugin(CUDA) == first
+    assert first.stat().st_mtime_ns == stamp  # not rebuilt
+
+
+def test_unknown_providers_are_not_built_in(cache):
+    assert builtin.find_builtin_plugin("NoSuchExecutionProvider") is None
+    with Environment() as env:
+        assert env.ensure_builtin("NoSuchExecutionProvider") is False
+        assert env.plugins == {}
+
+
+def test_environment_registers_the_builtin_cuda_plugin_by_provider_name(cache):
+    with Environment() as env:
+        assert env.ensure_builtin(CUDA) is True
+        assert list(env.plugins) == ["cuda"]
+        assert env.ensure_builtin(CUDA) is True  # already there: nothing registered twice
+        assert list(env.plugins) == ["cuda"]
+
+
+def test_env_override_of_the_cuda_plugin_path(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("EPHOST_CUDA_PLUGIN", str(tmp_path / "mine.so"))
+    assert builtin.find_builtin_plugin(CUDA) == tmp_path / "mine.so"
+
+
+def test_cli_build_prints_the_cached_plugin(cache, capsys):
+    assert cli.main(["build"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{CUDA}: {cache}") and line.endswith(".so")
+    assert Path(line.split(": ", 1)[1]).is_file()
+
+
+def test_build_py_reports_a_missing_compiler_in_one_line(tmp_path):
+    env = {**os.environ, "CC": "no-such-cc-xyz", "PATH": str(Path(sys.executable).parent)}
+    done = subprocess.run([sys.executable, str(ROOT / "build.py"), "--plugin", "example_c", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 2
+    assert done.stderr.startswith("build.py: error: building plugin 'example_c' needs a C compiler")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkout(tmp_path):
+    """`pip install .` (no checkout on sys.path): the CUDA plugin builds into the cache and loads."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path[:] = [p for p in sys.path if not p.startswith({str(ROOT)!r})]
+        import host
+        assert host.__file__.startswith({str(target)!r}), host.__file__
+        from host.cli import zoo
+        env = host.Environment()
+        assert env.ensure_builtin("CUDAExecutionProvider")
+        print(env.plugins["cuda"].path)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(target), "EPHOST_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("EPHOST_CUDA_PLUGIN", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(tmp_path / "cache"))
