@@ -24,6 +24,7 @@ from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
 from host.runtime.model import ValueMeta, build_graph
+from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 
 _log = logging.getLogger("ephost")
@@ -40,65 +41,6 @@ def default_environment() -> Environment:
         if _DEFAULT_ENV is None:
             _DEFAULT_ENV = Environment()
         return _DEFAULT_ENV
-
-
-class _Config:
-    def __init__(self) -> None:
-        self.entries: dict[str, str] = {}
-
-    def _add(self, key: str, value: str) -> None:
-        if not isinstance(key, str) or not key:
-            raise InvalidArgument(f"config key must be a non-empty string; got {key!r}")
-        self.entries[key] = str(value)
-
-    def _get(self, key: str, default: str | None = None) -> str | None:
-        return self.entries.get(key, default)
-
-
-class SessionOptions(_Config):
-    """Session-wide settings; config entries reach plugins through SessionOptions_GetConfigEntry."""
-
-    def add_session_config_entry(self, key: str, value: str) -> None:
-        self._add(key, value)
-
-    def get_session_config_entry(self, key: str) -> str | None:
-        return self._get(key)
-
-
-class RunOptions(_Config):
-    """Per-run settings: `gpu_graph_id`, `disable_synchronize_execution_providers`, ..."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._c: dict[tuple, tuple] = {}
-        self.parsed = None  # (gpu_graph_id, sync) cached by the replay path
-
-    def add_run_config_entry(self, key: str, value: str) -> None:
-        self._add(key, value)
-        self._c = {}
-        self.parsed = None
-
-    def get_run_config_entry(self, key: str) -> str | None:
-        return self._get(key)
-
-    def c_struct(self, overrides: dict[str, str] | None = None):
-        """The EpRunOptions handed to OnRunStart/OnRunEnd (cached until an entry changes)."""
-        key = tuple(sorted((overrides or {}).items()))
-        hit = self._c.get(key)
-        if hit is not None:
-            return hit[0]
-        entries = {**self.entries, **(overrides or {})}
-        keep = []
-        arr = ffi.new("EpKeyValue[]", max(len(entries), 1))
-        for i, (k, v) in enumerate(entries.items()):
-            kc, vc = ffi.new("char[]", k.encode()), ffi.new("char[]", v.encode())
-            keep += [kc, vc]
-            arr[i].key, arr[i].value = kc, vc
-        c = ffi.new("EpRunOptions*")
-        c.struct_size, c.version = ffi.sizeof("EpRunOptions"), abi.ABI_VERSION
-        c.num_entries, c.entries = len(entries), arr
-        self._c[key] = (c, arr, keep)
-        return c
 
 
 # Shared by calls that pass no RunOptions: its parsed entries are cached on it (never add to it).
