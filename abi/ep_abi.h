@@ -13,7 +13,11 @@
  *
  * Version line: 1 bootstrap and kernels, 2 Sync/IsConcurrentRunSupported,
  * 3 graph capture, 4 KernelContext_GetSyncStream and ReleaseCapturedGraph,
- * 5 replay synchronised by the EP on its own graph stream.
+ * 5 replay synchronised by the EP on its own graph stream, 6 compiled partitions
+ * (EpApi.Graph_AddNodesToFuse, Ep.Compile, EpNodeComputeInfo and the EpCallFrame).
+ *
+ * A struct whose every member is newer than version N does not exist at N: the cffi
+ * declarations of N name it as an opaque type only.
  */
 #ifndef EPHOST_EP_ABI_H
 #define EPHOST_EP_ABI_H
@@ -21,7 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define EP_ABI_VERSION 5
+#define EP_ABI_VERSION 6
 #define EP_ABI_MIN_VERSION 1
 /* Versions at or above this value declare a future, incompatible generation. */
 #define EP_ABI_NEXT_GENERATION 1000
@@ -216,6 +220,67 @@ typedef struct EpKernel {
   void (*Release)(struct EpKernel* self);                                /* since 1, required */
 } EpKernel;
 
+/* ---- compiled partitions (since 6) -------------------------------------------------------
+ * During GetCapability an EP may hand the host groups of node indices to fuse
+ * (EpApi.Graph_AddNodesToFuse, next to the per-node `claimed` array). The host accepts a group
+ * when none of its nodes was taken by an EP of higher priority and fusing it creates no cycle;
+ * it then calls Ep.Compile once per EP with every accepted group: graphs[i] is a view of just
+ * the group's nodes (its inputs are the values the group reads from outside, initializers
+ * excluded: those are values of kind EP_VALUE_INITIALIZER with a constant; its outputs are the
+ * values read after the group), fused_nodes[i] the node that replaces the group (its name
+ * names the partition in errors; its inputs/outputs index graphs[i]'s values). The EP returns
+ * one EpNodeComputeInfo per group, or an error status: the host then runs the group's nodes
+ * through per-node kernels (those also marked in `claimed`) and the CPU EP.
+ *
+ * At run time the host calls Compute once per partition and run with one EpCallFrame that it
+ * laid out before the call. Outputs whose shapes are static are preallocated by the host on
+ * the EP's device (data != NULL): such a call makes no callback. An output with data == NULL
+ * (dims holds the inferred dims, -1 for unknown ones, or rank is -1) is allocated through
+ * AllocateOutput, which also fills outputs[index]. Scratch memory from AllocScratch is tagged
+ * with the frame's sync stream; what Compute does not free is freed by the host after it. */
+
+/* One tensor of a call frame: memory on the EP's device, dense, row-major. */
+typedef struct EpFrameTensor {
+  void* data;           /* since 6 */
+  const int64_t* dims;  /* since 6 */
+  int32_t rank;         /* since 6 */
+  int32_t elem_type;    /* since 6 */
+} EpFrameTensor;
+
+/* Everything one Compute call reads, in one struct (host-owned, valid during the call). */
+typedef struct EpCallFrame {
+  uint32_t struct_size;                                                                          /* since 6 */
+  uint32_t version;                                                                              /* since 6 */
+  void* stream;                                                                                  /* since 6 */
+  EpSyncStream* sync_stream;                                                                     /* since 6 */
+  int32_t capturing;                                                                             /* since 6 */
+  int32_t error_node;                                                                            /* since 6 */
+  int32_t num_inputs;                                                                            /* since 6 */
+  int32_t num_outputs;                                                                           /* since 6 */
+  const EpFrameTensor* inputs;                                                                   /* since 6 */
+  EpFrameTensor* outputs;                                                                        /* since 6 */
+  EpStatus* (*AllocateOutput)(void* context, int32_t index, const int64_t* dims, int32_t rank, void** data); /* since 6 */
+  void* allocate_context;                                                                        /* since 6 */
+  EpStatus* (*AllocScratch)(void* context, size_t nbytes, void** data);                          /* since 6 */
+  void (*FreeScratch)(void* context, void* data);                                                /* since 6 */
+  void* scratch_context;                                                                         /* since 6 */
+} EpCallFrame;
+/* stream: the GPU stream handle of sync_stream (NULL on a CPU EP or one without streams).
+ * capturing: 1 while the run belongs to graph capture of a graph id not yet captured (warm-up
+ * or capture): Compute must be capture-safe (no host synchronisation, no allocation outside the
+ * frame). error_node: -1 on entry; an EP that fails may store the index (into graphs[i]'s
+ * nodes) of the node that failed, and the host names it in the error. */
+
+/* What the EP returns per fused node. CreateState may be NULL (state is then NULL). */
+typedef struct EpNodeComputeInfo {
+  uint32_t struct_size;                                                                          /* since 6 */
+  uint32_t version;                                                                              /* since 6 */
+  EpStatus* (*CreateState)(struct EpNodeComputeInfo* self, void** state);                        /* since 6 */
+  EpStatus* (*Compute)(struct EpNodeComputeInfo* self, void* state, EpCallFrame* frame);         /* since 6, required */
+  void (*ReleaseState)(struct EpNodeComputeInfo* self, void* state);                             /* since 6 */
+  void (*Release)(struct EpNodeComputeInfo* self);                                               /* since 6, required */
+} EpNodeComputeInfo;
+
 typedef struct Ep {
   uint32_t struct_size;                                                                         /* since 1 */
   uint32_t version;                                                                             /* since 1 */
@@ -234,6 +299,7 @@ typedef struct Ep {
   int32_t (*GetGraphCaptureNodeAssignmentPolicy)(const struct Ep* self);                        /* since 3 */
   EpStatus* (*ReleaseCapturedGraph)(struct Ep* self, int32_t graph_id);                         /* since 4 */
   EpStatus* (*ReplayGraphWithSync)(struct Ep* self, int32_t graph_id, int32_t sync);            /* since 5 */
+  EpStatus* (*Compile)(struct Ep* self, const EpGraphView* const* graphs, const EpNodeView* fused_nodes, size_t count, EpNodeComputeInfo** compute_infos_out); /* since 6 */
 } Ep;
 
 typedef struct EpFactory {
@@ -266,6 +332,7 @@ typedef struct EpApi {
   EpStatus* (*KernelContext_GetOutput)(EpKernelContext* context, int32_t index, const int64_t* shape, int32_t ndim, EpTensor** out); /* since 1, required */
   EpStatus* (*KernelContext_GetGPUComputeStream)(EpKernelContext* context, void** stream); /* since 1, required */
   EpStatus* (*KernelContext_GetSyncStream)(EpKernelContext* context, EpSyncStream** stream); /* since 4, required */
+  EpStatus* (*Graph_AddNodesToFuse)(const EpGraphView* graph, const int32_t* nodes, size_t count); /* since 6, required */
 } EpApi;
 
 typedef struct EpApiBase {

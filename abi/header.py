@@ -47,6 +47,14 @@ class Struct:
         names = [m.name for m in self.members[:2]]
         return names == ["struct_size", "version"]
 
+    @property
+    def since(self) -> int:
+        """The version that added the struct: that of its oldest member."""
+        return min(m.since for m in self.members)
+
+    def exists_at(self, version: int) -> bool:
+        return self.since <= version
+
     def cut(self, version: int) -> tuple[Member, ...]:
         return tuple(m for m in self.members if m.since <= version)
 
@@ -113,6 +121,9 @@ def header() -> Header:
 
 
 def _struct_text(s: Struct, version: int) -> str:
+    if not s.exists_at(version):
+        # Newer than `version`: only its name exists, so older declarations stay byte-identical.
+        return f"typedef struct {s.name} {s.name};" if s.typedef else f"struct {s.name};"
     body = "\n".join("  " + m.decl for m in s.cut(version))
     if s.typedef:
         return f"typedef struct {s.name} {{\n{body}\n}} {s.name};"

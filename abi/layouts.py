@@ -46,6 +46,8 @@ def layout_of(ffi: cffi.FFI, h: Header, version: int) -> dict[str, dict]:
     """Size and member offsets of every struct of `h` as `ffi` (declared at `version`) lays it out."""
     out: dict[str, dict] = {}
     for s in h.structs:
+        if not s.exists_at(version):
+            continue  # a struct newer than `version` has no layout there
         ctype = f"struct {s.name}"
         out[s.name] = {
             "size": ffi.sizeof(ctype),

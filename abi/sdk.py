@@ -25,7 +25,7 @@ from abi.header import header
 
 # Tables a plugin implements (the host implements EpApi and EpApiBase).
 PLUGIN_TABLES = ("EpFactory", "Ep", "EpKernel", "EpAllocator", "EpDataTransfer", "EpSyncStream",
-                 "EpNotification")
+                 "EpNotification", "EpNodeComputeInfo")
 
 _FUNC_PTR = re.compile(r"\(\s*\*\s*(\w+)\s*\)")
 _log = logging.getLogger("ephost.sdk")
@@ -152,6 +152,15 @@ class PluginError(Exception):
     def __init__(self, message: str, code: int = abi.EP_FAIL):
         super().__init__(message)
         self.code = code
+
+
+class NodeError(PluginError):
+    """Raise from a compiled partition's compute() to name the original node that failed:
+    `node` is its index in the FusedGraph's nodes or its name; the host reports it."""
+
+    def __init__(self, message: str, node: int | str, code: int = abi.EP_FAIL):
+        super().__init__(message, code)
+        self.node = node
 
 
 class Runtime:
@@ -393,9 +402,14 @@ class MemorySpec:
 class ValueSpec:
     name: str
     elem_type: int
-    shape: tuple | None  # None: rank unknown; -1 marks an unknown dimension
+    shape: tuple | None  # None: rank unknown; -1 marks an unknown dimension (None in FusedGraph inputs/outputs)
     kind: int
     constant: np.ndarray | None = None
+
+    @property
+    def dtype(self) -> int:
+        """The element type as an ONNX TensorProto enum int (the same as elem_type)."""
+        return self.elem_type
 
 
 @dataclass
@@ -412,8 +426,37 @@ class NodeSpec:
 
 @dataclass
 class GraphSpec:
+    """A Python copy of an EpGraphView. `inputs`/`outputs` describe the graph's inputs and outputs
+    with None for unknown dimensions; `input_ids`/`output_ids` are their indices into `values`."""
+
     nodes: list[NodeSpec]
     values: list[ValueSpec]
+    inputs: list[ValueSpec] = field(default_factory=list)
+    outputs: list[ValueSpec] = field(default_factory=list)
+    input_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+    name: str = ""
+
+
+@dataclass
+class FusedGraph:
+    """One claimed group as Compile sees it: `name` is the fused node's name (errors name it),
+    `graph` holds just the group's nodes, the constants they read, and the group's inputs/outputs
+    in the order of the call frame's inputs/outputs."""
+
+    name: str
+    graph: GraphSpec
+
+
+@dataclass(frozen=True)
+class FrameTensor:
+    """One input or output of a call frame: a device pointer (0: an output not preallocated),
+    an ONNX element type and a shape (for an output not preallocated, the inferred one, with
+    None for unknown dimensions, or None when even the rank is unknown)."""
+
+    ptr: int
+    dtype: int
+    shape: tuple | None
 
 
 def _s(ffi, p) -> str:
@@ -448,6 +491,11 @@ def _attr_value(ffi, a):
     return None
 
 
+def _io_spec(v: ValueSpec) -> ValueSpec:
+    shape = None if v.shape is None else tuple(None if d < 0 else d for d in v.shape)
+    return ValueSpec(v.name, v.elem_type, shape, v.kind, v.constant)
+
+
 def read_graph(ffi, g) -> GraphSpec:
     """Python copy of an EpGraphView (done at session creation, never per run)."""
     values = []
@@ -464,7 +512,10 @@ def read_graph(ffi, g) -> GraphSpec:
             i, _s(ffi, n.name), _s(ffi, n.op_type), _s(ffi, n.domain), n.opset,
             tuple(n.inputs[k] for k in range(n.num_inputs)),
             tuple(n.outputs[k] for k in range(n.num_outputs)), attrs))
-    return GraphSpec(nodes, values)
+    ins = tuple(int(g.inputs[k]) for k in range(g.num_inputs))
+    outs = tuple(int(g.outputs[k]) for k in range(g.num_outputs))
+    return GraphSpec(nodes, values, [_io_spec(values[i]) for i in ins], [_io_spec(values[i]) for i in outs],
+                     ins, outs, _s(ffi, g.name))
 
 
 def read_key_values(ffi, entries, count: int) -> dict[str, str]:
@@ -605,8 +656,28 @@ class EpBase(Impl):
         return self.runtime.cstr(self, self.name)
 
     def GetCapability(self, graph, claimed):
-        for i in self.claim(self.graph(graph)):
+        spec = self.graph(graph)
+        if self.abi_version >= 6 and self.api.has("Graph_AddNodesToFuse"):
+            for group in self.claim_fused(spec):
+                nodes = self.ffi.new("int32_t[]", list(group))
+                self.api.check(self.api.call("Graph_AddNodesToFuse", graph, nodes, len(group)))
+        elif type(self).claim_fused is not EpBase.claim_fused:
+            # An older host cannot compile partitions: the per-node kernels of claim() run instead.
+            self.runtime.record.fallbacks["kernels_instead_of_compile"] += 1
+        for i in self.claim(spec):
             claimed[i] = 1
+
+    def Compile(self, graphs, fused_nodes, count, compute_infos_out):
+        ffi = self.ffi
+        fused = [FusedGraph(_s(ffi, fused_nodes[i].name), read_graph(ffi, graphs[i])) for i in range(count)]
+        functions = list(self.compile(fused))
+        if len(functions) != count:
+            raise PluginError(f"compile() returned {len(functions)} compute functions for {count} fused nodes",
+                              abi.EP_INVALID_GRAPH)
+        tables = [self.runtime.expose("EpNodeComputeInfo", ComputeInfo(self.runtime, self, fn, fg))
+                  for fn, fg in zip(functions, fused)]
+        for i, c in enumerate(tables):
+            compute_infos_out[i] = c
 
     def CreateKernel(self, graph, node, out):
         g = self.graph(graph)
@@ -632,8 +703,150 @@ class EpBase(Impl):
     def claim(self, graph: GraphSpec) -> list[int]:
         return []
 
+    def claim_fused(self, graph: GraphSpec) -> list[list[int]]:
+        """Groups of node indices to fuse into one compiled partition each (called on a v6 host only).
+        Nodes of a group that claim() also returns keep a per-node fallback if compiling fails."""
+        return []
+
+    def compile(self, fused: list[FusedGraph]) -> list:
+        """One compute function per fused graph: an object with compute(state, frame) and
+        optionally create_state() and release_state(state)."""
+        raise PluginError(f"{type(self).__name__} compiles no partition", abi.EP_NOT_IMPLEMENTED)
+
     def create_kernel(self, graph: GraphSpec, node: NodeSpec):
         raise PluginError(f"no kernel for {node.op_type}", abi.EP_NOT_IMPLEMENTED)
+
+
+class CallFrame:
+    """The EpCallFrame of one Compute call as Python sees it (valid during that call only).
+
+    Inputs and outputs are read lazily: `input_ptrs()`/`output_ptrs()` are the cheap path."""
+
+    __slots__ = ("_c", "_ffi", "_api", "_inputs", "_outputs")
+
+    def __init__(self, ffi, api: HostApi | None, c_frame):
+        self._c = c_frame
+        self._ffi = ffi
+        self._api = api
+        self._inputs: list[FrameTensor] | None = None
+        self._outputs: list[FrameTensor] | None = None
+
+    @property
+    def stream(self) -> int:
+        """The GPU stream handle (cudaStream_t) as an int; 0 where the EP has no stream."""
+        return int(self._ffi.cast("uintptr_t", self._c.stream))
+
+    @property
+    def sync_stream(self):
+        """The EpSyncStream* of the run (NULL where the EP is not stream aware)."""
+        return self._c.sync_stream
+
+    @property
+    def capturing(self) -> bool:
+        return bool(self._c.capturing)
+
+    def _tensor(self, t) -> FrameTensor:
+        ptr = int(self._ffi.cast("uintptr_t", t.data))
+        if t.rank < 0:
+            shape = None
+        else:
+            shape = tuple(None if t.dims[d] < 0 else int(t.dims[d]) for d in range(t.rank))
+        return FrameTensor(ptr, int(t.elem_type), shape)
+
+    @property
+    def inputs(self) -> list[FrameTensor]:
+        if self._inputs is None:
+            c = self._c
+            self._inputs = [self._tensor(c.inputs[i]) for i in range(c.num_inputs)]
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[FrameTensor]:
+        if self._outputs is None:
+            c = self._c
+            self._outputs = [self._tensor(c.outputs[i]) for i in range(c.num_outputs)]
+        return self._outputs
+
+    def input_ptrs(self) -> list[int]:
+        c, cast = self._c, self._ffi.cast
+        return [int(cast("uintptr_t", c.inputs[i].data)) for i in range(c.num_inputs)]
+
+    def output_ptrs(self) -> list[int]:
+        c, cast = self._c, self._ffi.cast
+        return [int(cast("uintptr_t", c.outputs[i].data)) for i in range(c.num_outputs)]
+
+    def allocate_output(self, index: int, shape) -> int:
+        """Memory for output `index` with `shape`, through the host's callback; returns the pointer."""
+        c, ffi = self._c, self._ffi
+        if not 0 <= index < c.num_outputs:
+            raise PluginError(f"allocate_output: index {index} out of range 0..{c.num_outputs - 1}",
+                              abi.EP_INVALID_ARGUMENT)
+        dims = tuple(int(d) for d in shape)
+        out = ffi.new("void**")
+        self._check(c.AllocateOutput(c.allocate_context, index, ffi.new("int64_t[]", dims or (0,)), len(dims), out))
+        self._outputs = None
+        return int(ffi.cast("uintptr_t", out[0]))
+
+    def scratch(self, nbytes: int) -> int:
+        """`nbytes` of scratch memory tagged with the frame's stream; freed by free_scratch or after Compute."""
+        c, ffi = self._c, self._ffi
+        out = ffi.new("void**")
+        self._check(c.AllocScratch(c.scratch_context, int(nbytes), out))
+        return int(ffi.cast("uintptr_t", out[0]))
+
+    def free_scratch(self, ptr: int) -> None:
+        c = self._c
+        c.FreeScratch(c.scratch_context, self._ffi.cast("void*", ptr))
+
+    def _check(self, status) -> None:
+        if self._api is None:
+            if status != self._ffi.NULL:
+                raise PluginError("a host callback of the call frame failed")
+            return
+        self._api.check(status)
+
+
+class ComputeInfo(Impl):
+    """The EpNodeComputeInfo of one fused node: routes the C slots to a plugin's compute function."""
+
+    table = "EpNodeComputeInfo"
+
+    def __init__(self, runtime: Runtime, ep: EpBase, function, fused: FusedGraph):
+        super().__init__(runtime, ep)
+        self.function = function
+        self.fused = fused
+        self._states: dict[object, object] = {}
+        self._serial = 0
+        self._node_index = {n.name: n.index for n in fused.graph.nodes}
+
+    def CreateState(self, state_out):
+        make = getattr(self.function, "create_state", None)
+        state = make() if make is not None else None
+        self._serial += 1
+        # The handle is a counter, not an address: the host only hands it back.
+        key = self.ffi.cast("void*", self._serial)
+        self._states[key] = state
+        state_out[0] = key
+
+    def Compute(self, state, frame):
+        try:
+            self.function.compute(self._states.get(state), CallFrame(self.ffi, self.api, frame))
+        except NodeError as exc:
+            index = exc.node if isinstance(exc.node, int) else self._node_index.get(exc.node, -1)
+            frame.error_node = index
+            raise
+
+    def ReleaseState(self, state):
+        value = self._states.pop(state, None)
+        release = getattr(self.function, "release_state", None)
+        if release is not None and value is not None:
+            release(value)
+
+    def Release(self):
+        self.runtime.forget(self._c_table, "EpNodeComputeInfo")
+        for key in list(self._states):
+            self.ReleaseState(key)
+        self.close()
 
 
 class KernelBase(Impl):

@@ -247,6 +247,50 @@ def _kc_get_sync_stream(context, stream):
     return _context_call("KernelContext_GetSyncStream", context, run)
 
 
+class FuseRegistry:
+    """Groups of nodes EPs ask to fuse (v6), collected per graph view while GetCapability runs."""
+
+    def __init__(self) -> None:
+        self._open: dict[object, list[tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, view_ptr) -> list[tuple[int, ...]]:
+        groups: list[tuple[int, ...]] = []
+        with self._lock:
+            self._open[view_ptr] = groups
+        return groups
+
+    def end(self, view_ptr) -> None:
+        with self._lock:
+            self._open.pop(view_ptr, None)
+
+    def get(self, view_ptr):
+        return self._open.get(view_ptr)
+
+
+FUSE_GROUPS = FuseRegistry()
+
+
+@ffi.callback("EpStatus*(const EpGraphView*, const int32_t*, size_t)")
+def _graph_add_nodes_to_fuse(graph, nodes, count):
+    groups = FUSE_GROUPS.get(graph)
+    if groups is None:
+        return _status(abi.EP_INVALID_ARGUMENT, "Graph_AddNodesToFuse: the graph is not in GetCapability "
+                                                "(call it only from GetCapability, with the graph it received)")
+    if count == 0 or nodes == ffi.NULL:
+        return _status(abi.EP_INVALID_ARGUMENT, f"Graph_AddNodesToFuse: expected 1 or more node indices; "
+                                                f"got count {int(count)}{' and NULL' if nodes == ffi.NULL else ''}")
+    group = tuple(int(nodes[i]) for i in range(count))
+    bad = [i for i in group if not 0 <= i < graph.num_nodes]
+    if bad:
+        return _status(abi.EP_INVALID_ARGUMENT, f"Graph_AddNodesToFuse: node indices {bad} out of range; "
+                                                f"allowed 0..{graph.num_nodes - 1}")
+    if len(set(group)) != len(group):
+        return _status(abi.EP_INVALID_ARGUMENT, f"Graph_AddNodesToFuse: node indices {list(group)} repeat a node")
+    groups.append(group)
+    return ffi.NULL
+
+
 _VERSION_STRING = ffi.new("char[]", b"ephost 0.1.0")
 
 
@@ -262,6 +306,7 @@ _SLOTS = {
     "KernelContext_GetIO": _kc_get_io, "KernelContext_GetOutput": _kc_get_output,
     "KernelContext_GetGPUComputeStream": _kc_get_stream,
     "KernelContext_GetSyncStream": _kc_get_sync_stream,
+    "Graph_AddNodesToFuse": _graph_add_nodes_to_fuse,
 }
 
 

@@ -68,8 +68,8 @@ def test_tables_start_with_struct_size_and_version():
             assert st.is_table, f"{st.name} has function slots but does not start with struct_size, version"
         if st.is_table:
             first, second = st.members[:2]
-            assert (first.decl, first.since) == ("uint32_t struct_size;", 1), st.name
-            assert (second.decl, second.since) == ("uint32_t version;", 1), st.name
+            assert (first.decl, first.since) == ("uint32_t struct_size;", st.since), st.name
+            assert (second.decl, second.since) == ("uint32_t version;", st.since), st.name
     assert abi.TABLES == tuple(TABLES)
 
 
@@ -89,6 +89,12 @@ def test_since_table_matches_the_version_line():
     assert abi.since_table()["EpFactory"]["CreateEp"] == (1, True)
     assert abi.since_table()["EpFactory"]["GetVersion"] == (1, False)
     assert abi.slots_at("Ep", 2)[-2:] == ["Sync", "IsConcurrentRunSupported"]
+    assert abi.since("Ep", "Compile") == abi.since("EpApi", "Graph_AddNodesToFuse") == 6
+    assert abi.since_table()["EpApi"]["Graph_AddNodesToFuse"] == (6, True)
+    assert abi.since_table()["EpNodeComputeInfo"] == {
+        "CreateState": (6, False), "Compute": (6, True), "ReleaseState": (6, False), "Release": (6, True)}
+    assert abi.slots_at("EpCallFrame", 6) == ["AllocateOutput", "AllocScratch", "FreeScratch"]
+    assert abi.slots_at("EpNodeComputeInfo", 5) == []
 
 
 # ---- cdef(v) --------------------------------------------------------------------------------------
@@ -98,6 +104,12 @@ def test_cdef_cuts_each_table_at_its_version(version):
     ffi = abi.ffi_for(version)
     text = cdef(version)
     for table in TABLES:
+        if not header().struct(table).exists_at(version):
+            # A struct newer than the version is only a name there: no size, no members.
+            assert f"typedef struct {table} {table};" in text
+            with pytest.raises(ValueError, match="is of unknown size"):
+                ffi.sizeof(table)
+            continue
         for m in header().struct(table).members:
             if m.since <= version:
                 assert ffi.offsetof(table, m.name) >= 0
@@ -112,8 +124,9 @@ def test_cdef_cuts_each_table_at_its_version(version):
 
 def test_tables_grow_with_each_version_that_adds_slots():
     for table in TABLES:
-        sizes = [abi.ffi_for(v).sizeof(table) for v in VERSIONS]
-        for v, (before, after) in enumerate(zip(sizes, sizes[1:]), start=VERSIONS[0] + 1):
+        present = [v for v in VERSIONS if header().struct(table).exists_at(v)]
+        sizes = [abi.ffi_for(v).sizeof(table) for v in present]
+        for v, (before, after) in enumerate(zip(sizes, sizes[1:]), start=present[0] + 1):
             added = [m.name for m in header().struct(table).members if m.since == v]
             assert (after > before) is bool(added), f"{table} v{v}: {before} -> {after}, added {added}"
 
@@ -125,7 +138,8 @@ def test_cdef_of_matches_abi_cdef():
 
 def test_unknown_version_is_refused():
     with pytest.raises(ValueError,
-                       match=r"^ABI version 6 is not one this package describes; allowed: 1\.\.5$"):
+                       match=rf"^ABI version {abi.ABI_VERSION + 1} is not one this package describes; "
+                             rf"allowed: 1\.\.{abi.ABI_VERSION}$"):
         abi.ffi_for(abi.ABI_VERSION + 1)
 
 
@@ -135,7 +149,10 @@ def test_golden_file_covers_every_released_version_and_struct():
     golden = layouts.load_golden()
     assert sorted(golden, key=int) == [str(v) for v in VERSIONS]
     for v in VERSIONS:
-        assert set(golden[str(v)]) == {s.name for s in header().structs}
+        assert set(golden[str(v)]) == {s.name for s in header().structs if s.exists_at(v)}
+    # The v6 structs are absent from every earlier release, present from 6 on.
+    for name in ("EpFrameTensor", "EpCallFrame", "EpNodeComputeInfo"):
+        assert [v for v in VERSIONS if name in golden[str(v)]] == [v for v in VERSIONS if v >= 6]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -158,6 +175,13 @@ def test_golden_values_are_the_c_compiler_view():
     assert golden["4"]["EpApi"]["size"] == 8 + 10 * 8
     assert golden["5"]["Ep"]["offsets"]["ReplayGraphWithSync"] == 8 + 14 * 8
     assert golden["5"]["Ep"]["size"] == 8 + 15 * 8
+    assert golden["6"]["Ep"]["offsets"]["Compile"] == 8 + 15 * 8
+    assert golden["6"]["EpApi"]["offsets"]["Graph_AddNodesToFuse"] == 8 + 10 * 8
+    assert golden["6"]["EpFrameTensor"] == {"size": 24, "offsets": {"data": 0, "dims": 8, "rank": 16,
+                                                                    "elem_type": 20}}
+    assert golden["6"]["EpCallFrame"]["size"] == 8 + 2 * 8 + 4 * 4 + 7 * 8
+    assert golden["6"]["EpCallFrame"]["offsets"]["inputs"] == 40
+    assert golden["6"]["EpNodeComputeInfo"]["size"] == 8 + 4 * 8
     assert golden["1"]["EpTensor"] == {"size": 40, "offsets": {
         "data": 0, "shape": 8, "ndim": 16, "elem_type": 20, "device_type": 24, "device_id": 28, "nbytes": 32}}
 
@@ -179,14 +203,15 @@ def test_check_detects_a_slot_inserted_in_the_middle():
 
 
 def test_check_detects_a_future_slot_inserted_in_the_middle():
-    """A since-6 slot in the middle leaves v1..v5 alone but moves their slots in v6."""
+    """A slot of the next version in the middle leaves released ones alone but moves their slots in it."""
+    nxt = abi.ABI_VERSION + 1
     text = _bump(_edit(HEADER_TEXT, "EpStatus* (*Sync)(struct Ep* self)",
-                       "  EpStatus* (*Inserted)(struct Ep* self); /* since 6 */"), 6)
+                       f"  EpStatus* (*Inserted)(struct Ep* self); /* since {nxt} */"), nxt)
     problems = layouts.check_header_text(text)
-    off = layouts.load_golden()["5"]["Ep"]["offsets"]["IsConcurrentRunSupported"]
-    assert f"v6: offsetof(Ep, IsConcurrentRunSupported) is {off + 8}; v5 has {off} (a member was inserted " \
-           "before it, not appended)" in problems
-    assert not any(p.startswith("v5:") for p in problems)
+    off = layouts.load_golden()[str(abi.ABI_VERSION)]["Ep"]["offsets"]["IsConcurrentRunSupported"]
+    assert f"v{nxt}: offsetof(Ep, IsConcurrentRunSupported) is {off + 8}; v{abi.ABI_VERSION} has {off} " \
+           "(a member was inserted before it, not appended)" in problems
+    assert not any(p.startswith(f"v{abi.ABI_VERSION}:") for p in problems)
 
 
 def test_check_detects_a_type_change_in_a_released_struct():
@@ -205,17 +230,28 @@ def test_check_detects_a_removed_slot():
 
 
 def test_check_accepts_a_slot_appended_for_a_new_version():
-    text = _bump(_edit(HEADER_TEXT, "(*ReplayGraphWithSync)",
-                       "  EpStatus* (*NewThing)(struct Ep* self); /* since 6 */"), 6)
+    nxt = abi.ABI_VERSION + 1
+    text = _bump(_edit(HEADER_TEXT, "(*Compile)",
+                       f"  EpStatus* (*NewThing)(struct Ep* self); /* since {nxt} */"), nxt)
     assert layouts.check_header_text(text) == []
     now = layouts.compute_from_text(text)
-    assert now["6"]["Ep"]["offsets"]["NewThing"] == now["5"]["Ep"]["size"]
+    assert now[str(nxt)]["Ep"]["offsets"]["NewThing"] == now[str(abi.ABI_VERSION)]["Ep"]["size"]
+
+
+def test_check_detects_a_new_struct_inserted_into_a_released_version():
+    """A struct tagged with a released version is new in that release: refused."""
+    text = HEADER_TEXT.replace("typedef struct EpFrameTensor {",
+                               "typedef struct EpLate {\n  int32_t x; /* since 5 */\n} EpLate;\n\n"
+                               "typedef struct EpFrameTensor {")
+    assert text != HEADER_TEXT
+    assert "v5: struct EpLate is new in a released version" in layouts.check_header_text(text)
 
 
 def test_write_adds_a_new_version_and_refuses_to_rewrite_a_released_one(tmp_path):
     golden = layouts.load_golden()
     current = layouts.compute()
-    without_v5 = {k: v for k, v in golden.items() if k != "5"}
+    latest = str(abi.ABI_VERSION)
+    without_v5 = {k: v for k, v in golden.items() if k != latest}
     assert layouts.merged_for_write(without_v5, current) == golden
 
     tampered = json.loads(json.dumps(golden))
@@ -236,7 +272,7 @@ def test_write_adds_a_new_version_and_refuses_to_rewrite_a_released_one(tmp_path
     proc = subprocess.run([sys.executable, "-m", "abi.layouts", "--write", "--golden", str(path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("added: 5")
+    assert proc.stdout.strip().endswith(f"added: {latest}")
     assert layouts.load_golden(path) == golden
 
 

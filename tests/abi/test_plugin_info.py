@@ -42,13 +42,28 @@ def test_example_v3(plugins):
 def test_example_v5_and_older_host(plugins):
     info = plugin_info(plugins.example[5])
     assert info["factories"][0]["negotiated_version"] == 5
-    assert all(row["present"] for row in _slots(info, "Ep").values())
+    rows = _slots(info, "Ep")
+    assert {name for name, row in rows.items() if row["present"]} == set(abi.slots_at("Ep", 5))
+    assert rows["Compile"]["absent_reason"] == "needs v6"
 
     old = plugin_info(plugins.example[5], api_version=2)
     f = old["factories"][0]
     assert (f["declared_version"], f["negotiated_version"]) == (5, 2)
     present = {name for name, row in _slots(old, "Ep").items() if row["present"]}
     assert present == set(abi.slots_at("Ep", 2))
+
+
+def test_example_v6_shows_the_compile_slot(plugins):
+    info = plugin_info(plugins.example[6])
+    rows = _slots(info, "Ep")
+    assert all(row["present"] for row in rows.values())
+    assert (rows["Compile"]["since"], rows["Compile"]["required"]) == (6, False)
+    text = format_plugin_info(info)
+    compile_line = next(ln for ln in text.splitlines() if ln.split() and ln.split()[0] == "Compile")
+    assert compile_line.split()[1:] == ["6", "no", "yes"]
+    older = format_plugin_info(plugin_info(plugins.example[6], api_version=5))
+    compile_line = next(ln for ln in older.splitlines() if ln.split() and ln.split()[0] == "Compile")
+    assert compile_line.split()[1:] == ["6", "no", "no", "(needs", "v6)"]
 
 
 def test_the_ep_is_released(plugins):
@@ -62,7 +77,7 @@ def test_the_ep_is_released(plugins):
 def test_c_plugin(c_plugin):
     info = plugin_info(c_plugin)
     [f] = info["factories"]
-    assert (f["ep_name"], f["declared_version"], f["negotiated_version"]) == ("ExampleCEP", 5, 5)
+    assert (f["ep_name"], f["declared_version"], f["negotiated_version"]) == ("ExampleCEP", abi.ABI_VERSION, abi.ABI_VERSION)
     rows = _slots(info, "Ep")
     assert {n for n, r in rows.items() if r["present"]} == {"GetName", "GetCapability", "CreateKernel",
                                                             "IsConcurrentRunSupported"}
