@@ -20,6 +20,7 @@ from host.errors import EpError, EphostError, InvalidArgument, KernelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import CONTEXTS, ffi
+from host.runtime.compiled import FrameContext
 from host.runtime.tensor import Allocation, DeviceTensor, host_array
 
 _NULL = ffi.NULL
@@ -33,8 +34,9 @@ class PlanNode:
     inputs: tuple[int, ...]      # value ids, -1 for absent optional inputs
     outputs: tuple[int, ...]
     ep: PluginEp | None           # None: the CPU EP
-    kernel: object                # CPU OpKernel, or the plugin kernel's Slots
+    kernel: object                # CPU OpKernel, the plugin kernel's Slots, or a CompiledPartition
     frees: tuple[int, ...] = ()   # values whose last consumer is this node
+    members: tuple[str, ...] = ()  # a compiled partition (ABI v6): the names of the nodes it fused
 
 
 @dataclass
@@ -105,13 +107,15 @@ class RunState:
         self.streams = streams
         self.values: list = [None] * len(self.plan.value_names)
         self.bound_outputs: dict[int, object] = {}
+        self.capturing = False  # set per run: the run belongs to a graph capture (v6 call frames say so)
         self.producer: dict[int, SyncStream] = {}
         self.keep: list = []  # copies made for this run: alive until the next run starts
         self.shape_cache: dict[tuple, object] = {}
         self.contexts: dict[int, KernelContext] = {}
         for n in self.plan.nodes:
             if n.ep is not None:
-                self.contexts[n.index] = KernelContext(self, n, streams.get(id(n.ep)))
+                make = FrameContext if n.members else KernelContext
+                self.contexts[n.index] = make(self, n, streams.get(id(n.ep)))
 
     def close(self) -> None:
         for c in self.contexts.values():
@@ -233,6 +237,8 @@ class Executor:
         for node in self.plan.nodes:
             if node.ep is None:
                 self._run_cpu(st, node)
+            elif node.members:
+                st.contexts[node.index].execute(self, st.capturing)
             else:
                 self._run_plugin(st, node)
             for v in node.frees:

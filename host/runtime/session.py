@@ -20,6 +20,7 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate
+from host.runtime import compiled
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
@@ -101,6 +102,7 @@ class InferenceSession:
         self._eps: list[PluginEp] = []
         self._regs = []
         self._kernel_list: list = []
+        self._partitions: list = []  # compiled partitions (ABI v6), released with the kernels
         self._lock = threading.Lock()
         self.graph = build_graph(model)
         self._view = GraphView(self.graph)
@@ -133,23 +135,24 @@ class InferenceSession:
             self._regs.append(reg)
             self._eps.append(ep)
 
-    def _claims(self) -> dict[int, PluginEp]:
-        assigned: dict[int, PluginEp] = {}
-        n = len(self.graph.nodes)
-        for ep in self._eps:
-            claimed = ffi.new("uint8_t[]", max(n, 1))
-            hostapi.check(ep.slots.GetCapability(ep.ptr, self._view.ptr, claimed), f"{ep.owner}: GetCapability")
-            for i in range(n):
-                if claimed[i] and i not in assigned:
-                    assigned[i] = ep
-        return assigned
-
     def _partition(self) -> Plan:
         g = self.graph
         ids = self._view.value_index
-        assigned = self._claims()
-        nodes, unsupported = [], []
+        # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
+        assigned, self._partitions = compiled.claim_and_compile(self._eps, self._view, g, self.fallbacks)
+        fused_first = {p.group.nodes[0]: p for p in self._partitions}
+        fused = {i for p in self._partitions for i in p.group.nodes}
+        nodes, unsupported, units = [], [], []
         for i, n in enumerate(g.nodes):
+            if i in fused:
+                part = fused_first.get(i)
+                if part is not None:
+                    nodes.append(PlanNode(i, part.name, compiled.FUSED_OP_TYPE,
+                                          tuple(ids[x] for x in part.group.inputs),
+                                          tuple(ids[x] for x in part.group.outputs), part.group.ep, part,
+                                          members=part.node_names))
+                    units.append(part.group.nodes)
+                continue
             ep = assigned.get(i)
             ins = tuple(ids[x] if x else -1 for x in n.inputs)
             outs = tuple(ids[x] if x else -1 for x in n.outputs)
@@ -161,9 +164,12 @@ class InferenceSession:
                     continue
                 kernel = cpu_ep.create_kernel(n)
             nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, kernel))
+            units.append((i,))
         if unsupported:
             raise ModelError(f"no execution provider supports {len(unsupported)} node(s): "
                              + ", ".join(unsupported))
+        if self._partitions:
+            nodes = [nodes[u] for u in compiled.unit_order(g, units)]
         names = self._view.value_names
         elem_types = [(g.values.get(nm) or ValueMeta(nm)).elem_type for nm in names]
         plan = Plan(nodes, dict(ids), names, elem_types,
@@ -200,7 +206,8 @@ class InferenceSession:
 
     def node_assignment(self) -> dict[str, str]:
         """Which EP runs each node, by node name."""
-        return {n.name: (n.ep.name if n.ep is not None else CPU_EP) for n in self.plan.nodes}
+        return {name: (n.ep.name if n.ep is not None else CPU_EP) for n in self.plan.nodes
+                for name in (n.members or (n.name,))}
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
@@ -266,6 +273,7 @@ class InferenceSession:
         try:
             st = ex.state()
             st.bound_outputs = bound_outputs
+            st.capturing = graph_id not in (None, "-1")  # warm-up or capture of a graph id (v6 frames)
             c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None)
             self._on_run_start(c_ro)
             try:
@@ -344,6 +352,9 @@ class InferenceSession:
         for k in getattr(self, "_kernel_list", []):
             k.Release(k.ptr)
         self._kernel_list = []
+        for p in getattr(self, "_partitions", []):
+            p.release()
+        self._partitions = []
         for ep in self._eps:
             ep.close()
         self._eps.clear()

@@ -8,9 +8,19 @@ records each kernel call, and ReplayGraph runs the recording again on the same b
 
 Faults for tests are chosen with the environment variable EPHOST_TEST_FAULT, read when the
 host calls CreateEpFactories: entry_error, entry_null, create_ep_fails, version_low,
-version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails.
+version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails,
+eager_slots (every table carries every slot the plugin was built with, whatever the host serves).
 Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
 min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to).
+
+Compiled partitions (ABI v6, option fuse=1): every maximal run of consecutive claimed nodes
+(a range of the topological order, so never a cycle) is claimed as one fused group, and
+compile() turns each into a NumPy closure that Compute runs on the call frame: inputs are read
+in place, static outputs are written into the host's preallocated buffers, dynamic ones are
+allocated through the frame's callback. fail_node=NAME fails inside the closure naming that
+node; compile_fails=all (or a node name) makes compile() fail for every group (or the group
+holding that node). Nodes of a fused group are also claimed singly, so a failed compile falls
+back to this EP's per-node kernels.
 """
 
 from __future__ import annotations
@@ -72,6 +82,10 @@ class ExampleFactory(sdk.FactoryBase):
         self.eps: weakref.WeakSet = weakref.WeakSet()
         if fault == "null_mandatory":
             self.null_slots = ("GetSupportedDevices",)
+        if fault == "eager_slots":
+            # A test double for the host's gate alone: every table this factory makes (and what its
+            # EPs make) carries every slot the plugin was built with, whatever the host serves.
+            self.abi_version = runtime.compiled_version
 
     def supported_devices(self):
         return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, "example-cpu", "Cpu")]
@@ -101,7 +115,8 @@ class ExampleEp(sdk.EpBase):
 
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
-        allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device"}
+        allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
+                   "compile_fails"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -116,6 +131,8 @@ class ExampleEp(sdk.EpBase):
         self.min_runs = int(min_runs)
         self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
         self.mock_device = options.get("mock_device", "0") == "1"
+        self.fuse = options.get("fuse", "0") == "1"
+        self.compile_fails = options.get("compile_fails", "")
         self.lock = threading.Lock()
         self.run_counts: dict[int, int] = {}
         self.capturing: int | None = None
@@ -137,6 +154,27 @@ class ExampleEp(sdk.EpBase):
 
     def create_kernel(self, graph, node):
         return ExampleKernel(self.runtime, self, node)
+
+    # -- compiled partitions (v6) --------------------------------------------------------
+    def claim_fused(self, graph):
+        if not self.fuse:
+            return []
+        groups: list[list[int]] = []
+        previous = None
+        for i in self.claim(graph):
+            if previous is not None and i == previous + 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+            previous = i
+        return groups
+
+    def compile(self, fused):
+        for fg in fused:
+            names = {n.name for n in fg.graph.nodes}
+            if self.compile_fails == "all" or self.compile_fails in names:
+                raise sdk.PluginError(f"injected compile failure for fused node '{fg.name}'", abi.EP_FAIL)
+        return [ExampleCompute(self, fg) for fg in fused]
 
     def CreateAllocator(self, info, out):
         alloc = ExampleAllocator(self.runtime, self.factory, self.factory._spec(info))
@@ -196,7 +234,11 @@ class ExampleEp(sdk.EpBase):
         if steps is None:
             raise sdk.PluginError(f"graph {graph_id} was not captured", abi.EP_INVALID_ARGUMENT)
         self.runtime.record.slot_calls["replayed_steps"] += len(steps)
-        for fn, inputs, out in steps:
+        for step in steps:
+            if callable(step):  # a compiled partition: re-run its closure on the captured buffers
+                step()
+                continue
+            fn, inputs, out = step
             out[...] = fn(*inputs)
 
     def close(self):
@@ -210,6 +252,72 @@ def _view(ffi, t) -> np.ndarray:
     if t.nbytes == 0:
         return np.zeros(shape, dtype)
     return np.frombuffer(ffi.buffer(t.data, t.nbytes), dtype=dtype).reshape(shape)
+
+
+def _array_at(ffi, ptr: int, dtype: int, shape: tuple) -> np.ndarray:
+    """A NumPy view of `shape` elements of ONNX type `dtype` at host address `ptr`."""
+    dt = to_numpy(dtype)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count == 0:
+        return np.zeros(shape, dt)
+    return np.frombuffer(ffi.buffer(ffi.cast("void*", ptr), count * dt.itemsize), dtype=dt).reshape(shape)
+
+
+class ExampleCompute:
+    """A fused group compiled into a NumPy closure: one ABI crossing per run for the whole group."""
+
+    def __init__(self, ep: ExampleEp, fused: sdk.FusedGraph):
+        g = fused.graph
+        self.ep = ep
+        self.ffi = ep.ffi
+        self.name = fused.name
+        self.record = ep.runtime.record
+        self.constants = {i: v.constant for i, v in enumerate(g.values) if v.constant is not None}
+        self.steps = [(_OPS[n.op_type], n.inputs, n.outputs[0], n.index, n.name == ep.fail_node) for n in g.nodes]
+        self.input_ids, self.output_ids = g.input_ids, g.output_ids
+        self.output_types = [v.dtype for v in g.outputs]
+
+    def create_state(self):
+        return {"runs": 0}
+
+    def release_state(self, state):
+        self.record.live["compute_state_released"] += 1
+
+    def _evaluate(self, inputs: list[np.ndarray]) -> dict[int, np.ndarray]:
+        env = dict(self.constants)
+        env.update(zip(self.input_ids, inputs))
+        for fn, ins, out, index, fail in self.steps:
+            if fail:
+                raise sdk.NodeError(f"injected failure in node {index} of '{self.name}'", index)
+            env[out] = np.asarray(fn(*(env[i] for i in ins)))
+        return env
+
+    def compute(self, state, frame):
+        state["runs"] += 1
+        rec = self.record
+        if frame.capturing:
+            rec.fallbacks["frame_capturing"] += 1
+        inputs = [_array_at(self.ffi, t.ptr, t.dtype, t.shape) for t in frame.inputs]
+        env = self._evaluate(inputs)
+        targets = []
+        for j, (vid, t) in enumerate(zip(self.output_ids, frame.outputs)):
+            result = env[vid]
+            ptr = t.ptr
+            if ptr == 0:
+                rec.host_calls["AllocateOutput"] += 1
+                ptr = frame.allocate_output(j, result.shape)
+            else:
+                rec.fallbacks["frame_preallocated"] += 1
+            target = _array_at(self.ffi, ptr, self.output_types[j], result.shape)
+            target[...] = result
+            targets.append(target)
+        if self.ep.capturing is not None:
+            self.ep.recording.append(lambda: self._replay(inputs, targets))
+
+    def _replay(self, inputs, targets) -> None:
+        env = self._evaluate(inputs)
+        for vid, target in zip(self.output_ids, targets):
+            target[...] = env[vid]
 
 
 class ExampleKernel(sdk.KernelBase):
