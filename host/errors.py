@@ -31,6 +31,10 @@ class ModelError(EphostError):
     """The model is malformed or uses something no EP supports."""
 
 
+class NoSuchFile(ModelError, FileNotFoundError):
+    """The model path names no file (onnxruntime's NoSuchFile; an OSError too)."""
+
+
 class InvalidArgument(EphostError, ValueError):
     """A caller passed a value that is not allowed (feed, option, binding)."""
 

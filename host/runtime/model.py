@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY
-from host.errors import ModelError
+from host.errors import ModelError, NoSuchFile
 from host.runtime.node import NodeInfo, node_info
 
 MIN_OPSET, MAX_OPSET = 7, 23
@@ -55,8 +55,10 @@ def load_model(model) -> onnx.ModelProto:
             raise ModelError(f"model bytes could not be parsed: {exc}") from exc
     if isinstance(model, (str, Path)):
         path = Path(model)
+        if path.is_dir():
+            raise ModelError(f"model path '{path}' is a directory; expected an ONNX model file (.onnx)")
         if not path.is_file():
-            raise ModelError(f"model file '{path}' does not exist")
+            raise NoSuchFile(f"model file '{path}' does not exist")
         try:
             return onnx.load(str(path))
         except Exception as exc:  # noqa: BLE001

@@ -50,8 +50,8 @@ _OPTIMIZATION_LEVELS = {0: "ORT_DISABLE_ALL", 1: "ORT_ENABLE_BASIC", 2: "ORT_ENA
 
 
 def graph_optimization_level_enum():
-    """host.optimizer.GraphOptimizationLevel, imported only when asked for (the optimizer is heavy)."""
-    from host.optimizer import GraphOptimizationLevel
+    """host.optimizer's GraphOptimizationLevel (from its light `levels` module, not the optimizer itself)."""
+    from host.optimizer.levels import GraphOptimizationLevel
 
     return GraphOptimizationLevel
 
@@ -99,6 +99,12 @@ def _execution_mode(where: str, value) -> ExecutionMode:
 
 
 def _optimization_level(where: str, value) -> int:
+    try:
+        from host.optimizer.levels import as_level  # helper A's parser: enum, int or name
+    except ImportError:
+        as_level = None
+    if as_level is not None:
+        return int(as_level(value))
     if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) not in _OPTIMIZATION_LEVELS:
         allowed = ", ".join(f"{name} ({v})" for v, name in _OPTIMIZATION_LEVELS.items())
         raise InvalidArgument(f"{where} must be a GraphOptimizationLevel: {allowed}; got {value!r}")

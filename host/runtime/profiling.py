@@ -1,0 +1,134 @@
+"""Session profiling as onnxruntime users know it: a Chrome-trace JSON (Perfetto, chrome://tracing).
+
+`SessionOptions.enable_profiling = True` makes the session record complete ("X") events with
+`ts`/`dur` in microseconds since the profiler started, `pid`/`tid`, a category and arguments:
+
+    cat "Session"  session_initialization, model_loading, optimization, partitioning, model_run
+    cat "Node"     one event per node per run (CPU EP kernel, or a plugin kernel's Compute crossing)
+    cat "Api"      ABI crossings that are not node kernels: OnRunStart/OnRunEnd, CopyTensors
+
+`InferenceSession.end_profiling()` writes `<profile_file_prefix><date>_<pid>_<n>.json` and
+returns its path. With profiling off nothing here is on the run path: the session checks one
+boolean per run, and kernels are only wrapped when a profiler is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from host.errors import InvalidArgument
+
+_FILES = itertools.count(1)
+_ns = time.perf_counter_ns
+
+
+class Profiler:
+    """Collects trace events for one session until `end()` writes them."""
+
+    enabled = True
+
+    def __init__(self, prefix: str, session_name: str = ""):
+        self.prefix = prefix or "ephost_profile_"
+        self.session_name = session_name
+        self.start_ns = _ns()
+        self.start_time_ns = time.time_ns()  # wall clock of ts=0, for get_profiling_start_time_ns()
+        self.pid = os.getpid()
+        self.events: list[dict] = []
+
+    def record(self, name: str, cat: str, t0: int, t1: int, args: dict | None = None) -> None:
+        """One complete event from perf_counter_ns stamps `t0`..`t1`."""
+        event = {"cat": cat, "name": name, "ph": "X", "pid": self.pid, "tid": threading.get_native_id(),
+                 "ts": (t0 - self.start_ns) / 1000.0, "dur": (t1 - t0) / 1000.0}
+        if args:
+            event["args"] = args
+        self.events.append(event)  # list.append is atomic: concurrent runs need no lock
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "Session", **args):
+        t0 = _ns()
+        try:
+            yield
+        finally:
+            self.record(name, cat, t0, _ns(), args or None)
+
+    def timed(self, fn, name: str, cat: str, args: dict | None = None):
+        """`fn` wrapped so that each call records one event."""
+        record = self.record
+
+        def call(*a, **kw):
+            t0 = _ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                record(name, cat, t0, _ns(), args)
+        return call
+
+    def end(self) -> str:
+        """Write the trace and return its path."""
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(self.start_time_ns / 1e9))
+        path = Path(f"{self.prefix}{stamp}_{self.pid}_{next(_FILES)}.json")
+        trace = {"traceEvents": sorted(self.events, key=lambda e: e["ts"]), "displayTimeUnit": "ms",
+                 "otherData": {"producer": "ephost", "session": self.session_name,
+                               "start_time_ns": self.start_time_ns}}
+        try:
+            if path.parent != Path("."):
+                path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(trace))
+        except OSError as exc:
+            raise InvalidArgument(f"cannot write the profile to '{path}' (profile_file_prefix "
+                                  f"{self.prefix!r}): {exc.strerror or exc}") from exc
+        return str(path)
+
+
+class _NullProfiler:
+    """Stands in when profiling is off: spans cost one call and record nothing."""
+
+    enabled = False
+    start_time_ns = 0
+
+    def span(self, name: str, cat: str = "Session", **args):
+        return contextlib.nullcontext()
+
+
+NULL = _NullProfiler()
+
+
+class _TimedKernel:
+    """A node's kernel whose entry point (`run` for the CPU EP, `Compute` for a plugin) is timed."""
+
+    def __init__(self, kernel, profiler: Profiler, node_name: str, args: dict):
+        self._kernel = kernel
+        for entry in ("run", "Compute"):
+            fn = getattr(kernel, entry, None)
+            if callable(fn):
+                setattr(self, entry, profiler.timed(fn, node_name, "Node", args))
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+
+def instrument(session, profiler: Profiler) -> None:
+    """Time every node of `session`'s plan and its ABI crossings; done before the first run."""
+    for node in session.plan.nodes:
+        provider = node.ep.name if node.ep is not None else "CPUExecutionProvider"
+        args = {"op_name": node.op_type, "provider": provider, "node_index": node.index}
+        node.kernel = _TimedKernel(node.kernel, profiler, node.name, args)
+    ex = session._executor
+    ex.transfer = profiler.timed(ex.transfer, "CopyTensors", "Api")
+    # Instance attributes shadow the methods: only this session pays for the timing.
+    session._on_run_start = profiler.timed(session._on_run_start, "OnRunStart", "Api")
+    session._on_run_end = profiler.timed(session._on_run_end, "OnRunEnd", "Api")
+
+
+def load(path: str | os.PathLike) -> list[dict]:
+    """The events of a profile written by `Profiler.end()` (for tests and tools)."""
+    return json.loads(Path(path).read_text())["traceEvents"]
+
+
+__all__ = ["Profiler", "NULL", "instrument", "load"]
