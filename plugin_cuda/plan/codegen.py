@@ -1,0 +1,329 @@
+"""CUDA C source for a plan's steps: one module per plan, one kernel per step (cuBLAS steps excepted).
+
+Pure Python (no CuPy): the source is checked with `nvcc -ptx` on machines without a GPU.
+Shapes are static, so every size, stride and scalar constant is baked into the source as a
+literal and a kernel's only parameters are its buffers' device pointers: launching it needs no
+per-call argument packing beyond those pointers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from plugin_cuda.plan.errors import PlanError
+from plugin_cuda.plan.fuse import Step
+from plugin_cuda.plan.lower import Program, _f32
+
+EW_BLOCK = 256
+INT32_MAX = 2**31 - 1
+
+PRELUDE = r"""
+#define EP_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ float ep_relu(float a) { return a < 0.0f ? 0.0f : a; }
+__device__ __forceinline__ float ep_max(float a, float b) { return (a > b || a != a) ? a : b; }
+__device__ __forceinline__ float ep_min(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float ep_sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+__device__ __forceinline__ float ep_gelu(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
+__device__ __forceinline__ float ep_gelu_tanh(float a) {
+  return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
+}
+__device__ __forceinline__ float ep_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float ep_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+/* Block-wide sum / max; blockDim.x is a multiple of 32. Every warp reduces the per-warp partials
+   itself, so all threads get the result without another broadcast. */
+__device__ float ep_block_sum(float v, float* sh) {
+  v = ep_warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  return ep_warp_sum(lane < nw ? sh[lane] : 0.0f);
+}
+__device__ float ep_block_max(float v, float* sh) {
+  v = ep_warp_max(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  return ep_warp_max(lane < nw ? sh[lane] : -EP_INF);
+}
+"""
+
+
+@dataclass
+class KernelSpec:
+    """One generated kernel: its name in the module, pointer parameters (value ids), launch shape."""
+
+    name: str
+    params: list
+    grid: tuple
+    block: tuple
+    source: str
+    step: Step
+
+
+def strides(shape: tuple) -> list:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+def index_expr(out_shape: tuple, leaf_shape: tuple, i: str = "i") -> str:
+    """The flat index into a leaf broadcast against `out_shape`, for flat output index `i`."""
+    r = len(out_shape)
+    if len(leaf_shape) > r:
+        raise PlanError(f"leaf shape {leaf_shape} has a higher rank than its output {out_shape}")
+    leaf = (1,) * (r - len(leaf_shape)) + tuple(leaf_shape)
+    if math.prod(leaf) == 1:
+        return "0"
+    if leaf == tuple(out_shape):
+        return i
+    # A suffix of the output's dims (a bias over the last axis): a plain modulo.
+    for j in range(r):
+        if all(leaf[d] == 1 for d in range(j)) and leaf[j:] == tuple(out_shape[j:]):
+            return f"({i} % {math.prod(out_shape[j:])})"
+    ostr, lstr = strides(tuple(out_shape)), strides(leaf)
+    terms = []
+    for d in range(r):
+        if leaf[d] != 1 and out_shape[d] != 1:
+            if leaf[d] != out_shape[d]:
+                raise PlanError(f"leaf shape {leaf_shape} does not broadcast to {out_shape}")
+            terms.append(f"(({i} / {ostr[d]}) % {out_shape[d]}) * {lstr[d]}")
+    return "(" + " + ".join(terms) + ")" if terms else "0"
+
+
+def _check_size(prog: Program, vids) -> None:
+    for v in vids:
+        if prog.values[v].size > INT32_MAX:
+            raise PlanError(f"tensor '{prog.values[v].name}' has {prog.values[v].size} elements; "
+                            f"a compiled plan indexes with int32 (up to {INT32_MAX})")
+
+
+def _inline_scalar(prog: Program, vid: int) -> str | None:
+    c = prog.values[vid].const
+    if c is not None and np.asarray(c).size == 1:
+        return _f32(float(np.asarray(c, np.float32).reshape(-1)[0]))
+    return None
+
+
+class _Body:
+    """Assembles a kernel's parameter list and statements."""
+
+    def __init__(self):
+        self.params: list = []  # value ids
+        self.decls: list = []
+        self.names: dict = {}
+
+    def pointer(self, vid: int, const: bool) -> str:
+        name = f"p{len(self.params)}"
+        self.params.append(vid)
+        qual = "const float* __restrict__" if const else "float* __restrict__"
+        self.decls.append(f"{qual} {name}")
+        return name
+
+
+def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: str | None) -> list:
+    """Statements computing a group's members at flat index `i` and writing its exports.
+
+    `first`: the C variable already holding the absorbed GEMM's result (None without one).
+    """
+    lines = []
+    var: dict = {}
+    if group.gemm is not None:
+        var[group.gemm.outputs[0]] = first
+    for k, leaf in enumerate(group.leaves):
+        lit = _inline_scalar(prog, leaf)
+        if lit is not None:
+            var[leaf] = lit
+            continue
+        p = body.pointer(leaf, const=True)
+        lines.append(f"const float a{k} = {p}[{index_expr(shape, prog.values[leaf].shape, i)}];")
+        var[leaf] = f"a{k}"
+    for k, m in enumerate(group.members):
+        args = [var[v] for v in m.inputs]
+        lines.append(f"const float v{k} = {m.attrs['expr'].format(*args)};")
+        var[m.outputs[0]] = f"v{k}"
+    for v in group.exports:
+        p = body.pointer(v, const=False)
+        lines.append(f"{p}[{i}] = {var[v]};")
+    return lines
+
+
+def ew_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    g = step.group
+    if g.gemm is not None:
+        return gemm_kernel(prog, step, name)
+    shape = g.shape
+    n = math.prod(shape)
+    _check_size(prog, g.leaves + g.exports)
+    body = _Body()
+    lines = _epilogue(prog, body, g, shape, "i", None)
+    src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(body.decls)}) {{\n'
+           f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
+           f"  if (i >= {n}) return;\n  " + "\n  ".join(lines) + "\n}\n")
+    return KernelSpec(name, body.params, (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1), src, step)
+
+
+def gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """out[m, n] = epilogue(alpha * sum_k A[m, k] B[k, n]) for M <= 8 rows: 32 columns per block,
+    `ks` k-slices per column reduced through shared memory, one row finalised per k-slice thread."""
+    g = step.group
+    op = g.gemm
+    a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
+    k_dim, n_dim = b_shape
+    m_dim = math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1
+    ks = 32 if k_dim >= 128 else 8
+    alpha = float(op.attrs.get("alpha", 1.0))
+    _check_size(prog, list(op.inputs) + g.leaves + g.exports)
+    body = _Body()
+    pa = body.pointer(op.inputs[0], const=True)
+    pb = body.pointer(op.inputs[1], const=True)
+    scaled = "s" if alpha == 1.0 else f"(s * {_f32(alpha)})"
+    lines = _epilogue(prog, body, g, g.shape, "i", "g0")
+    src = f"""extern "C" __global__ void __launch_bounds__({32 * ks}) {name}({", ".join(body.decls)}) {{
+  __shared__ float red[{ks * m_dim * 33}];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int col = blockIdx.x * 32 + tx;
+  float acc[{m_dim}];
+#pragma unroll
+  for (int m = 0; m < {m_dim}; ++m) acc[m] = 0.0f;
+  if (col < {n_dim}) {{
+#pragma unroll 4
+    for (int k = ty; k < {k_dim}; k += {ks}) {{
+      const float b = {pb}[k * {n_dim} + col];
+#pragma unroll
+      for (int m = 0; m < {m_dim}; ++m) acc[m] += {pa}[m * {k_dim} + k] * b;
+    }}
+  }}
+#pragma unroll
+  for (int m = 0; m < {m_dim}; ++m) red[(ty * {m_dim} + m) * 33 + tx] = acc[m];
+  __syncthreads();
+  if (ty < {m_dim} && col < {n_dim}) {{
+    float s = 0.0f;
+#pragma unroll 8
+    for (int j = 0; j < {ks}; ++j) s += red[(j * {m_dim} + ty) * 33 + tx];
+    const int i = ty * {n_dim} + col;
+    const float g0 = {scaled};
+    {(chr(10) + "    ").join(lines)}
+  }}
+}}
+"""
+    if k_dim * n_dim > INT32_MAX:
+        raise PlanError(f"GEMM in '{step.name}' has {k_dim}x{n_dim} weights; int32 indexing allows {INT32_MAX}")
+    return KernelSpec(name, body.params, (-(-n_dim // 32), 1, 1), (32, ks, 1), src, step)
+
+
+def _row_block(cols: int) -> int:
+    return min(256, max(32, -(-cols // 32) * 32))
+
+
+def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    shape = prog.values[op.inputs[0]].shape
+    cols = shape[-1] if shape else 1
+    rows = math.prod(shape[:-1]) if shape else 1
+    _check_size(prog, op.inputs + op.outputs)
+    block = _row_block(cols)
+    if op.attrs["log"]:
+        finish = "  const float ls = logf(s);\n  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] - m - ls;\n"
+    else:
+        finish = "  for (int c = threadIdx.x; c < C; c += B) yr[c] = expf(xr[c] - m) / s;\n"
+    src = (f'extern "C" __global__ void __launch_bounds__({block}) {name}('
+           "const float* __restrict__ p0, float* __restrict__ p1) {\n"
+           f"  enum {{ C = {cols}, B = {block} }};\n"
+           "  __shared__ float sh[32];\n"
+           "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
+           "  float* yr = p1 + (long long)blockIdx.x * C;\n"
+           "  float m = -EP_INF;\n"
+           "  for (int c = threadIdx.x; c < C; c += B) m = fmaxf(m, xr[c]);\n"
+           "  m = ep_block_max(m, sh);\n"
+           "  float s = 0.0f;\n"
+           "  for (int c = threadIdx.x; c < C; c += B) s += expf(xr[c] - m);\n"
+           "  s = ep_block_sum(s, sh);\n" + finish + "}\n")
+    return KernelSpec(name, [op.inputs[0], op.outputs[0]], (max(rows, 1), 1, 1), (block, 1, 1), src, step)
+
+
+def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    cols = op.attrs["cols"]
+    rows = prog.values[op.inputs[0]].size // max(cols, 1)
+    _check_size(prog, op.inputs + op.outputs)
+    block = _row_block(cols)
+    eps = _f32(op.attrs["eps"])
+    has_bias = len(op.inputs) > 2
+    params = [op.inputs[0], op.inputs[1]] + ([op.inputs[2]] if has_bias else []) + [op.outputs[0]]
+    decls = ["const float* __restrict__ p0", "const float* __restrict__ p1"]
+    if has_bias:
+        decls.append("const float* __restrict__ p2")
+    out = f"p{len(decls)}"
+    decls.append(f"float* __restrict__ {out}")
+    head = (f'extern "C" __global__ void __launch_bounds__({block}) {name}({", ".join(decls)}) {{\n'
+            f"  enum {{ C = {cols}, B = {block} }};\n"
+            "  __shared__ float sh[32];\n"
+            "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
+            f"  float* yr = {out} + (long long)blockIdx.x * C;\n")
+    if op.attrs["kind"] == "rms":
+        body = ("  float q = 0.0f;\n"
+                "  for (int c = threadIdx.x; c < C; c += B) q += xr[c] * xr[c];\n"
+                f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
+                "  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] * r * p1[c];\n")
+    else:
+        affine = " + p2[c]" if has_bias else ""
+        body = ("  float s = 0.0f;\n"
+                "  for (int c = threadIdx.x; c < C; c += B) s += xr[c];\n"
+                "  const float mean = ep_block_sum(s, sh) / (float)C;\n"
+                "  float q = 0.0f;\n"
+                "  for (int c = threadIdx.x; c < C; c += B) { const float d = xr[c] - mean; q += d * d; }\n"
+                f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
+                f"  for (int c = threadIdx.x; c < C; c += B) yr[c] = (xr[c] - mean) * r * p1[c]{affine};\n")
+    return KernelSpec(name, params, (max(rows, 1), 1, 1), (block, 1, 1), head + body + "}\n", step)
+
+
+def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    in_shape = prog.values[op.inputs[0]].shape
+    perm = op.attrs["perm"]
+    out_shape = tuple(in_shape[p] for p in perm)
+    n = math.prod(out_shape)
+    _check_size(prog, op.inputs + op.outputs)
+    ostr, istr = strides(out_shape), strides(in_shape)
+    terms = [f"((i / {ostr[d]}) % {out_shape[d]}) * {istr[perm[d]]}" for d in range(len(perm)) if out_shape[d] != 1]
+    src_index = " + ".join(terms) if terms else "0"
+    src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}('
+           "const float* __restrict__ p0, float* __restrict__ p1) {\n"
+           f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
+           f"  if (i >= {n}) return;\n"
+           f"  p1[i] = p0[{src_index}];\n}}\n")
+    return KernelSpec(name, [op.inputs[0], op.outputs[0]], (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1),
+                      src, step)
+
+
+GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel}
+
+
+def generate(prog: Program, steps: list) -> tuple[str, list]:
+    """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`."""
+    specs = []
+    parts = [PRELUDE]
+    for i, step in enumerate(steps):
+        gen = GENERATORS.get(step.kind)
+        if gen is None:
+            specs.append(None)
+            continue
+        spec = gen(prog, step, f"ep_k{i}")
+        parts.append(f"/* {step.name} */\n" + spec.source)
+        specs.append(spec)
+    return "\n".join(parts), specs

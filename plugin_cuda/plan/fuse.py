@@ -1,0 +1,158 @@
+"""Fusion: a Program's ops become the steps of a plan.
+
+Pure Python (no CuPy). Elementwise ops of one output shape are grouped into one kernel; a group
+is "sealed" once any op outside it reads one of its values, so a group never waits for a value
+that itself needs the group (no cycles), and it runs at the position of its last member. A GEMM
+with few rows whose result only feeds one group of its shape is computed inside that group's
+kernel (the group is its epilogue); every other GEMM goes to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from plugin_cuda.plan.lower import Op, Program
+
+SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel, not cuBLAS
+
+
+@dataclass
+class Group:
+    """Elementwise ops computed in one kernel over `shape` (and optionally a small GEMM first)."""
+
+    shape: tuple
+    members: list = field(default_factory=list)  # Ops, in program order
+    gemm: Op | None = None
+    sealed: bool = False
+    leaves: list = field(default_factory=list)  # value ids read from memory
+    exports: list = field(default_factory=list)  # value ids written to memory
+
+
+@dataclass
+class Step:
+    """One launch (or one cuBLAS call) of the plan: `kind` in ew, gemm, softmax, norm, transpose."""
+
+    kind: str
+    op: Op | None
+    group: Group | None
+    reads: list
+    writes: list
+    name: str  # the ONNX node(s) it runs, for errors and reports
+
+
+def small_gemm(prog: Program, op: Op) -> bool:
+    """Whether a GEMM runs as a generated kernel: row-major A (M <= 8 rows) times a 2-D B."""
+    if op.kind != "gemm" or op.attrs["trans_a"] or op.attrs["trans_b"]:
+        return False
+    a, b = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
+    if len(b) != 2 or len(a) < 1:
+        return False
+    rows = math.prod(a[:-1]) if len(a) > 1 else 1
+    return 1 <= rows <= SMALL_GEMM_MAX_ROWS and b[0] >= 1 and b[1] >= 1
+
+
+def _consumers(prog: Program) -> dict:
+    users: dict = {}
+    for op in prog.ops:
+        for v in op.inputs:
+            users.setdefault(v, []).append(op)
+    return users
+
+
+def group_ops(prog: Program) -> tuple[list, dict]:
+    """Elementwise groups (program order of their last member) and value id -> group."""
+    owner: dict = {}  # value id -> Group (outputs of elementwise members)
+    groups: list = []
+    for op in prog.ops:
+        if op.kind != "ew":
+            for v in op.inputs:
+                if v in owner:
+                    owner[v].sealed = True
+            continue
+        shape = prog.values[op.outputs[0]].shape
+        candidates = []
+        for v in op.inputs:
+            g = owner.get(v)
+            if g is not None and not g.sealed and g.shape == shape and g not in candidates:
+                candidates.append(g)
+        if candidates:
+            group = candidates[0]
+            for other in candidates[1:]:  # unsealed groups read by one op: they may run as one kernel
+                group.members.extend(other.members)
+                for m in other.members:
+                    owner[m.outputs[0]] = group
+                groups.remove(other)
+        else:
+            group = Group(shape)
+            groups.append(group)
+        for v in op.inputs:
+            g = owner.get(v)
+            if g is not None and g is not group:
+                g.sealed = True
+        group.members.append(op)
+        owner[op.outputs[0]] = group
+    order = {id(op): i for i, op in enumerate(prog.ops)}
+    for g in groups:
+        g.members.sort(key=lambda m: order[id(m)])
+    return groups, owner
+
+
+def build_steps(prog: Program) -> list:
+    """The plan's steps in execution order (aliases make no step)."""
+    groups, owner = group_ops(prog)
+    users = _consumers(prog)
+    outputs = set(prog.outputs)
+    absorbed = set()
+    for op in prog.ops:
+        if not small_gemm(prog, op):
+            continue
+        out = op.outputs[0]
+        readers = users.get(out, [])
+        targets = {id(owner.get(r.outputs[0])) for r in readers if r.kind == "ew"}
+        group = owner.get(readers[0].outputs[0]) if readers and readers[0].kind == "ew" else None
+        if (group is not None and len(targets) == 1 and all(r.kind == "ew" for r in readers)
+                and out not in outputs and group.gemm is None and group.shape == prog.values[out].shape):
+            group.gemm = op
+            absorbed.add(id(op))
+        else:
+            groups.append(Group(prog.values[out].shape, [], op))  # a GEMM kernel with no epilogue
+            absorbed.add(id(op))
+    position = {id(op): i for i, op in enumerate(prog.ops)}
+    entries = []  # (position, tie, step)
+    for g in groups:
+        _finish_group(prog, g, users, outputs)
+        pos = max([position[id(m)] for m in g.members] + ([position[id(g.gemm)]] if g.gemm else []))
+        reads = list(g.leaves) + (list(g.gemm.inputs) if g.gemm else [])
+        names = [m.node for m in ([g.gemm] if g.gemm else []) + g.members]
+        entries.append((pos, 1, Step("ew", None, g, reads, list(g.exports), _names(names))))
+    for op in prog.ops:
+        if op.kind in ("ew", "alias") or id(op) in absorbed:
+            continue
+        entries.append((position[id(op)], 0, Step(op.kind, op, None, list(op.inputs), list(op.outputs), op.node)))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    return [e[2] for e in entries]
+
+
+def _names(names: list) -> str:
+    unique = list(dict.fromkeys(names))
+    return unique[0] if len(unique) == 1 else f"{unique[0]} .. {unique[-1]} ({len(unique)} nodes)"
+
+
+def _finish_group(prog: Program, g: Group, users: dict, outputs: set) -> None:
+    produced = {m.outputs[0] for m in g.members}
+    inside = {id(m) for m in g.members}
+    gemm_out = g.gemm.outputs[0] if g.gemm is not None else None
+    leaves = []
+    for m in g.members:
+        for v in m.inputs:
+            if v not in produced and v != gemm_out and v not in leaves:
+                leaves.append(v)
+    g.leaves = leaves
+    exports = []
+    for v in ([gemm_out] if gemm_out is not None and not g.members else []) + [m.outputs[0] for m in g.members]:
+        if v in outputs or any(id(u) not in inside for u in users.get(v, [])):
+            exports.append(v)
+    if not exports and g.members:
+        exports.append(g.members[-1].outputs[0])  # a dead result still gets written (it has a buffer)
+    g.exports = exports

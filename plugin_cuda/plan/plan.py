@@ -1,0 +1,465 @@
+"""The compiled plan: built once per fused partition, then `run()` only walks prepacked launches.
+
+Build (once): lower the partition (lower.py), fuse it into steps (fuse.py), generate one CUDA
+module for its kernels (codegen.py), compile or load it through the source-hash cache
+(kernel_cache.py), upload the constants once, and plan intermediate memory by liveness
+(memory_plan.py).
+
+Per stream, on the first run there (an `_Instance`): one arena of `arena_bytes` from the EP's
+stream-ordered pool, and every launch packed once: the CUfunction, grid, block and an argument
+array whose cells hold device addresses. Cells of arena buffers and constants never change; the
+cells of the partition's inputs and outputs are one array written at the top of each run. So a
+run is: write those cells, then `cuLaunchKernel(*prepacked)` per kernel and prepacked cuBLAS
+calls. No allocation, no CuPy call, no shape logic on that path. The same launches are what a
+graph capture records.
+
+`auto_graph`: with static shapes the plan captures its own launches after `warmup` eager runs on
+a stream and from then on replays that graph under plain run() calls, keeping run()'s contract:
+inputs are copied into the graph's staging buffers at call time and results copied out to the
+caller's (fresh) output buffers, all ordered on the stream.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+
+from plugin_cuda.plan import codegen, driver, kernel_cache
+from plugin_cuda.plan.errors import DriverError, PlanError
+from plugin_cuda.plan.fuse import build_steps
+from plugin_cuda.plan.lower import lower
+from plugin_cuda.plan.memory_plan import BufferRequest, align_up, lifetimes, plan_memory
+
+ALIGN = 256
+ITEMSIZE = 4  # float32
+
+
+class Plan:
+    """A partition compiled into prepacked launches; see the module docstring."""
+
+    def __init__(self):
+        self.closed = False
+        self._instances: dict = {}
+        self._lock = threading.Lock()
+        self.stats = {"allocations": 0, "allocated_bytes": 0, "runs": 0, "replays": 0, "captures": 0}
+
+    # -- build -------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, graph, ep=None, *, inputs=None, outputs=None, cupy=None, device_id: int | None = None,
+              use_tf32: bool | None = None, auto_graph: bool = False, warmup: int = 2) -> Plan:
+        """Compile `graph` (a GraphSpec; `inputs`/`outputs` name the partition's values when the
+        graph does not carry them). `ep`: the CudaEp whose memory, device and cuBLAS handles to use
+        (None: CuPy's defaults, for tests and benchmarks)."""
+        t0 = time.perf_counter()
+        self = cls()
+        self.ep = ep
+        cp = cupy if cupy is not None else (ep.cupy if ep is not None else _import_cupy())
+        self.cupy = cp
+        self.device_id = int(device_id if device_id is not None else (ep.device_id if ep is not None else
+                                                                         cp.cuda.runtime.getDevice()))
+        self.use_tf32 = bool(use_tf32 if use_tf32 is not None else (ep.opts.use_tf32 if ep is not None else True))
+        self.auto_graph = bool(auto_graph)
+        self.warmup = max(1, int(warmup))
+        self.num_nodes = len(graph.nodes)
+        self.prog = prog = lower(graph, inputs, outputs)
+        self.steps = steps = build_steps(prog)
+        source, self.specs = codegen.generate(prog, steps)
+        self.source = kernel_cache.PROBE + source
+        hits = kernel_cache.stats["hits"]
+        self.module = kernel_cache.load(cp, self.source, self.device_id)
+        self.cache_hit = kernel_cache.stats["hits"] > hits
+        self.input_shapes = [prog.values[v].shape for v in prog.inputs]
+        self.output_shapes = [prog.values[v].shape for v in prog.outputs]
+        self.input_names = [prog.values[v].name for v in prog.inputs]
+        self.output_names = [prog.values[v].name for v in prog.outputs]
+        self._resolve_locations()
+        self._upload_constants()
+        self._plan_memory()
+        self.build_seconds = time.perf_counter() - t0
+        return self
+
+    @property
+    def num_kernels(self) -> int:
+        """Generated kernel launches per run."""
+        return sum(1 for s in self.specs if s is not None)
+
+    @property
+    def num_cublas(self) -> int:
+        """cuBLAS GEMM steps per run."""
+        return sum(1 for s in self.specs if s is None)
+
+    def _base(self, vid: int) -> int:
+        while vid in self._alias:
+            vid = self._alias[vid]
+        return vid
+
+    def _resolve_locations(self) -> None:
+        prog = self.prog
+        self._alias = {op.outputs[0]: op.inputs[0] for op in prog.ops if op.kind == "alias"}
+        self._in_index = {v: i for i, v in enumerate(prog.inputs)}
+        self._out_index = {v: i for i, v in enumerate(prog.outputs)}
+
+    def location(self, vid: int) -> tuple:
+        """Where a value lives: ('in', i) / ('out', j) of the call, ('const', offset), ('arena', offset)."""
+        base = self._base(vid)
+        if base in self._in_index:
+            return ("in", self._in_index[base])
+        if base in self._out_index:
+            return ("out", self._out_index[base])
+        if self.prog.values[base].const is not None:
+            return ("const", self._const_offsets[base])
+        return ("arena", self.memory.offset(base))
+
+    def _used_values(self) -> list:
+        used = []
+        for step, spec in zip(self.steps, self.specs):
+            used.extend(spec.params if spec is not None else step.reads + step.writes)
+        return used
+
+    def _upload_constants(self) -> None:
+        consts, offsets, top = [], {}, 0
+        for vid in self._used_values():
+            base = self._base(vid)
+            c = self.prog.values[base].const
+            if c is None or base in offsets or base in self._in_index:
+                continue
+            offsets[base] = top
+            arr = np.ascontiguousarray(np.asarray(c, np.float32))
+            consts.append((top, arr))
+            top += align_up(max(arr.nbytes, 1), ALIGN)
+        self._const_offsets = offsets
+        self.const_bytes = top
+        self._const_mem = None
+        if not top:
+            self._const_base = 0
+            return
+        host = np.zeros(top // ITEMSIZE, np.float32)
+        for off, arr in consts:
+            host[off // ITEMSIZE: off // ITEMSIZE + arr.size] = arr.reshape(-1)
+        cp = self.cupy
+        with cp.cuda.Device(self.device_id):
+            self._const_mem = self._malloc(top, None)
+            self._const_mem.copy_from_host(host.ctypes.data, top)
+            cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
+        self._const_base = int(self._const_mem.ptr)
+
+    def _plan_memory(self) -> None:
+        prog = self.prog
+        arena_values = set()
+        rows = []
+        for step in self.steps:
+            reads = [self._base(v) for v in step.reads]
+            writes = [self._base(v) for v in step.writes]
+            rows.append((reads, writes))
+            for v in reads + writes:
+                if v not in self._in_index and v not in self._out_index and prog.values[v].const is None:
+                    arena_values.add(v)
+        spans = lifetimes([([v for v in r if v in arena_values], [v for v in w if v in arena_values])
+                           for r, w in rows])
+        requests = [BufferRequest(v, prog.values[v].size * ITEMSIZE, *spans[v]) for v in sorted(arena_values)]
+        self.memory = plan_memory(requests, ALIGN)
+        self.arena_bytes = self.memory.arena_bytes
+        self.naive_bytes = self.memory.naive_bytes
+
+    def _malloc(self, nbytes: int, stream_ptr: int | None):
+        """Device memory from the EP's pool (stream-ordered when a stream is given) or CuPy's."""
+        from plugin_cuda.cublas import _stream_scope
+
+        self.stats["allocations"] += 1
+        self.stats["allocated_bytes"] += nbytes
+        cp = self.cupy
+        with cp.cuda.Device(self.device_id):
+            scope = _stream_scope(stream_ptr) if stream_ptr is not None else _Null()
+            with scope:
+                if self.ep is not None:
+                    return self.ep.memory.malloc(max(nbytes, 1))
+                return cp.cuda.alloc(max(nbytes, 1))
+
+    # -- run ---------------------------------------------------------------------------------------------
+    def run(self, stream: int, input_ptrs, output_ptrs, capturing: bool = False) -> None:
+        """Enqueue the plan on `stream` reading `input_ptrs` and writing `output_ptrs` (device addresses
+        in the partition's input / output order). `capturing`: a caller's capture is recording this
+        run (then the plan does not capture itself)."""
+        inst = self._instances.get(stream)
+        if inst is None:
+            inst = self._instance(stream)
+        if inst.graph is not None:
+            inst.replay(input_ptrs, output_ptrs)
+            return
+        inst.set_io(input_ptrs, output_ptrs)
+        inst.launch_all()
+        if self.auto_graph and not capturing:
+            inst.runs += 1
+            if inst.runs >= self.warmup:
+                inst.capture()
+
+    def _instance(self, stream: int):
+        if self.closed:
+            raise PlanError("plan is closed; build a new one")
+        with self._lock:
+            inst = self._instances.get(stream)
+            if inst is None:
+                inst = self._instances[stream] = _Instance(self, stream)
+            return inst
+
+    def describe(self) -> dict:
+        """Counts and sizes for reports (ephost bench, the benchmarks)."""
+        return {"nodes": self.num_nodes, "steps": len(self.steps), "kernels": self.num_kernels,
+                "cublas": self.num_cublas, "arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes,
+                "const_bytes": self.const_bytes, "build_seconds": self.build_seconds, "cache_hit": self.cache_hit}
+
+    def close(self) -> None:
+        """Release every stream's arena, graph and cuBLAS handle; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        for inst in list(self._instances.values()):
+            inst.close()
+        self._instances.clear()
+        self._const_mem = None
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _import_cupy():
+    import cupy
+
+    return cupy
+
+
+class _Instance:
+    """A plan bound to one stream: its arena, its packed launches, its cuBLAS handle."""
+
+    def __init__(self, plan: Plan, stream_ptr: int):
+        ffi = driver.ffi
+        self.plan = plan
+        self.stream_ptr = stream_ptr
+        self.stream = driver.stream(stream_ptr)
+        self.cu = driver.lib()
+        self.runs = 0
+        self.graph = None
+        self._own_handle = None
+        self._stage_mem = None
+        n_in, n_out = len(plan.prog.inputs), len(plan.prog.outputs)
+        self.n_in, self.n_out = n_in, n_out
+        self.ext = ffi.new("unsigned long long[]", max(n_in + n_out, 1))
+        self.arena_mem = plan._malloc(plan.arena_bytes, stream_ptr) if plan.arena_bytes else None
+        self.arena = int(self.arena_mem.ptr) if self.arena_mem is not None else 0
+        self._keep = []
+        self.seq = []
+        handle = None
+        for step, spec in zip(plan.steps, plan.specs):
+            if spec is not None:
+                self.seq.append(self._pack_kernel(spec))
+            else:
+                if handle is None:
+                    handle = self._cublas_handle()
+                self.seq.append(_CublasStep(self, step, handle))
+
+    def address(self, vid: int) -> tuple:
+        """(ext index or None, fixed address or offset)."""
+        kind, where = self.plan.location(vid)
+        if kind == "in":
+            return where, 0
+        if kind == "out":
+            return self.n_in + where, 0
+        if kind == "const":
+            return None, self.plan._const_base + where
+        return None, self.arena + where
+
+    def _pack_kernel(self, spec) -> tuple:
+        ffi = driver.ffi
+        cells = []
+        for vid in spec.params:
+            j, addr = self.address(vid)
+            if j is not None:
+                cells.append(self.ext + j)
+            else:
+                cell = ffi.new("unsigned long long*", addr)
+                self._keep.append(cell)
+                cells.append(cell)
+        args = ffi.new("void*[]", cells)
+        self._keep.append(args)
+        fn = driver.function(self.plan.module.function(spec.name))
+        return (fn, *spec.grid, *spec.block, 0, self.stream, args, driver.NULL)
+
+    def _cublas_handle(self):
+        ep = self.plan.ep
+        if ep is not None:
+            state = ep.streams.get(self.stream_ptr)
+            if state is not None:
+                return state.cublas
+        from plugin_cuda.cublas import CublasHandle
+
+        with self.plan.cupy.cuda.Device(self.plan.device_id):
+            self._own_handle = CublasHandle(self.stream_ptr, use_tf32=self.plan.use_tf32)
+        return self._own_handle
+
+    def set_io(self, input_ptrs, output_ptrs) -> None:
+        n_in = self.n_in
+        ext = self.ext
+        if len(input_ptrs) != n_in or len(output_ptrs) != self.n_out:
+            raise PlanError(f"plan run got {len(input_ptrs)} inputs and {len(output_ptrs)} outputs; "
+                            f"the plan has {n_in} inputs ({', '.join(self.plan.input_names)}) and "
+                            f"{len(self.plan.output_names)} outputs")
+        ext[0:n_in] = input_ptrs
+        ext[n_in:n_in + self.n_out] = output_ptrs
+
+    def launch_all(self) -> None:
+        launch = self.cu.cuLaunchKernel
+        for item in self.seq:
+            if item.__class__ is tuple:
+                code = launch(*item)
+                if code:
+                    self._failed(code, item)
+            else:
+                item()
+
+    def _failed(self, code: int, item: tuple) -> None:
+        if code == driver.CUDA_ERROR_INVALID_CONTEXT:
+            # A thread that never touched the device: make the primary context current, retry once.
+            self.plan.cupy.cuda.runtime.setDevice(self.plan.device_id)
+            code = self.cu.cuLaunchKernel(*item)
+            if not code:
+                return
+        index = self.seq.index(item)
+        step = self.plan.steps[index]
+        raise DriverError(f"cuLaunchKernel of plan step {index} ({step.kind}: {step.name}) failed: "
+                          f"{driver.error_name(code)} ({code})", code)
+
+    # -- auto graph ----------------------------------------------------------------------------------
+    def capture(self) -> None:
+        plan = self.plan
+        in_bytes = [math.prod(s) * ITEMSIZE for s in plan.input_shapes]
+        out_bytes = [math.prod(s) * ITEMSIZE for s in plan.output_shapes]
+        sizes = [align_up(max(n, 1), ALIGN) for n in in_bytes + out_bytes]
+        self._stage_mem = plan._malloc(sum(sizes), self.stream_ptr)
+        base = int(self._stage_mem.ptr)
+        addrs = []
+        for size in sizes:
+            addrs.append(base)
+            base += size
+        self.in_stage = list(zip(addrs[:len(in_bytes)], in_bytes))
+        self.out_stage = list(zip(addrs[len(in_bytes):], out_bytes))
+        self.ext[0:len(addrs)] = addrs
+        self.graph = driver.Graph.capture(self.stream, self.launch_all)
+        plan.stats["captures"] += 1
+
+    def replay(self, input_ptrs, output_ptrs) -> None:
+        cu, st = self.cu, self.stream
+        copy = cu.cuMemcpyAsync
+        for (dst, n), src in zip(self.in_stage, input_ptrs):
+            if copy(dst, src, n, st):
+                driver.check(copy(dst, src, n, st), "cuMemcpyAsync (plan input to graph staging)")
+        code = cu.cuGraphLaunch(self.graph.exec_handle, st)
+        if code:
+            driver.check(code, "cuGraphLaunch (plan auto graph)")
+        for (src, n), dst in zip(self.out_stage, output_ptrs):
+            if copy(dst, src, n, st):
+                driver.check(copy(dst, src, n, st), "cuMemcpyAsync (graph staging to plan output)")
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
+        if self._own_handle is not None:
+            self._own_handle.close()
+            self._own_handle = None
+        self.seq = []
+        self._keep = []
+        self.arena_mem = None
+        self._stage_mem = None
+
+
+class _CublasStep:
+    """One GEMM step through the plugin's cuBLAS handle, with every argument prepared at build."""
+
+    def __init__(self, inst: _Instance, step, handle):
+        from plugin_cuda import cublas
+
+        self.inst = inst
+        self.handle = handle
+        self.name = step.name
+        op = step.op
+        prog = inst.plan.prog
+        self.lib = cublas.load_library()
+        self.raw = handle.raw
+        ffi = cublas.ffi
+        self._vp = cublas._vp
+        a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
+        cuda_type, compute = cublas._types(np.dtype(np.float32), inst.plan.use_tf32)
+        self.alpha = ffi.new("float *", float(op.attrs.get("alpha", 1.0)))
+        zero = cublas._ZERO
+        ptrs = [inst.address(v) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
+        self.calls = []  # (function, args template, [(arg position, ext index, byte offset)])
+        trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
+        if trans_a or trans_b:
+            m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
+            n = b_shape[0] if trans_b else b_shape[1]
+            args = [self.raw, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
+                    cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k,
+                    self.alpha, (1, 0), cuda_type, b_shape[1], (0, 0), cuda_type, a_shape[1],
+                    zero, (2, 0), cuda_type, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
+            self._add(self.lib.cublasGemmEx, args, ptrs)
+            return
+        plan = cublas._matmul_plan(tuple(a_shape), tuple(b_shape))
+        if plan.empty or plan.k_zero:
+            raise PlanError(f"MatMul '{step.name}' has an empty operand ({a_shape} x {b_shape}); "
+                            "a compiled plan needs non-empty GEMMs")
+        m, n, k = plan.m, plan.n, plan.k
+        for oa, ob, oc in plan.offsets:
+            if plan.batch == 1:
+                args = [self.raw, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
+                        self.alpha, (1, ob * ITEMSIZE), cuda_type, n, (0, oa * ITEMSIZE), cuda_type, k,
+                        zero, (2, oc * ITEMSIZE), cuda_type, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
+                self._add(self.lib.cublasGemmEx, args, ptrs)
+            else:
+                args = [self.raw, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
+                        self.alpha, (1, ob * ITEMSIZE), cuda_type, n, plan.stride_b,
+                        (0, oa * ITEMSIZE), cuda_type, k, plan.stride_a,
+                        zero, (2, oc * ITEMSIZE), cuda_type, n, plan.stride_c,
+                        plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
+                self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
+
+    def _add(self, fn, args: list, ptrs: list) -> None:
+        """Replace (operand, byte offset) placeholders: fixed addresses now, call inputs/outputs per run."""
+        dynamic = []
+        for pos, a in enumerate(args):
+            if isinstance(a, tuple):
+                operand, offset = a
+                j, addr = ptrs[operand]
+                if j is None:
+                    args[pos] = self._vp(addr + offset)
+                else:
+                    args[pos] = None
+                    dynamic.append((pos, j, offset))
+        self.calls.append((fn, args, tuple(dynamic)))
+
+    def __call__(self) -> None:
+        from plugin_cuda.cublas import check
+
+        ext = self.inst.ext
+        vp = self._vp
+        for fn, args, dynamic in self.calls:
+            if dynamic:
+                args = list(args)
+                for pos, j, offset in dynamic:
+                    args[pos] = vp(ext[j] + offset)
+            status = fn(*args)
+            if status:
+                check(status, f"cuBLAS GEMM of plan step '{self.name}'")

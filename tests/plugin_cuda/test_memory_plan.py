@@ -1,0 +1,251 @@
+"""CPU-side tests of the compiled plan: memory planner, lowering, fusion, partitioning, generated source.
+
+None of these need CuPy or a GPU (the planner must import without CuPy); the generated CUDA
+source is compiled with `nvcc -ptx` where nvcc exists.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plugin_cuda.plan import codegen, fuse, lower
+from plugin_cuda.plan.errors import PlanError
+from plugin_cuda.plan.memory_plan import BufferRequest, lifetimes, overlapping_pairs, plan_memory
+from plugin_cuda.plan.onnx_spec import spec_from_onnx
+from plugin_cuda.plan.partition import fusable_groups
+
+# -- memory planner ---------------------------------------------------------------------------------
+
+
+def test_planner_imports_without_cupy():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import plugin_cuda.plan.memory_plan, plugin_cuda.plan.lower, plugin_cuda.plan.fuse, "
+            "plugin_cuda.plan.codegen, plugin_cuda.plan.partition\n"
+            "assert 'cupy' not in sys.modules or sys.modules['cupy'] is None\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_disjoint_lifetimes_share_the_same_bytes():
+    reqs = [BufferRequest("a", 1000, 0, 1), BufferRequest("b", 1000, 2, 3)]
+    plan = plan_memory(reqs)
+    assert plan.offsets["a"] == plan.offsets["b"] == 0
+    assert plan.arena_bytes == 1024
+    assert plan.naive_bytes == 2048
+
+
+def test_overlapping_lifetimes_get_disjoint_ranges():
+    reqs = [BufferRequest("a", 1000, 0, 2), BufferRequest("b", 1000, 2, 3)]  # both alive at step 2
+    plan = plan_memory(reqs)
+    a, b = plan.offsets["a"], plan.offsets["b"]
+    assert abs(a - b) >= 1000
+    assert overlapping_pairs(plan, reqs) == []
+
+
+def test_offsets_are_aligned():
+    reqs = [BufferRequest(i, n, 0, 0) for i, n in enumerate([1, 3, 257, 4096, 5])]
+    for alignment in (1, 64, 256, 512):
+        plan = plan_memory(reqs, alignment)
+        assert all(off % alignment == 0 for off in plan.offsets.values())
+        assert overlapping_pairs(plan, reqs) == []
+
+
+def test_chain_reuses_two_buffers():
+    # x0 -> x1 -> x2 -> x3: each step reads the previous buffer and writes the next one.
+    steps = [([f"x{i}"], [f"x{i + 1}"]) for i in range(8)]
+    spans = lifetimes([(r, w) for r, w in steps])
+    reqs = [BufferRequest(k, 4096, a, b) for k, (a, b) in spans.items()]
+    plan = plan_memory(reqs)
+    assert plan.arena_bytes == 2 * 4096
+    assert len(set(plan.offsets.values())) == 2
+
+
+def test_lifetimes_and_keep():
+    spans = lifetimes([([], ["a"]), (["a"], ["b"]), (["b"], ["c"]), ([], ["d"])], keep={"a"})
+    assert spans == {"a": (0, 3), "b": (1, 2), "c": (2, 2), "d": (3, 3)}
+
+
+@pytest.mark.parametrize(
+    "reqs, alignment, match",
+    [
+        ([BufferRequest("a", -1, 0, 0)], 256, r"^buffer 'a' asks for -1 bytes; allowed: an integer >= 0$"),
+        ([BufferRequest("a", 4, 3, 1)], 256, r"^buffer 'a' lives from step 3 to 1; allowed: integers with 0 <= "),
+        ([BufferRequest("a", 4, 0, 0)], 48, r"^memory plan alignment is 48; allowed: a power of two >= 1$"),
+        ([BufferRequest("a", 4, 0, 0), BufferRequest("a", 8, 1, 1)], 256, r"^memory plan got buffer 'a' twice"),
+    ],
+)
+def test_planner_rejects_bad_requests(reqs, alignment, match):
+    with pytest.raises(PlanError, match=match):
+        plan_memory(reqs, alignment)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=30))
+def test_random_plans_never_overlap_live_buffers(items):
+    reqs = [BufferRequest(i, n, a, a + d) for i, (n, a, d) in enumerate(items)]
+    plan = plan_memory(reqs, 256)
+    assert overlapping_pairs(plan, reqs) == []
+    assert plan.arena_bytes <= plan.naive_bytes
+    peak = max(sum(-(-max(r.nbytes, 1) // 256) * 256 for r in reqs if r.first <= s <= r.last)
+               for s in range(27))
+    assert plan.arena_bytes >= peak  # no plan can beat the peak of live bytes
+    for r in reqs:
+        assert plan.offsets[r.key] + max(r.nbytes, 1) <= plan.arena_bytes
+
+
+# -- lowering and fusion -------------------------------------------------------------------------------
+
+
+def _zoo():
+    from host.cli import zoo
+
+    return zoo
+
+
+def _program(model):
+    spec = spec_from_onnx(model)
+    prog = lower.lower(spec)
+    return spec, prog, fuse.build_steps(prog)
+
+
+def test_mlp_fuses_gemm_bias_relu_into_one_kernel_per_layer():
+    spec, prog, steps = _program(_zoo().mlp(layers=8, hidden=256, batch=1))
+    assert len(spec.nodes) == 24
+    assert [s.kind for s in steps] == ["ew"] * 8
+    assert all(s.group.gemm is not None and len(s.group.members) == 2 for s in steps)
+
+
+def test_large_batch_gemm_goes_to_cublas_with_fused_epilogue():
+    spec, prog, steps = _program(_zoo().mlp(layers=2, hidden=64, batch=32))
+    assert [s.kind for s in steps] == ["gemm", "ew", "gemm", "ew"]
+    assert [len(s.group.members) for s in steps if s.kind == "ew"] == [2, 2]
+
+
+def test_transformer_steps_and_exports():
+    spec, prog, steps = _program(_zoo().transformer_block())
+    kinds = [s.kind for s in steps]
+    assert kinds.count("norm") == 2 and kinds.count("softmax") == 1 and kinds.count("gemm") == 8
+    # The decomposed GELU (Div, Erf, Add, Mul, Mul) and the bias Add become one kernel.
+    gelu = [s for s in steps if s.kind == "ew" and "ffn.gelu/Mul_1" in [m.node for m in s.group.members]]
+    assert len(gelu) == 1 and len(gelu[0].group.members) == 6
+    # Every value a step reads is written by an earlier step, or is an input or a constant.
+    written = set(prog.inputs)
+    alias = {op.outputs[0]: op.inputs[0] for op in prog.ops if op.kind == "alias"}
+
+    def base(v):
+        while v in alias:
+            v = alias[v]
+        return v
+
+    for s in steps:
+        for v in s.reads:
+            assert base(v) in written or prog.values[base(v)].const is not None, (s.name, v)
+        written |= {base(v) for v in s.writes}
+    assert set(prog.outputs) <= written
+
+
+def test_sealed_group_is_not_extended_past_an_outside_reader():
+    # y = relu(x); z = y @ W (outside reader); out = y + z: the Add must not join relu's group,
+    # or relu's kernel would have to wait for the GEMM that needs relu's result.
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu"),
+             helper.make_node("MatMul", ["y", "W"], ["z"], name="mm"),
+             helper.make_node("Add", ["y", "z"], ["out"], name="add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 4])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [16, 4])], [w])
+    spec, prog, steps = _program(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    names = [s.name for s in steps]
+    assert names.index("relu") < names.index("mm") < names.index("add")
+
+
+def test_lowering_rejects_an_unsupported_node_by_name():
+    from onnx import TensorProto, helper
+
+    n = helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=0)
+    g = helper.make_graph([n], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])])
+    spec = spec_from_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    with pytest.raises(PlanError, match=r"^Softmax node 'sm': axis 0 of rank 2; a compiled plan supports the last"):
+        lower.lower(spec)
+
+
+def test_dynamic_input_shape_is_refused():
+    spec = spec_from_onnx(_zoo().mlp(layers=1, hidden=8, dynamic_batch=True))
+    with pytest.raises(PlanError, match=r"^partition input 'input' has shape \(-1, 8\); a compiled plan needs"):
+        lower.lower(spec)
+
+
+# -- generated indexing, checked against NumPy broadcasting --------------------------------------------------
+
+
+@pytest.mark.parametrize("out_shape, leaf_shape", [
+    ((2, 3, 4), (4,)), ((2, 3, 4), (3, 1)), ((2, 3, 4), (2, 1, 4)), ((2, 3, 4), ()), ((2, 3, 4), (2, 3, 4)),
+    ((5, 1, 6), (1, 1, 6)), ((3, 4), (3, 1)),
+])
+def test_index_expr_matches_numpy_broadcasting(out_shape, leaf_shape):
+    expr = codegen.index_expr(out_shape, leaf_shape, "i").replace("/", "//")
+    leaf = np.arange(max(math.prod(leaf_shape), 1)).reshape(leaf_shape)
+    want = np.broadcast_to(leaf, out_shape).reshape(-1)
+    got = [leaf.reshape(-1)[eval(expr, {"i": i})] for i in range(math.prod(out_shape))]  # noqa: S307 - our own text
+    np.testing.assert_array_equal(got, want)
+
+
+def test_transpose_index_matches_numpy():
+    prog_shape, perm = (2, 3, 4), (1, 2, 0)
+    out_shape = tuple(prog_shape[p] for p in perm)
+    ostr, istr = codegen.strides(out_shape), codegen.strides(prog_shape)
+    x = np.arange(24).reshape(prog_shape)
+    got = [x.reshape(-1)[sum((i // ostr[d]) % out_shape[d] * istr[perm[d]] for d in range(3))] for i in range(24)]
+    np.testing.assert_array_equal(got, np.transpose(x, perm).reshape(-1))
+
+
+# -- claim_fused grouping -----------------------------------------------------------------------------------------
+
+
+def test_groups_never_close_a_cycle_through_an_outside_node():
+    from onnx import TensorProto, helper
+
+    # a (plan) -> Cast (not plan: int) ... -> b (plan) reads both a and the outside node's result.
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="a"),
+             helper.make_node("Cast", ["a"], ["c"], name="outside", to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["c"], ["d"], name="back", to=TensorProto.FLOAT),
+             helper.make_node("Add", ["a", "d"], ["y"], name="b")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    spec = spec_from_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    groups = fusable_groups(spec)
+    assert sorted(groups) == [[0], [3]]
+
+
+def test_connected_nodes_form_one_group():
+    spec = spec_from_onnx(_zoo().transformer_block())
+    groups = fusable_groups(spec)
+    assert groups == [list(range(len(spec.nodes)))]
+
+
+# -- the generated module compiles ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: cannot compile the generated CUDA")
+def test_generated_source_compiles_with_nvcc(tmp_path):
+    zoo = _zoo()
+    models = [zoo.mlp(layers=2, hidden=64, batch=1), zoo.mlp(layers=2, hidden=64, batch=32, use_gemm=True),
+              zoo.transformer_block(seq=16, hidden=32, heads=2, ffn=64, opset=20)]
+    for k, model in enumerate(models):
+        _, prog, steps = _program(model)
+        source, _ = codegen.generate(prog, steps)
+        path = tmp_path / f"plan{k}.cu"
+        path.write_text(source)
+        proc = subprocess.run(["nvcc", "-ptx", "--std=c++17", "-arch=sm_80", "-o", str(tmp_path / f"plan{k}.ptx"),
+                               str(path)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
