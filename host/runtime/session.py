@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -14,18 +15,19 @@ import numpy as np
 import abi
 from abi.dtypes import to_numpy, to_onnx
 from host import cpu_ep
-from host.errors import EpError, EphostError, InvalidArgument, ModelError
+from host.errors import EpError, EphostError, InvalidArgument, ModelError, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp
 from host.plugins.hostapi import ffi
-from host.plugins.loader import negotiate
-from host.runtime import compiled
+from host.plugins.loader import negotiate, release_rejected
+from host.runtime import blas_threads, compiled, ort_api, profiling
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
 from host.runtime.model import ValueMeta, build_graph
 from host.runtime.options import RunOptions, SessionOptions
+from host.runtime.ortvalue import OrtValue, host_array_at
 from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 
 _log = logging.getLogger("ephost")
@@ -46,6 +48,11 @@ def default_environment() -> Environment:
 
 # Shared by calls that pass no RunOptions: its parsed entries are cached on it (never add to it).
 _DEFAULT_RUN_OPTIONS = RunOptions()
+
+
+def _check_terminate(ro: RunOptions) -> None:
+    if ro._values["terminate"]:
+        raise EpError("run not started: RunOptions.terminate is True; set it to False to run again")
 
 
 @dataclass(frozen=True)
@@ -93,10 +100,18 @@ def _parse_providers(providers) -> list[tuple[str, dict[str, str]]]:
 class InferenceSession:
     """Runs one ONNX model with plugin EPs in priority order and the CPU EP for the rest."""
 
-    def __init__(self, model, sess_options: SessionOptions | None = None, providers=None,
-                 env: Environment | None = None):
+    def __init__(self, path_or_bytes, sess_options: SessionOptions | None = None, providers=None,
+                 provider_options=None, env: Environment | None = None, **kwargs):
+        ort_api.check_session_kwargs(kwargs)
         self.env = env or default_environment()
-        self.options = sess_options or SessionOptions()
+        self.options = ort_api.session_options(sess_options)  # a copy: later changes do not half-apply
+        ort_api.apply_log_severity(self.options)
+        self._profiler = (profiling.Profiler(self.options.profile_file_prefix, self.options.logid)
+                          if self.options.enable_profiling else profiling.NULL)
+        self._profiling = self._profiler.enabled  # the one check the run path makes
+        self._blas_threads = self.options.intra_op_num_threads
+        self._fallback_enabled = True
+        t0 = time.perf_counter_ns()
         self.fallbacks: Counter[str] = Counter()
         self._closed = False
         self._eps: list[PluginEp] = []
@@ -104,17 +119,28 @@ class InferenceSession:
         self._kernel_list: list = []
         self._partitions: list = []  # compiled partitions (ABI v6), released with the kernels
         self._lock = threading.Lock()
-        self.graph = build_graph(model)
+        with self._profiler.span("model_loading"):
+            self.graph = build_graph(self._optimized(path_or_bytes))
         self._view = GraphView(self.graph)
+        self.env.track_session(self)  # env.close() closes it first; refused when the env is closed
         try:
-            self._create_eps(_parse_providers(providers))
-            self.plan = self._partition()
+            self._provider_list = _parse_providers(
+                ort_api.select_providers(providers, provider_options, self.options, self.env))
+            self._create_eps(self._provider_list)
+            with self._profiler.span("partitioning"):
+                self.plan = self._partition()
             capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
             self._executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps)
             self.capture = GraphCapture(self)
         except BaseException:
+            self._closed = True
             self._release_eps()
+            self.env.forget_session(self)
             raise
+        if self._profiling:
+            profiling.instrument(self, self._profiler)
+            self._profiler.record("session_initialization", "Session", t0, time.perf_counter_ns())
+        _log.info("%s: %d nodes on %s", self.options.logid or "session", len(self.plan.nodes), self.get_providers())
 
     # -- creation -------------------------------------------------------------------------------
     def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
@@ -122,6 +148,8 @@ class InferenceSession:
             if name == CPU_EP:
                 continue
             reg, factory = self.env.find_factory(name)
+            if factory is None and self.env.ensure_builtin(name):  # a built-in plugin, asked for by name
+                reg, factory = self.env.find_factory(name)
             if factory is None:
                 known = sorted({d.ep_name for d in self.env.ep_devices()} | {CPU_EP})
                 raise InvalidArgument(f"execution provider {name!r} is not registered; available: {known}")
@@ -135,7 +163,36 @@ class InferenceSession:
             self._regs.append(reg)
             self._eps.append(ep)
 
+    def _optimized(self, model):
+        """The model after host.optimizer at the session's graph_optimization_level (saved to
+        optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
+        from host import optimizer  # onnxscript loads on first use, not with the session module
+
+        model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
+                                                     self.options.optimized_model_filepath)
+        return model
+
+    def _expand_unclaimed(self) -> None:
+        """Fused nodes that no plugin EP claims and the CPU EP cannot run go back to their unfused
+        subgraphs (host.optimizer.expand_unclaimed); repeated, as an expansion may hold fused ops."""
+        from host import optimizer
+
+        for _ in range(3):
+            g = self.graph
+            candidates = {i for i, n in enumerate(g.nodes) if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None
+                          and optimizer.can_expand(n.domain, n.op_type)}
+            if not candidates:
+                return
+            claims = compiled.collect_claims(self._eps, self._view, g, Counter())
+            claimed = set(claims.single) | {i for _, group in claims.groups for i in group}
+            names = [g.nodes[i].name for i in sorted(candidates - claimed)]
+            if not names:
+                return
+            self.graph = build_graph(optimizer.expand_unclaimed(g.model, names))
+            self._view = GraphView(self.graph)
+
     def _partition(self) -> Plan:
+        self._expand_unclaimed()
         g = self.graph
         ids = self._view.value_index
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
@@ -183,7 +240,11 @@ class InferenceSession:
         out = ffi.new("EpKernel**")
         hostapi.check(ep.slots.CreateKernel(ep.ptr, self._view.ptr, index, out),
                       f"{ep.owner}: CreateKernel for node '{node.name}' ({node.op_type})")
-        slots = negotiate("EpKernel", out[0], ep.slots.negotiated, ep.owner)
+        try:
+            slots = negotiate("EpKernel", out[0], ep.slots.negotiated, ep.owner)
+        except PluginLoadError:
+            release_rejected("EpKernel", out[0])  # created, then refused by the host: not leaked
+            raise
         self._kernel_list.append(slots)
         return slots
 
@@ -204,6 +265,43 @@ class InferenceSession:
     def get_providers(self) -> list[str]:
         return [ep.name for ep in self._eps] + [CPU_EP]
 
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        """The options each EP in use was created with, by provider name (the CPU EP takes none)."""
+        given = {name: dict(opts) for name, opts in self._provider_list}
+        return {name: given.get(name, {}) for name in self.get_providers()}
+
+    def get_session_options(self) -> SessionOptions:
+        """The session's own copy of the options it was created with."""
+        return self.options
+
+    def get_modelmeta(self) -> ort_api.ModelMetadata:
+        return ort_api.model_metadata(self.graph.model)
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """Initializers the model also lists as graph inputs (ephost does not take feeds for them)."""
+        inits = self.graph.initializers
+        return [NodeArg(vi.name, list(inits[vi.name].shape), _type_string(self.graph.values[vi.name].elem_type))
+                for vi in self.graph.model.graph.input if vi.name in inits]
+
+    def disable_fallback(self) -> None:
+        """Recorded only: ephost never re-creates a session on other providers after a failure."""
+        self._fallback_enabled = False
+
+    def enable_fallback(self) -> None:
+        """Recorded only (see disable_fallback)."""
+        self._fallback_enabled = True
+
+    def end_profiling(self) -> str:
+        """Write the profile and stop profiling; returns its path ('' when profiling is off)."""
+        if not self._profiling:
+            return ""
+        self._profiling = False
+        return self._profiler.end()
+
+    def get_profiling_start_time_ns(self) -> int:
+        """Wall-clock time (ns since the epoch) of the profile's ts=0; 0 when profiling is off."""
+        return self._profiler.start_time_ns
+
     def node_assignment(self) -> dict[str, str]:
         """Which EP runs each node, by node name."""
         return {name: (n.ep.name if n.ep is not None else CPU_EP) for n in self.plan.nodes
@@ -214,6 +312,8 @@ class InferenceSession:
 
     # -- running ----------------------------------------------------------------------------------
     def _check_feed(self, meta: ValueMeta, value) -> object:
+        if isinstance(value, OrtValue):
+            value = value.value
         dev = value if isinstance(value, DeviceTensor) else as_device_tensor(value)
         if dev is not None:
             arr_dtype, shape = dev.dtype, dev.shape
@@ -253,12 +353,19 @@ class InferenceSession:
             raise InvalidArgument(f"unknown output name(s) {bad}; model outputs: {sorted(self.plan.output_ids)}")
         return [self.plan.output_ids[n] for n in names]
 
-    def run(self, output_names, feeds: dict, run_options: RunOptions | None = None) -> list[np.ndarray]:
-        """Run the model; outputs come back as NumPy arrays."""
+    def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list[np.ndarray]:
+        """Run the model; outputs come back as NumPy arrays (feeds: arrays, device arrays or OrtValues)."""
+        if self._profiling:
+            with self._profiler.span("model_run"):
+                return self._run(output_names, input_feed, run_options)
+        return self._run(output_names, input_feed, run_options)
+
+    def _run(self, output_names, feeds: dict, run_options: RunOptions | None) -> list[np.ndarray]:
         self._check_open()
         ids = self._output_ids(output_names)
         fed = self._feeds(feeds)
-        ro = run_options or RunOptions()
+        ro = run_options or _DEFAULT_RUN_OPTIONS
+        _check_terminate(ro)
         parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         outs = [self._executor.to_host(st.values[i]) for i in ids]
@@ -277,7 +384,11 @@ class InferenceSession:
             c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None)
             self._on_run_start(c_ro)
             try:
-                ex.execute(st, feeds)
+                if self._blas_threads:
+                    with blas_threads.bounded(self._blas_threads):
+                        ex.execute(st, feeds)
+                else:
+                    ex.execute(st, feeds)
             except EphostError:
                 self._on_run_end(c_ro, sync=True, failed=True)
                 raise
@@ -307,7 +418,38 @@ class InferenceSession:
 
     def run_with_iobinding(self, binding: IOBinding, run_options: RunOptions | None = None) -> None:
         self._check_open()
-        self.capture.run(binding, run_options or _DEFAULT_RUN_OPTIONS)
+        ro = run_options or _DEFAULT_RUN_OPTIONS
+        _check_terminate(ro)
+        if self._profiling:
+            with self._profiler.span("model_run", iobinding=True):
+                self.capture.run(binding, ro)
+            return
+        self.capture.run(binding, ro)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values: dict,
+                            run_options: RunOptions | None = None) -> list[OrtValue]:
+        """run() with OrtValues in and out."""
+        return [OrtValue(v) for v in self.run(output_names, input_dict_ort_values, run_options)]
+
+    def run_async(self, output_names, input_feed: dict, callback, user_data=None,
+                  run_options: RunOptions | None = None) -> None:
+        """Run on a worker thread, then call `callback(outputs, user_data, error_text)` there.
+
+        As in onnxruntime, errors (bad feeds included) reach the callback as text, with no outputs.
+        """
+        if not callable(callback):
+            raise InvalidArgument(f"run_async needs a callable callback(results, user_data, err); got {callback!r}")
+        self._check_open()
+
+        def work():
+            try:
+                outputs = self.run(output_names, input_feed, run_options)
+            except Exception as exc:  # noqa: BLE001 - handed to the callback, as onnxruntime does
+                callback([], user_data, f"{type(exc).__name__}: {exc}")
+                return
+            callback(outputs, user_data, "")
+
+        threading.Thread(target=work, name="ephost-run-async", daemon=True).start()
 
     def _run_bound(self, binding: IOBinding, ro: RunOptions, graph_id: str | None = None) -> None:
         feeds = self._feeds(binding.inputs)
@@ -349,27 +491,34 @@ class InferenceSession:
             raise InvalidArgument("this InferenceSession is closed")
 
     def _release_eps(self) -> None:
-        for k in getattr(self, "_kernel_list", []):
+        """Release kernels, partitions, then EPs, each in reverse order of creation."""
+        kernels, self._kernel_list = getattr(self, "_kernel_list", []), []
+        for k in reversed(kernels):
             k.Release(k.ptr)
-        self._kernel_list = []
-        for p in getattr(self, "_partitions", []):
+        partitions, self._partitions = getattr(self, "_partitions", []), []
+        for p in reversed(partitions):
             p.release()
-        self._partitions = []
-        for ep in self._eps:
+        eps, self._eps = self._eps, []
+        for ep in reversed(eps):
             ep.close()
-        self._eps.clear()
-        for reg in self._regs:
+        regs, self._regs = self._regs, []
+        for reg in regs:
             reg.release()
-        self._regs.clear()
 
     def close(self) -> None:
-        """Release kernels, streams, graphs and EPs; closing twice is fine."""
+        """Release graphs, run states, kernels, streams and EPs; closing twice is fine. Whatever fails,
+        the EPs are still released (the failure is raised afterwards)."""
         if self._closed:
             return
         self._closed = True
-        self.capture.close()
-        self._executor.close()
-        self._release_eps()
+        try:
+            self.capture.close()
+            self._executor.close()
+        finally:
+            try:
+                self._release_eps()
+            finally:
+                self.env.forget_session(self)
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -395,12 +544,19 @@ class IOBinding:
         self.inputs: dict[str, object] = {}
         self.outputs: dict[str, object] = {}
         self._results: dict[str, object] = {}
+        self._host_outputs: set[str] = set()  # bound with device_type='cpu' and no buffer
         self.version = 0  # bumped by every bind/clear: replay re-checks buffers only when it moved
         self.serial = next(_BINDING_SERIALS)  # unlike id(), never reused by a later binding
 
-    def bind_input(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
-                   element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
-        """Bind an array-like, or a device buffer given as (element_type, shape, buffer_ptr)."""
+    def bind_input(self, name: str, value=None, device_id: int = 0, element_type=None, shape=None,
+                   buffer_ptr: int | None = None, *, device_type: str | None = None) -> None:
+        """Bind an array-like, or a device buffer given as (element_type, shape, buffer_ptr).
+
+        onnxruntime's positional form `bind_input(name, device_type, device_id, element_type, shape,
+        buffer_ptr)` works too: a string in place of the value is the device type.
+        """
+        if isinstance(value, str):
+            device_type, value = value, None
         metas = {v.name: v for v in self.session.graph.inputs}
         if name not in metas:
             raise InvalidArgument(f"unknown input name {name!r}; model inputs: {sorted(metas)}")
@@ -408,23 +564,49 @@ class IOBinding:
         self.inputs[name] = self.session._check_feed(metas[name], value)
         self.version += 1
 
-    def bind_output(self, name: str, value=None, *, device_type: str | None = None, device_id: int = 0,
-                    element_type=None, shape=None, buffer_ptr: int | None = None) -> None:
-        """Bind an output to a buffer; with no buffer, the EP allocates it on each run."""
+    def bind_output(self, name: str, value=None, device_id: int = 0, element_type=None, shape=None,
+                    buffer_ptr: int | None = None, *, device_type: str | None = None) -> None:
+        """Bind an output to a buffer; with no buffer, the EP allocates it on each run.
+
+        onnxruntime's positional form `bind_output(name, device_type='cpu', device_id, element_type,
+        shape, buffer_ptr)` works too; `device_type='cpu'` with no buffer hands the output back in
+        host memory.
+        """
+        if isinstance(value, str):
+            device_type, value = value, None
         if name not in self.session.plan.output_ids:
             raise InvalidArgument(f"unknown output name {name!r}; model outputs: "
                                   f"{sorted(self.session.plan.output_ids)}")
         self.version += 1
+        if device_type == "cpu" and value is None and buffer_ptr is None:
+            self._host_outputs.add(name)
+        else:
+            self._host_outputs.discard(name)
         if value is None and buffer_ptr is None:
             self.outputs[name] = None
             return
         self.outputs[name] = self._value(name, value, device_type, device_id, element_type, shape, buffer_ptr)
 
+    def bind_cpu_input(self, name: str, arr_on_cpu) -> None:
+        """Bind a host array (NumPy or array-like) to input `name`."""
+        self.bind_input(name, np.asarray(arr_on_cpu))
+
+    def bind_ortvalue_input(self, name: str, ortvalue: OrtValue) -> None:
+        self.bind_input(name, _ortvalue(ortvalue, "bind_ortvalue_input"))
+
+    def bind_ortvalue_output(self, name: str, ortvalue: OrtValue) -> None:
+        """Bind output `name` to the memory of `ortvalue`, which the run fills."""
+        self.bind_output(name, _ortvalue(ortvalue, "bind_ortvalue_output"))
+
     @staticmethod
     def _value(name, value, device_type, device_id, element_type, shape, buffer_ptr):
+        if isinstance(value, OrtValue):
+            value = value.value
         if buffer_ptr is not None:
             if element_type is None or shape is None:
                 raise InvalidArgument(f"binding {name!r} by pointer needs element_type and shape")
+            if device_type == "cpu":
+                return host_array_at(int(buffer_ptr), tuple(shape), element_type)
             if device_type not in ("cuda", "gpu"):
                 raise InvalidArgument(f"binding {name!r} by pointer: device_type must be 'cuda'; got "
                                       f"{device_type!r} (bind host memory as a NumPy array)")
@@ -442,13 +624,30 @@ class IOBinding:
     def output_names(self) -> list[str]:
         return list(self.outputs) or [v.name for v in self.session.graph.outputs]
 
-    def get_outputs(self) -> list:
+    def get_outputs(self) -> list[OrtValue]:
+        """Outputs of the last run as OrtValues (over NumPy arrays or DeviceTensors)."""
+        to_host = self.session._executor.to_host
+        return [OrtValue(v, to_host) for v in self.get_output_values()]
+
+    def get_output_values(self) -> list:
         """Outputs of the last run: NumPy arrays for host memory, DeviceTensors for device memory."""
-        return [self._results[n] for n in self.output_names()]
+        names = self.output_names()
+        missing = [n for n in names if n not in self._results]
+        if missing:
+            if not self._results:
+                raise InvalidArgument("IOBinding has no outputs yet: call run_with_iobinding(binding) before "
+                                      "get_outputs()")
+            raise InvalidArgument(f"output(s) {missing} were bound after the last run_with_iobinding(); "
+                                  "run again before get_outputs()")
+        values = [self._results[n] for n in names]
+        if self._host_outputs:
+            to_host = self.session._executor.to_host
+            values = [to_host(v) if n in self._host_outputs else v for n, v in zip(names, values)]
+        return values
 
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
         ex = self.session._executor
-        return [np.array(ex.to_host(v)) for v in self.get_outputs()]
+        return [np.array(ex.to_host(v)) for v in self.get_output_values()]
 
     def clear_binding_inputs(self) -> None:
         self.inputs.clear()
@@ -459,4 +658,10 @@ class IOBinding:
         self.version += 1
 
 
-__all__ = ["InferenceSession", "SessionOptions", "RunOptions", "IOBinding", "NodeArg", "CPU_LOCATION"]
+def _ortvalue(value, where: str):
+    if not isinstance(value, OrtValue):
+        raise InvalidArgument(f"{where} needs an OrtValue; got {type(value).__name__} (use OrtValue.ortvalue_from_numpy)")
+    return value.value
+
+
+__all__ = ["InferenceSession", "SessionOptions", "RunOptions", "IOBinding", "NodeArg", "OrtValue", "CPU_LOCATION"]

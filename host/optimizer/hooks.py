@@ -1,0 +1,71 @@
+"""What InferenceSession calls: `prepare` before partitioning, `expand_unclaimed` after claiming."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx
+
+from host.errors import EphostError, InvalidArgument
+from host.optimizer.levels import GraphOptimizationLevel, as_level
+from host.optimizer.pipeline import OptimizeResult, optimize
+
+# The opsets the session loads (host/runtime/model.py); outside them the session reports the model.
+MIN_OPSET, MAX_OPSET = 7, 23
+
+
+def _default_opset(proto: onnx.ModelProto) -> int | None:
+    for o in proto.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return None
+
+
+def _loadable(proto: onnx.ModelProto) -> bool:
+    """Whether the session would accept the model as it is; others go through unchanged so the
+    session's loader reports what is wrong with them, not the optimizer."""
+    opset = _default_opset(proto)
+    if opset is None or not MIN_OPSET <= opset <= MAX_OPSET:
+        return False
+    try:
+        onnx.checker.check_model(proto)
+    except Exception:  # noqa: BLE001 - the loader turns the same failure into a ModelError
+        return False
+    return True
+
+
+def prepare(model, level, optimized_model_filepath: str = "") -> tuple[object, OptimizeResult | None]:
+    """The model the session partitions, and the optimizer's result (None when it did not run).
+
+    `model` is what the session was given (path, bytes or ModelProto). A failure inside the
+    optimizer (an onnxscript bug on some export) is a warning, and the model runs unoptimized.
+    """
+    level = as_level(level)
+    if level == GraphOptimizationLevel.ORT_DISABLE_ALL and not optimized_model_filepath:
+        return model, None
+    from host.runtime.model import load_model
+
+    proto = load_model(model)
+    if not _loadable(proto):
+        return proto, None
+    try:
+        result = optimize(proto, level)
+    except EphostError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - optimization must never make a model unrunnable
+        warnings.warn(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized",
+                      RuntimeWarning, stacklevel=3)
+        return proto, None
+    if optimized_model_filepath:
+        save(result.model, optimized_model_filepath)
+    return result.model, result
+
+
+def save(model: onnx.ModelProto, path) -> None:
+    """Write the optimized model (as onnxruntime does for optimized_model_filepath)."""
+    try:
+        onnx.save(model, str(Path(path)))
+    except OSError as exc:
+        raise InvalidArgument(f"optimized_model_filepath '{path}': cannot write the optimized model ({exc}); "
+                              "expected a writable file path") from exc

@@ -1,0 +1,218 @@
+"""optimize(): the pass pipeline for each level, with a per-pass report."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as ir_passes
+from onnxscript.optimizer import _constant_folding as constant_folding
+from onnxscript.rewriter import RewriteRuleSet
+from onnxscript.rewriter.rules import common as onnxscript_rules
+
+from host.errors import InvalidArgument, ModelError
+from host.optimizer.levels import GraphOptimizationLevel, as_level
+from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
+from host.optimizer.rules import FAMILIES, Family
+
+
+@dataclass
+class PassReport:
+    """What one pass changed: node counts and the op types it removed and added."""
+
+    name: str
+    nodes_before: int
+    nodes_after: int
+    removed: dict[str, int] = field(default_factory=dict)
+    added: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def __str__(self) -> str:
+        parts = [f"{self.name}: {self.nodes_before} -> {self.nodes_after} nodes"]
+        if self.removed:
+            parts.append("removed " + ", ".join(f"{op} x{n}" for op, n in sorted(self.removed.items())))
+        if self.added:
+            parts.append("added " + ", ".join(f"{op} x{n}" for op, n in sorted(self.added.items())))
+        if self.note:
+            parts.append(self.note)
+        return "; ".join(parts)
+
+
+@dataclass
+class OptimizeResult:
+    """The optimized model and one PassReport per pass that changed something."""
+
+    model: onnx.ModelProto
+    level: GraphOptimizationLevel
+    report: list[PassReport]
+    nodes_before: int
+    nodes_after: int
+
+    def summary(self) -> str:
+        lines = [f"optimizer ({self.level.name}): {self.nodes_before} -> {self.nodes_after} nodes"]
+        lines += [f"  {r}" for r in self.report]
+        return "\n".join(lines)
+
+
+# Level 1: removal of what computes nothing (onnxscript's no-op rules), redundant casts and
+# reshapes. Fusions (Conv+BN included) wait for level 2.
+def _basic_rules() -> RewriteRuleSet:
+    r = onnxscript_rules
+    return RewriteRuleSet([
+        r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
+        r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
+        r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
+        r.cast_constant_of_shape_rule, r.cast_constant_of_shape_without_value_rule,
+    ])
+
+
+def _op_key(node: ir.Node) -> str:
+    return f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+
+
+def _histogram(model: ir.Model) -> Counter:
+    return Counter(_op_key(n) for n in model.graph)
+
+
+class _Recorder:
+    """Runs passes on one ir.Model and records a PassReport for each one that changed the graph."""
+
+    def __init__(self, model: ir.Model, verbose: bool):
+        self.model = model
+        self.verbose = verbose
+        self.report: list[PassReport] = []
+
+    def run(self, name: str, fn: Callable[[ir.Model], object], note: str = "") -> bool:
+        before = _histogram(self.model)
+        outcome = fn(self.model)
+        after = _histogram(self.model)
+        changed = before != after or bool(outcome)
+        if changed:
+            entry = PassReport(name, before.total(), after.total(), dict(before - after), dict(after - before),
+                               note if isinstance(outcome, bool) or not outcome else f"{note}{outcome}")
+            self.report.append(entry)
+            if self.verbose:
+                print(f"[optimizer] {entry}")
+        return changed
+
+
+def _fold(model: ir.Model) -> bool:
+    result = constant_folding.FoldConstantsPass(
+        shape_inference=True, input_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+        output_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT)(model)
+    return result.modified
+
+
+def _apply(rules: RewriteRuleSet) -> Callable[[ir.Model], int]:
+    def run(model: ir.Model) -> int:
+        return rules.apply_to_model(model)
+
+    return run
+
+
+def _dead_code(model: ir.Model) -> bool:
+    modified = False
+    for p in (ir_passes.RemoveUnusedNodesPass(), ir_passes.RemoveUnusedFunctionsPass(),
+              ir_passes.RemoveUnusedOpsetsPass()):
+        modified |= p(model).modified
+    return modified
+
+
+def _basic(rec: _Recorder) -> None:
+    model = rec.model
+    if model.functions:
+        rec.run("inline functions", lambda m: ir_passes.InlinePass()(m).modified)
+    rules = _basic_rules()
+    for _ in range(2):  # a second round folds what the rewrites exposed
+        changed = rec.run("constant folding", _fold)
+        changed |= rec.run("redundant nodes", _apply(rules), note="rewrites: ")
+        changed |= rec.run("identity elimination", lambda m: ir_passes.IdentityEliminationPass()(m).modified)
+        changed |= rec.run("dead nodes", _dead_code)
+        if not changed:
+            break
+    rec.run("common subexpressions", lambda m: ir_passes.CommonSubexpressionEliminationPass()(m).modified)
+    rec.run("dead nodes", _dead_code)
+
+
+def _present(model: ir.Model) -> set[str]:
+    return {n.op_type for n in model.graph}
+
+
+def _needed_opset(model: ir.Model) -> int:
+    """The highest opset a family that may fire here needs (0 when none needs more than the model has)."""
+    ops = _present(model)
+    return max((f.min_opset for f in FAMILIES if f.triggers & ops), default=0)
+
+
+def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
+    model = rec.model
+    start = onnx_opset(model)
+    if _needed_opset(model) > start:
+        ok = rec.run(f"opset conversion {start} -> {TARGET_OPSET}", lambda m: convert_opset(m, TARGET_OPSET))
+        if not ok and rec.verbose:
+            print(f"[optimizer] opset conversion {start} -> {TARGET_OPSET} failed; fusions needing a newer opset "
+                  "are skipped")
+        if ok:
+            _fold(model)  # the converter writes axes and similar as Constant nodes: fold them to values
+    opset = onnx_opset(model)
+    for family in families:
+        if family.min_opset > opset or not family.triggers & _present(model):
+            continue
+        *prepare, fusions = family.rule_sets()
+        for rules in prepare:
+            _apply(rules)(model)
+        rec.run(f"fuse {family.name}", _apply(fusions), note="fused: ")
+    rec.run("dead nodes", _dead_code)
+
+
+def unique_node_names(graph: ir.Graph) -> None:
+    """Give every node a name, unique in the graph (the session and expand_unclaimed go by name)."""
+    seen: set[str] = set()
+    for node in graph:
+        base = node.name or node.op_type
+        name, k = base, 1
+        while name in seen:
+            name, k = f"{base}_{k}", k + 1
+        node.name = name
+        seen.add(name)
+
+
+def _finish(model: ir.Model) -> None:
+    for p in (ir_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+              ir_passes.DeduplicateInitializersPass(), ir_passes.OutputFixPass(), ir_passes.NameFixPass()):
+        p(model)
+    unique_node_names(model.graph)
+
+
+def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL, *,
+             verbose: bool = False) -> OptimizeResult:
+    """Optimize `model` at `level` (a GraphOptimizationLevel, its int value or name).
+
+    DISABLE_ALL returns the model untouched. BASIC folds constants (shape subgraphs included,
+    input shapes as declared), removes Identity / Dropout / no-op arithmetic, redundant Cast and
+    Reshape, dead nodes and common subexpressions. EXTENDED (and ALL) add the fusions of
+    host.optimizer.rules, converting the model to opset 23 first when a fusion needs it.
+    """
+    level = as_level(level)
+    if not isinstance(model, onnx.ModelProto):
+        raise InvalidArgument(f"optimize() takes an onnx.ModelProto; got {type(model).__name__}")
+    count = len(model.graph.node)
+    if level == GraphOptimizationLevel.ORT_DISABLE_ALL:
+        return OptimizeResult(model, level, [], count, count)
+    try:
+        ir_model = ir.serde.deserialize_model(model)
+    except Exception as exc:  # noqa: BLE001 - a proto onnx-ir cannot read is a model error
+        raise ModelError(f"the optimizer cannot read the model: {exc}") from exc
+    rec = _Recorder(ir_model, verbose)
+    _basic(rec)
+    if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
+        _extended(rec, FAMILIES)
+    _finish(ir_model)
+    out = ir.serde.serialize_model(ir_model)
+    result = OptimizeResult(out, level, rec.report, count, len(out.graph.node))
+    if verbose:
+        print(result.summary())
+    return result

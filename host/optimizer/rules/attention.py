@@ -1,0 +1,125 @@
+"""Scaled dot-product attention -> Attention (opset 23), 4-D (batch, heads, seq, head_size) form.
+
+The pattern is the one onnxscript's ORT fusions recognise (ort_fusions/sdpa.py), re-targeted at
+the standard op: softmax(scale * Q @ K^T + mask) @ V, with
+- K^T as Transpose(K, [0, 1, 3, 2]) of a BHSd key, or Transpose(K, [0, 2, 3, 1]) of a BSHd key
+  (the head split and the transpose composed, as the zoo transformer and some exporters write it);
+- the scale as Mul or Div on Q, on K^T and / or on the scores (their product becomes `scale`);
+- an optional additive float mask; an optional Where(IsNaN(p), 0, p) after the Softmax (torch's
+  SDPA export), which is what Attention does for fully masked rows anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
+from onnxscript.rewriter._basics import MatchFailureError
+
+from host.optimizer.rules.base import Family, has_float_type
+
+
+def _scaled(op, x, scale, tag: str):
+    return pattern.OrValue([op.Mul(x, scale), op.Div(x, scale), x], tag_var=tag, tag_values=["Mul", "Div", "None"])
+
+
+class AttentionFusion(pattern.RewriteRuleClassBase):
+    def pattern(self, op, query, key, value, mask, query_scale, key_scale, qk_scale):
+        key_t = pattern.OrValue([op.Transpose(key, perm=[0, 1, 3, 2]), op.Transpose(key, perm=[0, 2, 3, 1])],
+                                tag_var="key_format", tag_values=["BHSd", "BSHd"])
+        scores = op.MatMul(_scaled(op, query, query_scale, "q_scaling"), _scaled(op, key_t, key_scale, "k_scaling"))
+        scores = _scaled(op, scores, qk_scale, "qk_scaling")
+        scores = pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
+        probs = op.Softmax(scores, axis=-1)
+        probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
+        return op.MatMul(probs, value)
+
+    def check(self, context, query, key, value, mask, key_format, **bindings):
+        result = pattern.MatchResult()
+        dims: dict = {}
+        _fusion_utils.check_shape(dims, query, ["B", "H", "S", "Dh"])
+        key_dims = ["B", "H", "Skv", "Dh"] if key_format == "BHSd" else ["B", "Skv", "H", "Dh"]
+        _fusion_utils.check_shape(dims, key, key_dims)
+        _fusion_utils.check_shape(dims, value, ["B", "H", "Skv", "Dv"])
+        if not (has_float_type(query) and query.dtype == key.dtype == value.dtype):
+            return result.fail("Q, K, V are not all of one float type", query)
+        if mask is not None and (mask.dtype != query.dtype or mask.shape is None or mask.shape.rank() > 4):
+            return result.fail("mask is not a float mask of rank <= 4 of Q's type", mask)
+        scale = 1.0
+        for tag, name in (("q_scaling", "query_scale"), ("k_scaling", "key_scale"), ("qk_scaling", "qk_scale")):
+            scale *= _scale_value(bindings.get(tag, "None"), bindings.get(name))
+        if not math.isfinite(scale) or scale <= 0:
+            return result.fail(f"scale {scale} is not a positive finite number")
+        self._scale = scale
+        return result
+
+    def rewrite(self, op, query, key, value, mask, key_format, **_):
+        if key_format == "BSHd":
+            key = op.Transpose(key, perm=[0, 2, 1, 3])
+        args = [query, key, value] + ([mask] if mask is not None else [])
+        return op.Attention(*args, scale=self._scale)
+
+
+class Attention3D(pattern.RewriteRuleClassBase):
+    """The head split and merge around a 4-D Attention -> the 3-D form (q_num_heads / kv_num_heads).
+
+    Reshape([B, S, H*D] -> [B, S, H, D]) + Transpose([0, 2, 1, 3]) on Q, K and V, and
+    Transpose([0, 2, 1, 3]) + Reshape(-> [B, S, H*Dv]) on the output, are what Attention does
+    itself when given 3-D inputs.
+    """
+
+    def pattern(self, op, q3, k3, v3, q_shape, k_shape, v_shape, y_shape):
+        q4 = op.Transpose(op.Reshape(q3, q_shape, _outputs=["q_split"]), perm=[0, 2, 1, 3])
+        k4 = op.Transpose(op.Reshape(k3, k_shape, _outputs=["k_split"]), perm=[0, 2, 1, 3])
+        v4 = op.Transpose(op.Reshape(v3, v_shape, _outputs=["v_split"]), perm=[0, 2, 1, 3])
+        y4 = op.Attention(q4, k4, v4, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["y4"])
+        return op.Reshape(op.Transpose(y4, perm=[0, 2, 1, 3]), y_shape, _outputs=["y3"])
+
+    def check(self, context, q3, k3, v3, q_split, k_split, v_split, y4, y3, **_):
+        result = pattern.MatchResult()
+        node = y4.producer()
+        if len(node.outputs) > 1 and any(o.uses() for o in node.outputs[1:]):
+            return result.fail("Attention's extra outputs are used", node)
+        if len(node.inputs) > 4:
+            return result.fail("Attention has past key / value inputs", node)
+        dims: dict = {}
+        for name, x3, split in (("q", q3, q_split), ("k", k3, k_split), ("v", v3, v_split)):
+            seq = "S" if name == "q" else "Skv"
+            _fusion_utils.check_shape(dims, x3, ["B", seq, f"{name}_hidden"])
+            _fusion_utils.check_shape(dims, split, ["B", seq, "Hq" if name == "q" else "Hkv", f"{name}_head"])
+            hidden, heads, head = dims[f"{name}_hidden"], split.shape[2], split.shape[3]
+            if not all(isinstance(d, int) for d in (hidden, heads, head)) or hidden != heads * head:
+                return result.fail(f"{name}: the Reshape does not split the last dim into heads", split)
+        _fusion_utils.check_shape(dims, y3, ["B", "S", "y_hidden"])
+        if dims["y_hidden"] != dims["Hq"] * dims["v_head"]:
+            return result.fail("the output Reshape does not merge the heads", y3)
+        self._heads = (dims["Hq"], dims["Hkv"])
+        return result
+
+    def rewrite(self, op, q3, k3, v3, y4, **_):
+        node = y4.producer()
+        attrs = {k: v for k, v in node.attributes.items()}
+        args = [q3, k3, v3, *node.inputs[3:4]]
+        return op.Attention(*args, q_num_heads=self._heads[0], kv_num_heads=self._heads[1], **attrs)
+
+
+def _scale_value(kind: str, scale) -> float:
+    if kind == "None":
+        return 1.0
+    value = _ir_utils.get_singleton_value(scale)
+    if value is None:
+        raise MatchFailureError("the scale is not a constant scalar", scale)
+    return float(value) if kind == "Mul" else 1.0 / float(value)
+
+
+def attention_rules() -> list:
+    return [AttentionFusion.rule()]
+
+
+def attention_3d_rules() -> list:
+    return [Attention3D.rule()]
+
+
+ATTENTION = Family("Attention", attention_rules, min_opset=23, triggers=frozenset({"Softmax"}),
+                   emits=(("", "Attention"),))
+ATTENTION_3D = Family("Attention3D", attention_3d_rules, min_opset=23, triggers=frozenset({"Attention"}), emits=())
