@@ -5,7 +5,16 @@ Importing the package imports every op module, which fills the registry table.
 
 from __future__ import annotations
 
-from host.cpu_ep import ops_elementwise, ops_math, ops_nn, ops_reduce, ops_shape  # noqa: F401  (registration)
+from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_elementwise,
+    ops_index,
+    ops_math,
+    ops_nn,
+    ops_reduce,
+    ops_resize,
+    ops_shape,
+    ops_transformer,
+)
 from host.cpu_ep.base import EP_NAME, OpKernel
 from host.cpu_ep.registry import CPU_KERNELS, lookup, register, supported_ops
 from host.errors import ModelError

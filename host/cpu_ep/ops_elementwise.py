@@ -150,6 +150,30 @@ class Softplus(Unary):
     fn = staticmethod(lambda x: np.logaddexp(x, 0))
 
 
+@register("Mish", since=18)
+class Mish(Unary):
+    """x * tanh(softplus(x))."""
+
+    fn = staticmethod(lambda x: x * np.tanh(np.logaddexp(x, 0)))
+
+
+@register("IsInf", since=10)
+class IsInf(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.negative = self.attr_bool("detect_negative", 1)
+        self.positive = self.attr_bool("detect_positive", 1)
+
+    def _run(self, x):
+        if self.negative and self.positive:
+            return (np.isinf(x),)
+        if self.negative:
+            return (np.isneginf(x),)
+        if self.positive:
+            return (np.isposinf(x),)
+        return (np.zeros(x.shape, dtype=bool),)
+
+
 # -- unary with attributes --------------------------------------------------------------
 
 
@@ -194,6 +218,15 @@ class HardSigmoid(OpKernel):
 
     def _run(self, x):
         y = np.minimum(np.maximum(x * self.alpha + self.beta, 0), 1)
+        return (y.astype(x.dtype, copy=False),)
+
+
+@register("HardSwish", since=14)
+class HardSwish(OpKernel):
+    """x * HardSigmoid(x) with alpha 1/6, beta 0.5."""
+
+    def _run(self, x):
+        y = x * np.clip(x * (1 / 6) + 0.5, 0, 1)
         return (y.astype(x.dtype, copy=False),)
 
 
@@ -283,6 +316,22 @@ class Div(OpKernel):
         if a.dtype.kind == "u":
             return (a // b,)
         return (np.divide(a, b).astype(a.dtype, copy=False),)
+
+
+@register("Mod", since=10)
+class Mod(OpKernel):
+    """fmod=0: the result takes the divisor's sign (Python's %); fmod=1: the dividend's (C fmod).
+    Floats require fmod=1."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.fmod = self.attr_bool("fmod", 0)
+
+    def _run(self, a, b):
+        if a.dtype.kind == "f" and not self.fmod:
+            raise ValueError("Mod of floating-point tensors requires fmod=1")
+        y = np.fmod(a, b) if self.fmod else np.mod(a, b)
+        return (y.astype(a.dtype, copy=False),)
 
 
 @register("Pow", since=7)

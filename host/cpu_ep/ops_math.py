@@ -85,3 +85,20 @@ class LogSoftmax(_SoftmaxBase):
     @staticmethod
     def _finish(shifted, axis):
         return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+@register("Einsum", since=12)
+class Einsum(OpKernel):
+    """numpy.einsum with the node's equation (explicit '->' or implicit output, '...' broadcast)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.equation = self.attr_str("equation").replace(" ", "")
+        n_terms = len(self.equation.split("->")[0].split(","))
+        if n_terms != len(node.inputs):
+            raise self.bad_attr("equation", self.equation, f"an equation with one term per input ({len(node.inputs)})")
+
+    def _run(self, *xs):
+        ct = compute_dtype(xs[0].dtype)
+        y = np.einsum(self.equation, *(x.astype(ct, copy=False) for x in xs), optimize=len(xs) > 2)
+        return (np.asarray(y).astype(xs[0].dtype, copy=False),)

@@ -53,6 +53,13 @@ TEST_PREFIXES: dict[str, tuple[str, ...]] = {
     "LayerNormalization": ("layer_normalization",),
     "Pad": ("constant_pad", "edge_pad", "reflect_pad", "wrap_pad"),
     "Trilu": ("tril", "triu"),
+    "GatherElements": ("gather_elements",),
+    "GatherND": ("gathernd",),
+    "ScatterND": ("scatternd",),
+    "ScatterElements": ("scatter_elements",),
+    "TopK": ("top_k",),
+    "RMSNormalization": ("rms_normalization",),
+    "RotaryEmbedding": ("rotary_embedding",),
 }
 
 
@@ -84,17 +91,23 @@ STRINGS = "string tensors: ephost has no string element type"
 SEQUENCES = "sequence or optional values: ephost runs tensor values only"
 NOT_REGISTERED = "an op the CPU EP does not register, whose test name starts with a registered op's prefix"
 NARROW_TYPES = "bfloat16 / float8 / float4 / int4 / int2 element types: not in ephost's dtype table (abi/dtypes.py)"
+ANTIALIAS = "Resize with antialias=1: not implemented by the CPU EP (it refuses the node with a ModelError)"
+FP16_BODY = ("float16 function body: each float16 intermediate rounds differently from the float32 reference, "
+             "beyond onnx's rtol 1e-3 (the fused Attention kernel passes its float16 test)")
 OPSET = f"model's default opset is outside ephost's window {MIN_OPSET}..{MAX_OPSET} (host/runtime/model.py)"
 
 EXCLUDED: list[tuple[str, str]] = [
     (r"^test_equal_string", STRINGS),                         # Equal on string tensors
     (r"^test_identity_opt_", SEQUENCES),                      # Identity of an optional(tensor)
     (r"^test_identity_sequence_", SEQUENCES),                 # Identity of a sequence(tensor)
-    (r"^test_gather_elements_", NOT_REGISTERED),              # GatherElements, matched by Gather's prefix
     (r"^test_split_to_sequence_", NOT_REGISTERED),            # SplitToSequence, matched by Split's prefix
     # Cast/CastLike to or from BFLOAT16, FLOAT8E4M3FN(UZ), FLOAT8E5M2(FNUZ), FLOAT8E8M0, FLOAT4E2M1, (U)INT4, (U)INT2
     (r"^test_cast(like)?_.*(BFLOAT16|FLOAT8E|FLOAT4E2M1|INT4|INT2)", NARROW_TYPES),
     (r"^test_range_bfloat16_", NARROW_TYPES),                 # Range on bfloat16
+    (r"^test_attention_.*bf16", NARROW_TYPES),                # Attention on bfloat16
+    (r"^test_(einsum|onehot)_.*bfloat16", NARROW_TYPES),      # Einsum, OneHot on bfloat16
+    (r"^test_resize_.*_antialias_", ANTIALIAS),               # Resize-18 antialias=1
+    (r"^test_attention_4d_causal_fp16_expanded_", FP16_BODY),  # Attention's function body in float16
     # Every remaining test below uses a default opset past 23 (or, for Not, opset 1) in this onnx:
     (r"^test_cast_", OPSET),                                  # Cast-28
     (r"^test_castlike_", OPSET),                              # CastLike-25 (expanded: Cast-25)
@@ -104,6 +117,13 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^test_flatten_", OPSET),                               # Flatten-25
     (r"^test_identity_(cpu|cuda)$", OPSET),                   # Identity-25
     (r"^test_not_", OPSET),                                   # Not at opset 1 (below the window)
+    (r"^test_top_k_", OPSET),                                 # TopK-24
+    (r"^test_einsum_", OPSET),                                # Einsum-28
+    (r"^test_mod_", OPSET),                                   # Mod-28
+    (r"^test_onehot_", OPSET),                                # OneHot-28
+    # Attention-24 (nonpad_kv_seqlen, causal with a KV cache) and Attention-25 (sliding windows):
+    (r"^test_attention_(24_|causal_boolmask|(3d_)?local_window|bidirectional_window)", OPSET),
+    (r"^test_attention_4d_.*(padded_kv|nonpad|causal_with_past_and_present)", OPSET),
     (r"^test_range_", OPSET),                                 # Range-27 (expanded: Cast-25 and Loop)
     (r"^test_reduce_log_sum_", OPSET),                        # ReduceLogSum-28, ReduceLogSumExp-28
     (r"^test_reshape_", OPSET),                               # Reshape-25

@@ -1,0 +1,266 @@
+"""Transformer building blocks: Attention, RMSNormalization, RotaryEmbedding (ai.onnx opset 23)
+and the fused ops of ephost's optimizer domain (ai.ephost: SkipLayerNormalization, FusedMatMul,
+BiasGelu; semantics in docs/optimizer.md)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis
+from host.cpu_ep.ops_elementwise import erf
+from host.cpu_ep.registry import register
+
+EPHOST_DOMAIN = "ai.ephost"
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+def gelu(x: np.ndarray, tanh: bool) -> np.ndarray:
+    """GELU in x's dtype: the erf form, or the tanh approximation."""
+    if tanh:
+        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
+
+
+def _float_type(elem: int) -> np.dtype:
+    from onnx import helper  # only when softmax_precision is set
+
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+
+
+@register("Attention", since=23)
+class Attention(OpKernel):
+    """Scaled dot-product attention with optional mask, causal masking, KV cache (past_key/value
+    appended on the sequence axis), grouped-query heads (kv heads < q heads), softcap.
+
+    3-D Q/K/V (batch, seq, heads*size) need q_num_heads and kv_num_heads; 4-D ones are
+    (batch, heads, seq, size). A query row with no attendable key gives zeros (the reference's rule).
+    """
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.is_causal = self.attr_bool("is_causal", 0)
+        self.q_heads = self.attr_int("q_num_heads", 0, lo=0)
+        self.kv_heads = self.attr_int("kv_num_heads", 0, lo=0)
+        self.mode = self.attr_int("qk_matmul_output_mode", 0, lo=0, hi=3)
+        scale = self.attr("scale", None)
+        self.scale = None if scale is None else self.attr_float("scale")
+        self.softcap = self.attr_float("softcap", 0.0)
+        precision = self.attr("softmax_precision", None)
+        self.softmax_dtype = None if precision is None else _float_type(self.attr_int("softmax_precision"))
+
+    def _heads_first(self, x: np.ndarray, heads: int, what: str) -> np.ndarray:
+        if x.ndim == 4:
+            return x
+        if x.ndim != 3:
+            raise ValueError(f"{what} must be 3-D or 4-D, got shape {x.shape}")
+        if heads < 1 or x.shape[2] % heads:
+            raise ValueError(f"3-D {what} of shape {x.shape} needs a head count (q_num_heads / kv_num_heads) "
+                             f"dividing its last dimension; got {heads}")
+        b, s, hidden = x.shape
+        return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+
+    def _run(self, q, k, v, attn_mask=None, past_key=None, past_value=None):
+        if not q.ndim == k.ndim == v.ndim:
+            raise ValueError(f"Q, K, V ranks differ: {q.shape}, {k.shape}, {v.shape}")
+        if (past_key is None) != (past_value is None):
+            raise ValueError("past_key and past_value must be given together")
+        three_d = q.ndim == 3
+        dtype = q.dtype
+        ct = compute_dtype(dtype)
+        q4 = self._heads_first(q, self.q_heads, "Q").astype(ct, copy=False)
+        k4 = self._heads_first(k, self.kv_heads, "K").astype(ct, copy=False)
+        v4 = self._heads_first(v, self.kv_heads, "V").astype(ct, copy=False)
+        past_len = 0
+        if past_key is not None:
+            past_len = past_key.shape[2]
+            k4 = np.concatenate([past_key.astype(ct, copy=False), k4], axis=2)
+            v4 = np.concatenate([past_value.astype(ct, copy=False), v4], axis=2)
+        b, h, s, d = q4.shape
+        kvh, t = k4.shape[1], k4.shape[2]
+        if h % kvh or v4.shape[1] != kvh:
+            raise ValueError(f"{h} query heads cannot share {kvh} key / {v4.shape[1]} value heads")
+        rep = h // kvh
+        scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
+        # Query head g*rep + r uses kv head g: group the query heads so one batched matmul serves a group.
+        scores = np.matmul(q4.reshape(b, kvh, rep * s, d), np.swapaxes(k4, 2, 3)).reshape(b, h, s, t)
+        scores *= ct.type(scale)
+        if self.softcap > 0:
+            scores = np.tanh(scores / self.softcap) * self.softcap
+        bias = self._bias(attn_mask, s, t, past_len, ct)
+        qk_out = scores if self.mode in (0, 1) else None
+        if bias is not None:
+            scores = scores + bias
+        if self.mode == 2:
+            qk_out = scores
+        probs = self._softmax(scores, bias)
+        if self.mode == 3:
+            qk_out = probs
+        probs = probs.astype(ct, copy=False)
+        y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, v4.shape[3])
+        if three_d:
+            y = y.transpose(0, 2, 1, 3).reshape(b, s, h * v4.shape[3])
+        outs = [y.astype(dtype, copy=False), k4.astype(dtype, copy=False), v4.astype(dtype, copy=False),
+                qk_out.astype(dtype, copy=False)]
+        return tuple(outs[:self.n_outputs])
+
+    def _bias(self, mask, s: int, t: int, past_len: int, ct) -> np.ndarray | None:
+        """The additive bias (0 or -inf for boolean masks, the values for float ones), causal part included."""
+        if mask is not None:
+            if mask.shape[-1] < t:  # a short mask covers the first keys; the rest are masked
+                width = [(0, 0)] * (mask.ndim - 1) + [(0, t - mask.shape[-1])]
+                mask = np.pad(mask, width, constant_values=False if mask.dtype == np.bool_ else -np.inf)
+            if mask.dtype == np.bool_:
+                mask = np.where(mask, ct.type(0), ct.type(-np.inf))
+            else:
+                mask = mask.astype(ct, copy=False)
+        if not self.is_causal:
+            return mask
+        allowed = np.arange(t)[None, :] <= np.arange(s)[:, None] + past_len
+        causal = np.where(allowed, ct.type(0), ct.type(-np.inf))
+        return causal if mask is None else mask + causal
+
+    def _softmax(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        x = scores if self.softmax_dtype is None else scores.astype(self.softmax_dtype)
+        top = x.max(axis=-1, keepdims=True)
+        top = np.where(np.isneginf(top), 0, top)
+        e = np.exp(x - top)
+        total = e.sum(axis=-1, keepdims=True)
+        p = e / np.where(total == 0, 1, total)
+        if bias is not None:
+            # Rows whose every key is masked attend to nothing: zeros, decided on the bias.
+            dead = np.isneginf(bias.max(axis=-1, keepdims=True))
+            if dead.any():
+                p = np.where(dead, 0, p)
+        return p
+
+
+@register("RMSNormalization", since=23)
+class RMSNormalization(OpKernel):
+    """x / sqrt(mean(x^2 over axes [axis, rank)) + epsilon) * scale, computed in the stash type."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.axis = self.attr_int("axis", -1)
+        self.epsilon = self.attr_float("epsilon", 1e-5)
+        self.stash_type = self.attr_int("stash_type", 1)
+        if self.stash_type not in (1, 11):
+            raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+
+    def _run(self, x, scale):
+        axes = tuple(range(normalize_axis(self.axis, x.ndim), x.ndim))
+        st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        xc = x.astype(st, copy=False)
+        inv = 1 / np.sqrt(np.mean(xc * xc, axis=axes, keepdims=True) + self.epsilon)
+        return ((xc * inv * scale.astype(st, copy=False)).astype(x.dtype, copy=False),)
+
+
+@register("RotaryEmbedding", since=23)
+class RotaryEmbedding(OpKernel):
+    """Rotates the first rotary_embedding_dim features of each head by the cached cos/sin of its
+    position (position_ids index the caches; without them the caches are already per token).
+    X is (batch, heads, seq, size), or (batch, seq, heads*size) with num_heads."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.interleaved = self.attr_bool("interleaved", 0)
+        self.rotary_dim = self.attr_int("rotary_embedding_dim", 0, lo=0)
+        self.num_heads = self.attr_int("num_heads", 0, lo=0)
+
+    def _run(self, x, cos_cache, sin_cache, position_ids=None):
+        if x.ndim == 4:
+            xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)
+        elif x.ndim == 3:
+            if self.num_heads < 1 or x.shape[2] % self.num_heads:
+                raise ValueError(f"3-D input of shape {x.shape} needs num_heads dividing its last dimension; "
+                                 f"got {self.num_heads}")
+            xs = x.reshape(x.shape[0], x.shape[1], self.num_heads, -1)
+        else:
+            raise ValueError(f"input must be 3-D or 4-D, got shape {x.shape}")
+        size = xs.shape[3]
+        rd = self.rotary_dim or size
+        if rd > size or rd % 2:
+            raise ValueError(f"rotary_embedding_dim {rd} must be even and at most the head size {size}")
+        if position_ids is not None:
+            pos = position_ids.astype(np.int64, copy=False)
+            cos_cache, sin_cache = cos_cache[pos], sin_cache[pos]
+        half = rd // 2
+        if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half:
+            raise ValueError(f"cos/sin caches end in {cos_cache.shape[-1]}/{sin_cache.shape[-1]}; "
+                             f"expected rotary_embedding_dim/2 = {half}")
+        cos = cos_cache[:, :, None, :]
+        sin = sin_cache[:, :, None, :]
+        rot = xs[..., :rd]
+        x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if self.interleaved else (rot[..., :half], rot[..., half:])
+        real = cos * x1 - sin * x2
+        imag = sin * x1 + cos * x2
+        out = np.empty(xs.shape, dtype=np.result_type(x.dtype, real.dtype))
+        if self.interleaved:
+            out[..., 0:rd:2], out[..., 1:rd:2] = real, imag
+        else:
+            out[..., :half], out[..., half:rd] = real, imag
+        out[..., rd:] = xs[..., rd:]
+        out = out.astype(x.dtype, copy=False)
+        return (out.reshape(x.shape) if x.ndim == 3 else out.transpose(0, 2, 1, 3),)
+
+
+# -- ai.ephost fused ops ---------------------------------------------------------------------
+
+
+@register("SkipLayerNormalization", domain=EPHOST_DOMAIN, since=1)
+class SkipLayerNormalization(OpKernel):
+    """Y = LayerNorm(X + Skip) * Scale + Bias over axes [axis, rank); optional 2nd output X + Skip."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.axis = self.attr_int("axis", -1)
+        self.epsilon = self.attr_float("epsilon", 1e-5)
+
+    def _run(self, x, skip, scale, bias=None):
+        s = x + skip
+        axes = tuple(range(normalize_axis(self.axis, s.ndim), s.ndim))
+        st = np.float64 if s.dtype == np.float64 else np.float32
+        sc = s.astype(st, copy=False)
+        diff = sc - sc.mean(axis=axes, keepdims=True)
+        y = diff * (1 / np.sqrt(np.mean(diff * diff, axis=axes, keepdims=True) + self.epsilon))
+        y *= scale.astype(st, copy=False)
+        if bias is not None:
+            y += bias.astype(st, copy=False)
+        outs = (y.astype(x.dtype, copy=False), s)
+        return outs[:self.n_outputs]
+
+
+_ACTIVATIONS = ("", "Relu", "Gelu", "GeluTanh")
+
+
+@register("FusedMatMul", domain=EPHOST_DOMAIN, since=1)
+class FusedMatMul(OpKernel):
+    """act(A @ B + Bias), numpy.matmul semantics, activation in '', Relu, Gelu, GeluTanh."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.activation = self.attr_str("activation", "", choices=_ACTIVATIONS)
+
+    def _run(self, a, b, bias=None):
+        ct = compute_dtype(a.dtype)
+        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+        if bias is not None:
+            y += bias.astype(ct, copy=False)
+        if self.activation == "Relu":
+            np.maximum(y, 0, out=y)
+        elif self.activation:
+            y = gelu(y, self.activation == "GeluTanh")
+        return (y.astype(a.dtype, copy=False),)
+
+
+@register("BiasGelu", domain=EPHOST_DOMAIN, since=1)
+class BiasGelu(OpKernel):
+    """Gelu(X + Bias), approximate in none, tanh."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.tanh = self.attr_str("approximate", "none", choices=("none", "tanh")) == "tanh"
+
+    def _run(self, x, bias):
+        return (gelu(x + bias, self.tanh).astype(x.dtype, copy=False),)
