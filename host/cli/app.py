@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import re
 import sys
+import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -122,6 +123,21 @@ def _chosen_eps(env, names: list[str]) -> list[str]:
     return chosen
 
 
+def _session_options(args):
+    """SessionOptions from the command line (`run --profile [PREFIX]`)."""
+    from host.runtime.options import SessionOptions
+
+    so = SessionOptions()
+    level = getattr(args, "optimization_level", None)
+    if level is not None:
+        so.graph_optimization_level = level  # a name: "disable", "basic", "extended", "all"
+    prefix = getattr(args, "profile", None)
+    if prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = prefix
+    return so
+
+
 def _open_session(stack: contextlib.ExitStack, args, extra_options: dict[str, str] | None = None):
     """Environment, plugins and InferenceSession from the shared options; closed by `stack`."""
     from host.runtime.session import InferenceSession
@@ -137,13 +153,28 @@ def _open_session(stack: contextlib.ExitStack, args, extra_options: dict[str, st
             raise InvalidArgument(f"options {extra_options} need a plugin EP; give --plugin and/or --ep")
         options[plugin_eps[0]].update(extra_options)
     try:
-        session = InferenceSession(model, providers=[(ep, options[ep]) for ep in eps], env=env)
+        session = InferenceSession(model, _session_options(args), providers=[(ep, options[ep]) for ep in eps],
+                                   env=env)
     except ModelError as exc:
         if args.model in str(exc):
             raise
         raise ModelError(f"model '{args.model}': {exc}") from exc
     stack.callback(session.close)
+    if getattr(args, "verbose", False):
+        report = getattr(session, "optimization", None)
+        print(report.summary() if report is not None else "optimizer: disabled")
     return session, model
+
+
+def _load_npy(name: str, file: str) -> np.ndarray:
+    """One --input file as an array; every unreadable file is one CliError line."""
+    path = Path(file)
+    if path.is_file() and path.stat().st_size == 0:
+        raise CliError(f"--input {name}: '{file}' is empty (0 bytes); expected a .npy file written by numpy.save")
+    try:
+        return np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:  # EOFError: a truncated .npy
+        raise CliError(f"--input {name}: cannot read '{file}' as a .npy array: {exc}") from exc
 
 
 def _feeds(args, model, session, random_missing: bool) -> dict[str, np.ndarray]:
@@ -152,10 +183,7 @@ def _feeds(args, model, session, random_missing: bool) -> dict[str, np.ndarray]:
         name, sep, file = item.partition("=")
         if not sep or not name or not file:
             raise InvalidArgument(f"--input {item!r}: expected NAME=FILE.npy")
-        try:
-            feeds[name] = np.load(file, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise CliError(f"--input {name}: cannot read '{file}': {exc}") from exc
+        feeds[name] = _load_npy(name, file)
     missing = [i.name for i in session.get_inputs() if i.name not in feeds]
     if missing and not random_missing:
         raise InvalidArgument(f"missing input(s) {missing}; give --input NAME=FILE.npy or --random-inputs")
@@ -220,6 +248,8 @@ def cmd_run(args) -> int:
         if args.output_dir:
             for path in _save_outputs(args.output_dir, names, values):
                 print(f"saved {path}")
+        if args.profile is not None:
+            print(f"profile: {session.end_profiling()}")
     return 0
 
 
@@ -232,6 +262,19 @@ _MODEL_OPTIONS = {
     "transformer": {"batch": "batch", "seq": "seq", "hidden": "hidden", "heads": "heads", "ffn": "ffn"},
 }
 _ALL_MODEL_OPTIONS = sorted({k for opts in _MODEL_OPTIONS.values() for k in opts})
+
+
+def _check_opset(opset: int) -> None:
+    from host.runtime.model import MAX_OPSET
+
+    # Below 9 the models would need IR version 3 (initializers listed as graph inputs), which the
+    # builders do not write; above MAX_OPSET `ephost run` refuses the model.
+    if not MIN_ZOO_OPSET <= opset <= MAX_OPSET:
+        raise InvalidArgument(f"--opset {opset} is not supported; make-model writes opsets "
+                              f"{MIN_ZOO_OPSET}..{MAX_OPSET} (what `ephost run` accepts)")
+
+
+MIN_ZOO_OPSET = 9
 
 
 def _flag(dest: str) -> str:
@@ -254,6 +297,7 @@ def cmd_make_model(args) -> int:
         raise InvalidArgument(f"{', '.join(stray)} {verb} not apply to {args.kind}; "
                               f"{args.kind} takes {', '.join(_flag(d) for d in allowed)}")
     kwargs = {allowed[d]: v for d, v in given.items()}
+    _check_opset(args.opset)
     model = builders[args.kind](seed=args.seed, opset=args.opset, dynamic_batch=args.dynamic_batch, **kwargs)
     try:
         onnx.save(model, args.out)
@@ -418,17 +462,23 @@ def _add_session_options(p: argparse.ArgumentParser) -> None:
                    help="provider option for the first chosen EP, or for EP with the EP: prefix")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="feed an input")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--optimization-level", choices=["disable", "basic", "extended", "all"], default="all",
+                   help="graph optimization before partitioning (default: all; docs/optimizer.md)")
+    p.add_argument("--verbose", action="store_true", help="print what each optimizer pass changed")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ephost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="run a model once and summarise its outputs")
     _add_session_options(p)
     p.add_argument("--random-inputs", action="store_true", help="fill inputs not given with random data")
     p.add_argument("--output-dir", metavar="DIR", help="save each output as DIR/NAME.npy")
+    p.add_argument("--profile", nargs="?", const="ephost_profile_", metavar="PREFIX",
+                   help="write a Chrome-trace profile (Perfetto, chrome://tracing) to PREFIX<date>_<pid>_<n>.json")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("make-model", help="write a zoo model (mlp, cnn, transformer)")
@@ -459,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--api-version", type=int, metavar="N", help="host API version to serve (default: newest)")
     p.set_defaults(func=cmd_plugin_info)
+    for p in sub.choices.values():  # `ephost run ... --debug` as well as `ephost --debug run ...`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
 
 
@@ -472,9 +524,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _warnings_as_lines():
             return args.func(args)
-    except EphostError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (EphostError, OSError, ValueError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's message on one line (an OSError or ValueError from a library may span several)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if isinstance(exc, EphostError) else f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":

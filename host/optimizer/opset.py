@@ -8,8 +8,6 @@ ir.Model in place and serializing that model avoids it.
 
 from __future__ import annotations
 
-import logging
-
 import onnx_ir as ir
 from onnxscript.version_converter import ConvertVersionPass
 
@@ -29,13 +27,8 @@ def convert_opset(model: ir.Model, target: int = TARGET_OPSET) -> bool:
     """
     if onnx_opset(model) >= target:
         return True
-    quiet = logging.getLogger("onnxscript.version_converter")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its fallback warnings are expected here, not news to the user
     try:
         ConvertVersionPass(target, fallback=True)(model)
     except Exception:  # noqa: BLE001 - any converter failure means: keep the model's opset
         return False
-    finally:
-        quiet.setLevel(level)
     return onnx_opset(model) == target

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
@@ -85,24 +88,40 @@ class _Recorder:
         self.verbose = verbose
         self.report: list[PassReport] = []
 
-    def run(self, name: str, fn: Callable[[ir.Model], object], note: str = "") -> bool:
+    def run(self, name: str, fn: Callable[[ir.Model], object], note: str = "", always: bool = False) -> bool:
+        """Run one pass; True when it modified the model. It is reported when it changed the op
+        histogram, applied rewrites (an int > 0), or (with `always`) reported a change at all."""
         before = _histogram(self.model)
         outcome = fn(self.model)
         after = _histogram(self.model)
-        changed = before != after or bool(outcome)
-        if changed:
+        count = outcome if isinstance(outcome, int) and not isinstance(outcome, bool) else 0
+        if before != after or count > 0 or (always and outcome):
             entry = PassReport(name, before.total(), after.total(), dict(before - after), dict(after - before),
-                               note if isinstance(outcome, bool) or not outcome else f"{note}{outcome}")
+                               f"{note}{count}" if count else "")
             self.report.append(entry)
             if self.verbose:
                 print(f"[optimizer] {entry}")
-        return changed
+        return before != after or bool(outcome)
+
+
+# onnxscript never folds ConstantOfShape (to keep models small); the shape subgraphs exporters write
+# (Where(Equal(shape, -1), ConstantOfShape(...), shape) -> Expand) need small ones folded.
+SMALL_CONSTANT_OF_SHAPE = 4096
+
+
+def _should_fold(node: ir.Node) -> bool | None:
+    if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
+        return None  # onnxscript's own rules
+    shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None
+    if shape is None:
+        return False
+    return int(np.prod(shape.numpy())) <= SMALL_CONSTANT_OF_SHAPE
 
 
 def _fold(model: ir.Model) -> bool:
     result = constant_folding.FoldConstantsPass(
         shape_inference=True, input_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
-        output_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT)(model)
+        output_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT, should_fold=_should_fold)(model)
     return result.modified
 
 
@@ -151,7 +170,8 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
     model = rec.model
     start = onnx_opset(model)
     if _needed_opset(model) > start:
-        ok = rec.run(f"opset conversion {start} -> {TARGET_OPSET}", lambda m: convert_opset(m, TARGET_OPSET))
+        ok = rec.run(f"opset conversion {start} -> {TARGET_OPSET}", lambda m: convert_opset(m, TARGET_OPSET),
+                     always=True)
         if not ok and rec.verbose:
             print(f"[optimizer] opset conversion {start} -> {TARGET_OPSET} failed; fusions needing a newer opset "
                   "are skipped")
@@ -187,6 +207,38 @@ def _finish(model: ir.Model) -> None:
     unique_node_names(model.graph)
 
 
+@contextlib.contextmanager
+def _quiet_onnxscript():
+    """onnxscript logs a warning for every node its folding cannot evaluate (and then leaves it
+    unfolded, which is right); those are not the user's concern, so they are kept below ERROR."""
+    loggers = [logging.getLogger(n) for n in ("onnxscript.optimizer._constant_folding",
+                                               "onnxscript.version_converter")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy with the intermediate shapes re-inferred from the declared input shapes.
+
+    Exporters leave value_info from tracing with symbolic dims ('unk__1') even where the inputs
+    are static; onnxscript keeps those, and the fusions that compare dims then miss. ONNX shape
+    inference with data propagation (what the session's loader runs) resolves them.
+    """
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    del proto.graph.value_info[:]
+    try:
+        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is a help here; the loader reports real errors
+        return proto
+
+
 def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL, *,
              verbose: bool = False) -> OptimizeResult:
     """Optimize `model` at `level` (a GraphOptimizationLevel, its int value or name).
@@ -203,14 +255,15 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
     if level == GraphOptimizationLevel.ORT_DISABLE_ALL:
         return OptimizeResult(model, level, [], count, count)
     try:
-        ir_model = ir.serde.deserialize_model(model)
+        ir_model = ir.serde.deserialize_model(_with_fresh_shapes(model))
     except Exception as exc:  # noqa: BLE001 - a proto onnx-ir cannot read is a model error
         raise ModelError(f"the optimizer cannot read the model: {exc}") from exc
     rec = _Recorder(ir_model, verbose)
-    _basic(rec)
-    if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
-        _extended(rec, FAMILIES)
-    _finish(ir_model)
+    with _quiet_onnxscript():
+        _basic(rec)
+        if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
+            _extended(rec, FAMILIES)
+        _finish(ir_model)
     out = ir.serde.serialize_model(ir_model)
     result = OptimizeResult(out, level, rec.report, count, len(out.graph.node))
     if verbose:
