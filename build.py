@@ -46,7 +46,9 @@ def module_name(plugin: str, version: int) -> str:
 def library_path(plugin: str, version: int | None = None, out_dir: Path = DEFAULT_OUT) -> Path:
     """Where build.py puts a plugin: lib<plugin>.so, or lib<plugin>_v<N>.so for older ABIs."""
     if plugin in C_PLUGINS:
-        return out_dir / f"libephost_{plugin}.so"
+        # The current ABI keeps the plain name; an older one (-DEXAMPLE_C_ABI=N) gets _v<N>.
+        suffix = "" if version in (None, abi.ABI_VERSION) else f"_v{version}"
+        return out_dir / f"libephost_{plugin}{suffix}.so"
     spec = PYTHON_PLUGINS[plugin]
     v = version or max(spec.versions)
     return out_dir / f"libephost_{plugin}_v{v}.so"
@@ -58,8 +60,12 @@ def build_python_plugin(plugin: str, version: int, out_dir: Path = DEFAULT_OUT) 
                                        library_path(plugin, version, out_dir), root=ROOT, name=plugin)
 
 
-def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT) -> Path:
-    return builder.build_c_plugin(plugin, C_PLUGINS[plugin], library_path(plugin, out_dir=out_dir))
+def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT, version: int | None = None) -> Path:
+    """A plain-C plugin, for the current ABI or (`version`) an older one."""
+    if version is not None:
+        abi.check_known_version(version)
+    flags = () if version is None else (f"-DEXAMPLE_C_ABI={version}",)
+    return builder.build_c_plugin(plugin, C_PLUGINS[plugin], library_path(plugin, version, out_dir), flags)
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:
@@ -71,7 +77,7 @@ def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: i
             built.append(build_python_plugin(name, v, out_dir))
     for name in C_PLUGINS:
         if plugin in (None, name):
-            built.append(build_c_plugin(name, out_dir))
+            built.append(build_c_plugin(name, out_dir, version))
     return built
 
 
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plugin", choices=sorted([*PYTHON_PLUGINS, *C_PLUGINS]), help="build only this plugin")
     p.add_argument("--abi-version", type=int, choices=list(abi.SUPPORTED_VERSIONS),
-                   help="target ABI version of a Python plugin (default: every version it supports)")
+                   help="target ABI version of a plugin (default: every version a Python plugin supports, the "
+                        "current one for a C plugin)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if sysconfig.get_config_var("Py_ENABLE_SHARED") != 1:

@@ -125,6 +125,7 @@ class FusedGroup:
     outputs: tuple[str, ...]
     view: GraphView | None = None
     node_view: object = None
+    error: str = "Compile failed"  # why it fell back, when it did
 
 
 def describe_group(graph: Graph, ep: PluginEp, nodes: tuple[int, ...], name: str) -> FusedGroup:
@@ -241,8 +242,9 @@ def compile_groups(groups: list[FusedGroup], graph: Graph, fallbacks) -> tuple[l
         try:
             infos = _compile(ep, batch)
             pairs = list(zip(batch, infos))
-        except EpError:
+        except EpError as exc:
             if len(batch) == 1:
+                batch[0].error = str(exc)
                 pairs = [(batch[0], None)]
             else:
                 # Find which partitions fail: each alone, so the others still run compiled.
@@ -278,8 +280,7 @@ def _partition(ep: PluginEp, group: FusedGroup, info_ptr, graph: Graph) -> Compi
 
 
 def _failure_text(group: FusedGroup) -> str:
-    reason = getattr(group, "error", "Compile failed")
-    return (f"{group.ep.name}: fused node '{group.name}' could not be compiled ({reason}); its "
+    return (f"{group.ep.name}: fused node '{group.name}' could not be compiled ({group.error}); its "
             f"{len(group.nodes)} node(s) run as per-node kernels")
 
 

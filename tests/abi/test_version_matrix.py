@@ -1,4 +1,4 @@
-"""Every host API version against every plugin ABI version, in one process.
+"""Every host API version against every plugin ABI version (6x6), in one process.
 
 For each pair the negotiated version must be min(host, plugin) on both sides, the plugin must ask
 for exactly that EpApi, the host must see only slots that exist at that version, the plugin must
@@ -108,3 +108,26 @@ def test_kernel_uses_sync_stream_only_when_negotiated(plugins, host, plugin):
         _assert_no_newer_slot_called(record, negotiated)
         assert record.slot_calls["EpKernel.Compute"] == 1
         assert record.live["EpKernel"] == 0
+
+
+@pytest.mark.parametrize(("host", "plugin"), PAIRS, ids=[f"host{h}-plugin{p}" for h, p in PAIRS])
+def test_compiled_partitions_only_when_negotiated_v6(plugins, host, plugin):
+    """ABI v6 both ways: fused claims and Ep.Compile at v6, per-node kernels below, same answers."""
+    from host.runtime.session import InferenceSession
+    from tests.abi.test_compiled import _x, chain_model, reference
+
+    negotiated = min(host, plugin)
+    model = chain_model(("Add", "Relu", "Mul"))
+    with Environment(api_version=host) as env:
+        env.register_plugin(f"compile-{host}-{plugin}", plugins.example[plugin])
+        record = sdk.runtime(plugins.example_module(plugin)).record
+        record.clear()
+        with InferenceSession(model.SerializeToString(), providers=[("ExampleEP", {"fuse": "1"})], env=env) as s:
+            x = _x(seed=10 * host + plugin)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-6)
+            assert len(s.plan.nodes) == (1 if negotiated >= 6 else 3)
+        assert record.slot_calls["Ep.Compile"] == int(negotiated >= 6)
+        assert record.slot_calls["EpNodeComputeInfo.Compute"] == int(negotiated >= 6)
+        assert record.slot_calls["EpKernel.Compute"] == (0 if negotiated >= 6 else 3)
+        assert record.host_calls["Graph_AddNodesToFuse"] == int(negotiated >= 6)
+        _assert_no_newer_slot_called(record, negotiated)

@@ -19,7 +19,8 @@ compile() turns each into a NumPy closure that Compute runs on the call frame: i
 in place, static outputs are written into the host's preallocated buffers, dynamic ones are
 allocated through the frame's callback. fail_node=NAME fails inside the closure naming that
 node; compile_fails=all (or a node name) makes compile() fail for every group (or the group
-holding that node). Nodes of a fused group are also claimed singly, so a failed compile falls
+holding that node); scratch=N asks the frame for two scratch blocks of N bytes per call, frees
+one and leaves the other to the host. Nodes of a fused group are also claimed singly, so a failed compile falls
 back to this EP's per-node kernels.
 """
 
@@ -116,7 +117,7 @@ class ExampleEp(sdk.EpBase):
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
         allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                   "compile_fails"}
+                   "compile_fails", "scratch"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -133,6 +134,9 @@ class ExampleEp(sdk.EpBase):
         self.mock_device = options.get("mock_device", "0") == "1"
         self.fuse = options.get("fuse", "0") == "1"
         self.compile_fails = options.get("compile_fails", "")
+        self.scratch_bytes = int(options.get("scratch", "0"))
+        self.last_output_ptrs: list[int] = []
+        self.last_compiled: list = []
         self.lock = threading.Lock()
         self.run_counts: dict[int, int] = {}
         self.capturing: int | None = None
@@ -174,7 +178,8 @@ class ExampleEp(sdk.EpBase):
             names = {n.name for n in fg.graph.nodes}
             if self.compile_fails == "all" or self.compile_fails in names:
                 raise sdk.PluginError(f"injected compile failure for fused node '{fg.name}'", abi.EP_FAIL)
-        return [ExampleCompute(self, fg) for fg in fused]
+        self.last_compiled = [ExampleCompute(self, fg) for fg in fused]
+        return self.last_compiled
 
     def CreateAllocator(self, info, out):
         alloc = ExampleAllocator(self.runtime, self.factory, self.factory._spec(info))
@@ -271,6 +276,7 @@ class ExampleCompute:
         self.ep = ep
         self.ffi = ep.ffi
         self.name = fused.name
+        self.fused = fused
         self.record = ep.runtime.record
         self.constants = {i: v.constant for i, v in enumerate(g.values) if v.constant is not None}
         self.steps = [(_OPS[n.op_type], n.inputs, n.outputs[0], n.index, n.name == ep.fail_node) for n in g.nodes]
@@ -298,6 +304,8 @@ class ExampleCompute:
         if frame.capturing:
             rec.fallbacks["frame_capturing"] += 1
         inputs = [_array_at(self.ffi, t.ptr, t.dtype, t.shape) for t in frame.inputs]
+        if self.ep.scratch_bytes:
+            self._use_scratch(frame, self.ep.scratch_bytes)
         env = self._evaluate(inputs)
         targets = []
         for j, (vid, t) in enumerate(zip(self.output_ids, frame.outputs)):
@@ -311,8 +319,16 @@ class ExampleCompute:
             target = _array_at(self.ffi, ptr, self.output_types[j], result.shape)
             target[...] = result
             targets.append(target)
+        self.ep.last_output_ptrs = frame.output_ptrs()
         if self.ep.capturing is not None:
             self.ep.recording.append(lambda: self._replay(inputs, targets))
+
+    def _use_scratch(self, frame, nbytes: int) -> None:
+        kept, freed = frame.scratch(nbytes), frame.scratch(nbytes)
+        for ptr in (kept, freed):
+            _array_at(self.ffi, ptr, 2, (nbytes,))[...] = 7  # uint8: the memory is writable
+        frame.free_scratch(freed)
+        self.record.host_calls["scratch"] += 2
 
     def _replay(self, inputs, targets) -> None:
         env = self._evaluate(inputs)

@@ -6,6 +6,15 @@
  * through the EpApi negotiated at CreateEpFactories (GetApi(min(EP_ABI_VERSION, host))); each
  * factory keeps its own, so one process can register the library with hosts of different
  * versions. Live factories, EPs and kernels are counted for leak tests (ExampleC_LiveObjects).
+ *
+ * Built for ABI EXAMPLE_C_ABI (default EP_ABI_VERSION; build.py passes -DEXAMPLE_C_ABI=N for
+ * older versions): every table declares that version and is sized for it. From v6 it compiles
+ * partitions: each run of two or more consecutive claimable Add nodes (a range of the
+ * topological order, so fusing it never makes a cycle) is claimed as one fused group
+ * (EpApi.Graph_AddNodesToFuse, only where the host serves it), and Ep.Compile turns the group
+ * into a program: per node the slots of its operands, constants copied, intermediates in the
+ * state's buffer. Compute runs the whole chain from one call frame (ExampleC_ComputeCalls
+ * counts those calls, ExampleC_KernelCalls the per-node ones).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,15 +28,28 @@
 #define EP_PLUGIN_VERSION "1.0.0"
 #define ELEM_FLOAT 1
 
+#ifndef EXAMPLE_C_ABI
+#define EXAMPLE_C_ABI EP_ABI_VERSION
+#endif
+#if EXAMPLE_C_ABI < EP_ABI_MIN_VERSION || EXAMPLE_C_ABI > EP_ABI_VERSION
+#error "EXAMPLE_C_ABI is outside the versions ep_abi.h describes"
+#endif
+
 /* A slot is usable when the table's version and struct_size cover it and it is not NULL. */
 #define COVERS(table, type, slot, since) \
   ((table)->version >= (since) && (table)->struct_size >= offsetof(type, slot) + sizeof((table)->slot) && \
    (table)->slot != NULL)
 
 static int g_live = 0;
+static int g_compute_calls = 0;
+static int g_kernel_calls = 0;
 
 int ExampleC_LiveObjects(void);
 int ExampleC_LiveObjects(void) { return __atomic_load_n(&g_live, __ATOMIC_SEQ_CST); }
+int ExampleC_ComputeCalls(void);
+int ExampleC_ComputeCalls(void) { return __atomic_load_n(&g_compute_calls, __ATOMIC_SEQ_CST); }
+int ExampleC_KernelCalls(void);
+int ExampleC_KernelCalls(void) { return __atomic_load_n(&g_kernel_calls, __ATOMIC_SEQ_CST); }
 
 static void live_add(int delta) { __atomic_add_fetch(&g_live, delta, __ATOMIC_SEQ_CST); }
 
@@ -86,6 +108,7 @@ static EpStatus* add_compute(EpKernel* self, EpKernelContext* context) {
   CKernel* k = (CKernel*)self;
   const EpApi* api = k->api;
   const EpKernelIO* io = NULL;
+  __atomic_add_fetch(&g_kernel_calls, 1, __ATOMIC_SEQ_CST);
   EpStatus* st = api->KernelContext_GetIO(context, &io);
   if (st != NULL) return st;
   if (io == NULL || io->num_inputs != 2 || io->inputs == NULL)
@@ -164,12 +187,42 @@ static int claimable(const EpGraphView* g, int32_t index) {
   return same_value_shape(g, a, b) && same_value_shape(g, a, c);
 }
 
+#if EXAMPLE_C_ABI >= 6
+/* Claims each run of >= 2 consecutive claimable nodes as a fused group (v6 hosts only). */
+static EpStatus* claim_fused_runs(CEp* ep, const EpGraphView* graph) {
+  int32_t start = 0;
+  while (start < graph->num_nodes) {
+    if (!claimable(graph, start)) {
+      ++start;
+      continue;
+    }
+    int32_t end = start;
+    while (end + 1 < graph->num_nodes && claimable(graph, end + 1)) ++end;
+    if (end > start) {
+      int32_t nodes[64];
+      int32_t count = 0;
+      for (int32_t i = start; i <= end && count < 64; ++i) nodes[count++] = i;
+      EpStatus* st = ep->api->Graph_AddNodesToFuse(graph, nodes, (size_t)count);
+      if (st != NULL) return st;
+      start += count;
+      continue;
+    }
+    start = end + 1;
+  }
+  return NULL;
+}
+#endif
+
 static EpStatus* ep_get_capability(Ep* self, const EpGraphView* graph, uint8_t* claimed) {
   CEp* ep = (CEp*)self;
   if (graph == NULL || (graph->num_nodes > 0 && (graph->nodes == NULL || claimed == NULL)))
     return error(ep->api, EP_INVALID_ARGUMENT, "GetCapability got a NULL graph or claim array");
+  /* Every claimable node is also claimed singly: if compiling fails, its kernel runs instead. */
   for (int32_t i = 0; i < graph->num_nodes; ++i)
     if (claimable(graph, i)) claimed[i] = 1;
+#if EXAMPLE_C_ABI >= 6
+  if (COVERS(ep->api, EpApi, Graph_AddNodesToFuse, 6)) return claim_fused_runs(ep, graph);
+#endif
   return NULL;
 }
 
@@ -187,7 +240,7 @@ static EpStatus* ep_create_kernel(Ep* self, const EpGraphView* graph, int32_t no
   CKernel* k = calloc(1, sizeof *k);
   if (k == NULL) return error(ep->api, EP_OUT_OF_MEMORY, "out of memory creating a kernel");
   k->table.struct_size = sizeof(EpKernel);
-  k->table.version = EP_ABI_VERSION;
+  k->table.version = EXAMPLE_C_ABI;
   k->table.Compute = add_compute;
   k->table.Release = kernel_release;
   k->api = ep->api;
@@ -196,12 +249,237 @@ static EpStatus* ep_create_kernel(Ep* self, const EpGraphView* graph, int32_t no
   return NULL;
 }
 
+#if EXAMPLE_C_ABI >= 6
+/* ---- compiled partitions (v6) ------------------------------------------------------------ */
+
+/* Where a value of a fused graph lives at run time. */
+enum { SLOT_INPUT = 0, SLOT_OUTPUT = 1, SLOT_CONSTANT = 2, SLOT_TEMP = 3 };
+#define MAX_FUSED_VALUES 512
+
+typedef struct CSlot {
+  int32_t where;
+  int32_t index; /* frame input/output index, or temp number */
+  float* constant;
+} CSlot;
+
+typedef struct CCompute {
+  EpNodeComputeInfo table; /* first: the host's EpNodeComputeInfo* is a CCompute* */
+  const EpApi* api;
+  int32_t num_nodes;
+  int32_t num_values;
+  int32_t num_temps;
+  int32_t rank;
+  int64_t count;    /* elements per tensor: one shape for the whole chain */
+  int32_t* program; /* per node: operand a, operand b, result (value indices) */
+  CSlot* slots;     /* per value of the fused graph */
+  int64_t* dims;
+  char name[128];
+} CCompute;
+
+static void compute_info_free(CCompute* c) {
+  if (c == NULL) return;
+  for (int32_t v = 0; v < c->num_values && c->slots != NULL; ++v) free(c->slots[v].constant);
+  free(c->slots);
+  free(c->program);
+  free(c->dims);
+  free(c);
+}
+
+static EpStatus* compute_create_state(EpNodeComputeInfo* self, void** state) {
+  CCompute* c = (CCompute*)self;
+  size_t temps = (size_t)(c->num_temps > 0 ? c->num_temps : 1);
+  size_t count = (size_t)(c->count > 0 ? c->count : 1);
+  *state = malloc(temps * count * sizeof(float)); /* the intermediates of the chain */
+  if (*state == NULL) return error(c->api, EP_OUT_OF_MEMORY, "out of memory for the state of '%s'", c->name);
+  live_add(1);
+  return NULL;
+}
+
+static void compute_release_state(EpNodeComputeInfo* self, void* state) {
+  (void)self;
+  if (state == NULL) return;
+  free(state);
+  live_add(-1);
+}
+
+/* The memory of value v: a frame tensor, a constant, or an intermediate of the state. */
+static EpStatus* value_memory(CCompute* c, void* state, EpCallFrame* frame, int32_t v, float** out) {
+  const CSlot* s = &c->slots[v];
+  const EpApi* api = c->api;
+  *out = NULL;
+  if (s->where == SLOT_CONSTANT) {
+    *out = s->constant;
+  } else if (s->where == SLOT_TEMP) {
+    *out = (float*)state + (int64_t)s->index * c->count;
+  } else if (s->where == SLOT_INPUT) {
+    if (s->index >= frame->num_inputs) return error(api, EP_INVALID_ARGUMENT, "the frame lacks input %d", s->index);
+    const EpFrameTensor* t = &frame->inputs[s->index];
+    if (t->elem_type != ELEM_FLOAT || t->rank < 0 || element_count(t->dims, t->rank) != c->count)
+      return error(api, EP_INVALID_ARGUMENT, "input %d of '%s' is not %lld float32 values", s->index, c->name,
+                   (long long)c->count);
+    *out = (float*)t->data;
+  } else {
+    if (s->index >= frame->num_outputs) return error(api, EP_INVALID_ARGUMENT, "the frame lacks output %d", s->index);
+    EpFrameTensor* t = &frame->outputs[s->index];
+    if (t->data == NULL) { /* not preallocated: ask the host through the frame */
+      void* data = NULL;
+      EpStatus* st = frame->AllocateOutput(frame->allocate_context, s->index, c->dims, c->rank, &data);
+      if (st != NULL) return st;
+    }
+    *out = (float*)t->data;
+  }
+  if (*out == NULL && c->count > 0) return error(api, EP_FAIL, "value %d of '%s' has no memory", v, c->name);
+  return NULL;
+}
+
+static EpStatus* compute_run(EpNodeComputeInfo* self, void* state, EpCallFrame* frame) {
+  CCompute* c = (CCompute*)self;
+  __atomic_add_fetch(&g_compute_calls, 1, __ATOMIC_SEQ_CST);
+  if (frame == NULL || frame->version < 6 || state == NULL)
+    return error(c->api, EP_INVALID_ARGUMENT, "Compute of '%s' got no frame or no state", c->name);
+  float* base[MAX_FUSED_VALUES];
+  for (int32_t v = 0; v < c->num_values; ++v) {
+    EpStatus* st = value_memory(c, state, frame, v, &base[v]);
+    if (st != NULL) return st;
+  }
+  for (int32_t n = 0; n < c->num_nodes; ++n) {
+    const float* x = base[c->program[3 * n]];
+    const float* y = base[c->program[3 * n + 1]];
+    float* z = base[c->program[3 * n + 2]];
+    for (int64_t i = 0; i < c->count; ++i) z[i] = x[i] + y[i];
+  }
+  return NULL;
+}
+
+static void compute_release(EpNodeComputeInfo* self) {
+  if (self == NULL) return;
+  compute_info_free((CCompute*)self);
+  live_add(-1);
+}
+
+static int32_t position_in(const int32_t* list, int32_t count, int32_t value) {
+  for (int32_t i = 0; i < count; ++i)
+    if (list[i] == value) return i;
+  return -1;
+}
+
+static EpStatus* fill_slots(CCompute* c, const EpGraphView* g) {
+  for (int32_t v = 0; v < g->num_values; ++v) {
+    CSlot* s = &c->slots[v];
+    const EpValueInfo* info = &g->values[v];
+    int32_t in = position_in(g->inputs, g->num_inputs, v);
+    int32_t out = position_in(g->outputs, g->num_outputs, v);
+    if (info->constant != NULL) {
+      s->where = SLOT_CONSTANT;
+      s->constant = malloc((size_t)(c->count > 0 ? c->count : 1) * sizeof(float));
+      if (s->constant == NULL || info->constant->nbytes < c->count * (int64_t)sizeof(float))
+        return error(c->api, EP_INVALID_GRAPH, "Compile: constant '%s' is unusable", info->name);
+      memcpy(s->constant, info->constant->data, (size_t)c->count * sizeof(float));
+    } else if (in >= 0) {
+      s->where = SLOT_INPUT;
+      s->index = in;
+    } else if (out >= 0) {
+      s->where = SLOT_OUTPUT;
+      s->index = out;
+    } else {
+      s->where = SLOT_TEMP;
+      s->index = c->num_temps++;
+    }
+  }
+  return NULL;
+}
+
+/* One fused graph into a program; the graph view is read here only, never after Compile. */
+static EpStatus* compile_one(CEp* ep, const EpGraphView* g, const EpNodeView* fused, EpNodeComputeInfo** out) {
+  const EpApi* api = ep->api;
+  *out = NULL;
+  if (g == NULL || g->num_nodes < 1 || g->num_values > MAX_FUSED_VALUES)
+    return error(api, EP_INVALID_GRAPH, "Compile: an empty or too large fused graph");
+  for (int32_t i = 0; i < g->num_nodes; ++i)
+    if (!claimable(g, i))
+      return error(api, EP_INVALID_GRAPH, "Compile: node '%s' is not a float32 Add of one shape",
+                   g->nodes[i].name != NULL ? g->nodes[i].name : "");
+  CCompute* c = calloc(1, sizeof *c);
+  if (c == NULL) return error(api, EP_OUT_OF_MEMORY, "Compile: out of memory");
+  c->api = api;
+  c->num_nodes = g->num_nodes;
+  c->num_values = g->num_values;
+  snprintf(c->name, sizeof c->name, "%s", fused != NULL && fused->name != NULL ? fused->name : "?");
+  const EpValueInfo* first = &g->values[g->nodes[0].outputs[0]];
+  c->rank = first->ndim;
+  c->count = element_count(first->shape, first->ndim);
+  c->dims = calloc((size_t)(c->rank > 0 ? c->rank : 1), sizeof(int64_t));
+  c->program = calloc((size_t)(3 * g->num_nodes), sizeof(int32_t));
+  c->slots = calloc((size_t)g->num_values, sizeof(CSlot));
+  if (c->dims == NULL || c->program == NULL || c->slots == NULL) {
+    compute_info_free(c);
+    return error(api, EP_OUT_OF_MEMORY, "Compile: out of memory");
+  }
+  for (int32_t d = 0; d < c->rank; ++d) c->dims[d] = first->shape[d];
+  for (int32_t n = 0; n < g->num_nodes; ++n) {
+    c->program[3 * n] = g->nodes[n].inputs[0];
+    c->program[3 * n + 1] = g->nodes[n].inputs[1];
+    c->program[3 * n + 2] = g->nodes[n].outputs[0];
+  }
+  EpStatus* st = fill_slots(c, g);
+  if (st != NULL) {
+    compute_info_free(c);
+    return st;
+  }
+  c->table.struct_size = sizeof(EpNodeComputeInfo);
+  c->table.version = EXAMPLE_C_ABI;
+  c->table.CreateState = compute_create_state;
+  c->table.Compute = compute_run;
+  c->table.ReleaseState = compute_release_state;
+  c->table.Release = compute_release;
+  live_add(1);
+  *out = &c->table;
+  return NULL;
+}
+
+static EpStatus* ep_compile(Ep* self, const EpGraphView* const* graphs, const EpNodeView* fused_nodes, size_t count,
+                            EpNodeComputeInfo** compute_infos_out) {
+  CEp* ep = (CEp*)self;
+  if (graphs == NULL || compute_infos_out == NULL) return error(ep->api, EP_INVALID_ARGUMENT, "Compile got NULL");
+  for (size_t i = 0; i < count; ++i) {
+    EpStatus* st = compile_one(ep, graphs[i], fused_nodes != NULL ? &fused_nodes[i] : NULL, &compute_infos_out[i]);
+    if (st != NULL) { /* all or nothing: release what this call made */
+      for (size_t j = 0; j < i; ++j) {
+        compute_release(compute_infos_out[j]);
+        compute_infos_out[j] = NULL;
+      }
+      return st;
+    }
+  }
+  return NULL;
+}
+#endif
+
+/* The size of the Ep table at the version this library is built for. */
+static uint32_t ep_struct_size(void) {
+#if EXAMPLE_C_ABI >= 6
+  return (uint32_t)sizeof(Ep);
+#elif EXAMPLE_C_ABI == 5
+  return (uint32_t)offsetof(Ep, Compile);
+#elif EXAMPLE_C_ABI == 4
+  return (uint32_t)offsetof(Ep, ReplayGraphWithSync);
+#elif EXAMPLE_C_ABI == 3
+  return (uint32_t)offsetof(Ep, ReleaseCapturedGraph);
+#elif EXAMPLE_C_ABI == 2
+  return (uint32_t)offsetof(Ep, IsGraphCaptureEnabled);
+#else
+  return (uint32_t)offsetof(Ep, Sync);
+#endif
+}
+
+#if EXAMPLE_C_ABI >= 2
 static EpStatus* ep_is_concurrent_run_supported(Ep* self, int32_t* supported) {
   CEp* ep = (CEp*)self;
   if (supported == NULL) return error(ep->api, EP_INVALID_ARGUMENT, "IsConcurrentRunSupported got NULL");
   *supported = 1; /* kernels hold no state between calls */
   return NULL;
 }
+#endif
 
 /* ---- the factory ----------------------------------------------------------------------- */
 
@@ -254,12 +532,17 @@ static EpStatus* factory_create_ep(EpFactory* self, const EpDevice* devices, siz
   CEp* ep = calloc(1, sizeof *ep);
   if (ep == NULL) return error(f->api, EP_OUT_OF_MEMORY, "out of memory creating the EP");
   /* Graph capture slots (v3..v5) stay NULL: this EP has no graphs. */
-  ep->table.struct_size = sizeof(Ep);
-  ep->table.version = EP_ABI_VERSION;
+  ep->table.struct_size = ep_struct_size();
+  ep->table.version = EXAMPLE_C_ABI;
   ep->table.GetName = ep_get_name;
   ep->table.GetCapability = ep_get_capability;
   ep->table.CreateKernel = ep_create_kernel;
+#if EXAMPLE_C_ABI >= 2
   ep->table.IsConcurrentRunSupported = ep_is_concurrent_run_supported;
+#endif
+#if EXAMPLE_C_ABI >= 6
+  ep->table.Compile = ep_compile;
+#endif
   ep->api = f->api;
   ep->logger = logger;
   live_add(1);
@@ -282,7 +565,7 @@ EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_
   /* Without a usable EpApi there is no way to create a status: report zero factories. */
   if (api_base == NULL || api_base->version < EP_ABI_MIN_VERSION || !COVERS(api_base, EpApiBase, GetApi, 1))
     return NULL;
-  uint32_t version = api_base->version < EP_ABI_VERSION ? api_base->version : EP_ABI_VERSION;
+  uint32_t version = api_base->version < EXAMPLE_C_ABI ? api_base->version : EXAMPLE_C_ABI;
   const EpApi* api = api_base->GetApi(version);
   if (api == NULL || !COVERS(api, EpApi, KernelContext_GetGPUComputeStream, 1) || !COVERS(api, EpApi, CreateStatus, 1))
     return NULL;
@@ -291,7 +574,7 @@ EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_
   CFactory* f = calloc(1, sizeof *f);
   if (f == NULL) return error(api, EP_OUT_OF_MEMORY, "out of memory creating the factory");
   f->table.struct_size = sizeof(EpFactory);
-  f->table.version = EP_ABI_VERSION;
+  f->table.version = EXAMPLE_C_ABI;
   f->table.GetName = factory_get_name;
   f->table.GetVendor = factory_get_vendor;
   f->table.GetVersion = factory_get_version;
