@@ -67,6 +67,8 @@ class CudaOptions:
     enable_cuda_graph: bool = False
     min_num_runs_before_cuda_graph_capture: int = 2
     debug_force_capture_failure: bool = False
+    compiled_plan: bool = True  # ABI v6 hosts: run fused partitions as compiled plans (plugin_cuda/plan)
+    plan_auto_graph: bool = False  # a plan captures its own launches after warm-up and replays them
 
     @property
     def has_user_compute_stream(self) -> bool:
@@ -97,6 +99,8 @@ OPTION_TABLE = {
     "enable_cuda_graph": ("enable_cuda_graph", _bool),
     "min_num_runs_before_cuda_graph_capture": ("min_num_runs_before_cuda_graph_capture", _int),
     "debug_force_capture_failure": ("debug_force_capture_failure", _bool),
+    "compiled_plan": ("compiled_plan", _bool),
+    "plan_auto_graph": ("plan_auto_graph", _bool),
 }
 assert {f for f, _ in OPTION_TABLE.values()} == {f.name for f in fields(CudaOptions)}  # table and dataclass agree
 

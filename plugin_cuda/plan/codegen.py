@@ -237,21 +237,24 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     rows = math.prod(shape[:-1]) if shape else 1
     _check_size(prog, op.inputs + op.outputs)
     block = _row_block(cols)
+    # Causal attention: row r is query i = r % q_len, which sees keys 0..i (the rest weigh 0).
+    limit = f"(int)(blockIdx.x % {op.attrs['q_len']}) + 1" if op.attrs.get("causal") else "C"
     if op.attrs["log"]:
         finish = "  const float ls = logf(s);\n  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] - m - ls;\n"
     else:
-        finish = "  for (int c = threadIdx.x; c < C; c += B) yr[c] = expf(xr[c] - m) / s;\n"
+        finish = "  for (int c = threadIdx.x; c < C; c += B) yr[c] = c < L ? expf(xr[c] - m) / s : 0.0f;\n"
     src = (f'extern "C" __global__ void __launch_bounds__({block}) {name}('
            "const float* __restrict__ p0, float* __restrict__ p1) {\n"
            f"  enum {{ C = {cols}, B = {block} }};\n"
            "  __shared__ float sh[32];\n"
            "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
            "  float* yr = p1 + (long long)blockIdx.x * C;\n"
+           f"  const int L = {limit};\n"
            "  float m = -EP_INF;\n"
-           "  for (int c = threadIdx.x; c < C; c += B) m = fmaxf(m, xr[c]);\n"
+           "  for (int c = threadIdx.x; c < L; c += B) m = fmaxf(m, xr[c]);\n"
            "  m = ep_block_max(m, sh);\n"
            "  float s = 0.0f;\n"
-           "  for (int c = threadIdx.x; c < C; c += B) s += expf(xr[c] - m);\n"
+           "  for (int c = threadIdx.x; c < L; c += B) s += expf(xr[c] - m);\n"
            "  s = ep_block_sum(s, sh);\n" + finish + "}\n")
     return KernelSpec(name, [op.inputs[0], op.outputs[0]], (max(rows, 1), 1, 1), (block, 1, 1), src, step)
 

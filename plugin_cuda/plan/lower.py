@@ -417,6 +417,38 @@ def _skip_layer_norm(ctx, node):
     _norm(ctx, node, total, node.inputs[2], node.inputs[3] if _present(node, 3) else None, "layer", 1e-12)
 
 
+@lowers("Attention")
+def _attention(ctx, node):
+    """Attention-23 without mask or past: scores = scale * Q K^T (cuBLAS, batched), a row softmax
+    (causal when asked), Y = P V (cuBLAS). The GEMM layouts come from the per-node kernel's
+    attention_plan, so both paths read Q, K, V and write Y the same way."""
+    try:
+        from plugin_cuda.kernels.attention import attention_plan
+    except ImportError as exc:
+        raise PlanError(f"Attention node '{node.name}': the attention kernels are not available ({exc})") from None
+    if any(_present(node, i) for i in range(3, len(node.inputs))):
+        raise PlanError(f"Attention node '{node.name}': attn_mask/past inputs are not supported in a compiled plan")
+    if any(v >= 0 for v in node.outputs[1:]):
+        raise PlanError(f"Attention node '{node.name}': only output Y is supported in a compiled plan")
+    if float(node.attrs.get("softcap", 0.0) or 0.0) != 0.0:
+        raise PlanError(f"Attention node '{node.name}': softcap is not supported in a compiled plan")
+    q, k, v = node.inputs[:3]
+    try:
+        plan = attention_plan(ctx.shape(q), ctx.shape(k), ctx.shape(v), None, None, node.attrs.get("q_num_heads"),
+                              node.attrs.get("kv_num_heads"), bool(node.attrs.get("is_causal", 0)),
+                              node.attrs.get("scale"), 0.0, np.float32, f"Attention node '{node.name}'")
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    rows = plan.batch * plan.q_heads * plan.q_len
+    scores = ctx.temp(node, (rows, plan.kv_len), "scores")
+    probs = ctx.temp(node, (rows, plan.kv_len), "probs")
+    ctx.set_shape(node, node.outputs[0], plan.out_shape)
+    ctx.emit("bgemm", node, [k, q], [scores], gemm=plan.scores, alpha=plan.scale)
+    ctx.emit("softmax", node, [scores], [probs], log=False, cols=plan.kv_len,
+             causal=plan.causal, q_len=plan.q_len)
+    ctx.emit("bgemm", node, [v, probs], [node.outputs[0]], gemm=plan.values, alpha=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layout: Transpose and views
 
@@ -593,10 +625,14 @@ def _ids_by_name(graph, specs, what: str) -> list:
 
 def partition_io(graph, inputs=None, outputs=None) -> tuple[list, list]:
     """Input and output value ids: given (names or ValueSpecs), from the graph's own lists, or derived."""
+    if inputs is None and getattr(graph, "input_ids", None):
+        inputs = [graph.values[i] for i in graph.input_ids]
+    if outputs is None and getattr(graph, "output_ids", None):
+        outputs = [graph.values[i] for i in graph.output_ids]
     if inputs is None:
-        inputs = getattr(graph, "inputs", None)
+        inputs = getattr(graph, "inputs", None) or None  # an empty list: not given, derive them
     if outputs is None:
-        outputs = getattr(graph, "outputs", None)
+        outputs = getattr(graph, "outputs", None) or None
     produced = {v for n in graph.nodes for v in n.outputs if v >= 0}
     consumed = {v for n in graph.nodes for v in n.inputs if v >= 0}
     if inputs is not None:

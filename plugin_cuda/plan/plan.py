@@ -407,6 +407,16 @@ class _CublasStep:
         zero = cublas._ZERO
         ptrs = [inst.address(v) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
         self.calls = []  # (function, args template, [(arg position, ext index, byte offset)])
+        if op.kind == "bgemm":  # a batched layout computed at lowering (Attention)
+            g = op.attrs["gemm"]
+            for oa, ob, oc in g.calls:
+                args = [self.raw, g.transa, cublas.CUBLAS_OP_N, g.m, g.n, g.k,
+                        self.alpha, (0, oa * ITEMSIZE), cuda_type, g.lda, g.stride_a,
+                        (1, ob * ITEMSIZE), cuda_type, g.ldb, g.stride_b,
+                        zero, (2, oc * ITEMSIZE), cuda_type, g.ldc, g.stride_c,
+                        g.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
+                self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
+            return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
             m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape

@@ -1,0 +1,241 @@
+"""The CUDA plugin's compiled plans on a GPU: results, memory, kernel cache, capture, auto-graph.
+
+References are independent: onnx.reference.ReferenceEvaluator for the numbers, the plugin's
+per-node path for the session test. TF32 is off so float32 results compare tightly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from host.cli import zoo
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+ROOT = Path(__file__).resolve().parents[2]
+
+MODELS = {
+    "mlp-8x256-b1": lambda: zoo.mlp(layers=8, hidden=256, batch=1),  # generated GEMV + epilogue kernels
+    "mlp-3x64-b32": lambda: zoo.mlp(layers=3, hidden=64, batch=32),  # cuBLAS GEMMs + fused epilogues
+    "mlp-gemm-b4": lambda: zoo.mlp(layers=3, hidden=48, batch=4, in_features=20, use_gemm=True),
+    "transformer": lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),
+    "transformer-gelu20": lambda: zoo.transformer_block(seq=8, hidden=32, heads=2, ffn=64, opset=20),
+}
+
+
+def reference(model, feeds):
+    from onnx.reference import ReferenceEvaluator
+
+    return ReferenceEvaluator(model).run(None, feeds)
+
+
+def build(model, **kw):
+    from plugin_cuda.plan.onnx_spec import spec_from_onnx
+    from plugin_cuda.plan.plan import Plan
+
+    kw.setdefault("use_tf32", False)
+    return Plan.build(spec_from_onnx(model), **kw)
+
+
+class Runner:
+    """Device buffers for a plan's inputs and outputs and a non-blocking stream to run it on."""
+
+    def __init__(self, cp, plan):
+        self.cp = cp
+        self.plan = plan
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def __call__(self, feeds: list, fresh: bool = True):
+        cp = self.cp
+        ins = [cp.asarray(x) for x in feeds]
+        outs = [cp.full(s, np.nan, np.float32) for s in self.plan.output_shapes]
+        cp.cuda.Device().synchronize()  # the non-blocking stream must see the uploads
+        self.plan.run(self.stream.ptr, [a.data.ptr for a in ins], [o.data.ptr for o in outs])
+        self.stream.synchronize()
+        self.keep = ins
+        return outs
+
+
+def feeds_for(model, seed=0):
+    return zoo.random_inputs(model, seed=seed)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_plan_matches_onnx_reference(cp, name):
+    model = MODELS[name]()
+    feeds = feeds_for(model)
+    with build(model) as plan:
+        outs = Runner(cp, plan)([feeds[n] for n in plan.input_names])
+        want = reference(model, feeds)
+        for got, exp in zip(outs, want):
+            np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-4, atol=1e-4)
+        assert plan.num_kernels + plan.num_cublas == len(plan.steps) < plan.num_nodes
+
+
+def test_steady_state_allocates_nothing(cp):
+    model = MODELS["transformer"]()
+    feeds = feeds_for(model)
+    pool = cp.get_default_memory_pool()
+    with build(model) as plan:
+        run = Runner(cp, plan)
+        x = cp.asarray(feeds["input"])
+        out = cp.empty(plan.output_shapes[0], np.float32)
+        cp.cuda.Device().synchronize()
+        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])  # first run on this stream: the arena
+        run.stream.synchronize()
+        before = (pool.used_bytes(), pool.total_bytes(), dict(plan.stats))
+        for _ in range(100):
+            plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])
+        run.stream.synchronize()
+        after = (pool.used_bytes(), pool.total_bytes(), dict(plan.stats))
+        print(f"steady state: {after[0] - before[0]} bytes used, {after[1] - before[1]} bytes reserved, "
+              f"{after[2]['allocations'] - before[2]['allocations']} allocations over 100 runs; "
+              f"arena {plan.arena_bytes} bytes (one buffer each: {plan.naive_bytes})")
+        assert after[0] == before[0] and after[1] == before[1]
+        assert after[2]["allocations"] == before[2]["allocations"]
+        assert plan.arena_bytes < plan.naive_bytes  # liveness let intermediates share bytes
+        np.testing.assert_allclose(cp.asnumpy(out), reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_cache_hit_on_second_build(cp):
+    from plugin_cuda.plan import kernel_cache
+
+    model = MODELS["mlp-3x64-b32"]()
+    with build(model) as first:
+        loads = kernel_cache.stats["compiles"]
+        with build(model) as second:
+            assert second.cache_hit
+            assert kernel_cache.stats["compiles"] == loads  # no second NVRTC compile in this process
+            assert second.module is first.module
+
+
+_DISK_SCRIPT = """
+import sys, json
+sys.path.insert(0, sys.argv[1])
+from host.cli import zoo
+from plugin_cuda.plan.onnx_spec import spec_from_onnx
+from plugin_cuda.plan.plan import Plan
+plan = Plan.build(spec_from_onnx(zoo.mlp(layers=2, hidden=24, batch=3, seed=7)), use_tf32=False)
+print(json.dumps(plan.describe()))
+"""
+
+
+def test_kernel_cache_on_disk_serves_a_new_process(cp, tmp_path):
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cache"))
+
+    def files():
+        return sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _DISK_SCRIPT, str(ROOT)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        if _ == 0:
+            first = files()
+    assert first and files() == first  # the second process compiled nothing new: it loaded the binary
+
+
+def test_capture_replays_the_same_launches(cp):
+    from plugin_cuda.plan import driver
+
+    model = MODELS["transformer"]()
+    f1, f2 = feeds_for(model, 1), feeds_for(model, 2)
+    with build(model) as plan:
+        run = Runner(cp, plan)
+        x = cp.asarray(f1["input"])
+        out = cp.empty(plan.output_shapes[0], np.float32)
+        cp.cuda.Device().synchronize()
+        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])  # warm-up: the stream's arena
+        run.stream.synchronize()
+        eager1 = cp.asnumpy(out)
+        handle = driver.stream(run.stream.ptr)
+        graph = driver.Graph.capture(handle, lambda: plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr], True))
+        try:
+            x.set(f2["input"])
+            out.fill(np.nan)
+            cp.cuda.Device().synchronize()
+            driver.check(driver.lib().cuGraphLaunch(graph.exec_handle, handle), "cuGraphLaunch")
+            run.stream.synchronize()
+            replay2 = cp.asnumpy(out)
+        finally:
+            graph.close()
+        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])
+        run.stream.synchronize()
+        np.testing.assert_array_equal(replay2, cp.asnumpy(out))  # the same launches: bit-identical
+        np.testing.assert_allclose(replay2, reference(model, f2)[0], rtol=1e-4, atol=1e-4)
+        assert not np.allclose(eager1, replay2)  # the replay read the new input
+
+
+def test_auto_graph_keeps_run_semantics(cp):
+    model = MODELS["mlp-8x256-b1"]()
+    with build(model, auto_graph=True, warmup=2) as plan:
+        run = Runner(cp, plan)
+        results = []
+        for k in range(6):
+            feeds = feeds_for(model, 10 + k)
+            results.append((feeds, run([feeds["input"]])[0]))
+        assert plan.stats["captures"] == 1
+        for feeds, out in results:  # every call's output stayed its own (fresh outputs)
+            np.testing.assert_allclose(cp.asnumpy(out), reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_wrong_pointer_count_is_refused(cp):
+    from plugin_cuda.plan.errors import PlanError
+
+    with build(MODELS["mlp-3x64-b32"]()) as plan:
+        s = cp.cuda.Stream(non_blocking=True)
+        with pytest.raises(PlanError, match=r"^plan run got 2 inputs and 1 outputs; the plan has 1 inputs \(input\)"):
+            plan.run(s.ptr, [0, 0], [0])
+
+
+def test_closed_plan_refuses_to_run(cp):
+    from plugin_cuda.plan.errors import PlanError
+
+    plan = build(MODELS["mlp-3x64-b32"]())
+    plan.close()
+    plan.close()  # twice is fine
+    with pytest.raises(PlanError, match=r"^plan is closed; build a new one$"):
+        plan.run(cp.cuda.Stream(non_blocking=True).ptr, [0], [0])
+
+
+# -- through a session (ABI v6 host) -------------------------------------------------------------------
+
+
+def _plan_functions():
+    import abi
+    from abi import sdk
+
+    eps = [o for o in sdk.runtime(f"_ephost_cuda_v{abi.ABI_VERSION}")._objects.values()
+           if type(o).__name__ == "CudaEp"]
+    return eps[-1].__dict__.get("plan_functions", []) if eps else []
+
+
+@pytest.mark.parametrize("name", ["mlp-8x256-b1", "transformer"])
+@pytest.mark.parametrize("auto_graph", ["0", "1"])
+def test_session_plan_equals_per_node_path(cp, genv, name, auto_graph):
+    import abi
+    from host.runtime.session import InferenceSession
+
+    if abi.ABI_VERSION < 6:
+        pytest.skip(f"the host serves ABI {abi.ABI_VERSION}; compiled partitions need ABI 6")
+    model = MODELS[name]()
+    per_node = InferenceSession(model, providers=[(CUDA, {"use_tf32": "0", "compiled_plan": "0"})], env=genv)
+    planned = InferenceSession(model, providers=[(CUDA, {"use_tf32": "0", "plan_auto_graph": auto_graph})],
+                               env=genv)
+    fns = _plan_functions()
+    assert fns, "the v6 host compiled no partition"
+    for k in range(4):  # past the auto-graph warm-up: replays must see each call's new input
+        feeds = feeds_for(model, 20 + k)
+        a = per_node.run(None, feeds)
+        b = planned.run(None, feeds)
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(b[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+    if auto_graph == "1":
+        assert sum(fn.plan.stats["captures"] for fn in fns) >= 1
