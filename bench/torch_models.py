@@ -7,6 +7,14 @@ the CUDA benchmark compares ephost with (eager, and captured in a torch.cuda.CUD
 
 Only the ops the model zoo uses (and a few neighbours) are supported; shapes, axes and perms must be
 constants (initializers, Constant nodes or attributes): there is no Shape op.
+
+The real architectures (tests/models: BERT, GPT-2, ViT, Llama, MobileNetV3 exports) are compared
+against the torch models they were exported from, rebuilt with the export's seeds (same weights;
+the benchmark records the largest difference to the fixture's stored torch output):
+
+    python bench/torch_models.py [--iters 200] [--json out.json] [bert_dynamo ...]
+
+runs ephost's CUDA EP eager and with graph replay against PyTorch eager and torch.cuda.CUDAGraph.
 """
 
 from __future__ import annotations
@@ -433,4 +441,172 @@ def torch_module_from_onnx(model: onnx.ModelProto, device="cuda", dtype: torch.d
     return module
 
 
-__all__ = ["OnnxTorchModule", "UnsupportedOnnxOp", "supported_ops", "torch_module_from_onnx"]
+# ---------------------------------------------------------------------------------------------
+# Real architectures: the exports in tests/models against the torch models they were exported from
+
+
+def _timed(fn, iters: int, warmup: int) -> float:
+    """Median microseconds of fn() (fn synchronises itself), after `warmup` calls."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append(time.perf_counter_ns() - t0)
+    return float(np.median(samples)) / 1e3
+
+
+def torch_model_for_fixture(name: str, feeds: dict, device: str = "cuda"):
+    """The torch module a fixture was exported from, rebuilt as tests/models/export.py built it
+    (same seeds, so the same weights), on `device`, with its input tensors in ONNX input order."""
+    from tests.models import export
+
+    arch = name.split("_")[0]
+    torch.manual_seed(export.SEED)
+    rng = np.random.default_rng(export.SEED)
+    build = export.BUILDERS[arch]
+    with_mask = "attention_mask" in feeds and arch in ("gpt2", "llama")
+    model, inputs, _ = build(torch, rng, with_mask=True) if with_mask else build(torch, rng)
+    export._randomize_norms(torch, model)
+    model = model.to(device).eval()
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[k])).to(device) for k in feeds]
+    return model, args
+
+
+def _torch_graph(model, args):
+    """(replay, outputs): a torch.cuda.CUDAGraph of model(*args) on static input tensors."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(3):
+            model(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        out = model(*args)
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    return replay, out
+
+
+def bench_real_model(name: str, env, iters: int = 200, warmup: int = 20) -> dict:
+    """ephost CUDA EP eager and graph replay vs PyTorch eager and CUDA graphs for one fixture, float32
+    with TF32 off on both sides, inputs and outputs in device memory (IOBinding on the ephost side)."""
+    import cupy as cp
+
+    from host.runtime.session import InferenceSession
+    from tests.models import load
+
+    path, feeds, expected = load(name)
+    res: dict = {"model": name}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model, args = torch_model_for_fixture(name, feeds)
+    out_name = next(iter(expected))
+    with torch.inference_mode():
+        ref = model(*args)
+    ref = (ref if isinstance(ref, torch.Tensor) else ref[0]).float().cpu().numpy()
+    res["torch_vs_fixture_max_abs"] = float(np.abs(ref - expected[out_name]).max())  # same weights?
+
+    def torch_eager():
+        with torch.inference_mode():
+            model(*args)
+        torch.cuda.synchronize()
+    res["torch_eager_us"] = _timed(torch_eager, iters, warmup)
+    replay, _ = _torch_graph(model, args)
+    res["torch_graph_us"] = _timed(replay, iters, warmup)
+
+    for mode, extra in (("eager", {}), ("replay", {"enable_cuda_graph": "1"})):
+        sess = InferenceSession(str(path), providers=[("CUDAExecutionProvider", {"use_tf32": "0", **extra})], env=env)
+        assignment = sess.node_assignment()
+        res["nodes"] = len(assignment)
+        res["nodes_on_cuda"] = sum(v == "CUDAExecutionProvider" for v in assignment.values())
+        binding = sess.io_binding()
+        keep = []
+        for k, v in feeds.items():
+            keep.append(cp.asarray(v))
+            binding.bind_input(k, keep[-1])
+        out = cp.zeros(expected[out_name].shape, expected[out_name].dtype)
+        binding.bind_output(out_name, out)
+        for other in expected:
+            if other != out_name:
+                keep.append(cp.zeros(expected[other].shape, expected[other].dtype))
+                binding.bind_output(other, keep[-1])
+        cp.cuda.Device().synchronize()
+        sess.run_with_iobinding(binding)  # replay mode: warm-up runs and capture happen here
+        res[f"ephost_{mode}_max_abs_vs_torch"] = float(np.abs(cp.asnumpy(out) - ref).max())
+        res[f"ephost_{mode}_us"] = _timed(lambda s=sess, b=binding: s.run_with_iobinding(b), iters, warmup)
+        sess.close()
+    res["eager_ratio"] = res["ephost_eager_us"] / res["torch_eager_us"]
+    res["replay_ratio"] = res["ephost_replay_us"] / res["torch_graph_us"]
+    return res
+
+
+def real_models_table(results: list[dict], device: str) -> str:
+    """A markdown table of bench_real_model results (ratios: ephost / PyTorch, lower is better)."""
+    lines = [f"Device: {device}. float32, TF32 off, batch 1, IOBinding; median of timed calls in us.", "",
+             "| model | nodes (on CUDA) | torch eager | ephost eager | ratio | torch graph | ephost replay | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error']} |")
+            continue
+        lines.append(f"| {r['model']} | {r['nodes']} ({r['nodes_on_cuda']}) | {r['torch_eager_us']:.0f} | "
+                     f"{r['ephost_eager_us']:.0f} | {r['eager_ratio']:.2f} | {r['torch_graph_us']:.0f} | "
+                     f"{r['ephost_replay_us']:.0f} | {r['replay_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python bench/torch_models.py [--iters N] [--json out.json] [names...]: the real-model benchmark."""
+    import argparse
+    import json
+    import sys
+    import traceback
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    parser = argparse.ArgumentParser(description="ephost CUDA EP vs PyTorch on the tests/models exports")
+    parser.add_argument("names", nargs="*")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("torch_models: no CUDA device for PyTorch; nothing to benchmark")
+        return 0
+    import build
+    import host
+    from tests.models import available_models
+
+    plugin = build.build_python_plugin("cuda", max(build.PYTHON_PLUGINS["cuda"].versions))
+    env = host.Environment()
+    env.register_plugin("cuda", str(plugin))
+    results = []
+    for name in args.names or available_models():
+        try:
+            results.append(bench_real_model(name, env, args.iters, args.warmup))
+        except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others
+            traceback.print_exc()
+            results.append({"model": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        print(json.dumps(results[-1]), flush=True)
+    table = real_models_table(results, torch.cuda.get_device_name())
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "table": table}, indent=1))
+    return 0
+
+
+__all__ = ["OnnxTorchModule", "UnsupportedOnnxOp", "bench_real_model", "main", "real_models_table",
+           "supported_ops", "torch_model_for_fixture", "torch_module_from_onnx"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

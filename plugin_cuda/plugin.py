@@ -211,16 +211,22 @@ class CudaEp(sdk.EpBase):
     def claim(self, graph):
         from plugin_cuda import kernels
 
+        shape_values = _shape_values(graph)
         chosen = []
         for node in graph.nodes:
-            if node.domain not in ("", "ai.onnx"):
+            if node.domain not in ("", "ai.onnx", kernels.EPHOST_DOMAIN):
                 continue
+            outputs = [v for v in node.outputs if v >= 0]
+            if outputs and all(v in shape_values for v in outputs):
+                continue  # shape arithmetic stays on the host (ALLOW_CPU_FOR_SHAPES)
             dtypes = [graph.values[v].elem_type or None if v >= 0 else None for v in node.inputs]
-            if not kernels.claimable(node.op_type, node.attrs, dtypes, node.opset):
+            count = max((i + 1 for i, v in enumerate(node.outputs) if v >= 0), default=0)
+            if not kernels.claimable(node.op_type, node.attrs, dtypes, node.opset, domain=node.domain,
+                                     num_outputs=count):
                 continue
             # Shapes and axes are read on the host: claim the node only when they are constants,
             # which the kernel then receives as NumPy arrays (a device read would synchronise).
-            host_inputs = kernels.lookup(node.op_type, node.opset).host_inputs
+            host_inputs = kernels.lookup(node.op_type, node.opset, node.domain).host_inputs
             if all(i >= len(node.inputs) or node.inputs[i] < 0 or graph.values[node.inputs[i]].constant is not None
                    for i in host_inputs):
                 chosen.append(node.index)
@@ -228,6 +234,29 @@ class CudaEp(sdk.EpBase):
 
     def create_kernel(self, graph, node):
         return CudaKernelAdapter(self.runtime, self, graph, node)
+
+    # -- compiled partitions (ABI v6): plugin_cuda/plan ------------------------------------------------
+    def claim_fused(self, graph):
+        """Connected nodes a compiled plan can run (float32, static shapes), grouped without cycles."""
+        if not self.opts.compiled_plan:
+            return []
+        from plugin_cuda.plan.partition import fusable_groups
+
+        shape_values = _shape_values(graph)
+
+        def accept(node):  # shape arithmetic stays on the host (ALLOW_CPU_FOR_SHAPES)
+            outs = [v for v in node.outputs if v >= 0]
+            return not (outs and all(v in shape_values for v in outs))
+
+        return fusable_groups(graph, accept)
+
+    def compile(self, fused):
+        """One plan per fused graph (plugin_cuda/plan/compute.py); closed with the EP."""
+        from plugin_cuda.plan.compute import PlanFunction
+
+        functions = [PlanFunction(self, fg) for fg in fused]
+        self.__dict__.setdefault("plan_functions", []).extend(functions)
+        return functions
 
     # -- v2 ------------------------------------------------------------------------------------------
     def Sync(self):
@@ -299,6 +328,8 @@ class CudaEp(sdk.EpBase):
         self.graphs.replay(graph_id, sync=bool(sync))
 
     def close(self):
+        for fn in self.__dict__.pop("plan_functions", ()):
+            fn.close()  # plans hold arenas from self.memory: release them first
         self.graphs.close()
         self._views.clear()
         for s in list(self.streams.values()):
@@ -306,6 +337,35 @@ class CudaEp(sdk.EpBase):
         self.streams.clear()
         self.blocks.clear()
         self.memory.close()
+
+
+_SHAPE_SOURCES = ("Shape", "Size")
+_INT64 = 7
+
+
+def _shape_values(graph) -> set[int]:
+    """Values that are shape arithmetic: Shape/Size outputs and int64 results computed only from
+    them and constants. The host runs these on the CPU (the ALLOW_CPU_FOR_SHAPES policy), where
+    the shape-reading inputs (Reshape's shape, Slice's bounds) of this EP's kernels must be."""
+    shape: set[int] = set()
+    changed = True
+    while changed:  # nodes are usually in topological order: one pass, a second to confirm
+        changed = False
+        for node in graph.nodes:
+            outputs = [v for v in node.outputs if v >= 0]
+            if not outputs or all(v in shape for v in outputs):
+                continue
+            inputs = [v for v in node.inputs if v >= 0]
+            if node.op_type in _SHAPE_SOURCES and node.domain in ("", "ai.onnx"):
+                derived = True
+            else:
+                derived = (any(v in shape for v in inputs)
+                           and all(v in shape or graph.values[v].constant is not None for v in inputs)
+                           and all(graph.values[v].elem_type == _INT64 for v in outputs))
+            if derived:
+                shape.update(outputs)
+                changed = True
+    return shape
 
 
 def _thread_allocator_functions(cp):
@@ -349,9 +409,9 @@ class CudaKernelAdapter(sdk.KernelBase):
 
         self.ep = ep
         self.node = node
-        cls = kernels.lookup(node.op_type, node.opset)
+        cls = kernels.lookup(node.op_type, node.opset, node.domain)
         self.kernel = cls(node.attrs, node.opset, node.name)
-        self.needs_cublas = node.op_type in ("MatMul", "Gemm", "Conv")
+        self.needs_cublas = cls.needs_cublas
         self.constants = {i: graph.values[v].constant for i, v in enumerate(node.inputs)
                           if v >= 0 and i in cls.host_inputs}
         self.dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 # Each op module registers its kernels with @register when imported: the explicit list below is
 # the whole registration (no scanning).
-from . import conv, elementwise, linalg, nn, reduce, shape  # noqa: F401
+from . import attention, conv, elementwise, fused, indexing, linalg, nn, reduce, shape  # noqa: F401
 from .base import (
+    EPHOST_DOMAIN,
     KERNELS,
     CudaKernel,
     UnsupportedOpError,
@@ -19,4 +20,4 @@ from .base import (
     supported_ops,
 )
 
-__all__ = ["KERNELS", "CudaKernel", "UnsupportedOpError", "claimable", "lookup", "register", "supported_ops"]
+__all__ = ["EPHOST_DOMAIN", "KERNELS", "CudaKernel", "UnsupportedOpError", "claimable", "lookup", "register", "supported_ops"]

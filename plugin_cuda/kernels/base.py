@@ -27,6 +27,8 @@ except Exception:  # noqa: BLE001 - no CuPy (or a broken CUDA install) means zer
     cupy = None
 
 __all__ = [
+    "ALL",
+    "EPHOST_DOMAIN",
     "FLOAT",
     "INDEX",
     "KERNELS",
@@ -41,7 +43,10 @@ __all__ = [
 FLOAT = frozenset({"float32", "float16"})
 INDEX = frozenset({"int32", "int64"})
 BOOL = frozenset({"bool"})
-LATEST_OPSET = 22
+ALL = FLOAT | INDEX | BOOL
+NUMERIC = FLOAT | INDEX
+LATEST_OPSET = 23
+EPHOST_DOMAIN = "ai.ephost"
 _PLAN_LIMIT = 256
 
 # ONNX TensorProto.DataType -> NumPy dtype name.
@@ -115,6 +120,10 @@ class CudaKernel:
     same_type: ClassVar[tuple[int, ...] | str] = "all"
     # Input positions read on the host (shapes, axes): the runtime should pass NumPy arrays there.
     host_inputs: ClassVar[tuple[int, ...]] = ()
+    # The most outputs a node may ask for (None: any); a node asking for more is not claimed.
+    max_outputs: ClassVar[int | None] = None
+    # Whether compute uses ctx.cublas (the runtime then binds the stream's handle).
+    needs_cublas: ClassVar[bool] = False
 
     def __init__(self, attrs: dict, opset: int, node_name: str):
         self.attrs = dict(attrs)
@@ -243,11 +252,16 @@ class CudaKernel:
 KERNELS: dict[str, dict[int, type[CudaKernel]]] = {}
 
 
-def register(op_type: str, since: int = 1):
-    """Class decorator: register a kernel for `op_type` from opset `since` on."""
+def table_key(op_type: str, domain: str = "") -> str:
+    """The KERNELS key of an op: its type for the ONNX domain, 'domain.Type' for another domain."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
+
+
+def register(op_type: str, since: int = 1, domain: str = ""):
+    """Class decorator: register a kernel for `op_type` (of `domain`) from opset `since` on."""
 
     def decorate(cls: type[CudaKernel]) -> type[CudaKernel]:
-        versions = KERNELS.setdefault(op_type, {})
+        versions = KERNELS.setdefault(table_key(op_type, domain), {})
         if since in versions:
             raise RuntimeError(
                 f"kernel for {op_type} since opset {since} registered twice: "
@@ -261,8 +275,9 @@ def register(op_type: str, since: int = 1):
     return decorate
 
 
-def lookup(op_type: str, opset: int) -> type[CudaKernel]:
+def lookup(op_type: str, opset: int, domain: str = "") -> type[CudaKernel]:
     """The kernel class for `op_type` at `opset` (the newest registered at or below it)."""
+    op_type = table_key(op_type, domain)
     versions = KERNELS.get(op_type)
     if versions:
         usable = [v for v in versions if v <= opset]
@@ -279,15 +294,22 @@ def supported_ops() -> list[str]:
     return sorted(KERNELS)
 
 
-def claimable(op_type: str, attrs: dict, input_dtypes, opset: int | None = None) -> bool:
+def claimable(op_type: str, attrs: dict, input_dtypes, opset: int | None = None, *, domain: str = "",
+              num_outputs: int | None = None) -> bool:
     """Whether the CUDA EP should claim a node: a kernel exists and supports these dtypes and attributes.
 
     input_dtypes: one entry per input (None for an absent optional input), as ONNX element types,
-    NumPy dtypes or dtype names.
+    NumPy dtypes or dtype names. num_outputs: how many outputs the node asks for (None: not checked).
     """
+    if opset is None:
+        opset = 1 if domain == EPHOST_DOMAIN else LATEST_OPSET
+    if domain in ("", "ai.onnx") and opset > LATEST_OPSET:
+        return False  # a newer opset may have changed the op's meaning
     try:
-        cls = lookup(op_type, LATEST_OPSET if opset is None else opset)
+        cls = lookup(op_type, opset, domain)
     except UnsupportedOpError:
         return False
+    if num_outputs is not None and cls.max_outputs is not None and num_outputs > cls.max_outputs:
+        return False
     dtypes = [dtype_name(d) for d in input_dtypes]
-    return cls.claims(attrs, dtypes, LATEST_OPSET if opset is None else opset)
+    return cls.claims(attrs, dtypes, opset)

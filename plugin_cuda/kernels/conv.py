@@ -205,6 +205,7 @@ class Conv(_Spatial):
     """Conv as im2col then one batched GEMM per group set: out[n, g] = W[g] @ col[n, g]."""
 
     input_types = (FLOAT, FLOAT, FLOAT)
+    needs_cublas = True
     kernel_required = False
 
     def __init__(self, attrs, opset, node_name):

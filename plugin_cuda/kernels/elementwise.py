@@ -1,4 +1,4 @@
-"""Elementwise ONNX ops: arithmetic, comparisons, activations, Where, Cast, Clip, Max/Min.
+"""Elementwise ONNX ops: arithmetic, comparisons, logic, activations, Where, Cast, Clip, Max/Min/Sum.
 
 CuPy ufuncs write straight into the output (`out=`) and broadcast; the few ops without a ufunc
 are ElementwiseKernels, built on first use and compiled by CuPy once per device and dtype.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import BOOL, FLOAT, INDEX, ONNX_DTYPES, CudaKernel, broadcast_shape, kernel_table, register
+from .base import ALL, BOOL, FLOAT, INDEX, NUMERIC, ONNX_DTYPES, CudaKernel, broadcast_shape, kernel_table, register
 
 try:
     import cupy
@@ -32,6 +32,27 @@ SOURCES = {
     ),
     "leaky_relu": ("T x, float32 alpha", "T y", "float v = float(x); y = T(v >= 0.0f ? v : v * alpha);"),
     "where": ("bool c, T a, T b", "T y", "y = c ? a : b;"),
+    "is_nan": ("T x", "bool y", "y = isnan(float(x));"),
+    "is_inf": (
+        "T x, int32 neg, int32 pos", "bool y",
+        "float v = float(x); y = isinf(v) && ((v > 0.0f && pos) || (v < 0.0f && neg));",
+    ),
+    "softplus": ("T x", "T y", "float v = float(x); y = T(v > 20.0f ? v : log1pf(expf(v)));"),
+    "mish": (
+        "T x", "T y",
+        "float v = float(x); float sp = v > 20.0f ? v : log1pf(expf(v)); y = T(v * tanhf(sp));",
+    ),
+    "hard_sigmoid": (
+        "T x, float32 alpha, float32 beta", "T y",
+        "y = T(fminf(1.0f, fmaxf(0.0f, alpha * float(x) + beta)));",
+    ),
+    "hard_swish": (
+        "T x", "T y",
+        "float v = float(x); y = T(v * fminf(1.0f, fmaxf(0.0f, v * (1.0f / 6.0f) + 0.5f)));",
+    ),
+    # ONNX integer Div truncates toward zero, as C does (numpy's floor_divide rounds down).
+    "div_int": ("T a, T b", "T y", "y = b == 0 ? T(0) : T(a / b);"),
+    "sign": ("T x", "T y", "y = x > T(0) ? T(1) : (x < T(0) ? T(-1) : T(0));"),
 }
 
 
@@ -58,12 +79,39 @@ class _Unary(CudaKernel):
 
 @register("Neg", 6)
 class Neg(_Unary):
+    input_types = (NUMERIC,)
     ufunc = "negative"
 
 
 @register("Abs", 6)
 class Abs(_Unary):
+    input_types = (NUMERIC,)
     ufunc = "absolute"
+
+
+@register("Cos", 7)
+class Cos(_Unary):
+    ufunc = "cos"
+
+
+@register("Sin", 7)
+class Sin(_Unary):
+    ufunc = "sin"
+
+
+@register("Floor", 6)
+class Floor(_Unary):
+    ufunc = "floor"
+
+
+@register("Ceil", 6)
+class Ceil(_Unary):
+    ufunc = "ceil"
+
+
+@register("Round", 11)
+class Round(_Unary):
+    ufunc = "rint"  # ONNX Round rounds half to even, as rint does
 
 
 @register("Sqrt", 6)
@@ -99,9 +147,11 @@ class Not(_Unary):
 
 @register("Relu", 6)
 class Relu(CudaKernel):
+    input_types = (NUMERIC,)
+
     def _compute(self, ctx):
         x = ctx.inputs[0]
-        cupy.maximum(x, 0, out=ctx.output(0, x.shape, x.dtype))
+        cupy.maximum(x, x.dtype.type(0), out=ctx.output(0, x.shape, x.dtype))
 
 
 class _Custom(CudaKernel):
@@ -122,6 +172,61 @@ class Sigmoid(_Custom):
 @register("Erf", 9)
 class Erf(_Custom):
     kernel = "erf"
+
+
+@register("Softplus", 1)
+class Softplus(_Custom):
+    kernel = "softplus"
+
+
+@register("Mish", 18)
+class Mish(_Custom):
+    kernel = "mish"
+
+
+@register("HardSwish", 14)
+class HardSwish(_Custom):
+    kernel = "hard_swish"
+
+
+@register("Sign", 9)
+class Sign(_Custom):
+    input_types = (NUMERIC,)
+    kernel = "sign"
+
+
+@register("HardSigmoid", 6)
+class HardSigmoid(CudaKernel):
+    def __init__(self, attrs, opset, node_name):
+        super().__init__(attrs, opset, node_name)
+        self.alpha = self.attr_float("alpha", 0.2)
+        self.beta = self.attr_float("beta", 0.5)
+
+    def _compute(self, ctx):
+        x = ctx.inputs[0]
+        elementwise("hard_sigmoid")(x, self.alpha, self.beta, ctx.output(0, x.shape, x.dtype))
+
+
+_BOOL_DTYPE = np.dtype(np.bool_)
+
+
+@register("IsNaN", 9)
+class IsNaN(CudaKernel):
+    def _compute(self, ctx):
+        x = ctx.inputs[0]
+        elementwise("is_nan")(x, ctx.output(0, x.shape, _BOOL_DTYPE))
+
+
+@register("IsInf", 10)
+class IsInf(CudaKernel):
+    def __init__(self, attrs, opset, node_name):
+        super().__init__(attrs, opset, node_name)
+        self.neg = self.attr_int("detect_negative", 1, (0, 1))
+        self.pos = self.attr_int("detect_positive", 1, (0, 1))
+
+    def _compute(self, ctx):
+        x = ctx.inputs[0]
+        elementwise("is_inf")(x, self.neg, self.pos, ctx.output(0, x.shape, _BOOL_DTYPE))
 
 
 @register("Gelu", 20)
@@ -163,22 +268,54 @@ class _Binary(CudaKernel):
 
 @register("Add", 1)
 class Add(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "add"
 
 
 @register("Sub", 1)
 class Sub(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "subtract"
 
 
 @register("Mul", 1)
 class Mul(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "multiply"
 
 
 @register("Div", 1)
 class Div(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "divide"
+
+    def _compute(self, ctx):
+        a, b = ctx.inputs
+        out = ctx.output(0, broadcast_shape(a.shape, b.shape), a.dtype)
+        if a.dtype.kind in "iu":
+            elementwise("div_int")(a, b, out)
+        else:
+            self._fn(a, b, out=out)
+
+
+@register("Mod", 10)
+class Mod(_Binary):
+    """Mod with fmod=0 on integers (the sign of the divisor, as numpy's remainder); fmod=1 on floats."""
+
+    input_types = (NUMERIC, NUMERIC)
+
+    def __init__(self, attrs, opset, node_name):
+        super().__init__(attrs, opset, node_name)
+        self.fmod = self.attr_int("fmod", 0, (0, 1))
+        self._fn = _ufunc("fmod" if self.fmod else "remainder")
+
+    @classmethod
+    def claims(cls, attrs, dtypes, opset):
+        # fmod=0 on floats is refused by the spec; fmod=1 on integers is C's %, which remainder is not.
+        if not super().claims(attrs, dtypes, opset):
+            return False
+        fmod = attrs.get("fmod", 0)
+        return all(d is None or (d in FLOAT) == bool(fmod) for d in dtypes)
 
 
 @register("Pow", 1)
@@ -197,25 +334,61 @@ class Pow(_Binary):
 
 @register("Equal", 1)
 class Equal(_Binary):
+    input_types = (ALL, ALL)
     ufunc = "equal"
     out_dtype = np.dtype(np.bool_)
 
 
 @register("Less", 1)
 class Less(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "less"
     out_dtype = np.dtype(np.bool_)
 
 
 @register("Greater", 1)
 class Greater(_Binary):
+    input_types = (NUMERIC, NUMERIC)
     ufunc = "greater"
     out_dtype = np.dtype(np.bool_)
 
 
-class _Variadic(CudaKernel):
-    """Max / Min over any number of broadcasting inputs."""
+@register("LessOrEqual", 12)
+class LessOrEqual(_Binary):
+    input_types = (NUMERIC, NUMERIC)
+    ufunc = "less_equal"
+    out_dtype = np.dtype(np.bool_)
 
+
+@register("GreaterOrEqual", 12)
+class GreaterOrEqual(_Binary):
+    input_types = (NUMERIC, NUMERIC)
+    ufunc = "greater_equal"
+    out_dtype = np.dtype(np.bool_)
+
+
+@register("And", 7)
+class And(_Binary):
+    input_types = (BOOL, BOOL)
+    ufunc = "logical_and"
+
+
+@register("Or", 7)
+class Or(_Binary):
+    input_types = (BOOL, BOOL)
+    ufunc = "logical_or"
+
+
+@register("Xor", 7)
+class Xor(_Binary):
+    input_types = (BOOL, BOOL)
+    ufunc = "logical_xor"
+
+
+class _Variadic(CudaKernel):
+    """Max / Min / Sum over any number of broadcasting inputs."""
+
+    input_types = (NUMERIC,)
     variadic = True
     ufunc = ""
 
@@ -245,9 +418,14 @@ class Min(_Variadic):
     ufunc = "minimum"
 
 
+@register("Sum", 6)
+class Sum(_Variadic):
+    ufunc = "add"
+
+
 @register("Where", 9)
 class Where(CudaKernel):
-    input_types = (BOOL, FLOAT, FLOAT)
+    input_types = (BOOL, ALL, ALL)
     same_type = (1, 2)
 
     def _compute(self, ctx):
@@ -260,7 +438,8 @@ CAST_TYPES = FLOAT | INDEX | BOOL
 
 @register("Cast", 6)
 class Cast(CudaKernel):
-    """Cast where at least one side is a float type (integer-only casts are shape work for the CPU)."""
+    """Cast between float32/float16/int32/int64/bool (the plugin's claim() leaves casts of shape
+    values, which are computed on the host, to the CPU)."""
 
     input_types = (CAST_TYPES,)
 
@@ -271,12 +450,6 @@ class Cast(CudaKernel):
         if name not in CAST_TYPES:
             raise self.bad_attr("to", to, "1 (float), 10 (float16), 6 (int32), 7 (int64), 9 (bool)")
         self.to = np.dtype(name)
-
-    @classmethod
-    def claims(cls, attrs, dtypes, opset):
-        if not super().claims(attrs, dtypes, opset):
-            return False
-        return bool(dtypes) and (dtypes[0] in FLOAT or ONNX_DTYPES.get(attrs.get("to")) in FLOAT)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]

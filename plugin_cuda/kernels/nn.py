@@ -1,4 +1,5 @@
-"""Normalisation ONNX ops: Softmax, LogSoftmax, LayerNormalization, BatchNormalization (inference).
+"""Normalisation ONNX ops: Softmax, LogSoftmax, BatchNormalization (inference); LayerNormalization and
+RMSNormalization are fused kernels in fused.py.
 
 Reductions (max, sums, means) run in float32 for float16 inputs; results are cast back on the last
 write, which also applies the affine part in the same kernel.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import FLOAT, CudaKernel, kernel_table, num_outputs, register
+from . import fused
+from .base import FLOAT, CudaKernel, kernel_table, register
 
 try:
     import cupy
@@ -20,21 +22,11 @@ SOURCES = {
     "exp_sub": ("T x, T m", "float32 e", "e = expf(float(x) - float(m));"),
     "div": ("float32 e, float32 s", "T y", "y = T(e / s);"),
     "log_softmax": ("T x, T m, float32 s", "T y", "y = T(float(x) - float(m) - logf(s));"),
-    "sq_diff": ("T x, float32 m", "float32 d", "float v = float(x) - m; d = v * v;"),
-    "rstd": ("float32 var, float32 eps", "float32 r", "r = 1.0f / sqrtf(var + eps);"),
-    "ln_affine": (
-        "T x, float32 m, float32 r, U s, U b", "T y",
-        "y = T((float(x) - m) * r * float(s) + float(b));",
-    ),
-    "ln_scale": ("T x, float32 m, float32 r, U s", "T y", "y = T((float(x) - m) * r * float(s));"),
     "batch_norm": (
         "T x, U s, U b, V m, V v, float32 eps", "T y",
         "y = T((float(x) - float(m)) * (float(s) / sqrtf(float(v) + eps)) + float(b));",
     ),
 }
-
-_F32 = np.dtype(np.float32)
-
 
 elementwise = kernel_table(SOURCES)
 
@@ -59,6 +51,13 @@ class _SoftmaxBase(CudaKernel):
         x = ctx.inputs[0]
         shape2d, axis = self.plan((x.shape,), self._plan)
         out = ctx.output(0, x.shape, x.dtype)
+        if x.size == 0:
+            return
+        if (shape2d is not None or axis == x.ndim - 1) and x.flags.c_contiguous:
+            # Rows over the last axis (or the coerced 2-D form): one fused kernel.
+            n = shape2d[1] if shape2d is not None else x.shape[-1]
+            fused.launch_softmax(x.dtype, x.size // n, n, x.data.ptr, out.data.ptr, log=self.log)
+            return
         if shape2d is not None:
             x = x.reshape(shape2d)
             out = out.reshape(shape2d)  # a view: out is C-contiguous
@@ -72,52 +71,18 @@ class _SoftmaxBase(CudaKernel):
 
 @register("Softmax", 1)
 class Softmax(_SoftmaxBase):
+    log = False
+
     def _finish(self, x, m, e, s, out):
         elementwise("div")(e, s, out)
 
 
 @register("LogSoftmax", 1)
 class LogSoftmax(_SoftmaxBase):
+    log = True
+
     def _finish(self, x, m, e, s, out):
         elementwise("log_softmax")(x, m, s, out)
-
-
-@register("LayerNormalization", 17)
-class LayerNormalization(CudaKernel):
-    """Y = (X - mean) / sqrt(var + eps) * Scale + B over the dimensions from `axis` on.
-    Optional outputs Mean and InvStdDev are float32 (stash_type 1)."""
-
-    input_types = (FLOAT, FLOAT, FLOAT)
-
-    def __init__(self, attrs, opset, node_name):
-        super().__init__(attrs, opset, node_name)
-        self.axis_attr = self.attr_int("axis", -1)
-        self.epsilon = self.attr_float("epsilon", 1e-5)
-        self.attr_int("stash_type", 1, (1,))
-
-    def _plan(self, shape):
-        rank = len(shape)
-        axis = self.axis(self.axis_attr, rank)
-        return tuple(range(axis, rank)), shape[:axis] + (1,) * (rank - axis)
-
-    def _compute(self, ctx):
-        inputs = ctx.inputs
-        x, scale = inputs[0], inputs[1]
-        bias = inputs[2] if len(inputs) > 2 else None
-        axes, stat_shape = self.plan((x.shape,), self._plan)
-        out = ctx.output(0, x.shape, x.dtype)
-        mean = cupy.mean(x, axis=axes, dtype=_F32, keepdims=True)
-        var = cupy.mean(elementwise("sq_diff")(x, mean), axis=axes, keepdims=True)
-        rstd = elementwise("rstd")(var, self.epsilon)
-        if bias is None:
-            elementwise("ln_scale")(x, mean, rstd, scale, out)
-        else:
-            elementwise("ln_affine")(x, mean, rstd, scale, bias, out)
-        n = num_outputs(ctx)
-        if n > 1:
-            cupy.copyto(ctx.output(1, stat_shape, _F32), mean)
-        if n > 2:
-            cupy.copyto(ctx.output(2, stat_shape, _F32), rstd)
 
 
 @register("BatchNormalization", 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import BOOL, FLOAT, INDEX, CudaKernel, broadcast_shape, host_ints, num_outputs, register
+from .base import ALL, BOOL, FLOAT, INDEX, CudaKernel, broadcast_shape, host_ints, num_outputs, register
 
 try:
     import cupy
@@ -19,7 +19,7 @@ except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still lo
 
 @register("Identity", 1)
 class Identity(CudaKernel):
-    input_types = (FLOAT | BOOL,)
+    input_types = (ALL,)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]
@@ -47,7 +47,7 @@ class Dropout(CudaKernel):
 
 @register("Reshape", 1)
 class Reshape(CudaKernel):
-    input_types = (FLOAT | BOOL, INDEX)
+    input_types = (ALL, INDEX)
     same_type = ()
     host_inputs = (1,)
 
@@ -89,7 +89,7 @@ class Reshape(CudaKernel):
 class _Axes(CudaKernel):
     """Squeeze / Unsqueeze: axes are an attribute before opset 13, an input from 13 on."""
 
-    input_types = (FLOAT | BOOL, INDEX)
+    input_types = (ALL, INDEX)
     same_type = ()
     host_inputs = (1,)  # from opset 13 on
 
@@ -142,7 +142,7 @@ class Unsqueeze(_Axes):
 
 @register("Flatten", 1)
 class Flatten(CudaKernel):
-    input_types = (FLOAT | BOOL,)
+    input_types = (ALL,)
 
     def __init__(self, attrs, opset, node_name):
         super().__init__(attrs, opset, node_name)
@@ -160,7 +160,7 @@ class Flatten(CudaKernel):
 
 @register("Expand", 8)
 class Expand(CudaKernel):
-    input_types = (FLOAT | BOOL, INDEX)
+    input_types = (ALL, INDEX)
     same_type = ()
     host_inputs = (1,)
 
@@ -179,7 +179,7 @@ class Expand(CudaKernel):
 
 @register("Transpose", 1)
 class Transpose(CudaKernel):
-    input_types = (FLOAT | BOOL,)
+    input_types = (ALL,)
 
     def __init__(self, attrs, opset, node_name):
         super().__init__(attrs, opset, node_name)
@@ -204,7 +204,7 @@ class Concat(CudaKernel):
     """Concat as one copy per input into its slice of the output (capture-safe: no pointer table
     uploaded from the host, which cupy.concatenate may do)."""
 
-    input_types = (FLOAT | BOOL,)
+    input_types = (ALL,)
     variadic = True
 
     def __init__(self, attrs, opset, node_name):
@@ -238,7 +238,7 @@ class Concat(CudaKernel):
 
 @register("Gather", 1)
 class Gather(CudaKernel):
-    input_types = (FLOAT | BOOL, INDEX)
+    input_types = (ALL, INDEX)
     same_type = ()
 
     def __init__(self, attrs, opset, node_name):
@@ -260,8 +260,9 @@ class Gather(CudaKernel):
 class Slice(CudaKernel):
     """Slice: bounds are attributes before opset 10, host inputs (starts, ends, axes, steps) after."""
 
-    input_types = (FLOAT | BOOL, INDEX, INDEX, INDEX, INDEX)
+    input_types = (ALL, INDEX, INDEX, INDEX, INDEX)
     same_type = (1, 2)
+    max_outputs = 1
     host_inputs = (1, 2, 3, 4)
 
     def __init__(self, attrs, opset, node_name):
