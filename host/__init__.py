@@ -20,7 +20,8 @@ __all__ = [
     "EphostError", "PluginLoadError", "PluginBuildError", "AbiVersionError", "EpError", "ModelError", "InvalidArgument",
     "KernelError", "GraphCaptureError", "OutOfMemoryError", "NoSuchFile",
     "OrtValue", "NodeArg", "ExecutionMode", "GraphOptimizationLevel", "OrtExecutionProviderDevicePolicy",
-    "ModelMetadata", "OrtEpDevice", "OrtHardwareDevice", "get_available_providers", "get_all_providers", "get_device",
+    "ModelMetadata", "OrtEpDevice", "OrtHardwareDevice", "OrtHardwareDeviceType",
+    "get_available_providers", "get_all_providers", "get_device",
     "get_ep_devices", "get_version_string", "register_execution_provider_library",
     "unregister_execution_provider_library", "set_default_logger_severity",
 ]
@@ -34,7 +35,7 @@ _LAZY = {
     "OrtValue": "host.runtime.ortvalue", "ExecutionMode": "host.runtime.options",
     "OrtExecutionProviderDevicePolicy": "host.runtime.options", "GraphOptimizationLevel": "host.optimizer.levels",
     "ModelMetadata": "host.runtime.ort_api", "OrtEpDevice": "host.runtime.ort_api",
-    "OrtHardwareDevice": "host.runtime.ort_api",
+    "OrtHardwareDevice": "host.runtime.ort_api", "OrtHardwareDeviceType": "host.runtime.ort_api",
     **{fn: "host.runtime.ort_api" for fn in (
         "get_available_providers", "get_all_providers", "get_device", "get_ep_devices", "get_version_string",
         "register_execution_provider_library", "unregister_execution_provider_library",

@@ -8,6 +8,7 @@ created without `env=` use it too.
 from __future__ import annotations
 
 import difflib
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,14 +29,22 @@ def default_environment():
 
 
 # ---- devices ----------------------------------------------------------------------------------
-_DEVICE_KIND = {abi.DEVICE_CPU: "CPU", abi.DEVICE_GPU: "GPU"}
+class OrtHardwareDeviceType(enum.IntEnum):
+    """onnxruntime's device kinds (its values)."""
+
+    CPU = 0
+    GPU = 1
+    NPU = 2
+
+
+_DEVICE_KIND = {abi.DEVICE_CPU: OrtHardwareDeviceType.CPU, abi.DEVICE_GPU: OrtHardwareDeviceType.GPU}
 
 
 @dataclass(frozen=True)
 class HardwareDevice:
-    """onnxruntime's OrtHardwareDevice: `type` is 'CPU', 'GPU' or 'NPU'."""
+    """onnxruntime's OrtHardwareDevice."""
 
-    type: str
+    type: OrtHardwareDeviceType
     vendor: str
     vendor_id: int
     device_id: int
@@ -54,7 +63,8 @@ class EpDevice:
 
 
 def _cpu_device() -> EpDevice:
-    return EpDevice(CPU_EP, "ephost", HardwareDevice("CPU", "ephost", 0, 0), {"version": version()})
+    return EpDevice(CPU_EP, "ephost", HardwareDevice(OrtHardwareDeviceType.CPU, "ephost", 0, 0),
+                    {"version": version()})
 
 
 def ep_devices(env) -> list[EpDevice]:
@@ -63,7 +73,7 @@ def ep_devices(env) -> list[EpDevice]:
     for reg in env.plugins.values():
         for f in reg.factories:
             for d in f.devices:
-                hw = HardwareDevice(_DEVICE_KIND.get(d.device_type, str(d.device_type)), d.vendor, d.vendor_id,
+                hw = HardwareDevice(_DEVICE_KIND.get(d.device_type, OrtHardwareDeviceType.NPU), d.vendor, d.vendor_id,
                                     d.device_id, {"name": d.name, "memory": d.memory_name})
                 out.append(EpDevice(f.name, f.vendor, hw,
                                     {"version": f.plugin_version, "library_path": str(reg.path),
@@ -103,7 +113,7 @@ def get_all_providers() -> list[str]:
 
 def get_device() -> str:
     """'GPU' when an EP registered in the default environment has a GPU device, else 'CPU'."""
-    return "GPU" if any(d.device.type == "GPU" for d in get_ep_devices()) else "CPU"
+    return "GPU" if any(d.device.type == OrtHardwareDeviceType.GPU for d in get_ep_devices()) else "CPU"
 
 
 def register_execution_provider_library(registration_name: str, path) -> None:
@@ -197,8 +207,8 @@ _GPU_FIRST = {OrtExecutionProviderDevicePolicy.PREFER_GPU, OrtExecutionProviderD
 
 def _by_policy(policy, env) -> list:
     devices = [d for d in ep_devices(env) if d.ep_name != CPU_EP]
-    gpu = [d.ep_name for d in devices if d.device.type == "GPU"]
-    cpu = [d.ep_name for d in devices if d.device.type == "CPU"]
+    gpu = [d.ep_name for d in devices if d.device.type == OrtHardwareDeviceType.GPU]
+    cpu = [d.ep_name for d in devices if d.device.type == OrtHardwareDeviceType.CPU]
     chosen = gpu + cpu if policy in _GPU_FIRST else cpu
     return list(dict.fromkeys(chosen)) + [CPU_EP]
 
@@ -239,6 +249,6 @@ def model_metadata(model) -> ModelMetadata:
                          {p.key: p.value for p in model.metadata_props})
 
 
-__all__ = ["EpDevice", "HardwareDevice", "ModelMetadata", "get_available_providers", "get_all_providers",
+__all__ = ["EpDevice", "HardwareDevice", "OrtHardwareDeviceType", "ModelMetadata", "get_available_providers", "get_all_providers",
            "get_device", "get_ep_devices", "get_version_string", "register_execution_provider_library",
            "unregister_execution_provider_library", "set_default_logger_severity"]

@@ -6,6 +6,7 @@
     cat "Session"  session_initialization, model_loading, optimization, partitioning, model_run
     cat "Node"     one event per node per run (CPU EP kernel, or a plugin kernel's Compute crossing)
     cat "Api"      ABI crossings that are not node kernels: OnRunStart/OnRunEnd, CopyTensors
+    cat "Optimizer" one instant ("i") event per optimizer pass that changed the model, with its change
 
 `InferenceSession.end_profiling()` writes `<profile_file_prefix><date>_<pid>_<n>.json` and
 returns its path. With profiling off nothing here is on the run path: the session checks one
@@ -48,6 +49,14 @@ class Profiler:
         if args:
             event["args"] = args
         self.events.append(event)  # list.append is atomic: concurrent runs need no lock
+
+    def instant(self, name: str, cat: str, t: int, args: dict | None = None) -> None:
+        """A point event ("ph": "i") at perf_counter_ns stamp `t`."""
+        event = {"cat": cat, "name": name, "ph": "i", "s": "t", "pid": self.pid, "tid": threading.get_native_id(),
+                 "ts": (t - self.start_ns) / 1000.0}
+        if args:
+            event["args"] = args
+        self.events.append(event)
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "Session", **args):
@@ -99,18 +108,18 @@ class _NullProfiler:
 NULL = _NullProfiler()
 
 
-class _TimedKernel:
-    """A node's kernel whose entry point (`run` for the CPU EP, `Compute` for a plugin) is timed."""
+# The entry points the executor calls: a CPU OpKernel's `run`, a plugin kernel's `Compute` slot,
+# a compiled partition's `compute` (its EpNodeComputeInfo.Compute).
+_ENTRY_POINTS = ("run", "Compute", "compute")
 
-    def __init__(self, kernel, profiler: Profiler, node_name: str, args: dict):
-        self._kernel = kernel
-        for entry in ("run", "Compute"):
-            fn = getattr(kernel, entry, None)
-            if callable(fn):
-                setattr(self, entry, profiler.timed(fn, node_name, "Node", args))
 
-    def __getattr__(self, name):
-        return getattr(self._kernel, name)
+def _time_kernel(kernel, profiler: Profiler, name: str, args: dict) -> None:
+    # Instance attributes over the kernel's own: the object (and isinstance checks on it) stay as
+    # they are, and each kernel belongs to one session, so no other session pays for the timing.
+    for entry in _ENTRY_POINTS:
+        fn = getattr(kernel, entry, None)
+        if callable(fn):
+            setattr(kernel, entry, profiler.timed(fn, name, "Node", args))
 
 
 def instrument(session, profiler: Profiler) -> None:
@@ -118,12 +127,28 @@ def instrument(session, profiler: Profiler) -> None:
     for node in session.plan.nodes:
         provider = node.ep.name if node.ep is not None else "CPUExecutionProvider"
         args = {"op_name": node.op_type, "provider": provider, "node_index": node.index}
-        node.kernel = _TimedKernel(node.kernel, profiler, node.name, args)
+        if getattr(node, "members", ()):
+            args["fused_nodes"] = list(node.members)
+        _time_kernel(node.kernel, profiler, node.name, args)
     ex = session._executor
     ex.transfer = profiler.timed(ex.transfer, "CopyTensors", "Api")
-    # Instance attributes shadow the methods: only this session pays for the timing.
     session._on_run_start = profiler.timed(session._on_run_start, "OnRunStart", "Api")
     session._on_run_end = profiler.timed(session._on_run_end, "OnRunEnd", "Api")
+
+
+def record_passes(profiler: Profiler, result) -> None:
+    """One instant event per optimizer pass that changed something, at the end of "optimization".
+
+    The optimizer reports what each pass changed, not how long it took, so the passes are instants
+    carrying the change as args; the "optimization" span holds the time of all of them.
+    """
+    span = next((e for e in reversed(profiler.events) if e["name"] == "optimization"), None)
+    if span is None:
+        return
+    at = profiler.start_ns + int((span["ts"] + span["dur"]) * 1000)
+    for r in getattr(result, "report", None) or []:
+        profiler.instant(f"pass:{r.name}", "Optimizer", at,
+                         {"nodes_before": r.nodes_before, "nodes_after": r.nodes_after, "change": str(r)})
 
 
 def load(path: str | os.PathLike) -> list[dict]:

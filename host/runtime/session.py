@@ -6,6 +6,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -168,8 +169,11 @@ class InferenceSession:
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
-        model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
-                                                     self.options.optimized_model_filepath)
+        with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
+            model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
+                                                         self.options.optimized_model_filepath)
+        if self._profiling:
+            profiling.record_passes(self._profiler, self.optimization)
         return model
 
     def _expand_unclaimed(self) -> None:
@@ -389,11 +393,15 @@ class InferenceSession:
                         ex.execute(st, feeds)
                 else:
                     ex.execute(st, feeds)
-            except EphostError:
+            except EphostError as exc:
                 self._on_run_end(c_ro, sync=True, failed=True)
+                # The failed run's temporaries (device copies in the executor's frames) go now, not
+                # when the caller drops the exception, which can be after the plugin is released.
+                traceback.clear_frames(exc.__traceback__)
                 raise
             except Exception as exc:  # noqa: BLE001 - becomes a typed error naming the node
                 self._on_run_end(c_ro, sync=True, failed=True)
+                traceback.clear_frames(exc.__traceback__)
                 raise EpError(f"run failed: {exc}") from exc
             self._on_run_end(c_ro, sync=ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
             return st

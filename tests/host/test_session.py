@@ -178,7 +178,7 @@ def test_iobinding_without_capture(env5, xy):
     b, out = bound(s, *xy)
     s.run_with_iobinding(b)
     np.testing.assert_allclose(out, expected(*xy), rtol=1e-6)
-    assert b.get_outputs()[0] is out
+    assert b.get_outputs()[0].numpy() is out
     np.testing.assert_allclose(b.copy_outputs_to_cpu()[0], out)
 
 

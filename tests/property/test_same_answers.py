@@ -120,7 +120,7 @@ def test_replay_matches_references(case, host, plugin, null_slots, opts, ro):
             assert sess.fallbacks["graph_captured"] == int(captures)
             assert sess.fallbacks["capture_not_reached"] == int(gave_up)
             assert any("did not capture graph" in str(w.message) for w in caught) is gave_up
-            assert [o is outs[n] for n, o in zip(refs.names, b.get_outputs())] == [True] * len(refs.names)
+            assert [o is outs[n] for n, o in zip(refs.names, b.get_output_values())] == [True] * len(refs.names)
             rec = h.record(plugin)
             steps_before = rec.slot_calls["replayed_steps"]
             h.refill(ins, case.feeds2)
