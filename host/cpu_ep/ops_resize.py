@@ -39,9 +39,10 @@ def source_coords(mode: str, out_len: int, in_len: int, scale: float, roi: tuple
         return x * (in_len - 1) / (width - 1) if width != 1 else np.zeros(out_len)
     if mode == "asymmetric":
         return x / scale
-    start, end = roi  # tf_crop_and_resize
-    if out_len > 1:
-        return start * (in_len - 1) + x * (end - start) * (in_len - 1) / (out_len - 1)
+    start, end = roi  # tf_crop_and_resize, over the unrounded output length like align_corners
+    width = scale * in_len
+    if width != 1:
+        return start * (in_len - 1) + x * (end - start) * (in_len - 1) / (width - 1)
     return np.full(out_len, 0.5 * (start + end) * (in_len - 1))
 
 
@@ -92,7 +93,7 @@ class Resize(OpKernel):
         roi, scales, sizes = (None, rest[0] if rest else None, None) if self.opset < 11 else \
             (tuple(rest) + (None, None, None))[:3]
         axes = list(range(x.ndim)) if self.axes_attr is None else list(normalize_axes(self.axes_attr, x.ndim))
-        scale_list, out_shape = self._targets(x.shape, axes, scales, sizes, roi)
+        scale_list, out_shape = self._targets(x.shape, axes, scales, sizes)
         roi_list = self._roi(roi, x.ndim, axes)
         y = x
         ct = np.float64 if x.dtype == np.float64 else np.float32
@@ -105,7 +106,7 @@ class Resize(OpKernel):
             y = y.astype(x.dtype)
         return (y,)
 
-    def _targets(self, shape, axes, scales, sizes, roi):
+    def _targets(self, shape, axes, scales, sizes):
         """Per-axis scale and output length, from either scales or sizes (exactly one is given)."""
         has_scales = scales is not None and scales.size > 0
         has_sizes = sizes is not None and sizes.size > 0
@@ -117,13 +118,12 @@ class Resize(OpKernel):
             values = [float(v) for v in scales.reshape(-1)]
             if len(values) != len(axes):
                 raise ValueError(f"scales {values} must hold one value per resized axis ({len(axes)})")
-            roi_list = self._roi(roi, len(shape), axes)
             for axis, s in zip(axes, values):
                 if s <= 0:
                     raise ValueError(f"scale {s} must be > 0")
                 scale_list[axis] = s
-                span = roi_list[axis][1] - roi_list[axis][0] if self.coord_mode == "tf_crop_and_resize" else 1.0
-                out[axis] = int(math.floor(shape[axis] * span * s))
+                # floor(in * scale), the roi left out, as the reference and onnxruntime compute it.
+                out[axis] = int(math.floor(shape[axis] * s))
             return scale_list, out
         values = int_list(sizes)
         if len(values) != len(axes):
