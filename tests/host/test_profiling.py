@@ -1,0 +1,197 @@
+"""Profiling: SessionOptions.enable_profiling / profile_file_prefix, end_profiling(), the Chrome-trace
+file it writes, `ephost run --profile`, and that profiling off leaves the run path alone."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import host
+from host.cli import app as cli
+from host.errors import InvalidArgument
+from host.runtime import profiling
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+
+
+def chain_model():
+    """Z = relu(X + Y) * X over (2, 3); nodes add, relu, mul."""
+    x, y, z = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "XYZ")
+    nodes = [helper.make_node("Add", ["X", "Y"], ["A"], name="add"),
+             helper.make_node("Relu", ["A"], ["B"], name="relu"),
+             helper.make_node("Mul", ["B", "X"], ["Z"], name="mul")]
+    return helper.make_model(helper.make_graph(nodes, "chain", [x, y], [z]), opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture
+def feeds():
+    rng = np.random.default_rng(2)
+    return {k: rng.standard_normal((2, 3)).astype(np.float32) for k in "XY"}
+
+
+@pytest.fixture
+def env5(example_plugin):
+    env = host.Environment()
+    env.register_plugin("ex", example_plugin(5))
+    yield env
+    gc.collect()
+    env.close()
+
+
+def profiled(tmp_path, **kw) -> tuple[InferenceSession, SessionOptions]:
+    so = SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "traces" / "chain_")
+    return InferenceSession(chain_model(), so, **kw), so
+
+
+def complete(events, cat=None):
+    return [e for e in events if e["ph"] == "X" and (cat is None or e["cat"] == cat)]
+
+
+def inside(inner, outer) -> bool:
+    eps = 1e-3  # µs: ts/dur are rounded to the nanosecond
+    return outer["ts"] - eps <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + eps
+
+
+def test_profile_holds_session_phases_and_every_node_of_every_run(tmp_path, env5, feeds):
+    s, _ = profiled(tmp_path, providers=[("ExampleEP", {"ops": "Add,Mul"})], env=env5)
+    for _ in range(3):
+        s.run(None, feeds)
+    path = s.end_profiling()
+    assert path.startswith(str(tmp_path / "traces" / "chain_")) and path.endswith(".json")
+    data = json.loads(open(path).read())
+    events = data["traceEvents"]
+    assert all(e["pid"] == os.getpid() and isinstance(e["tid"], int) for e in events)
+    assert all(isinstance(e["ts"], float) and e["dur"] >= 0 for e in complete(events))
+    session = {e["name"]: e for e in complete(events, "Session") if e["name"] != "model_run"}
+    assert {"session_initialization", "model_loading", "optimization", "partitioning"} <= set(session)
+    for phase in ("model_loading", "partitioning"):
+        assert inside(session[phase], session["session_initialization"]), phase
+    assert inside(session["optimization"], session["model_loading"])
+    runs = [e for e in complete(events, "Session") if e["name"] == "model_run"]
+    nodes = complete(events, "Node")
+    assert len(runs) == 3
+    # Each run holds each node once, with the provider that ran it.
+    assignment = s.node_assignment()
+    for run in runs:
+        in_run = [n for n in nodes if inside(n, run)]
+        assert sorted(n["name"] for n in in_run) == sorted(assignment)
+        assert {n["name"]: n["args"]["provider"] for n in in_run} == assignment
+        assert sum(n["dur"] for n in in_run) <= run["dur"]
+    assert {n["name"]: n["args"]["op_name"] for n in nodes} == {"add": "Add", "relu": "Relu", "mul": "Mul"}
+    # The plugin EP's run hooks are ABI crossings, once per run each.
+    assert Counter(e["name"] for e in complete(events, "Api")) == {"OnRunStart": 3, "OnRunEnd": 3}
+    assert s.get_profiling_start_time_ns() == data["otherData"]["start_time_ns"] > 0
+
+
+def test_copies_through_an_ep_data_transfer_are_recorded(tmp_path, env5, feeds):
+    # ExampleEP's memory is host memory, so runs copy nothing; a copy through its data-transfer
+    # table, as the executor makes at an EP boundary, is one CopyTensors crossing.
+    from host.plugins.ep import CPU_LOCATION
+
+    s, _ = profiled(tmp_path, providers=[("ExampleEP", {"ops": "Add"})], env=env5)
+    s.run(None, feeds)
+    copied = s._executor.transfer(feeds["X"], CPU_LOCATION, s.plan.eps[0], None)
+    np.testing.assert_array_equal(copied, feeds["X"])
+    events = profiling.load(s.end_profiling())
+    copies = [e for e in complete(events, "Api") if e["name"] == "CopyTensors"]
+    run = next(e for e in complete(events, "Session") if e["name"] == "model_run")
+    assert len(copies) == 1 and not inside(copies[0], run)
+
+
+def test_optimizer_passes_are_instants_inside_the_optimization_span(tmp_path):
+    # MatMul + Add becomes Gemm at ORT_ENABLE_EXTENDED and above: one pass with a change.
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 4])
+    c = helper.make_tensor_value_info("C", TensorProto.FLOAT, [2, 3])
+    w = helper.make_tensor("W", TensorProto.FLOAT, [4, 3], np.ones(12, np.float32))
+    b = helper.make_tensor("B", TensorProto.FLOAT, [3], np.ones(3, np.float32))
+    m = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["A", "W"], ["M"]),
+                                             helper.make_node("Add", ["M", "B"], ["C"])], "g", [a], [c],
+                                            initializer=[w, b]), opset_imports=[helper.make_opsetid("", 17)])
+    so = SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "opt_")
+    s = InferenceSession(m, so)
+    events = profiling.load(s.end_profiling())
+    span = next(e for e in events if e["name"] == "optimization")
+    passes = [e for e in events if e["cat"] == "Optimizer"]
+    assert len(passes) == len(s.optimization.report) >= 1
+    assert all(p["ph"] == "i" and p["ts"] == pytest.approx(span["ts"] + span["dur"], abs=1e-3) for p in passes)
+    assert [p["args"]["change"] for p in passes] == [str(r) for r in s.optimization.report]
+
+
+def test_end_profiling_stops_recording_and_a_second_call_returns_nothing(tmp_path, feeds):
+    s, _ = profiled(tmp_path)
+    s.run(None, feeds)
+    path = s.end_profiling()
+    s.run(None, feeds)
+    assert s.end_profiling() == ""
+    assert len([e for e in profiling.load(path) if e["name"] == "model_run"]) == 1
+
+
+def test_runs_from_threads_are_on_their_own_tracks(tmp_path, feeds):
+    s, _ = profiled(tmp_path)
+    threads = [threading.Thread(target=s.run, args=(None, feeds)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runs = [e for e in profiling.load(s.end_profiling()) if e["name"] == "model_run"]
+    assert len(runs) == 3 and len({r["tid"] for r in runs}) == 3
+
+
+def test_iobinding_runs_are_profiled(tmp_path, feeds):
+    s, _ = profiled(tmp_path)
+    b = s.io_binding()
+    for k, v in feeds.items():
+        b.bind_input(k, v)
+    b.bind_output("Z")
+    s.run_with_iobinding(b)
+    events = profiling.load(s.end_profiling())
+    run = next(e for e in events if e["name"] == "model_run")
+    assert run["args"] == {"iobinding": True}
+    assert len([e for e in complete(events, "Node") if inside(e, run)]) == 3
+
+
+def test_profiling_off_changes_nothing_on_the_run_path(feeds):
+    s = InferenceSession(chain_model())
+    kernels = [n.kernel for n in s.plan.nodes]
+    assert all("run" not in vars(k) for k in kernels)  # the class's own run, not a timed wrapper
+    assert "transfer" not in vars(s._executor) and "_on_run_start" not in vars(s)
+    s.run(None, feeds)
+    assert s.end_profiling() == "" and s.get_profiling_start_time_ns() == 0
+
+
+def test_unwritable_prefix_is_a_typed_error(tmp_path, feeds):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    so = SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(blocker / "p_")
+    s = InferenceSession(chain_model(), so)
+    with pytest.raises(InvalidArgument, match=rf"^cannot write the profile to '{blocker}/p_.*\.json' "
+                                              rf"\(profile_file_prefix '{blocker}/p_'\): "):
+        s.end_profiling()
+
+
+def test_cli_run_profile_writes_a_trace(tmp_path, capsys):
+    model = tmp_path / "mlp.onnx"
+    assert cli.main(["make-model", "mlp", str(model), "--layers", "2", "--hidden", "8"]) == 0
+    prefix = str(tmp_path / "cli_")
+    assert cli.main(["run", str(model), "--random-inputs", "--profile", prefix]) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("profile: ")]
+    assert len(line) == 1
+    path = line[0].removeprefix("profile: ")
+    assert path.startswith(prefix)
+    events = profiling.load(path)
+    assert len([e for e in events if e["name"] == "model_run"]) == 1
+    assert len(complete(events, "Node")) >= 2
