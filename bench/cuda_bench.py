@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -48,7 +49,28 @@ MODEL_SPECS = {
     "mlp-8x1024": ("MLP 8 layers x 1024, batch 1", "mlp", dict(layers=8, hidden=1024, batch=1)),
     "transformer-256": ("transformer block h256, 4 heads, seq 128, batch 1", "transformer_block",
                         dict(batch=1, seq=128, hidden=256, heads=4, ffn=1024)),
+    "transformer-1024": ("transformer block h1024, 16 heads, seq 128, batch 8", "transformer_block",
+                         dict(batch=8, seq=128, hidden=1024, heads=16, ffn=4096)),
 }
+
+# Session creation (optimize + compile) in a fresh process: cold with an empty kernel cache
+# directory, warm with the one the cold run filled (CuPy's on-disk cache of compiled modules).
+_CREATE_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from host.cli import zoo
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
+env = Environment()
+env.register_plugin("cuda", sys.argv[2])
+model = getattr(zoo, sys.argv[3])(**json.loads(sys.argv[4]))
+t0 = time.perf_counter()
+sess = InferenceSession(model, providers=[("CUDAExecutionProvider", {})], env=env)
+t1 = time.perf_counter()
+sess.run(None, zoo.random_inputs(model))
+t2 = time.perf_counter()
+print(json.dumps({"create_ms": (t1 - t0) * 1e3, "first_run_ms": (t2 - t1) * 1e3}))
+"""
 
 
 def log(msg: str = "") -> None:
@@ -324,6 +346,12 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001
                     report_error(f"{key}/eager-close", exc, res)
 
+        # -- 1b. compiled plans: before (per-node kernels) / after (plan) / auto-graph, creation time -----
+        try:
+            res["plan"] = self.bench_plan(key, model, feeds, out_specs, first_out, torch_ref, res)
+        except Exception as exc:  # noqa: BLE001
+            report_error(f"{key}/plan", exc, res)
+
         # -- 2. + 3. graphs and allocation -----------------------------------------------------------
         try:
             res["graph"] = self.bench_graph(key, model, feeds, feeds2, out_specs, first_out, torch_ref,
@@ -380,6 +408,70 @@ class Bench:
         self._log_stats("eager torch", out.get("torch"))
         if "ratio_p50" in out:
             log(f"eager ephost/torch at p50: {out['ratio_p50']:.2f}x ({out['ratio_basis']})")
+        return out
+
+    def plan_counts(self, ep) -> dict:
+        fns = ep.__dict__.get("plan_functions", []) if ep is not None else []
+        return {"partitions": len(fns), "plan_nodes": sum(f.plan.num_nodes for f in fns),
+                "kernels": sum(f.plan.num_kernels for f in fns), "cublas": sum(f.plan.num_cublas for f in fns),
+                "arena_bytes": sum(f.plan.arena_bytes for f in fns),
+                "build_ms": sum(f.plan.build_seconds for f in fns) * 1e3}
+
+    def timed_session(self, key, model, feeds, out_specs, first_out, torch_ref, res, label, **options) -> dict:
+        """One session with `options`: correctness vs torch, eager timing, node/kernel counts."""
+        t0 = time.perf_counter()
+        sess, ep, info = self.session(model, **options)
+        out: dict = {"create_ms": (time.perf_counter() - t0) * 1e3, "nodes": info["nodes"],
+                     "nodes_not_on_cuda_ep": len(info["nodes_not_on_cuda_ep"])}
+        try:
+            out.update(self.plan_counts(ep))
+            binding, _, outs = self.bind(sess, feeds, out_specs)
+            sess.run_with_iobinding(binding)
+            self.sync()
+            out["vs_torch"] = compare(self.cp.asnumpy(outs[first_out]), torch_ref[first_out])
+            out["eager"] = time_calls(lambda: sess.run_with_iobinding(binding), self.args.iters, self.args.warmup)
+            out["vs_torch_after_timing"] = compare(self.cp.asnumpy(outs[first_out]), torch_ref[first_out])
+        except Exception as exc:  # noqa: BLE001
+            report_error(f"{key}/plan/{label}", exc, res)
+        finally:
+            sess.close()
+        self._log_stats(f"{label} eager", out.get("eager"))
+        log(f"  {label}: {out.get('partitions', 0)} partition(s), {out.get('plan_nodes', 0)} nodes -> "
+            f"{out.get('kernels', 0)} kernels + {out.get('cublas', 0)} cuBLAS; session created in "
+            f"{out['create_ms']:.0f} ms; vs torch {fmt_cmp(out.get('vs_torch'))}")
+        return out
+
+    def creation_times(self, key) -> dict:
+        import tempfile
+
+        _, builder, kwargs = MODEL_SPECS[key]
+        out: dict = {}
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, CUPY_CACHE_DIR=cache)
+            for label in ("cold", "warm"):
+                proc = subprocess.run([sys.executable, "-c", _CREATE_SCRIPT, str(ROOT), str(plugin_path(self.args.plugin)),
+                                       builder, json.dumps(kwargs)], env=env, capture_output=True, text=True,
+                                      timeout=300)
+                if proc.returncode != 0:
+                    out[label] = {"error": proc.stderr[-2000:]}
+                    continue
+                out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+        log(f"  session creation (optimize + compile), fresh process: cold {out.get('cold')}, warm {out.get('warm')}")
+        return out
+
+    def bench_plan(self, key, model, feeds, out_specs, first_out, torch_ref, res) -> dict:
+        out: dict = {}
+        torch_eager = res.get("eager", {}).get("torch")
+        for label, opts in (("per_node", {"compiled_plan": 0}), ("plan", {}), ("plan_auto_graph", {"plan_auto_graph": 1})):
+            out[label] = self.timed_session(key, model, feeds, out_specs, first_out, torch_ref, res, label, **opts)
+            mine = out[label].get("eager")
+            if mine and torch_eager:
+                out[label]["ratio_to_torch_p50"] = mine["p50_us"] / torch_eager["p50_us"]
+                log(f"  {label} / torch eager at p50: {out[label]['ratio_to_torch_p50']:.2f}x")
+        try:
+            out["creation"] = self.creation_times(key)
+        except Exception as exc:  # noqa: BLE001
+            report_error(f"{key}/plan/creation", exc, res)
         return out
 
     def torch_graph(self, tm, x_t):
@@ -625,6 +717,27 @@ def markdown(results: dict, meta: dict) -> str:
             cap += " (NOT captured)"
         lines.append(f"| {k} | {cap} | {_p(a, 50)} | {_p(a, 90)} | {_p(a, 99)} | "
                      f"{_p(g.get('torch_graph_replay_call'), 50)} | {_p(g.get('raw_cupy_graph_launch_call'), 50)} |")
+
+    lines += ["", "#### Compiled plans (ABI v6): eager `run_with_iobinding`, before (per-node kernels, "
+              "`compiled_plan=0`) and after (plan; plan + `plan_auto_graph=1`), vs PyTorch eager", "",
+              "| model | nodes | plan: kernels + cuBLAS | per-node p50 | plan p50 | plan p90 | plan p99 | auto-graph p50 "
+              "| torch eager p50 | per-node/torch | plan/torch | auto-graph/torch | create cold ms | create warm ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, r in models.items():
+        pl = r.get("plan", {})
+        before, after, auto = pl.get("per_node", {}), pl.get("plan", {}), pl.get("plan_auto_graph", {})
+        torch_e = r.get("eager", {}).get("torch")
+        cre = pl.get("creation", {})
+
+        def ratio(d):
+            return f"{d['ratio_to_torch_p50']:.2f}x" if "ratio_to_torch_p50" in d else "n/a"
+
+        def ms(d):
+            return f"{d['create_ms']:.0f}" if isinstance(d, dict) and "create_ms" in d else "n/a"
+        lines.append(f"| {k} | {after.get('nodes', 'n/a')} | {after.get('kernels', 0)} + {after.get('cublas', 0)} | "
+                     f"{_p(before.get('eager'), 50)} | {_p(after.get('eager'), 50)} | {_p(after.get('eager'), 90)} | "
+                     f"{_p(after.get('eager'), 99)} | {_p(auto.get('eager'), 50)} | {_p(torch_e, 50)} | "
+                     f"{ratio(before)} | {ratio(after)} | {ratio(auto)} | {ms(cre.get('cold'))} | {ms(cre.get('warm'))} |")
 
     lines += ["", "#### Steady-state allocation around the replays (bytes)", "",
               "| model | replays | EP pool before | EP pool after | device free before | device free after | equal |",

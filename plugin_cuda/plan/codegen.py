@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
-from plugin_cuda.plan.fuse import Step
+from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
 from plugin_cuda.plan.lower import Program, _f32
 
 EW_BLOCK = 256
@@ -178,6 +178,82 @@ def ew_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
 
 
 def gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.group.gemm
+    a_shape = prog.values[op.inputs[0]].shape
+    rows = math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1
+    return gemv_kernel(prog, step, name) if rows <= SMALL_GEMM_MAX_ROWS else tiled_gemm_kernel(prog, step, name)
+
+
+def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """out[m, n] = epilogue(alpha * A @ B): 64x64 output tiles, 16-deep k slices staged in shared
+    memory, 256 threads computing 4x4 outputs each (rows ty + 16 i, columns tx + 16 j)."""
+    g = step.group
+    op = g.gemm
+    a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
+    k_dim, n_dim = b_shape
+    m_dim = math.prod(a_shape[:-1])
+    alpha = float(op.attrs.get("alpha", 1.0))
+    _check_size(prog, list(op.inputs) + g.leaves + g.exports)
+    if max(m_dim * k_dim, k_dim * n_dim, m_dim * n_dim) > INT32_MAX:
+        raise PlanError(f"GEMM in '{step.name}' is too large for int32 indexing")
+    body = _Body()
+    pa = body.pointer(op.inputs[0], const=True)
+    pb = body.pointer(op.inputs[1], const=True)
+    scaled = "acc[r][c]" if alpha == 1.0 else f"(acc[r][c] * {_f32(alpha)})"
+    lines = _epilogue(prog, body, g, g.shape, "i", "g0")
+    src = f"""extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(body.decls)}) {{
+  __shared__ float As[16][68];
+  __shared__ float Bs[16][68];
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
+  float acc[4][4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+  for (int k0 = 0; k0 < {k_dim}; k0 += 16) {{
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {{
+      const int e = tid + l * 256;
+      const int am = e >> 4, ak = e & 15, gm = row0 + am, gk = k0 + ak;
+      As[ak][am] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
+      const int bk = e >> 6, bn = e & 63, hk = k0 + bk, gn = col0 + bn;
+      Bs[bk][bn] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
+    }}
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {{
+      float a[4], b[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = As[kk][ty + 16 * r];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) b[c] = Bs[kk][tx + 16 * c];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
+    }}
+    __syncthreads();
+  }}
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {{
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {{
+      const int m = row0 + ty + 16 * r, n = col0 + tx + 16 * c;
+      if (m < {m_dim} && n < {n_dim}) {{
+        const int i = m * {n_dim} + n;
+        const float g0 = {scaled};
+        {(chr(10) + "        ").join(lines)}
+      }}
+    }}
+  }}
+}}
+"""
+    grid = (-(-n_dim // 64), -(-m_dim // 64), 1)
+    return KernelSpec(name, body.params, grid, (256, 1, 1), src, step)
+
+
+def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     """out[m, n] = epilogue(alpha * sum_k A[m, k] B[k, n]) for M <= 8 rows: 32 columns per block,
     `ks` k-slices per column reduced through shared memory, one row finalised per k-slice thread."""
     g = step.group

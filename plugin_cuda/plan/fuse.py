@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 from plugin_cuda.plan.lower import Op, Program
 
-SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel, not cuBLAS
+SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel
+# Multiply-adds up to which a GEMM with more rows is a generated tiled kernel (with its epilogue
+# fused) rather than cuBLAS: below it, cuBLAS's host cost per call outweighs its faster kernel.
+TILED_GEMM_MAX_MACS = 1 << 26
 
 
 @dataclass
@@ -42,14 +45,17 @@ class Step:
 
 
 def small_gemm(prog: Program, op: Op) -> bool:
-    """Whether a GEMM runs as a generated kernel: row-major A (M <= 8 rows) times a 2-D B."""
+    """Whether a GEMM runs as a generated kernel: row-major A times a 2-D B, few rows or few
+    multiply-adds (see SMALL_GEMM_MAX_ROWS, TILED_GEMM_MAX_MACS)."""
     if op.kind != "gemm" or op.attrs["trans_a"] or op.attrs["trans_b"]:
         return False
     a, b = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
     if len(b) != 2 or len(a) < 1:
         return False
     rows = math.prod(a[:-1]) if len(a) > 1 else 1
-    return 1 <= rows <= SMALL_GEMM_MAX_ROWS and b[0] >= 1 and b[1] >= 1
+    if rows < 1 or b[0] < 1 or b[1] < 1:
+        return False
+    return rows <= SMALL_GEMM_MAX_ROWS or rows * b[0] * b[1] <= TILED_GEMM_MAX_MACS
 
 
 def _consumers(prog: Program) -> dict:

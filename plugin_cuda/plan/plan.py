@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from plugin_cuda.cublas import check as cublas_check
 from plugin_cuda.plan import codegen, driver, kernel_cache
 from plugin_cuda.plan.errors import DriverError, PlanError
 from plugin_cuda.plan.fuse import build_steps
@@ -461,8 +462,6 @@ class _CublasStep:
         self.calls.append((fn, args, tuple(dynamic)))
 
     def __call__(self) -> None:
-        from plugin_cuda.cublas import check
-
         ext = self.inst.ext
         vp = self._vp
         for fn, args, dynamic in self.calls:
@@ -472,4 +471,4 @@ class _CublasStep:
                     args[pos] = vp(ext[j] + offset)
             status = fn(*args)
             if status:
-                check(status, f"cuBLAS GEMM of plan step '{self.name}'")
+                cublas_check(status, f"cuBLAS GEMM of plan step '{self.name}'")
