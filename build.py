@@ -68,6 +68,16 @@ def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT, version: int | None
     return builder.build_c_plugin(plugin, C_PLUGINS[plugin], library_path(plugin, version, out_dir), flags)
 
 
+HOSTILE_SOURCE = ROOT / "tests" / "hostile" / "hostile_plugin.c"
+
+
+def build_hostile(out_dir: Path = DEFAULT_OUT) -> list[Path]:
+    """The hostile test plugin (tests/hostile), and its variant whose CreateEpFactories is a data object."""
+    return [builder.build_c_plugin("hostile", HOSTILE_SOURCE, out_dir / "libephost_hostile.so"),
+            builder.build_c_plugin("hostile_data_entry", HOSTILE_SOURCE, out_dir / "libephost_hostile_data_entry.so",
+                                   ("-DHOSTILE_DATA_ENTRY",))]
+
+
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:
     built = []
     for name, spec in PYTHON_PLUGINS.items():
@@ -78,12 +88,14 @@ def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: i
     for name in C_PLUGINS:
         if plugin in (None, name):
             built.append(build_c_plugin(name, out_dir, version))
+    if plugin in (None, "hostile"):
+        built += build_hostile(out_dir)
     return built
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plugin", choices=sorted([*PYTHON_PLUGINS, *C_PLUGINS]), help="build only this plugin")
+    p.add_argument("--plugin", choices=sorted([*PYTHON_PLUGINS, *C_PLUGINS, "hostile"]), help="build only this plugin")
     p.add_argument("--abi-version", type=int, choices=list(abi.SUPPORTED_VERSIONS),
                    help="target ABI version of a plugin (default: every version a Python plugin supports, the "
                         "current one for a C plugin)")

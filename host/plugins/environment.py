@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import logging
 import threading
+import weakref
 from pathlib import Path
 
 import abi
@@ -10,6 +14,10 @@ from host.errors import InvalidArgument, PluginLoadError
 from host.plugins.builtin import builtin_registration_name, find_builtin_plugin  # noqa: F401 (re-export)
 from host.plugins.hostapi import HostApi
 from host.plugins.loader import EpDeviceInfo, PluginRegistration
+
+_log = logging.getLogger("ephost")
+_ENVIRONMENTS: weakref.WeakSet = weakref.WeakSet()  # closed at interpreter exit, sessions first
+_SERIALS = itertools.count()
 
 
 class Environment:
@@ -24,11 +32,37 @@ class Environment:
         self._plugins: dict[str, PluginRegistration] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Sessions created on this environment, in creation order; weak, so that a session nobody
+        # holds can still be garbage collected (its finalizer closes it and forgets it here).
+        self._sessions: dict[int, weakref.ref] = {}
+        _ENVIRONMENTS.add(self)
+
+    # -- sessions ------------------------------------------------------------------------------
+    def track_session(self, session) -> None:
+        """Called by a new InferenceSession: close() closes it before releasing any plugin."""
+        if self._closed:
+            raise InvalidArgument("this Environment is closed; create a new one")
+        key = next(_SERIALS)
+        session._env_key = key
+        with self._lock:
+            self._sessions[key] = weakref.ref(session)
+
+    def forget_session(self, session) -> None:
+        with self._lock:
+            self._sessions.pop(getattr(session, "_env_key", None), None)
+
+    def sessions(self) -> list:
+        """The sessions of this environment that are still open, oldest first."""
+        with self._lock:
+            refs = list(self._sessions.values())
+        return [s for s in (r() for r in refs) if s is not None and not s._closed]
 
     def register_plugin(self, name: str, path: str | Path) -> PluginRegistration:
         """Load the library at `path` and create its factories under `name`."""
         if not name or not isinstance(name, str):
             raise InvalidArgument(f"plugin registration name must be a non-empty string, got {name!r}")
+        if self._closed:
+            raise InvalidArgument("this Environment is closed; create a new one")
         with self._lock:
             if name in self._plugins:
                 raise InvalidArgument(f"a plugin is already registered as {name!r} "
@@ -84,15 +118,32 @@ class Environment:
         return self.find_factory(provider)[1] is not None
 
     def close(self) -> None:
+        """Close every open session (newest first), then release every plugin (newest first).
+
+        Idempotent. When something still holds a plugin after the sessions were closed, nothing is
+        released and the environment stays open (close() can be retried): never half torn down."""
         if self._closed:
             return
         errors = []
-        for name in list(self._plugins):
+        for session in reversed(self.sessions()):
+            try:
+                session.close()
+            except Exception as exc:  # noqa: BLE001 - every session is closed; the first failure is reported
+                errors.append(f"closing a session failed: {exc}")
+        busy = {name: reg._users for name, reg in self._plugins.items() if reg._users > 0}
+        if busy:
+            raise PluginLoadError(
+                "Environment.close(): plugin(s) still used by sessions that could not be closed: "
+                + ", ".join(f"{n!r} ({u} session(s))" for n, u in busy.items())
+                + (f" ({'; '.join(errors)})" if errors else "") + "; nothing was released")
+        self._closed = True
+        for name in reversed(list(self._plugins)):
             try:
                 self.unregister_plugin(name)
             except PluginLoadError as exc:
                 errors.append(str(exc))
-        self._closed = True
+        with self._lock:
+            self._sessions.clear()
         if errors:
             raise PluginLoadError("; ".join(errors))
 
@@ -101,3 +152,14 @@ class Environment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit: sessions, then EPs, then factories, in that order, and silently (left to
+    garbage collection, their order is arbitrary and allocations outlive their allocators)."""
+    for env in list(_ENVIRONMENTS):
+        try:
+            env.close()
+        except Exception as exc:  # noqa: BLE001 - exit goes on
+            _log.debug("closing an Environment at exit failed: %s", exc)

@@ -10,7 +10,7 @@ import abi
 from host.errors import EpError, InvalidArgument, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.hostapi import ffi
-from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate
+from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate, release_rejected, text
 
 _log = logging.getLogger("ephost")
 CPU_LOCATION = (abi.DEVICE_CPU, 0)
@@ -40,7 +40,7 @@ class SyncStream:
         """Make `consumer` (or the host when None) wait for the work queued so far on this stream."""
         out = ffi.new("EpNotification**")
         hostapi.check(self.slots.CreateNotification(self.ptr, out), f"{self.owner}: CreateNotification")
-        n = negotiate("EpNotification", out[0], self.slots.negotiated, self.owner)
+        n = negotiate_or_release("EpNotification", out[0], self.slots.negotiated, self.owner)
         try:
             hostapi.check(n.Activate(n.ptr), f"{self.owner}: Notification.Activate")
             if consumer is None:
@@ -72,20 +72,35 @@ class PluginEp:
             raise EpError(f"{self.owner} has no device")
         self._keep: list = []
         self._closed = False
+        self.transfer = self.allocator = None
+        self._streams: list[SyncStream] = []
+        self._stream_lock = threading.Lock()
         self.slots = self._create_ep(options, session_config)
         self.ptr = self.slots.ptr
+        try:
+            self._init_after_create(factory)
+        except BaseException:
+            self.close()  # what was acquired goes, in reverse order, the EP last
+            raise
+
+    def _init_after_create(self, factory: Factory) -> None:
         name = self.slots.GetName(self.ptr)
-        self.name = ffi.string(name).decode() if name != ffi.NULL else factory.name
+        self.name = text(name, f"{self.owner}: Ep.GetName", EpError) if name != ffi.NULL else factory.name
         self.device = factory.devices[0]
         self.meminfo = factory.device_structs[0].memory_info
         self.location = (self.device.device_type, self.device.device_id)
         self.allocator = self._create_allocator()
         self.transfer = self._create_transfer()
         fs = factory.slots
-        self.stream_aware = bool(fs.IsStreamAware(fs.ptr)) if fs.IsStreamAware is not None else False
-        self._streams: list[SyncStream] = []
-        self._stream_lock = threading.Lock()
+        self.stream_aware = (self._flag(fs.IsStreamAware(fs.ptr), "EpFactory.IsStreamAware")
+                             if fs.IsStreamAware is not None else False)
         self.concurrent_runs = self._concurrent_supported()
+
+    def _flag(self, value: int, slot: str) -> bool:
+        """An int32 yes/no from a plugin: 0 or 1, anything else is a broken plugin, not a "yes"."""
+        if value not in (0, 1):
+            raise EpError(f"{self.owner}: {slot} returned {int(value)}; expected 0 or 1")
+        return bool(value)
 
     # -- creation ------------------------------------------------------------------------
     def _create_ep(self, options: dict[str, str], session_config: dict[str, str]) -> Slots:
@@ -109,6 +124,7 @@ class PluginEp:
         except PluginLoadError:
             if out[0] != ffi.NULL:
                 f.slots.ReleaseEp(f.ptr, out[0])
+            hostapi.SESSION_OPTIONS.drop(sess_ptr)
             raise
 
     def _create_allocator(self) -> Slots | None:
@@ -122,12 +138,19 @@ class PluginEp:
             if self.location != CPU_LOCATION:
                 raise EpError(f"{self.owner}: device memory needs an allocator, and the plugin gave none")
             return None
-        slots = negotiate("EpAllocator", out[0], self.slots.negotiated, self.owner)
         fs = self.factory.slots
+        try:
+            slots = negotiate("EpAllocator", out[0], self.slots.negotiated, self.owner)
+        except PluginLoadError:
+            if fs.ReleaseAllocator is not None:
+                fs.ReleaseAllocator(fs.ptr, out[0])
+            raise
         if fs.ReleaseAllocator is not None:
             # Live allocations keep the Slots object alive; the allocator goes when the last does,
             # or when the plugin is unregistered, whichever comes first (never after its factory).
-            fin = weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr)
+            # `released` tells allocations that outlive it (a caller's output at exit) not to Free into it.
+            slots.released = released = [False]
+            fin = weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr, released)
             alive = [f for f in self.factory.allocator_finalizers if f.alive]  # drop the ones that ran
             self.factory.allocator_finalizers[:] = [*alive, fin]
         return slots
@@ -140,7 +163,7 @@ class PluginEp:
         hostapi.check(fs.CreateDataTransfer(fs.ptr, out), f"{self.owner}: CreateDataTransfer")
         if out[0] == ffi.NULL:
             return None
-        return negotiate("EpDataTransfer", out[0], self.slots.negotiated, self.owner)
+        return negotiate_or_release("EpDataTransfer", out[0], self.slots.negotiated, self.owner)
 
     def _concurrent_supported(self) -> bool:
         # Where the plugin cannot say (v1, or a NULL slot), concurrent runs are assumed unsafe.
@@ -149,7 +172,7 @@ class PluginEp:
             return False
         out = ffi.new("int32_t*", 0)
         hostapi.check(fn(self.ptr, out), f"{self.owner}: IsConcurrentRunSupported")
-        return bool(out[0])
+        return self._flag(out[0], "Ep.IsConcurrentRunSupported")
 
     def create_stream(self) -> SyncStream | None:
         if not self.stream_aware:
@@ -164,7 +187,8 @@ class PluginEp:
                           f"{self.owner}: factory CreateSyncStreamForDevice")
         if out[0] == ffi.NULL:
             return None
-        stream = SyncStream(negotiate("EpSyncStream", out[0], self.slots.negotiated, self.owner), self.owner)
+        stream = SyncStream(negotiate_or_release("EpSyncStream", out[0], self.slots.negotiated, self.owner),
+                            self.owner)
         with self._stream_lock:
             self._streams.append(stream)
         return stream
@@ -174,28 +198,49 @@ class PluginEp:
         s = self.slots
         if s.IsGraphCaptureEnabled is None or s.IsGraphCaptured is None or s.ReplayGraph is None:
             return False
-        return bool(s.IsGraphCaptureEnabled(self.ptr))
+        return self._flag(s.IsGraphCaptureEnabled(self.ptr), "Ep.IsGraphCaptureEnabled")
 
     def graph_policy(self) -> int:
         fn = self.slots.GetGraphCaptureNodeAssignmentPolicy
-        return abi.GRAPH_ALL_NODES_ON_EP if fn is None else int(fn(self.ptr))
+        if fn is None:
+            return abi.GRAPH_ALL_NODES_ON_EP
+        policy = int(fn(self.ptr))
+        if policy not in (abi.GRAPH_ALL_NODES_ON_EP, abi.GRAPH_ALLOW_CPU_FOR_SHAPES):
+            raise EpError(f"{self.owner}: Ep.GetGraphCaptureNodeAssignmentPolicy returned {policy}; expected "
+                          f"{abi.GRAPH_ALL_NODES_ON_EP} (ALL_NODES_ON_EP) or {abi.GRAPH_ALLOW_CPU_FOR_SHAPES} "
+                          "(ALLOW_CPU_FOR_SHAPES)")
+        return policy
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
+        """Release streams, the data transfer and the EP, in reverse order of creation; closing twice
+        (or after a failed __init__) is fine."""
         if self._closed:
             return
         self._closed = True
-        for s in self._streams:
+        with self._stream_lock:
+            streams, self._streams = self._streams, []
+        for s in reversed(streams):
             s.close()
-        self._streams.clear()
-        if self.transfer is not None:
-            self.transfer.Release(self.transfer.ptr)
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            transfer.Release(transfer.ptr)
         self.allocator = None
         self.factory.slots.ReleaseEp(self.factory.ptr, self.ptr)
         hostapi.SESSION_OPTIONS.drop(self._session_options)
 
 
-def _release_allocator(release, factory_ptr, allocator_ptr) -> None:
+def negotiate_or_release(table: str, ptr, host_version: int, owner: str) -> Slots:
+    """negotiate(), releasing the table through its own Release slot when the host rejects it."""
+    try:
+        return negotiate(table, ptr, host_version, owner)
+    except PluginLoadError:
+        release_rejected(table, ptr)
+        raise
+
+
+def _release_allocator(release, factory_ptr, allocator_ptr, released: list) -> None:
+    released[0] = True
     try:
         release(factory_ptr, allocator_ptr)
     except Exception:  # noqa: BLE001 - runs from a finalizer

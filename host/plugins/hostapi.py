@@ -17,6 +17,7 @@ from host.errors import EpError
 _log = logging.getLogger("ephost.plugin")
 
 EP_ABI = abi.ABI_VERSION
+MAX_RANK = 64  # the highest tensor rank a plugin may report (checked before any dim is read)
 ffi = abi.ffi_for(EP_ABI)
 
 
@@ -50,6 +51,8 @@ class StatusStore:
 
 
 STATUSES = StatusStore()
+# Handed out only when even creating a status fails; it is never released (release is a no-op for it).
+_FAILED_STATUS = ffi.cast("EpStatus*", ffi.new("char[1]"))
 
 
 def check(status, what: str, error=EpError) -> None:
@@ -142,14 +145,33 @@ def _status(code: int, message: str):
 
 
 # ---- callbacks (module level so that every HostApi shares them) ---------------------------
+# Every callback is guarded: an exception inside one must never reach cffi's default return
+# value, which for a status is NULL, i.e. "OK". Status callbacks answer EP_RUNTIME_EXCEPTION
+# with the exception's text; the others log and return their documented neutral value.
 
-@ffi.callback("EpStatus*(int32_t, const char*)")
+def _status_onerror(exc_type, exc, tb):
+    _log.error("host callback failed: %s: %s", getattr(exc_type, "__name__", exc_type), exc)
+    try:
+        return STATUSES.create(abi.EP_RUNTIME_EXCEPTION,
+                               f"host callback failed: {getattr(exc_type, '__name__', exc_type)}: {exc}"
+                               .encode("utf-8", "replace"))
+    except BaseException:  # noqa: BLE001 - no memory for a status: the static one still says "failed"
+        return _FAILED_STATUS
+
+
+def _log_onerror(exc_type, exc, tb):
+    _log.error("host callback failed: %s: %s", getattr(exc_type, "__name__", exc_type), exc)
+    return None
+
+
+
+@ffi.callback("EpStatus*(int32_t, const char*)", onerror=_status_onerror)
 def _create_status(code, message):
     text = ffi.string(message) if message != ffi.NULL else b""
     return STATUSES.create(code, text)
 
 
-@ffi.callback("int32_t(const EpStatus*)", error=abi.EP_INVALID_ARGUMENT)
+@ffi.callback("int32_t(const EpStatus*)", error=abi.EP_INVALID_ARGUMENT, onerror=_log_onerror)
 def _get_error_code(status):
     item = STATUSES.get(status)
     return abi.EP_INVALID_ARGUMENT if item is None else item[0]
@@ -158,30 +180,39 @@ def _get_error_code(status):
 _UNKNOWN = ffi.new("char[]", b"unknown status (not created by this host)")
 
 
-@ffi.callback("const char*(const EpStatus*)")
+def _message_onerror(exc_type, exc, tb):
+    _log_onerror(exc_type, exc, tb)
+    return _UNKNOWN
+
+
+@ffi.callback("const char*(const EpStatus*)", onerror=_message_onerror)
 def _get_error_message(status):
     item = STATUSES._items.get(int(ffi.cast("uintptr_t", status)))
     return _UNKNOWN if item is None else item[1]
 
 
-@ffi.callback("void(EpStatus*)")
+@ffi.callback("void(EpStatus*)", onerror=_log_onerror)
 def _release_status(status):
     STATUSES.release(status)
 
 
-@ffi.callback("void(const EpLogger*, int32_t, const char*)")
+@ffi.callback("void(const EpLogger*, int32_t, const char*)", onerror=_log_onerror)
 def _logger_log(logger, severity, message):
     name = LOGGERS.name(logger) if logger != ffi.NULL else "unknown"
     text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
     logging.getLogger(f"ephost.plugin.{name}").log(_SEVERITY.get(severity, logging.INFO), "%s", text)
 
 
-@ffi.callback("EpStatus*(const EpSessionOptions*, const char*, char*, size_t*)")
+@ffi.callback("EpStatus*(const EpSessionOptions*, const char*, char*, size_t*)", onerror=_status_onerror)
 def _get_config_entry(options, key, value, size):
     entries = SESSION_OPTIONS.get(options)
     if entries is None or key == ffi.NULL or size == ffi.NULL:
         return _status(abi.EP_INVALID_ARGUMENT, "SessionOptions_GetConfigEntry: bad session options, key or size")
-    name = ffi.string(key).decode()
+    try:
+        name = ffi.string(key).decode("utf-8")
+    except UnicodeDecodeError:
+        return _status(abi.EP_INVALID_ARGUMENT, f"SessionOptions_GetConfigEntry: the key is not valid UTF-8 "
+                                                f"({ffi.string(key)[:64]!r}); keys are UTF-8 text")
     if name not in entries:
         return _status(abi.EP_NOT_FOUND, f"no session config entry {name!r}")
     data = entries[name].encode() + b"\0"
@@ -197,8 +228,15 @@ def _get_config_entry(options, key, value, size):
     return ffi.NULL
 
 
-def _context_call(name: str, context, fn):
+def _live_context(context):
+    """The host object behind a kernel context, or None when the pointer is unknown or its Compute
+    call has returned (a context, like every handle lent for one call, is valid only during it)."""
     obj = CONTEXTS.get(context)
+    return obj if obj is not None and getattr(obj, "active", True) else None  # stand-ins in tests have no flag
+
+
+def _context_call(name: str, context, fn):
+    obj = _live_context(context)
     if obj is None:
         return _status(abi.EP_INVALID_ARGUMENT, f"{name}: unknown kernel context (a bad pointer or a "
                                                 "context used outside Compute)")
@@ -209,21 +247,24 @@ def _context_call(name: str, context, fn):
         return _status(code, f"{name}: {exc}")
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, const EpKernelIO**)")
+@ffi.callback("EpStatus*(EpKernelContext*, const EpKernelIO**)", onerror=_status_onerror)
 def _kc_get_io(context, io):
-    obj = CONTEXTS.get(context)
+    obj = _live_context(context)
     if obj is None or io == ffi.NULL:
         return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetIO: unknown kernel context or NULL out")
     io[0] = obj.io
     return ffi.NULL
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)")
+@ffi.callback("EpStatus*(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)", onerror=_status_onerror)
 def _kc_get_output(context, index, shape, ndim, out):
-    obj = CONTEXTS.get(context)
-    if obj is None or out == ffi.NULL or ndim < 0 or (ndim > 0 and shape == ffi.NULL):
+    obj = _live_context(context)
+    if obj is None or out == ffi.NULL or (ndim > 0 and shape == ffi.NULL):
         return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetOutput: unknown kernel context (a bad pointer "
                                                 "or a context used outside Compute), NULL out or bad shape")
+    if not 0 <= ndim <= MAX_RANK:  # checked before a single dim is read
+        return _status(abi.EP_INVALID_ARGUMENT, f"KernelContext_GetOutput: rank {int(ndim)} is not allowed; "
+                                                f"expected 0..{MAX_RANK}")
     try:
         out[0] = obj.get_output(index, tuple(shape[0:ndim]) if ndim else ())
     except Exception as exc:  # noqa: BLE001 - every failure becomes a status for the plugin
@@ -231,17 +272,21 @@ def _kc_get_output(context, index, shape, ndim, out):
     return ffi.NULL
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, void**)")
+@ffi.callback("EpStatus*(EpKernelContext*, void**)", onerror=_status_onerror)
 def _kc_get_stream(context, stream):
     def run(obj):
+        if stream == ffi.NULL:
+            return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetGPUComputeStream: NULL out pointer")
         stream[0] = obj.io.gpu_compute_stream
         return ffi.NULL
     return _context_call("KernelContext_GetGPUComputeStream", context, run)
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, EpSyncStream**)")
+@ffi.callback("EpStatus*(EpKernelContext*, EpSyncStream**)", onerror=_status_onerror)
 def _kc_get_sync_stream(context, stream):
     def run(obj):
+        if stream == ffi.NULL:
+            return _status(abi.EP_INVALID_ARGUMENT, "KernelContext_GetSyncStream: NULL out pointer")
         stream[0] = obj.sync_stream if obj.sync_stream is not None else ffi.NULL
         return ffi.NULL
     return _context_call("KernelContext_GetSyncStream", context, run)
@@ -271,7 +316,7 @@ class FuseRegistry:
 FUSE_GROUPS = FuseRegistry()
 
 
-@ffi.callback("EpStatus*(const EpGraphView*, const int32_t*, size_t)")
+@ffi.callback("EpStatus*(const EpGraphView*, const int32_t*, size_t)", onerror=_status_onerror)
 def _graph_add_nodes_to_fuse(graph, nodes, count):
     groups = FUSE_GROUPS.get(graph)
     if groups is None:
@@ -280,6 +325,9 @@ def _graph_add_nodes_to_fuse(graph, nodes, count):
     if count == 0 or nodes == ffi.NULL:
         return _status(abi.EP_INVALID_ARGUMENT, f"Graph_AddNodesToFuse: expected 1 or more node indices; "
                                                 f"got count {int(count)}{' and NULL' if nodes == ffi.NULL else ''}")
+    if count > graph.num_nodes:  # checked before reading: a lying count must not walk off the array
+        return _status(abi.EP_INVALID_ARGUMENT, f"Graph_AddNodesToFuse: count {int(count)} exceeds the graph's "
+                                                f"{graph.num_nodes} node(s)")
     group = tuple(int(nodes[i]) for i in range(count))
     bad = [i for i in group if not 0 <= i < graph.num_nodes]
     if bad:
@@ -294,7 +342,7 @@ def _graph_add_nodes_to_fuse(graph, nodes, count):
 _VERSION_STRING = ffi.new("char[]", b"ephost 0.1.0")
 
 
-@ffi.callback("const char*(void)")
+@ffi.callback("const char*(void)", onerror=_log_onerror)
 def _get_version_string():
     return _VERSION_STRING
 
@@ -334,7 +382,7 @@ class HostApi:
         abi.check_known_version(api_version)
         self.version = api_version
         self._tables = {v: _api_table(v) for v in range(abi.ABI_MIN_VERSION, api_version + 1)}
-        self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup)
+        self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup, onerror=_log_onerror)
         self.base = ffi.new("EpApiBase*")
         self.base.struct_size = ffi.sizeof("EpApiBase")
         self.base.version = api_version

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sysconfig
 import threading
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ def check_library_file(path: Path) -> None:
                 raise PluginLoadError(f"plugin '{path}': ELF type {elf['e_type']}, expected a shared library")
             needed = [tag.needed for sec in elf.iter_sections() if isinstance(sec, DynamicSection)
                       for tag in sec.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
+            _check_entry_symbols(elf, path)
+            _check_embedded_root(elf, path)
     except PluginLoadError:
         raise
     except (ELFError, OSError, ValueError, KeyError, AssertionError) as exc:
@@ -112,6 +115,44 @@ def check_library_file(path: Path) -> None:
             raise PluginLoadError(
                 f"plugin '{path}' links {lib}, but this interpreter is {ours}; rebuild the plugin with "
                 f"this Python (python build.py)")
+
+
+ENTRY_SYMBOLS = ("CreateEpFactories", "ReleaseEpFactory")
+_FUNCTION_TYPES = ("STT_FUNC", "STT_GNU_IFUNC")
+
+
+def _check_entry_symbols(elf, path: Path) -> None:
+    """An entry symbol that exists but is not code (a data object) would be called and crash the
+    process: its ELF symbol type is checked before dlopen. Missing symbols are left to dlopen's
+    lookup, which also sees symbols of linked libraries."""
+    dynsym = elf.get_section_by_name(".dynsym")
+    if dynsym is None:
+        return
+    for name in ENTRY_SYMBOLS:
+        for sym in dynsym.get_symbol_by_name(name) or ():
+            kind = sym["st_info"]["type"]
+            if sym["st_shndx"] != "SHN_UNDEF" and kind not in _FUNCTION_TYPES:
+                raise PluginLoadError(f"plugin '{path}': entry symbol {name} is not a function (ELF symbol type "
+                                      f"{kind}); a plugin must export {' and '.join(ENTRY_SYMBOLS)} as functions")
+
+
+_EMBEDDED_ROOT = re.compile(rb"if '([^'\\]+)' not in sys\.path:\n    sys\.path\.insert\(0, ")
+
+
+def _check_embedded_root(elf, path: Path) -> None:
+    """A cffi-embedded Python plugin imports its code from the checkout it was built in; when that
+    checkout is moved or deleted, its init code fails inside the plugin with a bare traceback.
+    Say so before loading it."""
+    section = elf.get_section_by_name(".rodata")
+    if section is None or section["sh_size"] > 64 << 20:
+        return
+    match = _EMBEDDED_ROOT.search(section.data())
+    if match is None:
+        return
+    root = match.group(1).decode("utf-8", "replace")
+    if not os.path.isdir(root):
+        raise PluginLoadError(f"plugin '{path}' was built for the checkout {root}, which no longer exists (moved "
+                              f"or deleted); rebuild the plugin from the current checkout (python build.py)")
 
 
 def open_library(path: Path):
@@ -175,9 +216,38 @@ class Factory:
         return f"plugin '{self.registration}' ({self.path})"
 
 
-def _string(fn, ptr) -> str:
-    p = fn(ptr)
-    return "" if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+MAX_NAME_BYTES = 4096
+
+
+def text(p, what: str, error=PluginLoadError, allow_null: bool = True) -> str:
+    """A C string from a plugin (a name): NULL is "" where allowed; it must be UTF-8."""
+    if p == ffi.NULL:
+        if allow_null:
+            return ""
+        raise error(f"{what} returned NULL; expected a UTF-8 name")
+    raw = ffi.string(p, MAX_NAME_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{what} is not valid UTF-8 ({raw[:40]!r}); names must be UTF-8 text") from None
+
+
+def release_rejected(table: str, ptr, release_slot: str = "Release") -> bool:
+    """Release a plugin table the host rejected (a NULL mandatory slot, ...) through its own Release
+    slot, where its version and struct_size still say where that slot is. A table of an unknown
+    version or too short to hold the slot cannot be released safely: it is left to its plugin."""
+    if ptr == ffi.NULL:
+        return False
+    version, size = int(ptr.version), int(ptr.struct_size)
+    if not abi.ABI_MIN_VERSION <= version < abi.ABI_NEXT_GENERATION:
+        return False
+    if size < ffi.offsetof(table, release_slot) + ffi.sizeof("void*"):
+        return False
+    fn = getattr(ptr, release_slot)
+    if fn == ffi.NULL:
+        return False
+    fn(ptr)
+    return True
 
 
 class PluginRegistration:
@@ -207,32 +277,48 @@ class PluginRegistration:
         if n == 0:
             raise PluginLoadError(f"{self._owner()}: CreateEpFactories returned no factory")
         if n > MAX_FACTORIES:
+            self._release_raw(out, MAX_FACTORIES)  # what it did write, in the room it was given
             raise PluginLoadError(f"{self._owner()}: reported {n} factories; at most {MAX_FACTORIES} allowed")
         try:
             for i in range(n):
                 slots = negotiate("EpFactory", out[i], self.env.api_version, self._owner())
                 self.factories.append(self._describe(slots))
         except Exception:
-            for i in range(n):
-                if out[i] != ffi.NULL:
-                    self.library.ReleaseEpFactory(out[i])
+            self._release_raw(out, n)
             self.factories.clear()
             raise
 
+    def _release_raw(self, out, n: int) -> None:
+        """Release factories the host will not use, in reverse order; their errors are only logged."""
+        for i in reversed(range(n)):
+            if out[i] != ffi.NULL:
+                try:
+                    hostapi.check(self.library.ReleaseEpFactory(out[i]), f"{self._owner()}: ReleaseEpFactory")
+                except EpError as exc:
+                    _log.warning("%s", exc)
+
     def _describe(self, slots: Slots) -> Factory:
         f = Factory(self.name, self.path, slots, self.env.api_version)
-        f.name = _string(slots.GetName, slots.ptr)
-        f.vendor = _string(slots.GetVendor, slots.ptr)
-        f.plugin_version = _string(slots.GetVersion, slots.ptr) if slots.GetVersion else ""
+        owner = self._owner()
+        f.name = text(slots.GetName(slots.ptr), f"{owner}: EpFactory.GetName", PluginLoadError, allow_null=False)
+        f.vendor = text(slots.GetVendor(slots.ptr), f"{owner}: EpFactory.GetVendor", PluginLoadError)
+        f.plugin_version = (text(slots.GetVersion(slots.ptr), f"{owner}: EpFactory.GetVersion", PluginLoadError)
+                            if slots.GetVersion else "")
         devs = ffi.new("EpDevice[]", MAX_DEVICES)
         count = ffi.new("size_t*", 0)
         hostapi.check(slots.GetSupportedDevices(slots.ptr, devs, MAX_DEVICES, count),
-                      f"{self._owner()}: GetSupportedDevices", PluginLoadError)
+                      f"{owner}: GetSupportedDevices", PluginLoadError)
+        n = int(count[0])
+        if n > MAX_DEVICES:
+            raise PluginLoadError(f"{owner}: EpFactory.GetSupportedDevices reported {n} devices; the host gave "
+                                  f"room for {MAX_DEVICES}, so at most {MAX_DEVICES} are allowed")
         f.device_structs = devs
-        for i in range(min(int(count[0]), MAX_DEVICES)):
+        for i in range(n):
             d = devs[i]
-            mem = _string(lambda p: p.name, d.memory_info) if d.memory_info != ffi.NULL else ""
-            name = ffi.string(d.name).decode() if d.name != ffi.NULL else ""
+            where = f"{owner}: EpFactory.GetSupportedDevices device {i}"
+            mem = text(d.memory_info.name, f"{where} memory_info.name", PluginLoadError) \
+                if d.memory_info != ffi.NULL else ""
+            name = text(d.name, f"{where} name", PluginLoadError)
             f.devices.append(EpDeviceInfo(f.name, f.vendor, d.device_type, d.device_id, d.vendor_id, name,
                                           mem, self.name))
         return f

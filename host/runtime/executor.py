@@ -82,6 +82,7 @@ class KernelContext:
         self.stream = stream
         self.sync_stream = stream.ptr if stream is not None else None
         self.io.gpu_compute_stream = stream.handle if stream is not None else _NULL
+        self.active = False  # True only during Compute: a kept context is refused afterwards
         self.handle, self.key, self._holder = CONTEXTS.add(self)
         self.compute = node.kernel.Compute
         self.kernel_ptr = node.kernel.ptr
@@ -90,6 +91,7 @@ class KernelContext:
         if not 0 <= index < len(self.node.outputs):
             raise InvalidArgument(f"output index {index} out of range 0..{len(self.node.outputs) - 1}")
         vid = self.node.outputs[index]
+        check_output_dims(dims, self.run.executor.dtype_of(vid), f"output {index} of node '{self.node.name}'")
         value = self.run.make_output(vid, dims, self.ep, self.stream)
         self.run.fill(self.outputs[index], value)
         return self.outputs + index
@@ -121,6 +123,11 @@ class RunState:
         for c in self.contexts.values():
             c.close()
         self.contexts.clear()
+        # Values of the last run go now, while their allocators exist: a traceback that still
+        # references this state (a failed run) must not carry them past the plugin's release.
+        self.values = [None] * len(self.values)
+        self.keep.clear()
+        self.bound_outputs = {}
 
     # -- values ------------------------------------------------------------------------------
     def shape_array(self, shape: tuple):
@@ -162,6 +169,20 @@ class RunState:
             value = DeviceTensor(alloc.ptr, dims, dtype, ep.location[0], ep.location[1], alloc, stream)
         self.values[vid] = value
         return value
+
+
+MAX_TENSOR_BYTES = 1 << 62  # beyond any real device; keeps shape arithmetic inside int64
+
+
+def check_output_dims(dims: tuple, dtype: np.dtype, what: str) -> None:
+    """Dims a plugin asked for: each an integer >= 0, and the byte count inside int64 (checked
+    before anything is allocated)."""
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what}: dims {list(dims)} have a negative dimension; dims must be >= 0")
+    count = math.prod(dims)
+    if count * dtype.itemsize > MAX_TENSOR_BYTES:
+        raise InvalidArgument(f"{what}: dims {list(dims)} hold {count} elements of {dtype.itemsize} bytes, beyond "
+                              f"the {MAX_TENSOR_BYTES} bytes a tensor may have")
 
 
 def _location(value) -> tuple[int, int]:
@@ -293,13 +314,24 @@ class Executor:
                 ins[j].data, ins[j].ndim = _NULL, -1
                 continue
             st.fill(ins[j], self._input_for(st, vid, ep.location, ctx.stream, ep))
-        status = ctx.compute(ctx.kernel_ptr, ctx.handle)
+        ctx.active = True
+        try:
+            status = ctx.compute(ctx.kernel_ptr, ctx.handle)
+        finally:
+            ctx.active = False
+            for j in range(len(node.outputs)):
+                ctx.outputs[j].data = _NULL  # an EpTensor* kept past the call points nowhere
         if status != _NULL:
             try:
                 hostapi.check(status, f"node '{node.name}' ({node.op_type}) on {ep.name}", KernelError)
             except KernelError as exc:
                 exc.node, exc.ep = node.name, ep.name
                 raise
+        for j, vid in enumerate(node.outputs):
+            if vid >= 0 and st.values[vid] is None:
+                raise KernelError(f"node '{node.name}' ({node.op_type}) on {ep.owner} returned OK without producing "
+                                  f"output {j} ('{self.plan.value_names[vid]}'); a kernel must call "
+                                  "KernelContext_GetOutput for every output", node.name, ep.name)
         if ctx.stream is not None:
             for vid in node.outputs:
                 if vid >= 0:
@@ -310,7 +342,9 @@ class Executor:
         """Copy `value` to `location` with the data-transfer table of the EP on the device side."""
         device_ep = ep if ep is not None and location != CPU_LOCATION else self._ep_at(_location(value))
         if device_ep is None or device_ep.transfer is None:
-            raise EpError(f"no data transfer can copy from {_location(value)} to {location}")
+            how = "" if device_ep is None else (f"; {device_ep.owner} gave none (EpFactory.CreateDataTransfer is "
+                                                "NULL or returned no table)")
+            raise EpError(f"no data transfer can copy from {_location(value)} to {location}{how}")
         src = ffi.new("EpTensor*")
         dst = ffi.new("EpTensor*")
         st = self.state()

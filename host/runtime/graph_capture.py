@@ -106,7 +106,7 @@ class GraphCapture:
 
     # -- runs --------------------------------------------------------------------------------------
     def captured(self, gid: int) -> bool:
-        return bool(self.ep.slots.IsGraphCaptured(self.ep.ptr, gid))
+        return self.ep._flag(self.ep.slots.IsGraphCaptured(self.ep.ptr, gid), "Ep.IsGraphCaptured")  # 0 or 1 only
 
     def run(self, binding, ro) -> None:
         s = self.session

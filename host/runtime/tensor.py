@@ -16,6 +16,8 @@ from abi.dtypes import to_numpy, to_onnx
 from host.errors import InvalidArgument, OutOfMemoryError
 from host.plugins.hostapi import STATUSES, ffi
 
+_LIVE = (False,)
+
 
 class Allocation:
     """`size` bytes from an EP allocator; freed by close() or when garbage collected.
@@ -45,7 +47,9 @@ class Allocation:
 
     def close(self) -> None:
         allocator, self._allocator = self._allocator, None
-        if allocator is not None:
+        # An allocator released with its factory (plugin unregistered, interpreter exit) took its
+        # memory with it: freeing into it would only make the plugin complain about a stale pointer.
+        if allocator is not None and not getattr(allocator, "released", _LIVE)[0]:
             try:
                 allocator.Free(allocator.ptr, ffi.cast("void*", self.ptr))
             except Exception:  # noqa: BLE001 - also runs from __del__, which must not raise
