@@ -41,13 +41,13 @@ class OpKernel:
         except EphostError:
             raise
         except Exception as exc:
-            raise KernelError(
-                f"node '{self.name}' ({self.op_type}) on {EP_NAME} failed: {exc}",
-                node=self.name,
-                ep=EP_NAME,
-            ) from exc
+            raise self.failure(exc) from exc
         # numpy reductions return numpy scalars; callers always get arrays.
         return tuple(o if isinstance(o, np.ndarray) else np.asarray(o) for o in outputs)
+
+    def failure(self, exc: Exception) -> KernelError:
+        """The KernelError for an exception raised by `_run`, naming the node."""
+        return KernelError(f"node '{self.name}' ({self.op_type}) on {EP_NAME} failed: {exc}", node=self.name, ep=EP_NAME)
 
     def _run(self, *inputs: np.ndarray | None) -> tuple[np.ndarray, ...]:
         raise NotImplementedError(f"{type(self).__name__} does not implement _run")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis, scalar
 from host.cpu_ep.registry import register
@@ -63,21 +63,23 @@ def _geometry(size, kernel, strides, dilations, pads, auto_pad, ceil_mode=False)
 
 
 def _pad_spatial(x: np.ndarray, g: _Geometry, value) -> np.ndarray:
-    width = [(0, 0), (0, 0)] + [(b, e + x_) for b, e, x_ in zip(g.begin, g.end, g.extra)]
-    if not any(b or e for b, e in width):
+    if not any(g.begin) and not any(g.end) and not any(g.extra):
         return x
-    return np.pad(x, width, mode="constant", constant_values=value)
+    # A filled buffer and one slice assignment: much cheaper than np.pad for small tensors.
+    shape = x.shape[:2] + tuple(d + b + e + x_ for d, b, e, x_ in zip(x.shape[2:], g.begin, g.end, g.extra))
+    xp = np.full(shape, value, dtype=x.dtype) if value else np.zeros(shape, dtype=x.dtype)
+    xp[(slice(None), slice(None), *(slice(b, b + d) for b, d in zip(g.begin, x.shape[2:])))] = x
+    return xp
 
 
 def _windows(xp: np.ndarray, g: _Geometry, kernel, strides, dilations) -> np.ndarray:
-    """View of shape (N, C, *out, *kernel) over the padded input; no copy."""
+    """Read-only view of shape (N, C, *out, *kernel) over the padded input; no copy."""
+    st = xp.strides
     nd = len(kernel)
-    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    w = sliding_window_view(xp, spans, axis=tuple(range(2, 2 + nd)))
-    index = (slice(None), slice(None))
-    index += tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(g.out, strides))
-    index += tuple(slice(None, None, d) for d in dilations)
-    return w[index]
+    shape = xp.shape[:2] + tuple(g.out) + tuple(kernel)
+    steps = st[:2] + tuple(st[2 + i] * strides[i] for i in range(nd)) + tuple(st[2 + i] * dilations[i]
+                                                                             for i in range(nd))
+    return as_strided(xp, shape, steps, writeable=False)
 
 
 def _taps(win: np.ndarray, nd: int):
@@ -122,33 +124,66 @@ class _Spatial(OpKernel):
         return g, strides, dilations
 
 
+@dataclass(frozen=True)
+class _ConvPlan:
+    """What one input/weight shape pair needs, computed once per shape (shapes only: safe to share
+    between threads)."""
+
+    g: _Geometry
+    strides: list
+    dilations: list
+    kind: str  # "pointwise" (1x1, stride 1, no padding, one group), "depthwise" (one channel a group), "im2col"
+
+
 @register("Conv")
 class Conv(_Spatial):
-    """Grouped N-D convolution as im2col + one batched matmul over groups."""
+    """Grouped N-D convolution: a 1x1 convolution is one matmul, a depthwise one a batched dot per
+    channel over its windows, anything else im2col + one batched matmul over groups."""
 
     def __init__(self, node):
         super().__init__(node)
         self.group = self.attr_int("group", 1, lo=1)
+        self._plans: dict[tuple, _ConvPlan] = {}
 
-    def _run(self, x, w, b=None):
+    def _plan(self, x, w) -> _ConvPlan:
         kernel = list(w.shape[2:])
         if self.kernel_shape is not None and self.kernel_shape != kernel:
             raise ValueError(f"kernel_shape {self.kernel_shape} differs from the weight's {kernel}")
         g, strides, dilations = self._params(x, kernel)
-        n, c = x.shape[:2]
-        m, G, nd = w.shape[0], self.group, len(kernel)
+        c, m, G = x.shape[1], w.shape[0], self.group
         if c != w.shape[1] * G or m % G:
             raise ValueError(f"input channels {c} / weight {w.shape} do not fit group={G}")
+        unpadded = not any(g.begin) and not any(g.end) and not any(g.extra)
+        if G == 1 and unpadded and all(k == 1 for k in kernel) and all(s == 1 for s in strides):
+            kind = "pointwise"
+        else:
+            kind = "depthwise" if c // G == 1 else "im2col"
+        return _ConvPlan(g, strides, dilations, kind)
+
+    def _run(self, x, w, b=None):
+        key = (x.shape, w.shape)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(x, w)
+        g = plan.g
+        n, c = x.shape[:2]
+        m, G, nd = w.shape[0], self.group, w.ndim - 2
         dtype = x.dtype
         ct = compute_dtype(dtype)
         if 0 in g.out or x.size == 0:
             return (np.zeros((n, m, *g.out), dtype=dtype),)
-        cg, mg = c // G, m // G
-        cols = _windows(_pad_spatial(x.astype(ct, copy=False), g, 0), g, kernel, strides, dilations)
-        if cg == 1:
-            y = self._depthwise(cols, w.astype(ct, copy=False), mg, nd)
+        xc, wc = x.astype(ct, copy=False), w.astype(ct, copy=False)
+        if plan.kind == "pointwise":
+            y = np.matmul(wc.reshape(m, c), xc.reshape(n, c, -1))  # (N, M, pixels), contiguous
+            if b is not None:
+                y += b.astype(ct, copy=False).reshape(1, m, 1)
+            return (y.reshape(n, m, *g.out).astype(dtype, copy=False),)
+        cols = _windows(_pad_spatial(xc, g, 0), g, w.shape[2:], plan.strides, plan.dilations)
+        mg = m // G
+        if plan.kind == "depthwise":
+            y = self._depthwise(cols, wc, mg, nd)
         else:
-            y = self._im2col(cols, w.astype(ct, copy=False), g, mg, cg, nd)
+            y = self._im2col(cols, wc, g, mg, c // G, nd)
         y = y.reshape(n, m, *g.out)
         if b is not None:
             y = y + b.astype(ct, copy=False).reshape(1, m, *([1] * nd))
@@ -156,13 +191,12 @@ class Conv(_Spatial):
 
     @staticmethod
     def _depthwise(cols, w, mg, nd):
-        """One input channel per group: multiply-add per kernel tap, no im2col copy."""
-        spatial_ones = (1,) * nd
-        taps = w.reshape(w.shape[0] // mg, mg, -1)  # (G, Mg, K)
-        y = np.zeros((cols.shape[0], cols.shape[1], mg, *cols.shape[2:2 + nd]), dtype=cols.dtype)
-        for k, tap in enumerate(_taps(cols, nd)):
-            y += tap[:, :, None] * taps[None, :, :, k].reshape(1, -1, mg, *spatial_ones)
-        return y
+        """One input channel per group: its windows, copied dense, times its filters (one batched matmul)."""
+        n, c = cols.shape[:2]
+        out, ksize = cols.shape[2:2 + nd], math.prod(cols.shape[2 + nd:])
+        dense = np.ascontiguousarray(cols).reshape(n, c, 1, math.prod(out), ksize)
+        y = np.matmul(dense, w.reshape(c, mg, ksize, 1))  # (N, C, Mg, pixels, 1)
+        return y.reshape(n, c * mg, *out)
 
     @staticmethod
     def _im2col(cols, w, g, mg, cg, nd):

@@ -16,6 +16,7 @@ import numpy as np
 
 import abi
 from abi.dtypes import to_numpy, to_onnx
+from host.cpu_ep.runner import run_plan
 from host.errors import EpError, EphostError, InvalidArgument, KernelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
@@ -206,6 +207,8 @@ class Executor:
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
         self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
+        # Every node on the CPU EP: runs take the CPU EP's own loop (host/cpu_ep/runner.py).
+        self._cpu_only = not plan.eps and all(n.ep is None for n in plan.nodes)
 
     def dtype_of(self, vid: int) -> np.dtype:
         dt = self._dtypes[vid]
@@ -255,6 +258,9 @@ class Executor:
         st.producer.clear()
         st.keep.clear()
         keep_outputs = set(self.plan.output_ids.values())
+        if self._cpu_only:
+            run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names)
+            return
         for node in self.plan.nodes:
             if node.ep is None:
                 self._run_cpu(st, node)

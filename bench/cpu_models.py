@@ -1,0 +1,96 @@
+"""ephost's CPU EP against onnxruntime's CPU provider on the real-model fixtures (tests/models).
+
+    python -m bench.cpu_models [--iters 200] [--warmup 20] [--models bert_dynamo,...] [--json out.json]
+
+For each fixture: p50 latency of one `run` (batch 1, the fixture's inputs) for onnxruntime (default
+optimization level, default threads), ephost with the optimizer off (ORT_DISABLE_ALL) and ephost at its
+default level (ORT_ENABLE_ALL), all measured in this process, interleaved per model; the ratio is
+ephost p50 / onnxruntime p50 (lower is better; 1.0 = parity). Results go to stdout as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import numpy as np
+import onnxruntime as ort
+
+from host.cli.benchutil import bench_session
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+from tests.models import available_models, load
+
+try:
+    from host.optimizer import GraphOptimizationLevel
+except ImportError:  # pragma: no cover - the optimizer lands separately
+    GraphOptimizationLevel = None
+
+
+def _ephost_session(path, level: str | None) -> InferenceSession:
+    so = SessionOptions()
+    if level is not None and GraphOptimizationLevel is not None:
+        so.graph_optimization_level = getattr(GraphOptimizationLevel, level)
+    return InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def bench_model(name: str, warmup: int, iters: int) -> dict:
+    path, feeds, _ = load(name)
+    ort_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runs = {"onnxruntime": lambda: ort_sess.run(None, feeds)}
+    nodes = {"onnxruntime": None}
+    for label, level in (("ephost_noopt", "ORT_DISABLE_ALL"), ("ephost", "ORT_ENABLE_ALL")):
+        sess = _ephost_session(path, level)
+        runs[label] = (lambda s: lambda: s.run(None, feeds))(sess)
+        nodes[label] = len(sess.node_assignment())
+    # Same answers before timing anything.
+    want = runs["onnxruntime"]()
+    for label in ("ephost_noopt", "ephost"):
+        for g, w in zip(runs[label](), want):
+            np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
+    row = {"model": name}
+    for label, fn in runs.items():
+        stats = bench_session(fn, warmup=warmup, iters=iters)
+        row[f"{label}_p50_us"] = stats["p50_us"]
+        row[f"{label}_nodes"] = nodes[label]
+    for label in ("ephost_noopt", "ephost"):
+        row[f"{label}_ratio"] = row[f"{label}_p50_us"] / row["onnxruntime_p50_us"]
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | onnxruntime p50 (us) | ephost, optimizer off: p50 (us) / nodes / ratio | "
+             "ephost, default level: p50 (us) / nodes / ratio |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['onnxruntime_p50_us']:.0f} | "
+                     f"{r['ephost_noopt_p50_us']:.0f} / {r['ephost_noopt_nodes']} / {r['ephost_noopt_ratio']:.2f}x | "
+                     f"{r['ephost_p50_us']:.0f} / {r['ephost_nodes']} / {r['ephost_ratio']:.2f}x |")
+    geo = {k: float(np.exp(np.mean([np.log(r[f"{k}_ratio"]) for r in rows]))) for k in ("ephost_noopt", "ephost")}
+    lines.append(f"| geometric mean | | {geo['ephost_noopt']:.2f}x | {geo['ephost']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--models", default="", help="comma-separated fixture names (default: all)")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    ns = parser.parse_args(argv)
+    names = [m for m in ns.models.split(",") if m] or available_models()
+    rows = [bench_model(n, ns.warmup, ns.iters) for n in names]
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime {ort.__version__}, "
+          f"numpy {np.__version__}, Python {platform.python_version()}")
+    print(markdown(rows))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
