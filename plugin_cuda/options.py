@@ -112,8 +112,9 @@ def _strip(key: str) -> str:
     return key
 
 
-def parse_options(raw: dict[str, str], device_count: int) -> CudaOptions:
-    """Parse and validate; every error names the option, the value and what is allowed."""
+def parse_options(raw: dict[str, str], device_count: int, check_device: bool = True) -> CudaOptions:
+    """Parse and validate; every error names the option, the value and what is allowed. Without
+    `check_device` (no device to create an EP on) device_id's range is not checked."""
     values: dict[str, object] = {}
     seen: dict[str, str] = {}
     for key, value in raw.items():
@@ -127,12 +128,12 @@ def parse_options(raw: dict[str, str], device_count: int) -> CudaOptions:
         field_name, parser = OPTION_TABLE[name]
         values[field_name] = parser(key, str(value))
     opts = CudaOptions(**values)
-    _validate(opts, device_count)
+    _validate(opts, device_count, check_device)
     return opts
 
 
-def _validate(o: CudaOptions, device_count: int) -> None:
-    if not 0 <= o.device_id < max(device_count, 1) or device_count == 0:
+def _validate(o: CudaOptions, device_count: int, check_device: bool = True) -> None:
+    if check_device and (not 0 <= o.device_id < max(device_count, 1) or device_count == 0):
         allowed = f"0..{device_count - 1}" if device_count else "none (no CUDA device)"
         raise OptionError(f"option device_id={o.device_id}: no such CUDA device; allowed: {allowed}")
     if bool(o.gpu_external_alloc) != bool(o.gpu_external_free):

@@ -68,9 +68,12 @@ class CudaFactory(sdk.FactoryBase):
 
     def create_ep(self, devices, options, session_options, logger):
         try:
-            opts = parse_options(options, len(self.device_names))
+            # With no device (the host's options check for a deviceless EP), all but device_id is checked.
+            opts = parse_options(options, len(self.device_names), check_device=bool(devices))
         except OptionError as exc:
             raise PluginError(str(exc), abi.EP_INVALID_ARGUMENT) from None
+        if not devices:
+            raise PluginError(f"{EP_NAME}: no CUDA device; the options are valid", abi.EP_NOT_FOUND)
         return CudaEp(self.runtime, self, opts, logger)
 
     def create_allocator(self, spec):

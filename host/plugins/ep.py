@@ -230,6 +230,30 @@ class PluginEp:
         hostapi.SESSION_OPTIONS.drop(self._session_options)
 
 
+def check_options_without_device(reg: PluginRegistration, factory: Factory, options: dict[str, str],
+                                 session_config: dict[str, str]) -> None:
+    """Let an EP with no device see its provider options once, so that a mistake is an error instead
+    of being silently ignored: CreateEp is called with no device (num_devices 0). EP_INVALID_ARGUMENT
+    means bad options; any other answer (an error for "no device", or even an EP, released at once)
+    means the session falls back to the CPU EP as before."""
+    f = factory
+    owner = f"EP '{factory.name}' of plugin '{reg.name}' ({reg.path})"
+    kv, _keep = _kv_array(options)
+    sess_ptr, _holder = hostapi.SESSION_OPTIONS.make(session_config)
+    out = ffi.new("Ep**")
+    try:
+        status = f.slots.CreateEp(f.ptr, ffi.NULL, 0, kv, len(options), sess_ptr, reg.logger, out)
+        if out[0] != ffi.NULL:
+            f.slots.ReleaseEp(f.ptr, out[0])
+        try:
+            hostapi.check(status, f"{owner}: CreateEp", EpError)
+        except EpError as exc:
+            if exc.code == abi.EP_INVALID_ARGUMENT:
+                raise InvalidArgument(str(exc)) from None
+    finally:
+        hostapi.SESSION_OPTIONS.drop(sess_ptr)
+
+
 def negotiate_or_release(table: str, ptr, host_version: int, owner: str) -> Slots:
     """negotiate(), releasing the table through its own Release slot when the host rejects it."""
     try:

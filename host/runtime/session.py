@@ -19,7 +19,7 @@ from host import cpu_ep
 from host.errors import EpError, EphostError, InvalidArgument, ModelError, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
-from host.plugins.ep import CPU_LOCATION, PluginEp
+from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
 from host.runtime import blas_threads, compiled, ort_api, profiling
@@ -155,6 +155,7 @@ class InferenceSession:
                 known = sorted({d.ep_name for d in self.env.ep_devices()} | {CPU_EP})
                 raise InvalidArgument(f"execution provider {name!r} is not registered; available: {known}")
             if not factory.devices:
+                check_options_without_device(reg, factory, options, self.options.entries)  # mistakes still count
                 warnings.warn(f"{name} has no device; its nodes fall back to {CPU_EP}", RuntimeWarning,
                               stacklevel=3)
                 self.fallbacks["ep_without_device"] += 1
