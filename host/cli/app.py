@@ -10,7 +10,8 @@ Plugins: `--plugin PATH` registers the library under its file stem; `--plugin NA
 EPs: `--ep NAME` in priority order; with none, every EP of the registered plugins, in order. Nodes
 no chosen EP claims run on the built-in CPU EP.
 EP options: `--ep-option KEY=VALUE` goes to the first chosen EP; `--ep-option EP:KEY=VALUE` to EP.
-Errors print `error: <message>` on stderr and exit with status 2.
+Errors print `error: <message>` (one line) on stderr and exit with status 2; `--debug` adds the traceback.
+Profiling: `ephost run MODEL --profile [PREFIX]` writes a Chrome-trace JSON (Perfetto, chrome://tracing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from host.errors import EphostError, InvalidArgument, ModelError
 
 CPU_EP = "CPUExecutionProvider"
+CUDA_EP = "CUDAExecutionProvider"
 EXIT_ERROR = 2
 
 
@@ -399,7 +401,7 @@ def _plot(samples: list[float], path: str, title: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from host.cli.benchutil import bench_session, format_stats
+    from host.cli.benchutil import bench_session, format_stats, plan_counts
 
     if args.plot:
         _require_matplotlib()  # fail before a long run, not after
@@ -419,9 +421,15 @@ def cmd_bench(args) -> int:
         stats = bench_session(run, args.warmup, args.iters)
         print(f"model: {args.model}")
         print(f"mode: {mode}")
-        for line in _node_counts(session):
+        for line in _node_counts(session) + plan_counts(session):
             print(line)
         print(format_stats(stats))
+        if CUDA_EP in session.get_providers() and not session.capture.enabled:
+            # The CUDA EP also replays: a second session captures a CUDA graph and times its replays.
+            replay_session, _ = _open_session(stack, args, {"enable_cuda_graph": "1"})
+            replay = bench_session(_bound_runner(replay_session, feeds, fixed_outputs=True), args.warmup, args.iters)
+            print("mode: run_with_iobinding, graph capture (replay)")
+            print(format_stats(replay))
     if args.plot:
         _plot(stats["samples_us"], args.plot, f"{Path(args.model).name}: {mode}, {args.iters} runs")
         print(f"plot: {args.plot}")

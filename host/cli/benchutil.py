@@ -64,4 +64,26 @@ def format_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["PERCENTILES", "bench_session", "format_stats"]
+def plan_counts(session) -> list[str]:
+    """Lines on the session's compiled partitions (ABI v6): fused nodes per partition and, where a
+    plugin in this process reports it, the kernels each plan launches. The host never imports a
+    plugin: a plugin's objects are reached through abi.sdk and read only when they offer a plan."""
+    parts = getattr(session, "_partitions", None) or []
+    if not parts:
+        return ["compiled partitions: none (per-node kernels)"]
+    fused = sum(len(getattr(getattr(p, "group", None), "nodes", ())) for p in parts)
+    lines = [f"compiled partitions: {len(parts)} ({fused} nodes fused)"]
+    from abi import sdk
+
+    for rt in sdk.runtimes().values():
+        for obj in list(getattr(rt, "_objects", {}).values()):
+            for fn in obj.__dict__.get("plan_functions", ()) if hasattr(obj, "__dict__") else ():
+                describe = getattr(getattr(fn, "plan", None), "describe", None)
+                if describe is not None and fn.name in {getattr(p, "name", None) for p in parts}:
+                    d = describe()
+                    lines.append(f"  {fn.name}: {d['nodes']} nodes -> {d['kernels']} kernels + {d['cublas']} cuBLAS "
+                                 f"calls, arena {d['arena_bytes']} bytes, built in {d['build_seconds'] * 1e3:.0f} ms")
+    return lines
+
+
+__all__ = ["PERCENTILES", "bench_session", "format_stats", "plan_counts"]
