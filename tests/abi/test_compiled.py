@@ -27,6 +27,7 @@ from host.runtime import compiled
 from host.runtime.model import build_graph
 from host.runtime.session import InferenceSession, RunOptions
 from tests.abi.conftest import GraphView, Node, Value
+from tests.conftest import built_plugin
 
 EP = "ExampleEP"
 
@@ -300,8 +301,11 @@ def test_static_shape_needs_every_dimension_known():
 
 @functools.cache
 def c_plugin_at(version: int):
-    path = build.build_c_plugin("example_c", version=None if version == abi.ABI_VERSION else version)
-    return path, ffi.dlopen(str(path))
+    """The C plugin built for `version` and its counters (the cached lib keeps the library loaded)."""
+    # The current version comes from the suite's one build cache (a library is loaded once per process).
+    path = built_plugin("example_c") if version == abi.ABI_VERSION else build.build_c_plugin("example_c",
+                                                                                            version=version)
+    return path, _counters_ffi().dlopen(str(path))
 
 
 def add_chain(n_adds: int, shape=(2, 3)) -> onnx.ModelProto:
@@ -331,8 +335,7 @@ def _counters_ffi():
 
 @pytest.mark.parametrize(("host", "plugin"), [(6, 6), (5, 6), (6, 5)])
 def test_c_plugin_fuses_a_chain_of_adds(cc, host, plugin):
-    path, _ = c_plugin_at(plugin)
-    lib = _counters_ffi().dlopen(str(path))
+    path, lib = c_plugin_at(plugin)
     model = add_chain(4)
     with Environment(api_version=host) as env:
         env.register_plugin("c", path)

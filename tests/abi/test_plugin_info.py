@@ -80,7 +80,7 @@ def test_c_plugin(c_plugin):
     assert (f["ep_name"], f["declared_version"], f["negotiated_version"]) == ("ExampleCEP", abi.ABI_VERSION, abi.ABI_VERSION)
     rows = _slots(info, "Ep")
     assert {n for n, r in rows.items() if r["present"]} == {"GetName", "GetCapability", "CreateKernel",
-                                                            "IsConcurrentRunSupported"}
+                                                            "IsConcurrentRunSupported", "Compile"}
     assert rows["ReplayGraph"]["absent_reason"] == "NULL"
 
 
