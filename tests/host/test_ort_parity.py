@@ -274,3 +274,91 @@ def test_scripts_compute_what_numpy_computes(model_path, tmp_path):
     want = np.maximum(x @ w["W1"] + w["b1"], 0) @ w["W2"] + w["bias"]
     got = run_script(SCRIPTS["run_with_options"], "host", model_path, str(tmp_path))
     np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-6)
+
+
+# ---- ephost-side checks of the same API (no onnxruntime counterpart to compare with) -------------
+def test_ortvalue_bad_arguments():
+    from host.errors import InvalidArgument
+    from host.runtime.ortvalue import OrtValue
+
+    with pytest.raises(InvalidArgument, match=r"^device_type must be 'cpu' or 'cuda'; got 'tpu'$"):
+        OrtValue.ortvalue_from_numpy(np.ones(2, np.float32), "tpu")
+    with pytest.raises(InvalidArgument, match=r"^device_id must be an integer >= 0; got -1$"):
+        OrtValue.ortvalue_from_numpy(np.ones(2, np.float32), "cpu", -1)
+    with pytest.raises(InvalidArgument, match=r"^shape must be a list of integers >= 0; got \[2, -1\]$"):
+        OrtValue.ortvalue_from_shape_and_type([2, -1], np.float32)
+    with pytest.raises(InvalidArgument, match=r"^element_type must be a NumPy dtype or an ONNX element type with "):
+        OrtValue.ortvalue_from_shape_and_type([2], np.complex64)
+    v = OrtValue.ortvalue_from_shape_and_type([2, 3], TensorProto.INT64)  # an ONNX element type
+    assert v.data_type() == "tensor(int64)" and v.element_type() == TensorProto.INT64
+    with pytest.raises(InvalidArgument, match=r"^update_inplace: expected shape \[2, 3\] and dtype int64; got shape "
+                                              r"\[3\] and dtype int64$"):
+        v.update_inplace(np.zeros(3, np.int64))
+    with pytest.raises(InvalidArgument, match=r"^OrtValue wraps a NumPy array or a DeviceTensor; got list"):
+        OrtValue([1, 2])
+
+
+def test_ortvalue_shares_host_memory_both_ways():
+    from host.runtime.ortvalue import OrtValue
+
+    x = np.zeros((2, 2), np.float32)
+    v = OrtValue.ortvalue_from_numpy(x)
+    v.update_inplace(np.full((2, 2), 3, np.float32))
+    assert (x == 3).all() and np.asarray(v) is x and v.tensor_size_in_bytes() == 16
+
+
+def test_iobinding_rejects_non_ortvalues(model_path):
+    import host
+    from host.errors import InvalidArgument
+
+    io = host.InferenceSession(model_path).io_binding()
+    with pytest.raises(InvalidArgument, match=r"^bind_ortvalue_input needs an OrtValue; got ndarray"):
+        io.bind_ortvalue_input("x", np.ones((1, 4), np.float32))
+
+
+def test_register_execution_provider_library_uses_the_default_environment(example_plugin, model_path):
+    import host
+
+    host.register_execution_provider_library("parity_example", str(example_plugin(5)))
+    try:
+        assert "ExampleEP" in host.get_available_providers()
+        devices = [d for d in host.get_ep_devices() if d.ep_name == "ExampleEP"]
+        assert len(devices) == 1 and devices[0].ep_metadata["registration"] == "parity_example"
+        s = host.InferenceSession(model_path, providers=[("ExampleEP", {"ops": "Relu"})])
+        assert s.node_assignment()["relu"] == "ExampleEP"
+        x = np.ones((2, 4), np.float32)
+        ref = ort_reference.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+        s.close()
+    finally:
+        host.unregister_execution_provider_library("parity_example")
+    assert "ExampleEP" not in host.get_available_providers()
+
+
+@pytest.mark.gpu
+def test_cuda_ortvalues_and_binding_match_onnxruntime_cpu(model_path):
+    """GPU: OrtValues on the device, the CUDA EP found by name, outputs left on the device."""
+    cupy = pytest.importorskip("cupy", reason="CuPy places OrtValues on the GPU")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device")
+    import host as ort
+
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    want = ort_reference.InferenceSession(model_path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sess = ort.InferenceSession(model_path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers()[0] == "CUDAExecutionProvider"
+    v = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+    assert v.device_name() == "cuda" and v.shape() == [2, 4]
+    np.testing.assert_array_equal(v.numpy(), x)
+    io = sess.io_binding()
+    io.bind_ortvalue_input("x", v)
+    io.bind_output("y", "cuda")
+    sess.run_with_iobinding(io)
+    out = io.get_outputs()[0]
+    assert out.device_name() == "cuda"
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-3, atol=1e-4)
+    target = ort.OrtValue.ortvalue_from_shape_and_type([2, 3], np.float32, "cuda", 0)
+    io.bind_ortvalue_output("y", target)
+    sess.run_with_iobinding(io)
+    np.testing.assert_allclose(target.numpy(), want, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(sess.run(None, {"x": v})[0], want, rtol=1e-3, atol=1e-4)
