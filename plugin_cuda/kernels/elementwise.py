@@ -303,6 +303,7 @@ class Mod(_Binary):
     """Mod with fmod=0 on integers (the sign of the divisor, as numpy's remainder); fmod=1 on floats."""
 
     input_types = (NUMERIC, NUMERIC)
+    ufunc = "remainder"
 
     def __init__(self, attrs, opset, node_name):
         super().__init__(attrs, opset, node_name)

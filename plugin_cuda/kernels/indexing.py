@@ -309,6 +309,9 @@ class GatherND(CudaKernel):
             cupy.take(rows, lin, axis=0, out=out.reshape(lin.size, rows.shape[1]))
 
 
+_SCATTER_UFUNCS = {} if cupy is None else {"add": cupy.add, "max": cupy.maximum, "min": cupy.minimum}
+
+
 @register("ScatterND", 11)
 class ScatterND(CudaKernel):
     input_types = (ALL, INDEX, ALL)
@@ -339,9 +342,8 @@ class ScatterND(CudaKernel):
         if self.reduction == "none":
             rows[lin] = upd
         else:
-            import cupyx
-
-            getattr(cupyx, f"scatter_{self.reduction}")(rows, lin, upd)
+            # ufunc.at applies repeated indices one after another, as ScatterND's reductions require.
+            _SCATTER_UFUNCS[self.reduction].at(rows, lin, upd)
 
 
 @register("CumSum", 11)

@@ -70,18 +70,24 @@ def report(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+# The CUDA EP runs claimed partitions as compiled plans (plugin_cuda/plan) by default, and node by
+# node through plugin_cuda/kernels with compiled_plan=0: both paths are held to the same goals.
+PATHS = {"plans": {}, "kernels": {"compiled_plan": "0"}}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("path_kind", list(PATHS))
 @pytest.mark.parametrize("name", MODELS)
-def test_real_model_runs_on_cuda_and_matches_onnxruntime(cp, genv, name):
+def test_real_model_runs_on_cuda_and_matches_onnxruntime(cp, genv, name, path_kind):
     path, feeds, _ = load(name)
     want = ort_reference(path, feeds)
-    s = InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0"})], env=genv)
+    s = InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0", **PATHS[path_kind]})], env=genv)
     got = dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds)))
     for out_name, ref in want.items():
         np.testing.assert_allclose(got[out_name], ref, rtol=1e-3, atol=1e-4, err_msg=f"{name}: {out_name}")
     assignment = s.node_assignment()
     on_cuda = sum(ep == CUDA for ep in assignment.values())
-    report({"model": name, "original_nodes": len(onnx.load(str(path)).graph.node), "nodes": len(assignment),
+    report({"model": name, "path": path_kind, "original_nodes": len(onnx.load(str(path)).graph.node), "nodes": len(assignment),
             "on_cuda": on_cuda, "ops": sorted({n.op_type for n in s.plan.nodes}),
             "off_cuda": sorted(f"{k} ({v})" for k, v in assignment.items() if v != CUDA)})
     assert off_cuda_data_nodes(s) == [], f"{name}: data nodes off the CUDA EP"
@@ -101,17 +107,19 @@ def bind(cp, session, feeds, specs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path_kind", list(PATHS))
 @pytest.mark.parametrize("name", MODELS)
-def test_real_model_captures_and_replays_like_eager(cp, genv, name):
+def test_real_model_captures_and_replays_like_eager(cp, genv, name, path_kind):
     path, feeds, _ = load(name)
-    eager = InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0"})], env=genv)
+    options = {"use_tf32": "0", **PATHS[path_kind]}
+    eager = InferenceSession(str(path), providers=[(CUDA, options)], env=genv)
     names = [o.name for o in eager.get_outputs()]
     first = dict(zip(names, eager.run(None, feeds)))
     second_feeds = new_feeds(feeds, seed=1)
     second = dict(zip(names, eager.run(None, second_feeds)))
     assert any(not np.array_equal(first[k], second[k]) for k in names), f"{name}: new inputs change nothing"
 
-    g = InferenceSession(str(path), providers=[(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1"})], env=genv)
+    g = InferenceSession(str(path), providers=[(CUDA, {**options, "enable_cuda_graph": "1"})], env=genv)
     b, ins, outs = bind(cp, g, feeds, {k: (v.shape, v.dtype) for k, v in first.items()})
     g.run_with_iobinding(b)  # warm-up runs, then capture, then one launch of the graph
     assert g.fallbacks["graph_captured"] == 1, f"{name}: not captured ({dict(g.fallbacks)})"
