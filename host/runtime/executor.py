@@ -17,7 +17,7 @@ import numpy as np
 import abi
 from abi.dtypes import to_numpy, to_onnx
 from host.cpu_ep.runner import run_plan
-from host.errors import EpError, EphostError, InvalidArgument, KernelError
+from host.errors import EpError, EphostError, InvalidArgument, KernelError, ModelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import CONTEXTS, ffi
@@ -186,6 +186,13 @@ def check_output_dims(dims: tuple, dtype: np.dtype, what: str) -> None:
                               f"the {MAX_TENSOR_BYTES} bytes a tensor may have")
 
 
+def _dtype(elem_type: int, name: str) -> np.dtype:
+    try:
+        return to_numpy(elem_type)
+    except TypeError as exc:
+        raise ModelError(f"value '{name}': {exc}") from None
+
+
 def _location(value) -> tuple[int, int]:
     if isinstance(value, np.ndarray):
         return CPU_LOCATION
@@ -202,7 +209,7 @@ class Executor:
         self._tls = threading.local()
         self._states: list[RunState] = []
         self._lock = threading.Lock()
-        self._dtypes = [to_numpy(t) if t else None for t in plan.elem_types]
+        self._dtypes = [_dtype(t, name) if t else None for t, name in zip(plan.elem_types, plan.value_names)]
         self._etype_cache: dict[np.dtype, int] = {}
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
@@ -259,6 +266,9 @@ class Executor:
         st.keep.clear()
         keep_outputs = set(self.plan.output_ids.values())
         if self._cpu_only:
+            for v in feeds.values():
+                if not isinstance(v, np.ndarray):  # a device feed, and no EP here that can read it
+                    raise EpError(f"no data transfer can copy from {_location(v)} to {CPU_LOCATION}")
             run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names)
             return
         for node in self.plan.nodes:

@@ -114,7 +114,11 @@ def build_graph(model) -> Graph:
         if t.data_type not in ONNX_TO_NUMPY:
             raise ModelError(f"initializer {t.name!r} has element type {t.data_type}; "
                              f"supported: {sorted(ONNX_TO_NUMPY)}")
-        inits[t.name] = numpy_helper.to_array(t)
+        try:
+            inits[t.name] = numpy_helper.to_array(t)
+        except (ValueError, TypeError) as exc:  # data that does not fit its dims or type
+            raise ModelError(f"initializer {t.name!r} (element type {t.data_type}, dims {list(t.dims)}) cannot be "
+                             f"read: {exc}") from None
     values: dict[str, ValueMeta] = {}
     for vi in [*g.input, *g.value_info, *g.output]:
         values[vi.name] = _meta(vi)
