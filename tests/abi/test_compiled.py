@@ -286,6 +286,14 @@ def test_convexity_and_unit_order():
     assert compiled.is_convex(g, {0, 1, 2}) is True
     # Contracting {n1, n2} into one unit: it must run after n0.
     assert compiled.unit_order(g, [(1, 2), (0,)]) == [1, 0]
+    # a -> m0 -> b ; a -> m1 -> c ; (b, c) -> m2 -> d : {m0, m2} is convex, and as one unit it waits
+    # for m1, although its first node comes before m1 in the model.
+    nodes = [helper.make_node("Relu", ["a"], ["b"], name="m0"), helper.make_node("Relu", ["a"], ["c"], name="m1"),
+             helper.make_node("Add", ["b", "c"], ["d"], name="m2")]
+    g = build_graph(helper.make_model(helper.make_graph(nodes, "g", [x], [d]),
+                                      opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    assert compiled.is_convex(g, {0, 2}) is True
+    assert compiled.unit_order(g, [(0, 2), (1,)]) == [1, 0]
 
 
 def test_static_shape_needs_every_dimension_known():
@@ -295,6 +303,28 @@ def test_static_shape_needs_every_dimension_known():
     assert compiled.static_shape(ValueMeta("v", 1, ("N", 3))) is None
     assert compiled.static_shape(ValueMeta("v", 1, None)) is None
     assert compiled.inferred_dims(ValueMeta("v", 1, ("N", 3))) == (-1, 3)
+
+
+def test_a_group_overlapping_a_higher_priority_claim_is_dropped(cc, plugins):
+    """ExampleCEP (first) fuses the two Adds; ExampleEP's group of all three nodes overlaps it and is
+    dropped, its single claim of the Relu stands."""
+    path, _ = c_plugin_at(abi.ABI_VERSION)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"], name="add0"),
+             helper.make_node("Add", ["a", "x"], ["b"], name="add1"),
+             helper.make_node("Relu", ["b"], ["y"], name="relu2")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    with Environment() as env:
+        env.register_plugin("c", path)
+        env.register_plugin("ex", plugins.example[6])
+        providers = ["ExampleCEP", (EP, {"fuse": "1"})]
+        with InferenceSession(model.SerializeToString(), providers=providers, env=env) as s:
+            assert [(n.name, n.ep.name) for n in s.plan.nodes] == [("ExampleCEP_fused_0", "ExampleCEP"),
+                                                                   ("relu2", EP)]
+            assert s.fallbacks["fused_group_overlaps"] == 1
+            xv = _x(seed=11)
+            np.testing.assert_allclose(s.run(None, {"x": xv})[0], reference(model, {"x": xv})[0], rtol=1e-6)
 
 
 # ---- the C plugin --------------------------------------------------------------------------------
