@@ -11,6 +11,8 @@
  *   nullout=<Table>.<Slot>     a creating slot returns OK but leaves its out pointer NULL
  *   abuse=EpApi.<Slot>         the plugin calls that host function with bad arguments and checks
  *                              that the host answers with an error (else it fails the call itself)
+ *   fail_every=<n>             every n-th EpKernel.Compute call (counted across threads) fails
+ *   concurrent                 IsConcurrentRunSupported says yes (kernels keep no state per call)
  *   anything else              a named special case (rank_huge, kept_context, no_output, ...)
  *
  * The EP claims float32 Add nodes whose inputs and output share one known shape. By default it
@@ -378,6 +380,8 @@ static void abuse_context(const EpApi* api, EpKernelContext* ctx) {
 
 /* ---- the kernel ---------------------------------------------------------------------------- */
 
+static int g_compute_calls = 0;
+
 static int64_t element_count(const EpTensor* t) {
   int64_t n = 1;
   for (int32_t d = 0; d < t->ndim; ++d) n *= t->shape[d];
@@ -389,6 +393,12 @@ static EpStatus* kernel_compute(EpKernel* self, EpKernelContext* context) {
   HEp* ep = k->ep;
   const EpApi* api = ep->api;
   ENTER(api, "EpKernel.Compute");
+  char every[16];
+  if (token_value("fail_every=", 0, every, sizeof every) && atoi(every) > 0) {
+    int call = __atomic_add_fetch(&g_compute_calls, 1, __ATOMIC_SEQ_CST);
+    if (call % atoi(every) == 0)
+      return error(api, EP_FAIL, "injected failure in Compute call %d (one call in %s fails)", call, every);
+  }
   abuse_context(api, context);
   if (g_complaint[0]) return error(api, EP_FAIL, "host accepted a bad call: %s", g_complaint);
   if (has("kept_context")) {
@@ -728,7 +738,7 @@ static EpStatus* ep_sync(Ep* self) {
 static EpStatus* ep_concurrent(Ep* self, int32_t* supported) {
   HEp* ep = (HEp*)self;
   ENTER(ep->api, "Ep.IsConcurrentRunSupported");
-  *supported = has("concurrent_absurd") ? 12345 : 0;
+  *supported = has("concurrent_absurd") ? 12345 : has("concurrent") ? 1 : 0;
   return NULL;
 }
 
