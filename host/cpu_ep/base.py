@@ -133,7 +133,9 @@ def int_list(arr: np.ndarray | None) -> list[int]:
     """A 0-D or 1-D integer tensor (shape, axes, pads...) as a python list."""
     if arr is None:
         return []
-    return [int(v) for v in np.asarray(arr).reshape(-1)]
+    arr = np.asarray(arr)
+    values = arr.reshape(-1).tolist()  # python ints straight from an integer tensor
+    return values if arr.dtype.kind in "iu" else [int(v) for v in values]
 
 
 def scalar(arr: np.ndarray):

@@ -16,10 +16,11 @@ from onnx import numpy_helper
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.registry import register
 
-try:  # scipy's erf is a fast ufunc; numpy has none.
+try:  # scipy's erf and expit are fast ufuncs; numpy has neither.
     from scipy.special import erf as _scipy_erf
+    from scipy.special import expit as _scipy_expit
 except ImportError:  # pragma: no cover - depends on the environment
-    _scipy_erf = None
+    _scipy_erf = _scipy_expit = None
 
 _math_erf = np.frompyfunc(math.erf, 1, 1)
 
@@ -51,6 +52,8 @@ class Unary(OpKernel):
 
 
 def _sigmoid(x):
+    if _scipy_expit is not None and x.dtype.kind == "f":
+        return _scipy_expit(x)  # one ufunc, overflow-free
     # exp(-|x|) never overflows; both branches share it.
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
@@ -217,7 +220,10 @@ class HardSigmoid(OpKernel):
         self.beta = self.attr_float("beta", 0.5)
 
     def _run(self, x):
-        y = np.minimum(np.maximum(x * self.alpha + self.beta, 0), 1)
+        y = x * self.alpha
+        y += self.beta
+        np.maximum(y, 0, out=y)
+        np.minimum(y, 1, out=y)
         return (y.astype(x.dtype, copy=False),)
 
 
@@ -226,8 +232,12 @@ class HardSwish(OpKernel):
     """x * HardSigmoid(x) with alpha 1/6, beta 0.5."""
 
     def _run(self, x):
-        y = x * np.clip(x * (1 / 6) + 0.5, 0, 1)
-        return (y.astype(x.dtype, copy=False),)
+        gate = x * x.dtype.type(1 / 6) if x.dtype.kind == "f" else x * (1 / 6)
+        gate += 0.5
+        np.maximum(gate, 0, out=gate)
+        np.minimum(gate, 1, out=gate)
+        gate *= x
+        return (gate.astype(x.dtype, copy=False),)
 
 
 @register("Gelu", since=20)
@@ -237,12 +247,25 @@ class Gelu(OpKernel):
         self.tanh = self.attr_str("approximate", "none", choices=("none", "tanh")) == "tanh"
 
     def _run(self, x):
-        if self.tanh:
-            inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
-            y = 0.5 * x * (1 + np.tanh(inner))
-        else:
-            y = 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
-        return (y.astype(x.dtype, copy=False),)
+        return (gelu(x, self.tanh),)
+
+
+def gelu(x: np.ndarray, tanh: bool) -> np.ndarray:
+    """GELU of a float tensor in its dtype: 0.5 x (1 + erf(x / sqrt 2)), or the tanh approximation
+    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). One temporary, updated in place."""
+    if tanh:
+        t = x * x
+        t *= 0.044715
+        t += 1
+        t *= x
+        t *= math.sqrt(2 / math.pi)
+        np.tanh(t, out=t)
+    else:
+        t = erf(x * (1 / math.sqrt(2)))
+    t += 1
+    t *= x
+    t *= 0.5
+    return t.astype(x.dtype, copy=False)
 
 
 @register("PRelu", since=7)

@@ -20,6 +20,13 @@ def checked_indices(indices: np.ndarray, dim, what: str) -> np.ndarray:
     """int64 indices with negatives mapped into [0, dim); out-of-range raises ValueError.
     `dim` is an int or an array broadcasting against `indices` (one bound per coordinate)."""
     idx = indices.astype(np.int64, copy=False)
+    if idx.size == 0:
+        return idx
+    if np.ndim(dim) == 0:
+        # One bound: min and max decide (the common case, and the cheap one).
+        lo, hi = int(idx.min()), int(idx.max())
+        if -dim <= lo and hi < dim:
+            return idx if lo >= 0 else np.where(idx < 0, idx + dim, idx)
     dim = np.asarray(dim, dtype=np.int64)
     bad = (idx < -dim) | (idx >= dim)
     if bad.any():

@@ -17,8 +17,16 @@ class MatMul(OpKernel):
     def _run(self, a, b):
         ct = compute_dtype(a.dtype)
         # float16 products go through float32: numpy has no fast half GEMM and sums badly.
-        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+        y = matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
         return (y.astype(a.dtype, copy=False),)
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """numpy.matmul; an N-D activation times a 2-D weight runs as one 2-D GEMM over the flattened
+    leading axes (one BLAS call instead of numpy's batched loop)."""
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:
+        return np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1])
+    return np.matmul(a, b)
 
 
 @register("Gemm", since=7)
@@ -41,12 +49,21 @@ class Gemm(OpKernel):
         a = a.T if self.trans_a else a
         b = b.astype(ct, copy=False)
         b = b.T if self.trans_b else b
-        y = a @ b
+        y = a @ b  # a new array: updated in place below
+        in_place = ct.kind == "f"  # integer Gemm with a float alpha/beta promotes: no in-place there
         if self.alpha != 1.0:
-            y = y * self.alpha
+            if in_place:
+                y *= ct.type(self.alpha)
+            else:
+                y = y * self.alpha
         if c is not None and self.beta != 0.0:
             c = c.astype(ct, copy=False)
-            y = y + (c if self.beta == 1.0 else c * self.beta)
+            c = c if self.beta == 1.0 else c * self.beta
+            fits = c.ndim <= 2 and all(cd in (1, yd) for cd, yd in zip(c.shape[::-1], y.shape[::-1]))
+            if in_place and fits and c.dtype == y.dtype:
+                y += c
+            else:
+                y = y + c
         # Integer Gemm with a float alpha/beta computes in float64; cast back.
         return (y.astype(dtype, copy=False),)
 

@@ -191,26 +191,37 @@ class Conv(_Spatial):
 
     @staticmethod
     def _depthwise(cols, w, mg, nd):
-        """One input channel per group: its windows, copied dense, times its filters (one batched matmul)."""
+        """One input channel per group. Large outputs: a multiply-add per kernel tap over the whole
+        image (few, big NumPy calls); small ones: each channel's windows, copied dense, times its
+        filters in one batched matmul (one call, however many taps)."""
         n, c = cols.shape[:2]
         out, ksize = cols.shape[2:2 + nd], math.prod(cols.shape[2 + nd:])
+        if mg == 1 and math.prod(out) >= 256:
+            taps = w.reshape(c, ksize).T.reshape(ksize, 1, c, *([1] * nd))
+            y = None
+            for k, tap in enumerate(_taps(cols, nd)):
+                term = tap * taps[k]
+                y = term if y is None else np.add(y, term, out=y)
+            return y
         dense = np.ascontiguousarray(cols).reshape(n, c, 1, math.prod(out), ksize)
         y = np.matmul(dense, w.reshape(c, mg, ksize, 1))  # (N, C, Mg, pixels, 1)
         return y.reshape(n, c * mg, *out)
 
     @staticmethod
     def _im2col(cols, w, g, mg, cg, nd):
-        """(N, G*Cg, *out, *kernel) windows times weights as one batched GEMM over groups."""
+        """(N, G*Cg, *out, *kernel) windows times weights as one batched GEMM over groups, laid out
+        (G, Cg*kernel, N*out) so the weights multiply from the left and the result needs no transpose
+        for batch 1."""
         n, G = cols.shape[0], cols.shape[1] // cg
         kernel = cols.shape[2 + nd:]
         kprod, oprod = math.prod(kernel), math.prod(g.out)
         cols = cols.reshape(n, G, cg, *g.out, *kernel)
-        # (G, N, *out, Cg, *kernel) -> (G, N*out, Cg*kernel): the one copy (im2col).
-        perm = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
-        cols = cols.transpose(perm).reshape(G, n * oprod, cg * kprod)
-        wm = w.reshape(G, mg, cg * kprod).transpose(0, 2, 1)
-        y = np.matmul(cols, wm)  # (G, N*out, Mg)
-        return y.reshape(G, n, *g.out, mg).transpose(1, 0, nd + 2, *range(2, 2 + nd))
+        # (G, Cg, *kernel, N, *out) -> (G, Cg*kernel, N*out): the one copy (im2col).
+        perm = (1, 2, *range(3 + nd, 3 + 2 * nd), 0, *range(3, 3 + nd))
+        cols = cols.transpose(perm).reshape(G, cg * kprod, n * oprod)
+        y = np.matmul(w.reshape(G, mg, cg * kprod), cols)  # (G, Mg, N*out)
+        y = y.reshape(G * mg, n, *g.out)
+        return y[None, :, 0] if n == 1 else np.moveaxis(y, 1, 0)
 
 
 class _Pool(_Spatial):
@@ -362,16 +373,28 @@ class LayerNormalization(OpKernel):
 
     def _run(self, x, scale, bias=None):
         axis = normalize_axis(self.axis, x.ndim)
-        axes = tuple(range(axis, x.ndim))
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
-        xc = x.astype(st, copy=False)
-        mean = xc.mean(axis=axes, keepdims=True)
-        diff = xc - mean
-        inv_std = 1 / np.sqrt((diff * diff).mean(axis=axes, keepdims=True) + self.epsilon)
-        y = diff * inv_std * scale.astype(st, copy=False)
+        y, mean, inv_std = standardize(x.astype(st, copy=False), tuple(range(axis, x.ndim)), self.epsilon)
+        y *= scale
         if bias is not None:
-            y = y + bias.astype(st, copy=False)
+            y += bias
         return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+def standardize(x: np.ndarray, axes: tuple[int, ...], epsilon: float):
+    """((x - mean) * inv_std, mean, inv_std) over `axes`, in x's dtype; the first is a new array that
+    callers may update in place. add.reduce and in-place ufuncs: a handful of NumPy calls in all."""
+    scale = x.dtype.type(1 / math.prod(x.shape[a] for a in axes))
+    mean = np.add.reduce(x, axis=axes, keepdims=True)
+    mean *= scale
+    diff = x - mean
+    var = np.add.reduce(diff * diff, axis=axes, keepdims=True)
+    var *= scale
+    var += x.dtype.type(epsilon)
+    inv_std = np.sqrt(var, out=var)
+    np.reciprocal(inv_std, out=inv_std)
+    diff *= inv_std
+    return diff, mean, inv_std
 
 
 @register("Dropout", since=7)

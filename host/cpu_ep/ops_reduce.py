@@ -62,7 +62,10 @@ class ReduceMean(Reduce):
             count = x.size if axis is None else math.prod(x.shape[a] for a in axis)
             total = np.sum(x, axis=axis, keepdims=self.keepdims, dtype=np.int64)
             return (total - np.fmod(total, count)) // count if count else total
-        return np.mean(x, axis=axis, keepdims=self.keepdims, dtype=ct)
+        # add.reduce and a multiply: np.mean's python wrapper costs more than the sum on small tensors.
+        count = x.size if axis is None else math.prod(x.shape[a] for a in axis)
+        total = np.add.reduce(x, axis=axis, keepdims=self.keepdims, dtype=ct)
+        return total * ct.type(1 / count) if count else total * ct.type(np.nan)
 
 
 @register("ReduceProd")

@@ -162,7 +162,10 @@ class Unsqueeze(_AxesKernel):
         axes = self.axes(axes)
         if not axes:
             raise ValueError("axes is empty")
-        return (np.expand_dims(x, normalize_axes(axes, x.ndim + len(axes))),)
+        rank = x.ndim + len(axes)
+        inserted = set(normalize_axes(axes, rank))
+        dims = iter(x.shape)
+        return (x.reshape([1 if i in inserted else next(dims) for i in range(rank)]),)
 
 
 @register("Concat", since=4)
@@ -203,7 +206,12 @@ class Split(OpKernel):
             sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
         if sum(sizes) != dim or any(s < 0 for s in sizes):
             raise ValueError(f"split sizes {sizes} do not add up to dimension {dim}")
-        return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=axis))
+        lead = (slice(None),) * axis
+        outs, start = [], 0
+        for size in sizes:
+            outs.append(x[(*lead, slice(start, start + size))])
+            start += size
+        return tuple(outs)
 
 
 @register("Slice")
@@ -266,8 +274,23 @@ class Expand(OpKernel):
     """Bidirectional broadcast of x against `shape`; the result owns its memory."""
 
     def _run(self, x, shape):
-        out = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
-        return (np.array(np.broadcast_to(x, out)),)
+        out = broadcast_shape(x.shape, int_list(shape))
+        y = np.empty(out, dtype=x.dtype)
+        np.copyto(y, x)
+        return (y,)
+
+
+def broadcast_shape(a, b) -> tuple[int, ...]:
+    """Multidirectional (numpy) broadcast of two shapes; ValueError when they do not broadcast."""
+    rank = max(len(a), len(b))
+    a = (1,) * (rank - len(a)) + tuple(a)
+    b = (1,) * (rank - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            raise ValueError(f"shapes {list(a)} and {list(b)} do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(out)
 
 
 @register("Tile", since=6)

@@ -9,18 +9,12 @@ import math
 import numpy as np
 
 from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis
-from host.cpu_ep.ops_elementwise import erf
+from host.cpu_ep.ops_elementwise import gelu
+from host.cpu_ep.ops_math import matmul
+from host.cpu_ep.ops_nn import standardize
 from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"
-_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-
-
-def gelu(x: np.ndarray, tanh: bool) -> np.ndarray:
-    """GELU in x's dtype: the erf form, or the tanh approximation."""
-    if tanh:
-        return 0.5 * x * (1 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-    return 0.5 * x * (1 + erf(x * (1 / math.sqrt(2))))
 
 
 def _float_type(elem: int) -> np.dtype:
@@ -49,6 +43,7 @@ class Attention(OpKernel):
         self.softcap = self.attr_float("softcap", 0.0)
         precision = self.attr("softmax_precision", None)
         self.softmax_dtype = None if precision is None else _float_type(self.attr_int("softmax_precision"))
+        self._causal_cache: dict[tuple, np.ndarray] = {}
 
     def _heads_first(self, x: np.ndarray, heads: int, what: str) -> np.ndarray:
         if x.ndim == 4:
@@ -89,20 +84,22 @@ class Attention(OpKernel):
         if self.softcap > 0:
             scores = np.tanh(scores / self.softcap) * self.softcap
         bias = self._bias(attn_mask, s, t, past_len, ct)
-        qk_out = scores if self.mode in (0, 1) else None
+        want_qk = self.n_outputs > 3
+        qk_out = scores.copy() if want_qk and self.mode in (0, 1) else None
         if bias is not None:
-            scores = scores + bias
-        if self.mode == 2:
-            qk_out = scores
+            scores += bias  # scores is this kernel's own array
+        if want_qk and self.mode == 2:
+            qk_out = scores.copy()
         probs = self._softmax(scores, bias)
-        if self.mode == 3:
-            qk_out = probs
+        if want_qk and self.mode == 3:
+            qk_out = probs.copy()
         probs = probs.astype(ct, copy=False)
         y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, v4.shape[3])
         if three_d:
             y = y.transpose(0, 2, 1, 3).reshape(b, s, h * v4.shape[3])
-        outs = [y.astype(dtype, copy=False), k4.astype(dtype, copy=False), v4.astype(dtype, copy=False),
-                qk_out.astype(dtype, copy=False)]
+        outs = [y.astype(dtype, copy=False), k4.astype(dtype, copy=False), v4.astype(dtype, copy=False)]
+        if want_qk:
+            outs.append(qk_out.astype(dtype, copy=False))
         return tuple(outs[:self.n_outputs])
 
     def _bias(self, mask, s: int, t: int, past_len: int, ct) -> np.ndarray | None:
@@ -117,23 +114,42 @@ class Attention(OpKernel):
                 mask = mask.astype(ct, copy=False)
         if not self.is_causal:
             return mask
-        allowed = np.arange(t)[None, :] <= np.arange(s)[:, None] + past_len
-        causal = np.where(allowed, ct.type(0), ct.type(-np.inf))
+        causal = self._causal(s, t, past_len, ct)
         return causal if mask is None else mask + causal
 
+    def _causal(self, s: int, t: int, past_len: int, ct) -> np.ndarray:
+        """The (s, t) causal bias (0 where key j <= query i + past_len, else -inf), built once per shape;
+        read-only, so runs on several threads can share it."""
+        key = (s, t, past_len, ct)
+        causal = self._causal_cache.get(key)
+        if causal is None:
+            allowed = np.arange(t)[None, :] <= np.arange(s)[:, None] + past_len
+            causal = np.where(allowed, ct.type(0), ct.type(-np.inf))
+            causal.flags.writeable = False
+            self._causal_cache[key] = causal
+        return causal
+
     def _softmax(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """Softmax over keys, in place on `scores` (the kernel's own array)."""
         x = scores if self.softmax_dtype is None else scores.astype(self.softmax_dtype)
-        top = x.max(axis=-1, keepdims=True)
-        top = np.where(np.isneginf(top), 0, top)
-        e = np.exp(x - top)
-        total = e.sum(axis=-1, keepdims=True)
-        p = e / np.where(total == 0, 1, total)
+        top = np.maximum.reduce(x, axis=-1, keepdims=True)
+        dead = None
         if bias is not None:
             # Rows whose every key is masked attend to nothing: zeros, decided on the bias.
-            dead = np.isneginf(bias.max(axis=-1, keepdims=True))
+            dead = np.isneginf(np.maximum.reduce(bias, axis=-1, keepdims=True))
             if dead.any():
-                p = np.where(dead, 0, p)
-        return p
+                top[np.isneginf(top)] = 0
+            else:
+                dead = None
+        x -= top
+        np.exp(x, out=x)
+        total = np.add.reduce(x, axis=-1, keepdims=True)
+        if dead is not None:
+            total[total == 0] = 1
+        x /= total
+        if dead is not None:
+            x = np.where(dead, 0, x)
+        return x
 
 
 @register("RMSNormalization", since=23)
@@ -152,8 +168,14 @@ class RMSNormalization(OpKernel):
         axes = tuple(range(normalize_axis(self.axis, x.ndim), x.ndim))
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
         xc = x.astype(st, copy=False)
-        inv = 1 / np.sqrt(np.mean(xc * xc, axis=axes, keepdims=True) + self.epsilon)
-        return ((xc * inv * scale.astype(st, copy=False)).astype(x.dtype, copy=False),)
+        ms = np.add.reduce(xc * xc, axis=axes, keepdims=True)
+        ms *= st(1 / math.prod(x.shape[a] for a in axes))
+        ms += st(self.epsilon)
+        inv = np.sqrt(ms, out=ms)
+        np.reciprocal(inv, out=inv)
+        y = xc * inv
+        y *= scale
+        return (y.astype(x.dtype, copy=False),)
 
 
 @register("RotaryEmbedding", since=23)
@@ -221,12 +243,10 @@ class SkipLayerNormalization(OpKernel):
         s = x + skip
         axes = tuple(range(normalize_axis(self.axis, s.ndim), s.ndim))
         st = np.float64 if s.dtype == np.float64 else np.float32
-        sc = s.astype(st, copy=False)
-        diff = sc - sc.mean(axis=axes, keepdims=True)
-        y = diff * (1 / np.sqrt(np.mean(diff * diff, axis=axes, keepdims=True) + self.epsilon))
-        y *= scale.astype(st, copy=False)
+        y = standardize(s.astype(st, copy=False), axes, self.epsilon)[0]
+        y *= scale
         if bias is not None:
-            y += bias.astype(st, copy=False)
+            y += bias
         outs = (y.astype(x.dtype, copy=False), s)
         return outs[:self.n_outputs]
 
@@ -244,7 +264,7 @@ class FusedMatMul(OpKernel):
 
     def _run(self, a, b, bias=None):
         ct = compute_dtype(a.dtype)
-        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+        y = matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
         if bias is not None:
             y += bias.astype(ct, copy=False)
         if self.activation == "Relu":
