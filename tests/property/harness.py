@@ -19,7 +19,7 @@ from onnx.reference import ReferenceEvaluator
 import build
 from abi import sdk
 from host.plugins.environment import Environment
-from host.runtime.session import InferenceSession
+from host.runtime.session import InferenceSession, SessionOptions
 from tests.conftest import built_plugin
 
 EXAMPLE_EP = "ExampleEP"
@@ -66,11 +66,19 @@ def example_env(host_version: int, plugin_versions=(), clear: bool = True):
         env.close()
 
 
+def session_options():
+    """No graph optimization: the properties count kernel calls per node of the model as written
+    (the optimizer's own equivalence is tests/host/optimizer's business)."""
+    so = SessionOptions()
+    so.graph_optimization_level = 0  # ORT_DISABLE_ALL
+    return so
+
+
 def session(case_or_model, env, opts: dict[str, str] | None = None, providers=None):
     model = getattr(case_or_model, "model", case_or_model)
     if providers is None:
         providers = [(EXAMPLE_EP, dict(opts or {}))]
-    return InferenceSession(model, providers=providers, env=env)
+    return InferenceSession(model, session_options(), providers=providers, env=env)
 
 
 # ---- references ---------------------------------------------------------------------------------
@@ -86,9 +94,17 @@ class References:
         so.log_severity_level = 3
         self._ort = ort.InferenceSession(case.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         self.names = [o.name for o in case.model.graph.output]
+        self._memo: dict[tuple, object] = {}  # feeds -> outputs (scenarios check the same feeds often)
 
     def reference(self, feeds) -> tuple[list[np.ndarray], float]:
         """Reference outputs and the scale of the graph (largest |intermediate|, at least 1)."""
+        key = tuple((k, v.tobytes()) for k, v in sorted(feeds.items()))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._reference(feeds)
+        return hit
+
+    def _reference(self, feeds) -> tuple[list[np.ndarray], float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             everything = self._ref.run(None, feeds, intermediate=True)
@@ -97,7 +113,11 @@ class References:
         return [np.asarray(everything[n]) for n in self.names], scale
 
     def onnxruntime(self, feeds) -> list[np.ndarray]:
-        return self._ort.run(None, feeds)
+        key = ("ort",) + tuple((k, v.tobytes()) for k, v in sorted(feeds.items()))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._ort.run(None, feeds)
+        return hit
 
     def tolerance(self, scale: float) -> dict[str, float]:
         tol = LOOSE if self.case.loose else TIGHT
@@ -178,3 +198,22 @@ class Sentinels:
 
     def overwritten(self) -> int:
         return sum(int((b != self.PATTERN).any()) for b in self.blocks)
+
+
+def chain_case():
+    """A fixed graph ExampleEP takes whole, Z = relu(X + Y) * X over (2, 3), as a strategies.Case
+    (for explicit examples at the edges)."""
+    from onnx import TensorProto, helper
+
+    from tests.property.strategies import Case
+
+    x, y, z = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "XYZ")
+    nodes = [helper.make_node("Add", ["X", "Y"], ["A"], name="add"),
+             helper.make_node("Relu", ["A"], ["B"], name="relu"),
+             helper.make_node("Mul", ["B", "X"], ["Z"], name="mul")]
+    m = helper.make_model(helper.make_graph(nodes, "chain", [x, y], [z]), opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    rng = np.random.default_rng(7)
+    feeds, feeds2 = ({k: rng.uniform(-1, 1, (2, 3)).astype(np.float32) for k in "XY"} for _ in range(2))
+    return Case(m, feeds, feeds2, {"add": "Add", "relu": "Relu", "mul": "Mul"}, {"Z": (2, 3)}, 17,
+                intermediates={"A": (2, 3), "B": (2, 3), "Z": (2, 3)})

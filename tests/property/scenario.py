@@ -15,6 +15,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 from hypothesis import strategies as st
 
 import abi
@@ -68,8 +69,19 @@ def scenarios(draw, host=s.versions, plugin=s.versions, null_slots=s.null_slot_s
     graph = draw(st.booleans())
     # Graphs ExampleEP takes whole are drawn more often when capture is asked for.
     case = draw(s.elementwise_graphs(max_nodes=4) if graph and draw(st.booleans()) else s.graphs(max_nodes=4))
-    return Scenario(case, draw(host), draw(plugin), draw(null_slots), draw(s.example_ep_options(graph=graph)),
-                    draw(st.integers(0, 2)), draw(st.integers(1, 3)),
+    opts = draw(s.example_ep_options(graph=graph))
+    nulls = draw(null_slots)
+    # v6: ExampleEP fuses, and its groups fail to compile or its Compile slot is NULL, so that the
+    # per-node fallback (what the fallback table is about) runs; compiled runs are property 1's.
+    v6 = draw(st.sampled_from(["none", "none", "fail", "null"]))
+    if v6 == "fail":
+        opts.update(fuse="1", compile_fails="all")
+    elif v6 == "null":
+        opts["fuse"] = "1"
+        nulls = tuple(sorted(set(nulls) | {"Compile"}))
+    elif "Compile" not in nulls:
+        opts.pop("fuse", None)
+    return Scenario(case, draw(host), draw(plugin), nulls, opts, draw(st.integers(0, 2)), draw(st.integers(1, 3)),
                     draw(st.lists(s.run_options, max_size=4)))
 
 
@@ -123,8 +135,11 @@ class Outcome:
     created: bool
 
 
-def play(sc: Scenario, env) -> Outcome:
-    """Run the scenario in `env` (the plugin registered, its record cleared before registration)."""
+def play(sc: Scenario, env, refs: h.References | None = None) -> Outcome:
+    """Run the scenario in `env` (the plugin registered, its record cleared before registration).
+    With `refs`, every output is compared with the references: eager runs alternate the two feed
+    sets, and every bound run first copies the other feed set into the bound inputs and NaNs into
+    the bound outputs, so that a replay of a stale graph or one that writes nothing is caught."""
     rec = h.record(sc.plugin)
     try:
         sess = h.session(sc.case, env, h.with_null_slots(sc.opts, sc.null_slots))
@@ -132,13 +147,16 @@ def play(sc: Scenario, env) -> Outcome:
         if not sc.refused:
             raise
         return Outcome(Counter(), Counter(rec.fallbacks), Counter(rec.slot_calls), False)
+    feeds = [sc.case.feeds, sc.case.feeds2]
     try:
         errors: list[BaseException] = []
 
         def eager() -> None:
             try:
-                for _ in range(sc.eager_runs):
-                    sess.run(None, sc.case.feeds)
+                for i in range(sc.eager_runs):
+                    got = sess.run(None, feeds[i % 2])
+                    if refs is not None:
+                        refs.check(got, feeds[i % 2], f"eager run {i}")
             except BaseException as exc:  # noqa: BLE001 - raised by the main thread
                 errors.append(exc)
 
@@ -149,11 +167,17 @@ def play(sc: Scenario, env) -> Outcome:
             t.join()
         if errors:
             raise errors[0]
-        b, _, _ = h.bind(sess, sc.case.feeds, sc.case.outputs)
+        b, ins, outs = h.bind(sess, sc.case.feeds, sc.case.outputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "did not capture graph": counted instead
-            for ro in sc.bound_runs:
+            for i, ro in enumerate(sc.bound_runs):
+                if refs is not None:
+                    h.refill(ins, feeds[(i + 1) % 2])
+                    for o in outs.values():
+                        o[...] = np.nan
                 sess.run_with_iobinding(b, ro.make())
+                if refs is not None:
+                    refs.check([outs[n] for n in refs.names], feeds[(i + 1) % 2], f"bound run {i} ({ro})")
         return Outcome(Counter(sess.fallbacks), Counter(rec.fallbacks), Counter(rec.slot_calls), True)
     finally:
         sess.close()

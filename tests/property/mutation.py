@@ -1,0 +1,128 @@
+"""Mutation testing of the gating and fallback code with mutmut 3 (docs/testing.md; not run in CI).
+
+    python -m tests.property.mutation              # mutmut run over TARGETS, then the summary
+    python -m tests.property.mutation --summary    # the summary of the last run only
+    python -m tests.property.mutation --list       # the mutant-name globs passed to mutmut
+
+pyproject.toml's [tool.mutmut] names the files mutmut copies and mutates and makes tests/property
+the test command; TARGETS narrows the run to the functions that gate, negotiate and fall back (a
+whole-file run makes thousands of mutants of code these properties are not about). The summary
+counts killed / total per module and lists the survivors that are not in
+tests/property/equivalent_mutants.txt (each line there: mutant name, a tab, why it is equivalent).
+Exit status 1 when such an unexplained survivor exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EQUIVALENT = Path(__file__).with_name("equivalent_mutants.txt")
+SEP = "\u01c1"  # mutmut's separator in the mangled names of methods: x<SEP>Class<SEP>method
+
+# module -> functions ("name" for a function, "Class.method", "Class.*" for every method).
+TARGETS: dict[str, tuple[str, ...]] = {
+    "host.plugins.loader": ("negotiate", "Slots.*"),
+    "host.plugins.ep": ("PluginEp.graph_capture_enabled", "PluginEp.graph_policy", "PluginEp._concurrent_supported"),
+    "host.runtime.session": ("_option_text", "_parse_providers", "InferenceSession._partition",
+                             "InferenceSession._concurrent", "InferenceSession._run", "InferenceSession._execute",
+                             "InferenceSession._on_run_start", "InferenceSession._on_run_end",
+                             "InferenceSession.run_with_iobinding"),
+    "host.runtime.options": ("RunOptions.*",),
+    "host.runtime.graph_capture": ("parse_graph_id", "GraphCapture.__init__", "GraphCapture.run",
+                                   "GraphCapture._replay", "GraphCapture._check_binding"),
+    "host.runtime.compiled": ("can_compile", "collect_claims", "claim_and_compile"),
+    "abi.sdk": ("HostApi.__init__", "HostApi._covers", "HostApi.has", "HostApi.sync_stream", "Runtime.expose",
+                "Runtime._create_locked", "EpBase.GetCapability"),
+    "plugin_cuda.options": ("parse_options", "_validate", "_bool", "_int", "_pointer"),
+}
+
+KILLED = {1, 3, 36, 24, -24, 152, 255, -11, -9}   # test failure, pytest error, timeout, crash
+SURVIVED = {0}
+
+
+def globs() -> list[str]:
+    """mutmut mutant-name globs for TARGETS."""
+    out = []
+    for module, names in TARGETS.items():
+        for name in names:
+            if "." in name:
+                cls, meth = name.split(".", 1)
+                out.append(f"{module}.x{SEP}{cls}{SEP}{meth}__mutmut_*")
+            else:
+                out.append(f"{module}.x_{name}__mutmut_*")
+    return out
+
+
+def results() -> dict[str, int | None]:
+    """Mutant name -> exit code of its test run (None: not run yet), from mutmut's meta files."""
+    out: dict[str, int | None] = {}
+    for meta in sorted((ROOT / "mutants").rglob("*.py.meta")):
+        out.update(json.loads(meta.read_text())["exit_code_by_key"])
+    patterns = globs()
+    return {k: v for k, v in out.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+
+
+def equivalent() -> dict[str, str]:
+    out = {}
+    if EQUIVALENT.is_file():
+        for line in EQUIVALENT.read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.startswith("#"):
+                name, _, why = line.partition("\t")
+                out[name.strip()] = why.strip()
+    return out
+
+
+def module_of(mutant: str) -> str:
+    return next(m for m in TARGETS if mutant.startswith(m + ".x"))
+
+
+def summary() -> int:
+    res = results()
+    eq = equivalent()
+    rows: dict[str, Counter] = {}
+    unexplained = []
+    for name, code in sorted(res.items()):
+        c = rows.setdefault(module_of(name), Counter())
+        c["total"] += 1
+        if code is None:
+            c["not run"] += 1
+        elif code in KILLED:
+            c["killed"] += 1
+        elif code in SURVIVED and name in eq:
+            c["equivalent"] += 1
+        elif code in SURVIVED:
+            c["survived"] += 1
+            unexplained.append(name)
+        else:
+            c["other"] += 1  # no covering test (33) or mutmut could not judge it
+            unexplained.append(name)
+    print("| module | killed | equivalent | survived | other | not run | total |")
+    print("|---|---|---|---|---|---|---|")
+    for module, c in rows.items():
+        print(f"| `{module}` | {c['killed']} | {c['equivalent']} | {c['survived']} | {c['other']} | {c['not run']} | "
+              f"{c['total']} |")
+    tot = sum(rows.values(), Counter())
+    print(f"| all | {tot['killed']} | {tot['equivalent']} | {tot['survived']} | {tot['other']} | {tot['not run']} | "
+          f"{tot['total']} |")
+    for name in unexplained:
+        print(f"unexplained: {name} (exit code {res[name]}); see `mutmut show {name}`")
+    return 1 if unexplained else 0
+
+
+def main(argv: list[str]) -> int:
+    if "--list" in argv:
+        print("\n".join(globs()))
+        return 0
+    if "--summary" not in argv:
+        subprocess.run([sys.executable, "-m", "mutmut", "run", *globs()], cwd=ROOT, check=False)
+    return summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""Property 8: state reused across calls.
+
+Where the other properties build fresh objects for every call, these keep them: one RunOptions
+reused across eager and bound runs, graph ids and sync modes (its entries changed in between);
+one IOBinding rebound after a replay (inputs and outputs, to new buffers or to the same ones);
+eager runs on a capture-enabled session before its capture. A model says what each call must do
+(run eagerly, warm up and capture, replay, or refuse a moved binding) and every output is compared
+with the references, after copying fresh data into the bound inputs and NaNs into the outputs.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from host.errors import GraphCaptureError
+from host.runtime.session import RunOptions
+from tests.property import fallback_table as ft
+from tests.property import harness as h
+from tests.property import strategies as s
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExampleEP did not capture graph:RuntimeWarning")
+
+# Steps: ("gid", "-1".."2") and ("sync", "0"/"1") change the one RunOptions; ("eager",) runs
+# sess.run with it; ("bound",) runs the one IOBinding with it; ("rebind", what) rebinds.
+REBINDS = ("input_new", "input_same", "input_back", "output_new", "output_same", "output_back")
+step = st.one_of(
+    st.tuples(st.just("gid"), st.sampled_from(["-1", "0", "1", "2"])),
+    st.tuples(st.just("sync"), st.sampled_from(["0", "1"])),
+    st.tuples(st.just("eager")),
+    st.tuples(st.just("bound")),
+    st.tuples(st.just("bound")),
+    st.tuples(st.just("rebind"), st.sampled_from(REBINDS)),
+)
+
+
+@dataclass
+class Model:
+    """What the host and ExampleEP must do with one session, one RunOptions and one IOBinding."""
+
+    nodes: int
+    min_runs: int
+    gid: int = 0
+    sync: bool = True
+    captured: dict[int, dict[str, int]] = field(default_factory=dict)  # gid -> buffer ids at capture
+    computes: int = 0
+    replays: int = 0
+    sync_replays: int = 0
+
+
+@dataclass
+class Buffers:
+    """The arrays the binding holds now, the original ones, and every array ever bound (kept
+    alive, so that no new array can take the address of an old one)."""
+
+    bound: dict[str, np.ndarray]
+    original: dict[str, np.ndarray]
+    alive: list = field(default_factory=list)
+
+    def ids(self) -> dict[str, int]:
+        return {k: v.__array_interface__["data"][0] for k, v in self.bound.items()}
+
+
+def _rebind(b, bufs: Buffers, what: str, case) -> None:
+    kind, how = what.split("_")
+    names = list(case.feeds) if kind == "input" else list(case.outputs)
+    name = names[0]
+    if how == "new":
+        arr = np.zeros_like(bufs.bound[name])
+        bufs.alive.append(arr)
+    elif how == "same":
+        arr = bufs.bound[name]
+    else:
+        arr = bufs.original[name]
+    bufs.bound[name] = arr
+    (b.bind_input if kind == "input" else b.bind_output)(name, arr)
+
+
+def play(case, version: int, min_runs: int, steps, refs: h.References) -> None:
+    feeds = [case.feeds, case.feeds2]
+    m = Model(len(case.nodes), min_runs)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": str(min_runs)})
+        try:
+            ro = RunOptions()
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            bufs = Buffers({**ins, **outs}, {**ins, **outs})
+            for i, st_ in enumerate(steps):
+                data = feeds[i % 2]
+                if st_[0] == "gid":
+                    ro.add_run_config_entry("gpu_graph_id", st_[1])
+                    m.gid = int(st_[1])
+                elif st_[0] == "sync":
+                    ro.add_run_config_entry("disable_synchronize_execution_providers", st_[1])
+                    m.sync = st_[1] != "1"
+                elif st_[0] == "eager":
+                    refs.check(sess.run(None, data, ro), data, f"step {i}: eager run with the shared RunOptions")
+                    m.computes += m.nodes
+                elif st_[0] == "rebind":
+                    _rebind(b, bufs, st_[1], case)
+                else:
+                    _bound(sess, b, ro, bufs, m, case, data, refs, i)
+            rec = h.record(version)
+            assert rec.slot_calls["EpKernel.Compute"] == m.computes
+            assert rec.slot_calls["replayed_steps"] == m.replays * m.nodes
+            assert sess.fallbacks["graph_captured"] == len(m.captured)
+            replays = sum(sess.fallbacks[k] for k in ("replay_stream_sync", "replay_device_sync", "replay_async"))
+            assert replays == m.replays
+            assert sess.fallbacks["replay_async"] == m.replays - m.sync_replays
+        finally:
+            sess.close()
+
+
+def _bound(sess, b, ro, bufs: Buffers, m: Model, case, data, refs, i: int) -> None:
+    for k, v in data.items():
+        bufs.bound[k][...] = v
+    for k in case.outputs:
+        bufs.bound[k][...] = np.nan
+    now = bufs.ids()
+    if m.gid in m.captured and m.captured[m.gid] != now:
+        moved = sorted(k for k in now if now[k] != m.captured[m.gid][k])
+        kinds = "|".join(f"(input|output) '{re.escape(k)}'" for k in moved)
+        with pytest.raises(GraphCaptureError, match=rf"^graph {m.gid} was captured with ({kinds}) at a fixed buffer; "
+                                                    r"it moved from address"):
+            sess.run_with_iobinding(b, ro)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess.run_with_iobinding(b, ro)
+    if m.gid == -1:
+        m.computes += m.nodes
+    elif m.gid in m.captured:
+        m.replays += 1
+        m.sync_replays += m.sync
+    else:
+        m.computes += m.nodes * (m.min_runs + 1)  # ExampleEP captures the run after min_runs warm-ups
+        m.captured[m.gid] = now
+    got = [bufs.bound[n] for n in refs.names]
+    what = "replayed" if m.gid in m.captured and m.replays else "bound"
+    refs.check(got, data, f"step {i}: {what} run (graph {m.gid}) after the steps before it")
+
+
+versions = st.sampled_from(ft.CAPTURE_VERSIONS)
+
+
+@given(case=s.elementwise_graphs(max_nodes=3), version=versions, min_runs=st.integers(0, 2),
+       steps=st.lists(step, min_size=1, max_size=12))
+@example(case=h.chain_case(), version=5, min_runs=1,
+         steps=[("eager",), ("eager",), ("eager",), ("bound",), ("bound",), ("eager",), ("bound",)])
+@example(case=h.chain_case(), version=3, min_runs=0,
+         steps=[("gid", "1"), ("eager",), ("bound",), ("gid", "-1"), ("eager",), ("bound",), ("gid", "1"),
+                ("sync", "1"), ("bound",), ("eager",), ("gid", "2"), ("bound",), ("bound",)])
+@example(case=h.chain_case(), version=4, min_runs=2,
+         steps=[("bound",), ("bound",), ("rebind", "input_new"), ("bound",), ("rebind", "input_back"), ("bound",),
+                ("rebind", "input_same"), ("bound",), ("rebind", "output_new"), ("bound",),
+                ("rebind", "output_back"), ("rebind", "output_same"), ("bound",)])
+@example(case=h.chain_case(), version=max(ft.CAPTURE_VERSIONS), min_runs=0,
+         steps=[("bound",), ("rebind", "input_new"), ("gid", "-1"), ("bound",), ("eager",), ("gid", "3"),
+                ("bound",), ("bound",)])
+@settings(deadline=None, max_examples=s.budget(20))
+def test_reused_run_options_binding_and_session(case, version, min_runs, steps):
+    play(case, version, min_runs, steps, h.References(case))
+
+
+@given(case=s.elementwise_graphs(max_nodes=3), version=versions, eager=st.integers(1, 4),
+       gid=st.sampled_from([None, "0", "2"]), sync=st.sampled_from([None, "0", "1"]))
+@settings(deadline=None, max_examples=s.budget(8))
+def test_eager_runs_before_capture_do_not_count_as_warm_up(case, version, eager, gid, sync):
+    """Eager runs with the RunOptions later used for capture, then capture and replays: the
+    replayed outputs are the references' (a graph captured during an eager run would replay into
+    that run's buffers, never into the bound ones)."""
+    steps = [] if gid is None else [("gid", gid)]
+    steps += [] if sync is None else [("sync", sync)]
+    steps += [("eager",)] * eager + [("bound",)] * 3
+    play(case, version, 1, steps, h.References(case))
