@@ -517,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--api-version", type=int, metavar="N", help="host API version to serve (default: newest)")
     p.set_defaults(func=cmd_plugin_info)
+
+    from host.cli import ops as ops_cli  # `ephost ops` (host/cli/ops.py)
+
+    ops_cli.add_parser(sub)
     for p in sub.choices.values():  # `ephost run ... --debug` as well as `ephost --debug run ...`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
