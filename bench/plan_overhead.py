@@ -108,11 +108,11 @@ def measure(cp, name, model, iters, warmup) -> dict:
     plan.run(stream.ptr, ip, op)
     stream.synchronize()
     inst = plan._instances[stream.ptr]
-    launches = [item for item in inst.seq if item.__class__ is tuple]
-    cublas_steps = [item for item in inst.seq if item.__class__ is not tuple]
+    launches = [item for item in inst.eager_seq if item.__class__ is tuple]
+    cublas_steps = [item for item in inst.eager_seq if item.__class__ is not tuple]
     launch = driver.lib().cuLaunchKernel
     # The plan's own launches in the plan's order, each a ready call: nothing but the launches.
-    calls = [functools.partial(launch, *item) if item.__class__ is tuple else item for item in inst.seq]
+    calls = [functools.partial(launch, *item) if item.__class__ is tuple else item for item in inst.eager_seq]
 
     def raw():
         for call in calls:

@@ -211,16 +211,34 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
   for (int r = 0; r < 4; ++r)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+  // The next k slice is read from global memory into registers while this one is multiplied.
+  float ra[4], rb[4];
+#pragma unroll
+  for (int l = 0; l < 4; ++l) {{
+    const int e = tid + l * 256;
+    const int am = e >> 4, ak = e & 15, gm = row0 + am;
+    ra[l] = (gm < {m_dim} && ak < {k_dim}) ? {pa}[gm * {k_dim} + ak] : 0.0f;
+    const int bk = e >> 6, bn = e & 63, gn = col0 + bn;
+    rb[l] = (bk < {k_dim} && gn < {n_dim}) ? {pb}[bk * {n_dim} + gn] : 0.0f;
+  }}
   for (int k0 = 0; k0 < {k_dim}; k0 += 16) {{
 #pragma unroll
     for (int l = 0; l < 4; ++l) {{
       const int e = tid + l * 256;
-      const int am = e >> 4, ak = e & 15, gm = row0 + am, gk = k0 + ak;
-      As[ak][am] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
-      const int bk = e >> 6, bn = e & 63, hk = k0 + bk, gn = col0 + bn;
-      Bs[bk][bn] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
+      As[e & 15][e >> 4] = ra[l];
+      Bs[e >> 6][e & 63] = rb[l];
     }}
     __syncthreads();
+    if (k0 + 16 < {k_dim}) {{
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {{
+        const int e = tid + l * 256;
+        const int am = e >> 4, gk = k0 + 16 + (e & 15), gm = row0 + am;
+        ra[l] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
+        const int hk = k0 + 16 + (e >> 6), gn = col0 + (e & 63);
+        rb[l] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
+      }}
+    }}
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {{
       float a[4], b[4];
@@ -393,16 +411,17 @@ def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
 GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel}
 
 
-def generate(prog: Program, steps: list) -> tuple[str, list]:
-    """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`."""
+def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:
+    """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`;
+    kernels are named `prefix` + step index."""
     specs = []
-    parts = [PRELUDE]
+    parts = [PRELUDE] if prelude else []
     for i, step in enumerate(steps):
         gen = GENERATORS.get(step.kind)
         if gen is None:
             specs.append(None)
             continue
-        spec = gen(prog, step, f"ep_k{i}")
+        spec = gen(prog, step, f"{prefix}{i}")
         parts.append(f"/* {step.name} */\n" + spec.source)
         specs.append(spec)
     return "\n".join(parts), specs

@@ -44,7 +44,7 @@ class Step:
     name: str  # the ONNX node(s) it runs, for errors and reports
 
 
-def small_gemm(prog: Program, op: Op) -> bool:
+def small_gemm(prog: Program, op: Op, tiled: bool = True) -> bool:
     """Whether a GEMM runs as a generated kernel: row-major A times a 2-D B, few rows or few
     multiply-adds (see SMALL_GEMM_MAX_ROWS, TILED_GEMM_MAX_MACS)."""
     if op.kind != "gemm" or op.attrs["trans_a"] or op.attrs["trans_b"]:
@@ -55,7 +55,7 @@ def small_gemm(prog: Program, op: Op) -> bool:
     rows = math.prod(a[:-1]) if len(a) > 1 else 1
     if rows < 1 or b[0] < 1 or b[1] < 1:
         return False
-    return rows <= SMALL_GEMM_MAX_ROWS or rows * b[0] * b[1] <= TILED_GEMM_MAX_MACS
+    return rows <= SMALL_GEMM_MAX_ROWS or tiled and rows * b[0] * b[1] <= TILED_GEMM_MAX_MACS
 
 
 def _consumers(prog: Program) -> dict:
@@ -104,14 +104,16 @@ def group_ops(prog: Program) -> tuple[list, dict]:
     return groups, owner
 
 
-def build_steps(prog: Program) -> list:
-    """The plan's steps in execution order (aliases make no step)."""
+def build_steps(prog: Program, tiled: bool = True) -> list:
+    """The plan's steps in execution order (aliases make no step). `tiled`: mid-size GEMMs become
+    generated tiled kernels (fewest launches, for eager runs); otherwise cuBLAS (fastest kernels,
+    for graph replay, where launches cost nothing)."""
     groups, owner = group_ops(prog)
     users = _consumers(prog)
     outputs = set(prog.outputs)
     absorbed = set()
     for op in prog.ops:
-        if not small_gemm(prog, op):
+        if not small_gemm(prog, op, tiled):
             continue
         out = op.outputs[0]
         readers = users.get(out, [])

@@ -66,8 +66,21 @@ class Plan:
         self.warmup = max(1, int(warmup))
         self.num_nodes = len(graph.nodes)
         self.prog = prog = lower(graph, inputs, outputs)
-        self.steps = steps = build_steps(prog)
-        source, self.specs = codegen.generate(prog, steps)
+        # Two ways to run: eager (mid-size GEMMs as generated kernels: fewest launches) and graph
+        # (those GEMMs on cuBLAS: fastest kernels, launches being free in a graph). Often the same.
+        eager_steps = build_steps(prog, tiled=True)
+        graph_steps = build_steps(prog, tiled=False)
+        source, eager_specs = codegen.generate(prog, eager_steps, "ep_k")
+        graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_k")
+        self._resolve_locations()
+        self.eager = _Variant("eager", eager_steps, eager_specs)
+        if graph_source == source:
+            self.graph = self.eager
+        else:
+            graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_g", prelude=False)
+            source += graph_source
+            self.graph = _Variant("graph", graph_steps, graph_specs)
+        self.steps, self.specs = eager_steps, eager_specs
         self.source = kernel_cache.PROBE + source
         hits = kernel_cache.stats["hits"]
         self.module = kernel_cache.load(cp, self.source, self.device_id)
@@ -76,9 +89,11 @@ class Plan:
         self.output_shapes = [prog.values[v].shape for v in prog.outputs]
         self.input_names = [prog.values[v].name for v in prog.inputs]
         self.output_names = [prog.values[v].name for v in prog.outputs]
-        self._resolve_locations()
         self._upload_constants()
-        self._plan_memory()
+        for variant in {id(v): v for v in (self.eager, self.graph)}.values():
+            variant.memory = self._plan_memory(variant.steps)
+        self.arena_bytes = max(self.eager.memory.arena_bytes, self.graph.memory.arena_bytes)
+        self.naive_bytes = self.eager.memory.naive_bytes
         self.build_seconds = time.perf_counter() - t0
         return self
 
@@ -103,7 +118,7 @@ class Plan:
         self._in_index = {v: i for i, v in enumerate(prog.inputs)}
         self._out_index = {v: i for i, v in enumerate(prog.outputs)}
 
-    def location(self, vid: int) -> tuple:
+    def location(self, vid: int, variant) -> tuple:
         """Where a value lives: ('in', i) / ('out', j) of the call, ('const', offset), ('arena', offset)."""
         base = self._base(vid)
         if base in self._in_index:
@@ -112,12 +127,13 @@ class Plan:
             return ("out", self._out_index[base])
         if self.prog.values[base].const is not None:
             return ("const", self._const_offsets[base])
-        return ("arena", self.memory.offset(base))
+        return ("arena", variant.memory.offset(base))
 
     def _used_values(self) -> list:
         used = []
-        for step, spec in zip(self.steps, self.specs):
-            used.extend(spec.params if spec is not None else step.reads + step.writes)
+        for variant in (self.eager, self.graph):
+            for step, spec in zip(variant.steps, variant.specs):
+                used.extend(spec.params if spec is not None else step.reads + step.writes)
         return used
 
     def _upload_constants(self) -> None:
@@ -147,11 +163,11 @@ class Plan:
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         self._const_base = int(self._const_mem.ptr)
 
-    def _plan_memory(self) -> None:
+    def _plan_memory(self, steps):
         prog = self.prog
         arena_values = set()
         rows = []
-        for step in self.steps:
+        for step in steps:
             reads = [self._base(v) for v in step.reads]
             writes = [self._base(v) for v in step.writes]
             rows.append((reads, writes))
@@ -161,9 +177,7 @@ class Plan:
         spans = lifetimes([([v for v in r if v in arena_values], [v for v in w if v in arena_values])
                            for r, w in rows])
         requests = [BufferRequest(v, prog.values[v].size * ITEMSIZE, *spans[v]) for v in sorted(arena_values)]
-        self.memory = plan_memory(requests, ALIGN)
-        self.arena_bytes = self.memory.arena_bytes
-        self.naive_bytes = self.memory.naive_bytes
+        return plan_memory(requests, ALIGN)
 
     def _malloc(self, nbytes: int, stream_ptr: int | None):
         """Device memory from the EP's pool (stream-ordered when a stream is given) or CuPy's."""
@@ -191,7 +205,13 @@ class Plan:
             inst.replay(input_ptrs, output_ptrs)
             return
         inst.set_io(input_ptrs, output_ptrs)
-        inst.launch_all()
+        if capturing or not inst.graph_warm:
+            # The graph variant runs once eagerly before any capture, so that its cuBLAS calls
+            # have run (and loaded their kernels) before they are recorded.
+            inst.graph_warm = True
+            inst.launch_all(inst.graph_seq)
+        else:
+            inst.launch_all(inst.eager_seq)
         if self.auto_graph and not capturing:
             inst.runs += 1
             if inst.runs >= self.warmup:
@@ -209,7 +229,8 @@ class Plan:
     def describe(self) -> dict:
         """Counts and sizes for reports (ephost bench, the benchmarks)."""
         return {"nodes": self.num_nodes, "steps": len(self.steps), "kernels": self.num_kernels,
-                "cublas": self.num_cublas, "arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes,
+                "cublas": self.num_cublas, "graph_kernels": sum(1 for s in self.graph.specs if s is not None),
+                "graph_cublas": sum(1 for s in self.graph.specs if s is None), "arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes,
                 "const_bytes": self.const_bytes, "build_seconds": self.build_seconds, "cache_hit": self.cache_hit}
 
     def close(self) -> None:
@@ -227,6 +248,16 @@ class Plan:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Variant:
+    """One way to run the plan: its steps, their kernels (None: cuBLAS) and its memory plan."""
+
+    def __init__(self, name: str, steps: list, specs: list):
+        self.name = name
+        self.steps = steps
+        self.specs = specs
+        self.memory = None
 
 
 class _Null:
@@ -262,19 +293,26 @@ class _Instance:
         self.arena_mem = plan._malloc(plan.arena_bytes, stream_ptr) if plan.arena_bytes else None
         self.arena = int(self.arena_mem.ptr) if self.arena_mem is not None else 0
         self._keep = []
-        self.seq = []
-        handle = None
-        for step, spec in zip(plan.steps, plan.specs):
-            if spec is not None:
-                self.seq.append(self._pack_kernel(spec))
-            else:
-                if handle is None:
-                    handle = self._cublas_handle()
-                self.seq.append(_CublasStep(self, step, handle))
+        self._handle = None
+        self.eager_seq = self._pack(plan.eager)
+        self.graph_seq = self.eager_seq if plan.graph is plan.eager else self._pack(plan.graph)
+        self.graph_warm = plan.graph is plan.eager
+        self._variant_of = {id(self.eager_seq): plan.eager, id(self.graph_seq): plan.graph}
 
-    def address(self, vid: int) -> tuple:
-        """(ext index or None, fixed address or offset)."""
-        kind, where = self.plan.location(vid)
+    def _pack(self, variant) -> list:
+        seq = []
+        for step, spec in zip(variant.steps, variant.specs):
+            if spec is not None:
+                seq.append(self._pack_kernel(spec, variant))
+            else:
+                if self._handle is None:
+                    self._handle = self._cublas_handle()
+                seq.append(_CublasStep(self, step, self._handle, variant))
+        return seq
+
+    def address(self, vid: int, variant) -> tuple:
+        """(ext index or None, fixed address)."""
+        kind, where = self.plan.location(vid, variant)
         if kind == "in":
             return where, 0
         if kind == "out":
@@ -283,11 +321,11 @@ class _Instance:
             return None, self.plan._const_base + where
         return None, self.arena + where
 
-    def _pack_kernel(self, spec) -> tuple:
+    def _pack_kernel(self, spec, variant) -> tuple:
         ffi = driver.ffi
         cells = []
         for vid in spec.params:
-            j, addr = self.address(vid)
+            j, addr = self.address(vid, variant)
             if j is not None:
                 cells.append(self.ext + j)
             else:
@@ -321,25 +359,25 @@ class _Instance:
         ext[0:n_in] = input_ptrs
         ext[n_in:n_in + self.n_out] = output_ptrs
 
-    def launch_all(self) -> None:
+    def launch_all(self, seq: list) -> None:
         launch = self.cu.cuLaunchKernel
-        for item in self.seq:
+        for item in seq:
             if item.__class__ is tuple:
                 code = launch(*item)
                 if code:
-                    self._failed(code, item)
+                    self._failed(code, item, seq)
             else:
                 item()
 
-    def _failed(self, code: int, item: tuple) -> None:
+    def _failed(self, code: int, item: tuple, seq: list) -> None:
         if code == driver.CUDA_ERROR_INVALID_CONTEXT:
             # A thread that never touched the device: make the primary context current, retry once.
             self.plan.cupy.cuda.runtime.setDevice(self.plan.device_id)
             code = self.cu.cuLaunchKernel(*item)
             if not code:
                 return
-        index = self.seq.index(item)
-        step = self.plan.steps[index]
+        index = seq.index(item)
+        step = self._variant_of[id(seq)].steps[index]
         raise DriverError(f"cuLaunchKernel of plan step {index} ({step.kind}: {step.name}) failed: "
                           f"{driver.error_name(code)} ({code})", code)
 
@@ -358,7 +396,7 @@ class _Instance:
         self.in_stage = list(zip(addrs[:len(in_bytes)], in_bytes))
         self.out_stage = list(zip(addrs[len(in_bytes):], out_bytes))
         self.ext[0:len(addrs)] = addrs
-        self.graph = driver.Graph.capture(self.stream, self.launch_all)
+        self.graph = driver.Graph.capture(self.stream, lambda: self.launch_all(self.graph_seq))
         plan.stats["captures"] += 1
 
     def replay(self, input_ptrs, output_ptrs) -> None:
@@ -381,7 +419,7 @@ class _Instance:
         if self._own_handle is not None:
             self._own_handle.close()
             self._own_handle = None
-        self.seq = []
+        self.eager_seq = self.graph_seq = []
         self._keep = []
         self.arena_mem = None
         self._stage_mem = None
@@ -390,7 +428,7 @@ class _Instance:
 class _CublasStep:
     """One GEMM step through the plugin's cuBLAS handle, with every argument prepared at build."""
 
-    def __init__(self, inst: _Instance, step, handle):
+    def __init__(self, inst: _Instance, step, handle, variant):
         from plugin_cuda import cublas
 
         self.inst = inst
@@ -406,7 +444,7 @@ class _CublasStep:
         cuda_type, compute = cublas._types(np.dtype(np.float32), inst.plan.use_tf32)
         self.alpha = ffi.new("float *", float(op.attrs.get("alpha", 1.0)))
         zero = cublas._ZERO
-        ptrs = [inst.address(v) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
+        ptrs = [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
         self.calls = []  # (function, args template, [(arg position, ext index, byte offset)])
         if op.kind == "bgemm":  # a batched layout computed at lowering (Attention)
             g = op.attrs["gemm"]

@@ -129,6 +129,15 @@ def test_mid_size_gemm_is_a_tiled_kernel_with_its_epilogue():
     assert all(s.group.gemm is not None and len(s.group.members) == 2 for s in steps)
 
 
+def test_graph_variant_sends_mid_size_gemms_to_cublas():
+    spec, prog, steps = _program(_zoo().transformer_block())
+    graph_steps = fuse.build_steps(prog, tiled=False)
+    assert [s.kind for s in graph_steps].count("gemm") == 8  # q, k, v, out, fc1, fc2 and attention's two
+    assert [s.kind for s in steps].count("gemm") == 2
+    one_row = _program(_zoo().mlp(layers=2, hidden=64, batch=1))[1]
+    assert [s.kind for s in fuse.build_steps(one_row, tiled=False)] == ["ew", "ew"]  # GEMV kernels stay
+
+
 def test_large_gemm_goes_to_cublas_with_fused_epilogue():
     spec, prog, steps = _program(_zoo().mlp(layers=2, hidden=512, batch=512))  # 2**27 multiply-adds each
     assert [s.kind for s in steps] == ["gemm", "ew", "gemm", "ew"]

@@ -167,10 +167,14 @@ def test_capture_replays_the_same_launches(cp):
             replay2 = cp.asnumpy(out)
         finally:
             graph.close()
-        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])
+        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr], True)  # the launches a capture records
         run.stream.synchronize()
         np.testing.assert_array_equal(replay2, cp.asnumpy(out))  # the same launches: bit-identical
+        plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr])  # eager: mid-size GEMMs as generated kernels
+        run.stream.synchronize()
+        np.testing.assert_allclose(replay2, cp.asnumpy(out), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(replay2, reference(model, f2)[0], rtol=1e-4, atol=1e-4)
+        assert plan.graph is not plan.eager  # this model has two variants: both were exercised
         assert not np.allclose(eager1, replay2)  # the replay read the new input
 
 
