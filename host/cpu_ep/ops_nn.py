@@ -191,20 +191,20 @@ class Conv(_Spatial):
 
     @staticmethod
     def _depthwise(cols, w, mg, nd):
-        """One input channel per group. Large outputs: a multiply-add per kernel tap over the whole
-        image (few, big NumPy calls); small ones: each channel's windows, copied dense, times its
-        filters in one batched matmul (one call, however many taps)."""
+        """One input channel per group: each channel's windows copied dense, times its filters in one
+        batched matmul. The copy's layout follows the larger side: (taps, pixels) when there are at least
+        as many output pixels as taps (the copy then runs along image rows, far faster than gathering
+        a few taps per pixel), else (pixels, taps)."""
         n, c = cols.shape[:2]
         out, ksize = cols.shape[2:2 + nd], math.prod(cols.shape[2 + nd:])
-        if mg == 1 and math.prod(out) >= 256:
-            taps = w.reshape(c, ksize).T.reshape(ksize, 1, c, *([1] * nd))
-            y = None
-            for k, tap in enumerate(_taps(cols, nd)):
-                term = tap * taps[k]
-                y = term if y is None else np.add(y, term, out=y)
-            return y
-        dense = np.ascontiguousarray(cols).reshape(n, c, 1, math.prod(out), ksize)
-        y = np.matmul(dense, w.reshape(c, mg, ksize, 1))  # (N, C, Mg, pixels, 1)
+        pixels = math.prod(out)
+        if pixels >= ksize:
+            perm = (0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))  # (N, C, *kernel, *out)
+            dense = np.ascontiguousarray(cols.transpose(perm)).reshape(n, c, ksize, pixels)
+            y = np.matmul(w.reshape(c, mg, ksize), dense)  # (N, C, Mg, pixels)
+        else:
+            dense = np.ascontiguousarray(cols).reshape(n, c, 1, pixels, ksize)
+            y = np.matmul(dense, w.reshape(c, mg, ksize, 1))  # (N, C, Mg, pixels, 1)
         return y.reshape(n, c * mg, *out)
 
     @staticmethod

@@ -170,16 +170,16 @@ TRANSFORMER = [
          id="RotaryEmbedding-no-position-ids"),
 ]
 
-# Conv's fast paths (ops_nn.Conv._plan): pointwise, depthwise by taps (>= 256 output pixels) or by batched dots,
+# Conv's fast paths (ops_nn.Conv._plan): pointwise, depthwise with the (taps, pixels) or the (pixels, taps) copy,
 # im2col with groups and batches.
 CONV_PATHS = [
     case("Conv", {"x": f32(2, 6, 5, 7), "w": f32(4, 6, 1, 1), "b": f32(4)}, tol=SUM_TOL, id="Conv-pointwise"),
     case("Conv", {"x": f32(1, 4, 20, 18), "w": f32(4, 1, 3, 3), "b": f32(4)}, group=4, pads=[1, 1, 1, 1],
-         tol=SUM_TOL, id="Conv-depthwise-taps"),
+         tol=SUM_TOL, id="Conv-depthwise-taps-pixels"),
     case("Conv", {"x": f32(2, 3, 9, 9), "w": f32(6, 1, 5, 5)}, group=3, pads=[2, 1, 2, 1], strides=[2, 1],
          tol=SUM_TOL, id="Conv-depthwise-multiplier2"),
     case("Conv", {"x": f32(1, 5, 6, 6), "w": f32(5, 1, 5, 5)}, group=5, pads=[2, 2, 2, 2], dilations=[1, 2],
-         tol=SUM_TOL, id="Conv-depthwise-dots-dilated"),
+         tol=SUM_TOL, id="Conv-depthwise-pixels-taps-dilated"),
     case("Conv", {"x": f32(2, 4, 9, 8), "w": f32(6, 2, 3, 3), "b": f32(6)}, group=2, strides=[2, 2],
          pads=[1, 0, 1, 1], tol=SUM_TOL, id="Conv-im2col-groups-batch2"),
     case("Conv", {"x": f32(1, 3, 16, 16), "w": f32(8, 3, 3, 3)}, strides=[2, 2], auto_pad="SAME_UPPER",
