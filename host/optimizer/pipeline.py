@@ -20,6 +20,7 @@ from host.errors import InvalidArgument, ModelError
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
+from host.optimizer.rules.casts import cast_rules
 
 
 @dataclass
@@ -64,7 +65,7 @@ class OptimizeResult:
 # reshapes. Fusions (Conv+BN included) wait for level 2.
 def _basic_rules() -> RewriteRuleSet:
     r = onnxscript_rules
-    return RewriteRuleSet([
+    return RewriteRuleSet([*cast_rules(),
         r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
         r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
         r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
@@ -177,6 +178,9 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
                   "are skipped")
         if ok:
             _fold(model)  # the converter writes axes and similar as Constant nodes: fold them to values
+    # Patterns name attributes such as keepdims=1; exporters and the converter often leave them at
+    # their defaults (absent), which onnxscript's matcher does not treat as equal.
+    ir_passes.AddDefaultAttributesPass()(model)
     opset = onnx_opset(model)
     for family in families:
         if family.min_opset > opset or not family.triggers & _present(model):

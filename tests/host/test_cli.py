@@ -68,7 +68,8 @@ def test_run_with_input_file(capsys, tmp_path, mlp_path):
 
 
 def test_run_on_example_plugin_reports_node_counts(capsys, plugin, mlp_path):
-    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--ep", "ExampleEP", "--random-inputs")
+    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--ep", "ExampleEP", "--random-inputs",
+                           "--optimization-level", "disable")  # counts the model's own 6 nodes, not Gemm fusions
     assert rc == 0, err
     assert out.splitlines()[0] == "ExampleEP: 6 nodes"
 
@@ -76,7 +77,7 @@ def test_run_on_example_plugin_reports_node_counts(capsys, plugin, mlp_path):
 def test_ep_options_go_to_the_first_or_the_named_ep(capsys, plugin, mlp_path):
     for option in ("ops=MatMul,Add", "ExampleEP:ops=MatMul,Add"):
         rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", f"ex={plugin}", "--ep-option", option,
-                               "--random-inputs")
+                               "--random-inputs", "--optimization-level", "disable")
         assert rc == 0, err
         assert out.splitlines()[:2] == ["ExampleEP: 4 nodes", "CPUExecutionProvider: 2 nodes"]
 
@@ -90,7 +91,8 @@ def test_plugin_without_device_warns_on_one_line(capsys, plugin, mlp_path, monke
         return f
 
     monkeypatch.setattr(loader.PluginRegistration, "_describe", no_devices)
-    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--random-inputs")
+    rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--random-inputs",
+                           "--optimization-level", "disable")
     assert rc == 0
     assert err.splitlines() == ["warning: ExampleEP has no device; its nodes fall back to CPUExecutionProvider"]
     assert out.splitlines()[0] == "CPUExecutionProvider: 6 nodes"
@@ -143,7 +145,8 @@ def test_argparse_errors_exit_2(capsys):
 
 # ---- bench ---------------------------------------------------------------------------------------
 def test_bench_prints_percentiles(capsys, plugin, mlp_path):
-    rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--warmup", 2, "--iters", 5)
+    rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--warmup", 2, "--iters", 5,
+                           "--optimization-level", "disable")
     assert rc == 0, err
     for label in ("first run: ", "p50: ", "p90: ", "p99: ", "mean: "):
         assert label in out
@@ -152,7 +155,7 @@ def test_bench_prints_percentiles(capsys, plugin, mlp_path):
 
 def test_bench_iobinding_with_graph_capture_binds_fixed_outputs(capsys, plugin, mlp_path):
     rc, out, err = run_cli(capsys, "bench", mlp_path, "--plugin", plugin, "--ep-option", "enable_graph=1",
-                           "--iobinding", "--warmup", 3, "--iters", 5)
+                           "--iobinding", "--warmup", 3, "--iters", 5, "--optimization-level", "disable")
     assert rc == 0, err
     assert "mode: run_with_iobinding, graph capture" in out
 
@@ -210,7 +213,8 @@ def test_python_dash_m_entry_points(tmp_path):
 def test_ep_aliases_name_plugins_and_builtin_eps(capsys, plugin, mlp_path, cuda_plugin_path, monkeypatch):
     # `--ep cuda` registers the CUDA plugin build.py made; without a GPU it falls back with a warning.
     monkeypatch.setenv("EPHOST_CUDA_PLUGIN", str(cuda_plugin_path))
-    rc, out, err = run_cli(capsys, "run", str(mlp_path), "--ep", "cuda", "--random-inputs")
+    rc, out, err = run_cli(capsys, "run", str(mlp_path), "--ep", "cuda", "--random-inputs",
+                           "--optimization-level", "disable")
     assert rc == 0, err
     assert "output" in out
     from plugin_cuda.plugin import probe_devices

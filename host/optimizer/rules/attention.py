@@ -45,6 +45,13 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
             return result.fail("Q, K, V are not all of one float type", query)
         if mask is not None and (mask.dtype != query.dtype or mask.shape is None or mask.shape.rank() > 4):
             return result.fail("mask is not a float mask of rank <= 4 of Q's type", mask)
+        # onnxruntime's Attention wants the mask's query dim to be the query length, not a broadcast 1
+        # (the spec allows broadcasting): a mask [B, 1, 1, Skv] is expanded to [B, 1, S, Skv] then.
+        self._expand_mask = None
+        if mask is not None and (mask.shape.rank() < 2 or mask.shape[-2] != dims["S"]):
+            if not isinstance(dims["S"], int):
+                return result.fail("the mask broadcasts over a query length that is not static", mask)
+            self._expand_mask = dims["S"]
         scale = 1.0
         for tag, name in (("q_scaling", "query_scale"), ("k_scaling", "key_scale"), ("qk_scaling", "qk_scale")):
             scale *= _scale_value(bindings.get(tag, "None"), bindings.get(name))
@@ -56,6 +63,8 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
     def rewrite(self, op, query, key, value, mask, key_format, **_):
         if key_format == "BSHd":
             key = op.Transpose(key, perm=[0, 2, 1, 3])
+        if mask is not None and self._expand_mask is not None:
+            mask = op.Expand(mask, op.Constant(value_ints=[self._expand_mask, 1]))
         args = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*args, scale=self._scale)
 

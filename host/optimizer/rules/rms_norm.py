@@ -6,6 +6,7 @@ which onnxscript 0.7 does not check.
 
 from __future__ import annotations
 
+from onnxscript.rewriter import _ir_utils, pattern
 from onnxscript.rewriter.rules.fusion import _rms_normalization as onnxscript_rms
 
 from host.optimizer.rules.base import Family
@@ -20,9 +21,30 @@ class RmsNormFusion(onnxscript_rms.RmsNormFusion):
         return result
 
 
+class OneOverToReciprocal(pattern.RewriteRuleClassBase):
+    """Div(1, x) -> Reciprocal(x): the TorchScript exporter writes rsqrt as 1 / Sqrt, the rules want
+    Reciprocal (the same IEEE operation)."""
+
+    def pattern(self, op, one, x):
+        return op.Div(one, x)
+
+    def check(self, context, one, x, **_):
+        result = pattern.MatchResult()
+        if _ir_utils.get_singleton_value(one) != 1.0 or one.dtype != x.dtype:
+            return result.fail("numerator is not the constant 1 of x's type", one)
+        return result
+
+    def rewrite(self, op, one, x):
+        return op.Reciprocal(x)
+
+
+def prepare_rules() -> list:
+    return [OneOverToReciprocal.rule()]
+
+
 def rms_norm_rules() -> list:
     return [RmsNormFusion.rule("RmsNormFusion1", mul_order=True), RmsNormFusion.rule("RmsNormFusion2", mul_order=False)]
 
 
 RMS_NORM = Family("RMSNormalization", rms_norm_rules, min_opset=23, triggers=frozenset({"Pow", "ReduceMean"}),
-                  emits=(("", "RMSNormalization"),))
+                  emits=(("", "RMSNormalization"),), prepare=prepare_rules)

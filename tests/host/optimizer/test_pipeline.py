@@ -1,0 +1,212 @@
+"""Levels, BASIC passes, the report, and the onnxscript bugs the optimizer works around."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given
+from onnx import helper
+
+from host.errors import InvalidArgument
+from host.optimizer import GraphOptimizationLevel, as_level, optimize
+from host.optimizer.opset import convert_opset, onnx_opset
+from tests.host.optimizer.common import References, assert_same, float_arrays, make_model, ops
+
+L = GraphOptimizationLevel
+
+
+# ---- levels ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,level", [(0, L.ORT_DISABLE_ALL), (1, L.ORT_ENABLE_BASIC), (2, L.ORT_ENABLE_EXTENDED),
+                                         (99, L.ORT_ENABLE_ALL), ("basic", L.ORT_ENABLE_BASIC),
+                                         ("ORT_ENABLE_EXTENDED", L.ORT_ENABLE_EXTENDED), (L.ORT_ENABLE_ALL, 99)])
+def test_levels_have_onnxruntime_values_and_names(value, level):
+    assert as_level(value) == level
+
+
+@pytest.mark.parametrize("value,message", [
+    (3, "^graph_optimization_level 3 is not a level; allowed: ORT_DISABLE_ALL=0, ORT_ENABLE_BASIC=1, "
+        "ORT_ENABLE_EXTENDED=2, ORT_ENABLE_ALL=99$"),
+    ("max", "^graph_optimization_level 'max' is not a level name; allowed: disable, basic, extended, all or "),
+    (True, "^graph_optimization_level must be a GraphOptimizationLevel or int; got True "),
+    (1.0, "^graph_optimization_level must be a GraphOptimizationLevel, int or name; got float "),
+])
+def test_bad_levels_are_refused(value, message):
+    with pytest.raises(InvalidArgument, match=message):
+        as_level(value)
+
+
+def test_optimize_rejects_a_path():
+    with pytest.raises(InvalidArgument, match="^optimize\\(\\) takes an onnx.ModelProto; got str$"):
+        optimize("model.onnx", 1)
+
+
+# ---- BASIC ---------------------------------------------------------------------------------------
+def _shape_subgraph_model(dropout=True):
+    """Reshape(x, Concat(Shape(x)[0], [-1])) after Identity and Dropout, then a redundant Cast pair.
+
+    With x's shape declared, the whole shape computation folds to a constant."""
+    nodes = [helper.make_node("Identity", ["x"], ["xi"]),
+             helper.make_node("Dropout", ["xi"], ["xd"]) if dropout else helper.make_node("Identity", ["xi"], ["xd"]),
+             helper.make_node("Shape", ["xd"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+             helper.make_node("Unsqueeze", ["b", "axes"], ["b1"]),
+             helper.make_node("Concat", ["b1", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["xd", "shape"], ["r"]),
+             helper.make_node("Cast", ["r"], ["c64"], to=onnx.TensorProto.DOUBLE),
+             helper.make_node("Cast", ["c64"], ["c32"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Relu", ["c32"], ["y"])]
+    inits = {"zero": np.array(0, np.int64), "axes": np.array([0], np.int64), "minus1": np.array([-1], np.int64)}
+    return make_model(nodes, [("x", [3, 4, 5])], [("y", [3, 20])], inits)
+
+
+@functools.cache
+def basic_pair():
+    model = _shape_subgraph_model()
+    return References(model), optimize(model, L.ORT_ENABLE_BASIC), None
+
+
+@functools.cache
+def _basic_refs():
+    return References(basic_pair()[1].model)
+
+
+@given(x=float_arrays([3, 4, 5]))
+def test_basic_folds_shape_subgraphs_and_drops_no_ops(x):
+    original, result, _ = basic_pair()
+    # Identity, Dropout, the shape computation and the Cast round trip are gone.
+    assert ops(result.model) == {"Reshape": 1, "Relu": 1}
+    assert result.nodes_before == 10 and result.nodes_after == 2
+    assert_same(original, _basic_refs(), {"x": x})
+
+
+def test_basic_does_not_fuse():
+    model = _linear_gelu_model()
+    assert ops(optimize(model, L.ORT_ENABLE_BASIC).model) == ops(model)
+
+
+def test_disable_all_returns_the_model_itself():
+    model = _shape_subgraph_model()
+    result = optimize(model, L.ORT_DISABLE_ALL)
+    assert result.model is model and result.report == []
+
+
+def test_all_is_extended():
+    model = _linear_gelu_model()
+    extended, everything = optimize(model, L.ORT_ENABLE_EXTENDED).model, optimize(model, L.ORT_ENABLE_ALL).model
+    assert extended.SerializeToString() == everything.SerializeToString()
+    assert ops(extended) == {"ai.ephost::FusedMatMul": 1}
+
+
+def _linear_gelu_model():
+    half, one, sqrt2 = (np.float32(v) for v in (0.5, 1.0, 2 ** 0.5))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["z"]),
+             helper.make_node("Div", ["z", "sqrt2"], ["s"]), helper.make_node("Erf", ["s"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["t"]), helper.make_node("Mul", ["z", "t"], ["p"]),
+             helper.make_node("Mul", ["p", "half"], ["y"])]
+    rng = np.random.default_rng(1)
+    inits = {"w": rng.standard_normal((4, 6)).astype(np.float32), "b": rng.standard_normal(6).astype(np.float32),
+             "half": half, "one": one, "sqrt2": sqrt2}
+    return make_model(nodes, [("x", [2, 3, 4])], [("y", [2, 3, 6])], inits)
+
+
+def test_report_says_what_each_pass_changed():
+    result = optimize(_linear_gelu_model(), L.ORT_ENABLE_ALL)
+    by_name = {r.name: r for r in result.report}
+    assert by_name["opset conversion 17 -> 23"].nodes_before == 7
+    gelu = by_name["fuse Gelu"]
+    assert gelu.removed == {"Div": 1, "Erf": 1, "Add": 1, "Mul": 2} and gelu.added == {"Gelu": 1}
+    assert by_name["fuse FusedMatMul"].added == {"ai.ephost::FusedMatMul": 1}
+    assert "fuse Gelu: 7 -> 3 nodes" in result.summary()
+    assert result.nodes_before == 7 and result.nodes_after == 1
+
+
+def test_verbose_prints_the_passes(capsys):
+    optimize(_linear_gelu_model(), L.ORT_ENABLE_ALL, verbose=True)
+    out = capsys.readouterr().out
+    assert "[optimizer] fuse Gelu: 7 -> 3 nodes" in out and "optimizer (ORT_ENABLE_ALL): 7 -> 1 nodes" in out
+
+
+@given(x=float_arrays([2, 3, 4]))
+def test_fusing_to_opset_23_keeps_results(x):
+    original, fused = _gelu_refs()
+    assert_same(original, fused, {"x": x})
+
+
+@functools.cache
+def _gelu_refs():
+    model = _linear_gelu_model()
+    optimized = optimize(model, L.ORT_ENABLE_ALL).model
+    assert {o.domain: o.version for o in optimized.opset_import} == {"": 23, "ai.ephost": 1}
+    return References(model), References(optimized)
+
+
+# ---- onnxscript bugs, pinned with the workaround ------------------------------------------------
+def test_onnxscript_convert_version_on_a_proto_keeps_the_old_opset_import():
+    """onnxscript's version_converter.convert_version(ModelProto) rewrites the graph but not
+    opset_import (seen on a Llama export); ephost converts the ir.Model instead."""
+    import onnx_ir as ir
+    from onnxscript import version_converter
+
+    model = _linear_gelu_model()
+    model.opset_import[0].version = 18
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model)
+    version_converter.convert_version(proto, 23)
+    if proto.opset_import[0].version == 23:
+        pytest.skip("onnxscript now updates opset_import on the proto path (bug fixed upstream)")
+    assert proto.opset_import[0].version == 18
+    ir_model = ir.serde.deserialize_model(model)
+    assert convert_opset(ir_model, 23) and onnx_opset(ir_model) == 23
+    assert ir.serde.serialize_model(ir_model).opset_import[0].version == 23
+
+
+def _gemm_bias_model(bias_shape):
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]), helper.make_node("Add", ["m", "c"], ["y"])]
+    rng = np.random.default_rng(0)
+    out = list(np.broadcast_shapes((4, 6), bias_shape))
+    return make_model(nodes, [("a", [4, 5])], [("y", out)],
+                      {"w": rng.standard_normal((5, 6)).astype(np.float32),
+                       "c": rng.standard_normal(bias_shape).astype(np.float32)})
+
+
+def test_onnxscript_gemm_rule_ignores_the_bias_shape():
+    """onnxscript's MatMulAddToGemm fuses an Add that raises the rank into Gemm, whose C cannot;
+    ephost's rule checks the bias (and still fuses the valid case)."""
+    from onnxscript import rewriter
+    from onnxscript.rewriter.rules.common import matmul_add_to_gemm_rule
+
+    model = _gemm_bias_model((3, 4, 6))
+    theirs = rewriter.rewrite(model, [matmul_add_to_gemm_rule])
+    assert ops(theirs) == {"Gemm": 1}  # the bug: a rank-3 C
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(theirs.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="Invalid bias shape"):
+        sess.run(None, {"a": np.ones((4, 5), np.float32)})
+    assert "Gemm" not in ops(optimize(model, L.ORT_ENABLE_ALL).model)
+    assert ops(optimize(_gemm_bias_model((6,)), L.ORT_ENABLE_ALL).model) == {"Gemm": 1}
+
+
+def test_onnxscript_layer_norm_rule_ignores_the_scale_shape():
+    """onnxscript's LayerNormFusion takes a per-element scale [S, D] as LayerNormalization's Scale;
+    ephost's rule requires the normalized shape."""
+    from onnxscript import rewriter
+    from onnxscript.rewriter.rules.fusion._layer_norm import layer_normalization_rules
+
+    from tests.host.optimizer.test_fusions import _layer_norm_model
+
+    model = _layer_norm_model(scale_shape=(5, 16))
+    converted = optimize(model, L.ORT_ENABLE_BASIC).model
+    import onnx_ir as ir
+
+    ir_model = ir.serde.deserialize_model(converted)
+    convert_opset(ir_model, 23)
+    ir.passes.common.AddDefaultAttributesPass()(ir_model)
+    theirs = rewriter.rewrite(ir.serde.serialize_model(ir_model), layer_normalization_rules)
+    assert "LayerNormalization" in ops(theirs)  # the bug
+    ours = optimize(model, L.ORT_ENABLE_ALL).model
+    assert "LayerNormalization" not in ops(ours)
+    x = np.random.default_rng(2).standard_normal((2, 5, 16)).astype(np.float32)
+    assert_same(References(model), References(ours), {"x": x})
