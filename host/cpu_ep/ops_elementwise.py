@@ -362,6 +362,18 @@ class Pow(OpKernel):
     """The result has the base's dtype whatever the exponent's dtype."""
 
     def _run(self, a, b):
+        if b.size == 1 and a.dtype.kind == "f" and b.ndim <= a.ndim:
+            # Exporters write x^2, x^3 and x^0.5 (GELU-tanh, norms): products and sqrt are exact where
+            # pow is exact and many times faster than a float pow per element.
+            e = float(b.reshape(-1)[0])
+            if e == 2.0:
+                return (a * a,)
+            if e == 3.0:
+                return (a * a * a,)
+            if e == 0.5:
+                return (np.sqrt(a),)
+            if e == 1.0:
+                return (a.copy(),)
         if a.dtype.kind in "iu" and b.dtype.kind in "iu" and np.any(b < 0):
             # numpy refuses negative integer powers of integers; C casts pow(double) back.
             y = np.power(a.astype(np.float64), b)
