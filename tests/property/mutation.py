@@ -3,6 +3,7 @@
     python -m tests.property.mutation              # mutmut run over TARGETS, then the summary
     python -m tests.property.mutation --summary    # the summary of the last run only
     python -m tests.property.mutation --list       # the mutant-name globs passed to mutmut
+    python -m tests.property.mutation abi.sdk ...  # only these modules of TARGETS
 
 pyproject.toml's [tool.mutmut] names the files mutmut copies and mutates and makes tests/property
 the test command; TARGETS narrows the run to the functions that gate, negotiate and fall back (a
@@ -46,10 +47,12 @@ KILLED = {1, 3, 36, 24, -24, 152, 255, -11, -9}   # test failure, pytest error, 
 SURVIVED = {0}
 
 
-def globs() -> list[str]:
-    """mutmut mutant-name globs for TARGETS."""
+def globs(modules=None) -> list[str]:
+    """mutmut mutant-name globs for TARGETS (or the given modules of it)."""
     out = []
     for module, names in TARGETS.items():
+        if modules and module not in modules:
+            continue
         for name in names:
             if "." in name:
                 cls, meth = name.split(".", 1)
@@ -119,8 +122,13 @@ def main(argv: list[str]) -> int:
     if "--list" in argv:
         print("\n".join(globs()))
         return 0
+    modules = [a for a in argv if not a.startswith("-")]
+    unknown = sorted(set(modules) - set(TARGETS))
+    if unknown:
+        print(f"unknown module(s) {unknown}; TARGETS has {sorted(TARGETS)}")
+        return 2
     if "--summary" not in argv:
-        subprocess.run([sys.executable, "-m", "mutmut", "run", *globs()], cwd=ROOT, check=False)
+        subprocess.run([sys.executable, "-m", "mutmut", "run", *globs(modules)], cwd=ROOT, check=False)
     return summary()
 
 
