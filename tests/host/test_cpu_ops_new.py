@@ -90,6 +90,13 @@ ELEMENTWISE = [
     case("Mod", {"a": np.array([-7, 7, -7, 7], np.int32), "b": np.array([3, -3, -3, 3], np.int32)}, fmod=1,
          id="Mod-fmod-int"),
     case("Mod", {"a": f32(3, 4, low=-9, high=9), "b": f32(4, low=1, high=3)}, fmod=1, id="Mod-fmod-float"),
+    # Pow by a scalar 2, 3, 0.5 or 1 takes products / sqrt (ops_elementwise.Pow); 1.5 and a (1, 1) exponent do not.
+    case("Pow", {"a": f32(3, 4), "b": np.array(2.0, np.float32)}, id="Pow-square"),
+    case("Pow", {"a": f32(3, 4), "b": np.array([3.0], np.float32)}, id="Pow-cube"),
+    case("Pow", {"a": f32(3, 4, low=0.1, high=4), "b": np.array(0.5, np.float32)}, id="Pow-sqrt"),
+    case("Pow", {"a": f32(3, 4), "b": np.array(1, np.int64)}, id="Pow-one-int"),
+    case("Pow", {"a": f32(3, 4, low=0.1, high=4), "b": np.array(1.5, np.float32)}, id="Pow-1.5"),
+    case("Pow", {"a": f32(4), "b": np.array([[2.0]], np.float32)}, id="Pow-square-broadcast-up"),
     case("Einsum", {"a": f32(2, 3, 4), "b": f32(2, 4, 5)}, equation="bij,bjk->bik", tol=SUM_TOL),
     case("Einsum", {"a": f32(3, 4)}, equation="ij->ji", id="Einsum-transpose"),
     case("Einsum", {"a": f32(3, 3)}, equation="ii", id="Einsum-trace-implicit"),
