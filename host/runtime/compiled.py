@@ -24,10 +24,10 @@ from host.errors import EpError, InvalidArgument, KernelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import ffi
-from host.plugins.loader import Slots, negotiate
+from host.plugins.loader import Slots, negotiate, release_rejected
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, ValueMeta
-from host.runtime.tensor import Allocation
+from host.runtime.tensor import Allocation, check_output_dims
 
 _NULL = ffi.NULL
 FUSED_OP_TYPE = "FusedPartition"
@@ -273,9 +273,15 @@ def _partition(ep: PluginEp, group: FusedGroup, info_ptr, graph: Graph) -> Compi
     try:
         info = negotiate("EpNodeComputeInfo", info_ptr, ep.slots.negotiated, f"{ep.owner}: fused node "
                                                                               f"'{group.name}'")
-        return CompiledPartition(group, info, graph)
-    except Exception as exc:  # noqa: BLE001 - a bad table or state means per-node kernels
+    except Exception as exc:  # noqa: BLE001 - a bad table means per-node kernels
         group.error = str(exc)
+        release_rejected("EpNodeComputeInfo", info_ptr)  # where its Release slot can still be found
+        return None
+    try:
+        return CompiledPartition(group, info, graph)
+    except Exception as exc:  # noqa: BLE001 - a failed CreateState means per-node kernels
+        group.error = str(exc)
+        info.Release(info.ptr)
         return None
 
 
@@ -350,12 +356,15 @@ def _status(code: int, message: str):
     return hostapi.STATUSES.create(code, message.encode("utf-8", "replace"))
 
 
-@ffi.callback("EpStatus*(void*, int32_t, const int64_t*, int32_t, void**)")
+@ffi.callback("EpStatus*(void*, int32_t, const int64_t*, int32_t, void**)", onerror=hostapi._status_onerror)
 def _allocate_output(context, index, dims, rank, data):
     ctx = FRAMES.get(context)
-    if ctx is None or data == _NULL or rank < 0 or (rank > 0 and dims == _NULL):
+    if ctx is None or not ctx.active or data == _NULL or rank < 0 or (rank > 0 and dims == _NULL):
         return _status(abi.EP_INVALID_ARGUMENT, "AllocateOutput: unknown frame context (a frame used outside "
                                                 "Compute), NULL out, or a bad rank/dims")
+    if rank > hostapi.MAX_RANK:  # checked before a single dim is read
+        return _status(abi.EP_INVALID_ARGUMENT, f"AllocateOutput: rank {int(rank)} is not allowed; expected "
+                                                f"0..{hostapi.MAX_RANK}")
     try:
         data[0] = ctx.allocate_output(int(index), tuple(int(dims[d]) for d in range(rank)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes a status for the plugin
@@ -363,10 +372,10 @@ def _allocate_output(context, index, dims, rank, data):
     return _NULL
 
 
-@ffi.callback("EpStatus*(void*, size_t, void**)")
+@ffi.callback("EpStatus*(void*, size_t, void**)", onerror=hostapi._status_onerror)
 def _alloc_scratch(context, nbytes, data):
     ctx = FRAMES.get(context)
-    if ctx is None or data == _NULL:
+    if ctx is None or not ctx.active or data == _NULL:
         return _status(abi.EP_INVALID_ARGUMENT, "AllocScratch: unknown frame context or NULL out")
     try:
         data[0] = ffi.cast("void*", ctx.alloc_scratch(int(nbytes)))
@@ -375,10 +384,10 @@ def _alloc_scratch(context, nbytes, data):
     return _NULL
 
 
-@ffi.callback("void(void*, void*)")
+@ffi.callback("void(void*, void*)", onerror=hostapi._log_onerror)
 def _free_scratch(context, data):
     ctx = FRAMES.get(context)
-    if ctx is not None:
+    if ctx is not None and ctx.active:
         ctx.free_scratch(int(ffi.cast("uintptr_t", data)))
 
 
@@ -405,6 +414,7 @@ class FrameContext:
         self.inputs = ffi.new("EpFrameTensor[]", max(len(node.inputs), 1))
         self.outputs = ffi.new("EpFrameTensor[]", max(len(node.outputs), 1))
         f.inputs, f.outputs = self.inputs, self.outputs
+        self.active = False  # True only during Compute: a frame kept past its call is refused
         self.key, self._holder = FRAMES.add(self)
         f.AllocateOutput, f.allocate_context = _allocate_output, self.key
         f.AllocScratch, f.FreeScratch, f.scratch_context = _alloc_scratch, _free_scratch, self.key
@@ -421,6 +431,7 @@ class FrameContext:
             raise _OutputRequest(f"output index {index} out of range 0..{len(self.node.outputs) - 1}")
         t = self.outputs[index]
         vid = self.node.outputs[index]
+        check_output_dims(dims, self.run.executor.dtype_of(vid), f"output {index} of fused node '{self.part.name}'")
         if t.data != _NULL:
             have = tuple(t.dims[d] for d in range(t.rank))
             if have != dims:
@@ -476,9 +487,11 @@ class FrameContext:
         f = self.frame
         f.capturing = 1 if capturing else 0
         f.error_node = -1
+        self.active = True
         try:
             status = self.compute(self.part.ptr, self.part.state, f)
         finally:
+            self.active = False
             for ptr in list(self.scratch):
                 self.free_scratch(ptr)
         if status != _NULL:

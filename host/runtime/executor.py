@@ -22,7 +22,7 @@ from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import CONTEXTS, ffi
 from host.runtime.compiled import FrameContext
-from host.runtime.tensor import Allocation, DeviceTensor, host_array
+from host.runtime.tensor import Allocation, DeviceTensor, check_output_dims, host_array
 
 _NULL = ffi.NULL
 
@@ -170,20 +170,6 @@ class RunState:
             value = DeviceTensor(alloc.ptr, dims, dtype, ep.location[0], ep.location[1], alloc, stream)
         self.values[vid] = value
         return value
-
-
-MAX_TENSOR_BYTES = 1 << 62  # beyond any real device; keeps shape arithmetic inside int64
-
-
-def check_output_dims(dims: tuple, dtype: np.dtype, what: str) -> None:
-    """Dims a plugin asked for: each an integer >= 0, and the byte count inside int64 (checked
-    before anything is allocated)."""
-    if any(d < 0 for d in dims):
-        raise InvalidArgument(f"{what}: dims {list(dims)} have a negative dimension; dims must be >= 0")
-    count = math.prod(dims)
-    if count * dtype.itemsize > MAX_TENSOR_BYTES:
-        raise InvalidArgument(f"{what}: dims {list(dims)} hold {count} elements of {dtype.itemsize} bytes, beyond "
-                              f"the {MAX_TENSOR_BYTES} bytes a tensor may have")
 
 
 def _dtype(elem_type: int, name: str) -> np.dtype:

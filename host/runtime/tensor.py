@@ -16,6 +16,20 @@ from abi.dtypes import to_numpy, to_onnx
 from host.errors import InvalidArgument, OutOfMemoryError
 from host.plugins.hostapi import STATUSES, ffi
 
+MAX_TENSOR_BYTES = 1 << 62  # beyond any real device; keeps shape arithmetic inside int64
+
+
+def check_output_dims(dims: tuple, dtype: np.dtype, what: str) -> None:
+    """Dims a plugin asked for: each an integer >= 0, and the byte count inside int64 (checked
+    before anything is allocated)."""
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what}: dims {list(dims)} have a negative dimension; dims must be >= 0")
+    count = math.prod(dims)
+    if count * dtype.itemsize > MAX_TENSOR_BYTES:
+        raise InvalidArgument(f"{what}: dims {list(dims)} hold {count} elements of {dtype.itemsize} bytes, beyond "
+                              f"the {MAX_TENSOR_BYTES} bytes a tensor may have")
+
+
 _LIVE = (False,)
 
 

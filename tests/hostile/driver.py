@@ -5,7 +5,8 @@
 Each CASE_JSON is {"name", "spec", "scenarios"}: the plugin is configured with `spec`
 (Hostile_Configure), registered in a fresh Environment, and each scenario runs against it:
 "main" (Add on the plugin, Relu on the CPU EP, Add on the plugin: copies both ways, streams,
-notifications) and "graph" (one Add, bound device buffers, capture then replay). A line is
+notifications), "graph" (one Add, bound device buffers, capture then replay) and "fuse" (the main
+model with each Add compiled through ABI v6: Compile, compute infos, call frames). A line is
 printed (and flushed) after each case, so a crash names the case it happened in. At the end the
 same process runs a CPU-only session and the plugin with no fault: the host survived.
 """
@@ -87,7 +88,15 @@ def scenario_graph(env: Environment, rng) -> None:
             _expect(y, 2 * x)
 
 
-SCENARIOS = {"main": scenario_main, "graph": scenario_graph}
+def scenario_fuse(env: Environment, rng) -> None:
+    """ABI v6: each Add is offered for compilation and runs as a compiled partition (call frames)."""
+    with InferenceSession(MAIN_MODEL, providers=[("HostileEP", {"fuse": "1"})], env=env) as s:
+        for _ in range(2):
+            x = rng.standard_normal(SHAPE).astype(np.float32)
+            _expect(s.run(None, {"X": x})[0], np.maximum(2 * x, 0) * 2)
+
+
+SCENARIOS = {"main": scenario_main, "graph": scenario_graph, "fuse": scenario_fuse}
 
 
 class _Collect(logging.Handler):
@@ -144,6 +153,7 @@ def survivor(lib, path: str, rng) -> dict:
             env.register_plugin("hostile", path)
             scenario_main(env, rng)
             scenario_graph(env, rng)
+            scenario_fuse(env, rng)
         if path.endswith("libephost_hostile.so") and lib is not None:
             out["live"] = lib.Hostile_Live() - live0
     except BaseException as exc:  # noqa: BLE001

@@ -52,9 +52,10 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static char g_spec[8192];
 static int g_configured = 0;
 
-enum { K_FACTORY, K_EP, K_KERNEL, K_ALLOCATOR, K_TRANSFER, K_STREAM, K_NOTIFICATION, K_BLOCK, K_COUNT };
-static const char* const KIND_NAMES[K_COUNT] = {"factory", "ep", "kernel", "allocator",
-                                                "transfer", "stream", "notification", "block"};
+enum { K_FACTORY, K_EP, K_KERNEL, K_ALLOCATOR, K_TRANSFER, K_STREAM, K_NOTIFICATION, K_BLOCK, K_INFO, K_STATE,
+       K_COUNT };
+static const char* const KIND_NAMES[K_COUNT] = {"factory", "ep", "kernel", "allocator", "transfer",
+                                                "stream", "notification", "block", "compute_info", "state"};
 static int g_live[K_COUNT];
 static int g_orphans[K_COUNT];
 
@@ -211,6 +212,9 @@ typedef struct HEp {
   Step steps[MAX_GRAPHS][MAX_STEPS];
   int nsteps[MAX_GRAPHS];
   EpKernelContext* kept; /* kept_context: a context kept past its Compute */
+  int fuse;              /* provider option fuse=1: every claimed Add is also offered for compilation (v6) */
+  EpCallFrame kept_frame; /* kept_frame: a copy of a call frame kept past its Compute */
+  int has_kept_frame;
   int kernels;
   struct HKernel* kernel_list;
 } HEp;
@@ -571,6 +575,7 @@ static EpStatus* alloc_alloc(EpAllocator* self, size_t size, void** out) {
   *out = NULL;
   if (has("nullout=EpAllocator.Alloc")) return NULL;
   *out = malloc(size ? size : 1);
+  if (*out == NULL) return error(g_api, EP_OUT_OF_MEMORY, "malloc of %zu bytes failed", size);
   a->blocks++;
   live(K_BLOCK, 1);
   return NULL;
@@ -583,6 +588,7 @@ static EpStatus* alloc_on_stream(EpAllocator* self, size_t size, EpSyncStream* s
   *out = NULL;
   if (has("nullout=EpAllocator.AllocOnStream")) return NULL;
   *out = malloc(size ? size : 1);
+  if (*out == NULL) return error(g_api, EP_OUT_OF_MEMORY, "malloc of %zu bytes failed", size);
   a->blocks++;
   live(K_BLOCK, 1);
   return NULL;
@@ -620,6 +626,127 @@ static EpStatus* make_allocator(HFactory* f, EpAllocator** out) {
   return NULL;
 }
 
+/* ---- compiled partitions (v6) ------------------------------------------------------------- */
+
+typedef struct HInfo { EpNodeComputeInfo table; HEp* ep; } HInfo;
+
+static EpStatus* info_create_state(EpNodeComputeInfo* self, void** state) {
+  HInfo* info = (HInfo*)self;
+  ENTER(info->ep->api, "EpNodeComputeInfo.CreateState");
+  *state = NULL;
+  if (has("nullout=EpNodeComputeInfo.CreateState")) return NULL;
+  *state = malloc(16);
+  live(K_STATE, 1);
+  return NULL;
+}
+
+static void info_release_state(EpNodeComputeInfo* self, void* state) {
+  (void)self;
+  called("EpNodeComputeInfo.ReleaseState");
+  if (state == NULL) return;
+  free(state);
+  live(K_STATE, -1);
+}
+
+static void info_release(EpNodeComputeInfo* self) {
+  called("EpNodeComputeInfo.Release");
+  free(self);
+  live(K_INFO, -1);
+}
+
+/* Frame callbacks with bad arguments (abuse=EpCallFrame.<Slot>); each must answer an error. */
+static void abuse_frame(const EpApi* api, EpCallFrame* f) {
+  void* data = NULL;
+  void* bogus = (void*)(uintptr_t)0xbad0;
+  int64_t dims[2] = {2, 3};
+  int64_t negative[2] = {-3, 2};
+  if (has("abuse=EpCallFrame.AllocateOutput")) {
+    void* ctx = f->allocate_context;
+    expect_error(api, f->AllocateOutput(bogus, 0, dims, 2, &data), "AllocateOutput(bogus context) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 99, dims, 2, &data), "AllocateOutput(index 99) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 0, dims, 65, &data), "AllocateOutput(rank 65) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 0, dims, -2, &data), "AllocateOutput(rank -2) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 0, NULL, 2, &data), "AllocateOutput(NULL dims) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 0, negative, 2, &data), "AllocateOutput(dim -3) answered OK");
+    expect_error(api, f->AllocateOutput(ctx, 0, dims, 2, NULL), "AllocateOutput(NULL out) answered OK");
+  }
+  if (has("abuse=EpCallFrame.AllocScratch")) {
+    expect_error(api, f->AllocScratch(bogus, 8, &data), "AllocScratch(bogus context) answered OK");
+    expect_error(api, f->AllocScratch(f->scratch_context, 8, NULL), "AllocScratch(NULL out) answered OK");
+    expect_error(api, f->AllocScratch(f->scratch_context, (size_t)1 << 62, &data), "AllocScratch(2^62) OK");
+  }
+  if (has("abuse=EpCallFrame.FreeScratch")) {
+    f->FreeScratch(bogus, bogus);
+    f->FreeScratch(f->scratch_context, bogus);
+    f->FreeScratch(f->scratch_context, NULL);
+  }
+}
+
+static EpStatus* info_compute(EpNodeComputeInfo* self, void* state, EpCallFrame* f) {
+  HInfo* info = (HInfo*)self;
+  HEp* ep = info->ep;
+  const EpApi* api = ep->api;
+  (void)state;
+  ENTER(api, "EpNodeComputeInfo.Compute");
+  g_complaint[0] = '\0';
+  abuse_frame(api, f);
+  if (g_complaint[0]) return error(api, EP_FAIL, "host accepted a bad call: %s", g_complaint);
+  if (has("kept_frame")) {
+    ep->kept_frame = *f;
+    ep->has_kept_frame = 1;
+  }
+  /* The frame holds the distinct values the partition reads: Add(X, X) has one input. */
+  if (f->num_inputs < 1 || f->num_inputs > 2 || f->num_outputs != 1)
+    return error(api, EP_INVALID_ARGUMENT, "a fused Add reads 1 or 2 values and writes 1");
+  const EpFrameTensor* a = &f->inputs[0];
+  const EpFrameTensor* b = &f->inputs[f->num_inputs - 1];
+  EpFrameTensor* out = &f->outputs[0];
+  int64_t n = 1;
+  for (int32_t d = 0; d < a->rank; ++d) n *= a->dims[d];
+  void* scratch = NULL;
+  EpStatus* st = f->AllocScratch(f->scratch_context, 64, &scratch);
+  if (st != NULL) return st;
+  f->FreeScratch(f->scratch_context, scratch);
+  if (has("frame_rank_huge")) {
+    void* data = NULL;
+    st = f->AllocateOutput(f->allocate_context, 0, a->dims, 0x7fffffff, &data);
+    if (st != NULL) return st;
+  }
+  if (out->data == NULL) {
+    void* data = NULL;
+    st = f->AllocateOutput(f->allocate_context, 0, a->dims, a->rank, &data);
+    if (st != NULL) return st;
+  }
+  const float* x = (const float*)a->data;
+  const float* y = (const float*)b->data;
+  float* z = (float*)out->data;
+  for (int64_t i = 0; i < n; ++i) z[i] = x[i] + y[i];
+  return NULL;
+}
+
+static EpStatus* ep_compile(Ep* self, const EpGraphView* const* graphs, const EpNodeView* fused, size_t count,
+                            EpNodeComputeInfo** out) {
+  HEp* ep = (HEp*)self;
+  (void)graphs, (void)fused;
+  ENTER(ep->api, "Ep.Compile");
+  for (size_t i = 0; i < count; ++i) {
+    out[i] = NULL;
+    if (has("nullout=Ep.Compile")) continue;
+    HInfo* info = calloc(1, sizeof *info);
+    info->table.struct_size = sizeof(EpNodeComputeInfo);
+    info->table.version = EP_ABI_VERSION;
+    info->table.CreateState = info_create_state;
+    info->table.Compute = info_compute;
+    info->table.ReleaseState = info_release_state;
+    info->table.Release = info_release;
+    info->ep = ep;
+    finish_table("EpNodeComputeInfo", info, sizeof info->table);
+    live(K_INFO, 1);
+    out[i] = &info->table;
+  }
+  return NULL;
+}
+
 /* ---- the Ep ---------------------------------------------------------------------------------- */
 
 static const char* ep_get_name(const Ep* self) {
@@ -647,8 +774,28 @@ static int claimable(const EpGraphView* g, int32_t index) {
 static EpStatus* ep_get_capability(Ep* self, const EpGraphView* graph, uint8_t* claimed) {
   HEp* ep = (HEp*)self;
   ENTER(ep->api, "Ep.GetCapability");
-  for (int32_t i = 0; i < graph->num_nodes; ++i)
-    if (claimable(graph, i)) claimed[i] = has("claim_lies") ? 0xff : 1;
+  const EpApi* api = ep->api;
+  if (api->version >= 6 && has("abuse=EpApi.Graph_AddNodesToFuse")) {
+    int32_t nodes[2] = {0, 0};
+    int32_t far[1] = {999};
+    g_complaint[0] = '\0';
+    expect_error(api, api->Graph_AddNodesToFuse(graph, nodes, 0), "AddNodesToFuse(count 0) answered OK");
+    expect_error(api, api->Graph_AddNodesToFuse(graph, NULL, 1), "AddNodesToFuse(NULL nodes) answered OK");
+    expect_error(api, api->Graph_AddNodesToFuse(graph, far, 1), "AddNodesToFuse(node 999) answered OK");
+    expect_error(api, api->Graph_AddNodesToFuse(graph, nodes, 2), "AddNodesToFuse(node twice) answered OK");
+    expect_error(api, api->Graph_AddNodesToFuse(graph, nodes, (size_t)1 << 40), "AddNodesToFuse(2^40) OK");
+    expect_error(api, api->Graph_AddNodesToFuse((const EpGraphView*)(uintptr_t)0xbad0, nodes, 1),
+                 "AddNodesToFuse(bogus graph) answered OK");
+    if (g_complaint[0]) return error(api, EP_FAIL, "host accepted a bad call: %s", g_complaint);
+  }
+  for (int32_t i = 0; i < graph->num_nodes; ++i) {
+    if (!claimable(graph, i)) continue;
+    claimed[i] = has("claim_lies") ? 0xff : 1;
+    if (ep->fuse && api->version >= 6) {
+      EpStatus* st = api->Graph_AddNodesToFuse(graph, &i, 1);
+      if (st != NULL) return st;
+    }
+  }
   if (has("claim_lies")) /* also claims every other node, which it cannot run */
     for (int32_t i = 0; i < graph->num_nodes; ++i) claimed[i] = 0xff;
   return NULL;
@@ -703,6 +850,13 @@ static EpStatus* ep_on_run_end(Ep* self, const EpRunOptions* ro, int32_t sync) {
     int64_t one[1] = {1};
     EpStatus* st = ep->api->KernelContext_GetOutput(ep->kept, 0, one, 1, &stale);
     if (st == NULL) return error(ep->api, EP_FAIL, "host served a kernel context after its Compute returned");
+    ep->api->ReleaseStatus(st);
+  }
+  if (ep->has_kept_frame && has("kept_frame")) {
+    void* data = NULL;
+    int64_t dims[2] = {2, 3};
+    EpStatus* st = ep->kept_frame.AllocateOutput(ep->kept_frame.allocate_context, 0, dims, 2, &data);
+    if (st == NULL) return error(ep->api, EP_FAIL, "host served a call frame after its Compute returned");
     ep->api->ReleaseStatus(st);
   }
   if (ep->capturing >= 0) {
@@ -850,12 +1004,14 @@ static EpStatus* factory_create_ep(EpFactory* self, const EpDevice* devices, siz
   ep->table.GetGraphCaptureNodeAssignmentPolicy = ep_graph_policy;
   ep->table.ReleaseCapturedGraph = ep_release_graph;
   ep->table.ReplayGraphWithSync = ep_replay_sync;
+  ep->table.Compile = ep_compile;
   ep->factory = f;
   ep->api = f->api;
   ep->logger = logger;
   ep->capturing = -1;
   for (size_t i = 0; i < num_options; ++i)
     if (strcmp(options[i].key, "graph") == 0 && strcmp(options[i].value, "1") == 0) ep->graph = 1;
+    else if (strcmp(options[i].key, "fuse") == 0 && strcmp(options[i].value, "1") == 0) ep->fuse = 1;
   finish_table("Ep", ep, sizeof ep->table);
   live(K_EP, 1);
   *out = &ep->table;
