@@ -184,9 +184,20 @@ def gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return gemv_kernel(prog, step, name) if rows <= SMALL_GEMM_MAX_ROWS else tiled_gemm_kernel(prog, step, name)
 
 
+# Output tiles of the generated GEMM: 64x64 (4x4 per thread) when that gives enough blocks to fill
+# the GPU, else 32x32 (2x2 per thread): four times the blocks for the small GEMMs of batch-1 models.
+TILE_BLOCKS_WANTED = 96
+
+
+def tile_size(m_dim: int, n_dim: int) -> int:
+    blocks64 = -(-m_dim // 64) * -(-n_dim // 64)
+    return 64 if blocks64 >= TILE_BLOCKS_WANTED else 32
+
+
 def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
-    """out[m, n] = epilogue(alpha * A @ B): 64x64 output tiles, 16-deep k slices staged in shared
-    memory, 256 threads computing 4x4 outputs each (rows ty + 16 i, columns tx + 16 j)."""
+    """out[m, n] = epilogue(alpha * A @ B): T x T output tiles (T = 64 or 32), 16-deep k slices
+    staged in shared memory (the next one prefetched into registers while this one is used), 256
+    threads computing R x R outputs each (R = T / 16; rows ty + 16 r, columns tx + 16 c)."""
     g = step.group
     op = g.gemm
     a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
@@ -196,67 +207,70 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     _check_size(prog, list(op.inputs) + g.leaves + g.exports)
     if max(m_dim * k_dim, k_dim * n_dim, m_dim * n_dim) > INT32_MAX:
         raise PlanError(f"GEMM in '{step.name}' is too large for int32 indexing")
+    t = tile_size(m_dim, n_dim)
+    r_ = t // 16  # outputs per thread along each axis, and loads per thread per tile
+    shift = t.bit_length() - 1  # e / t as a shift
     body = _Body()
     pa = body.pointer(op.inputs[0], const=True)
     pb = body.pointer(op.inputs[1], const=True)
     scaled = "acc[r][c]" if alpha == 1.0 else f"(acc[r][c] * {_f32(alpha)})"
     lines = _epilogue(prog, body, g, g.shape, "i", "g0")
     src = f"""extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(body.decls)}) {{
-  __shared__ float As[16][68];
-  __shared__ float Bs[16][68];
+  __shared__ float As[16][{t + 4}];
+  __shared__ float Bs[16][{t + 4}];
   const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-  const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
-  float acc[4][4];
+  const int row0 = blockIdx.y * {t}, col0 = blockIdx.x * {t};
+  float acc[{r_}][{r_}];
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < {r_}; ++r)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+    for (int c = 0; c < {r_}; ++c) acc[r][c] = 0.0f;
   // The next k slice is read from global memory into registers while this one is multiplied.
-  float ra[4], rb[4];
+  float ra[{r_}], rb[{r_}];
 #pragma unroll
-  for (int l = 0; l < 4; ++l) {{
+  for (int l = 0; l < {r_}; ++l) {{
     const int e = tid + l * 256;
-    const int am = e >> 4, ak = e & 15, gm = row0 + am;
+    const int gm = row0 + (e >> 4), ak = e & 15;
     ra[l] = (gm < {m_dim} && ak < {k_dim}) ? {pa}[gm * {k_dim} + ak] : 0.0f;
-    const int bk = e >> 6, bn = e & 63, gn = col0 + bn;
+    const int bk = e >> {shift}, gn = col0 + (e & {t - 1});
     rb[l] = (bk < {k_dim} && gn < {n_dim}) ? {pb}[bk * {n_dim} + gn] : 0.0f;
   }}
   for (int k0 = 0; k0 < {k_dim}; k0 += 16) {{
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {{
+    for (int l = 0; l < {r_}; ++l) {{
       const int e = tid + l * 256;
       As[e & 15][e >> 4] = ra[l];
-      Bs[e >> 6][e & 63] = rb[l];
+      Bs[e >> {shift}][e & {t - 1}] = rb[l];
     }}
     __syncthreads();
     if (k0 + 16 < {k_dim}) {{
 #pragma unroll
-      for (int l = 0; l < 4; ++l) {{
+      for (int l = 0; l < {r_}; ++l) {{
         const int e = tid + l * 256;
-        const int am = e >> 4, gk = k0 + 16 + (e & 15), gm = row0 + am;
+        const int gm = row0 + (e >> 4), gk = k0 + 16 + (e & 15);
         ra[l] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
-        const int hk = k0 + 16 + (e >> 6), gn = col0 + (e & 63);
+        const int hk = k0 + 16 + (e >> {shift}), gn = col0 + (e & {t - 1});
         rb[l] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
       }}
     }}
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {{
-      float a[4], b[4];
+      float a[{r_}], b[{r_}];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = As[kk][ty + 16 * r];
+      for (int r = 0; r < {r_}; ++r) a[r] = As[kk][ty + 16 * r];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) b[c] = Bs[kk][tx + 16 * c];
+      for (int c = 0; c < {r_}; ++c) b[c] = Bs[kk][tx + 16 * c];
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < {r_}; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
+        for (int c = 0; c < {r_}; ++c) acc[r][c] += a[r] * b[c];
     }}
     __syncthreads();
   }}
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {{
+  for (int r = 0; r < {r_}; ++r) {{
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {{
+    for (int c = 0; c < {r_}; ++c) {{
       const int m = row0 + ty + 16 * r, n = col0 + tx + 16 * c;
       if (m < {m_dim} && n < {n_dim}) {{
         const int i = m * {n_dim} + n;
@@ -267,7 +281,7 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
   }}
 }}
 """
-    grid = (-(-n_dim // 64), -(-m_dim // 64), 1)
+    grid = (-(-n_dim // t), -(-m_dim // t), 1)
     return KernelSpec(name, body.params, grid, (256, 1, 1), src, step)
 
 

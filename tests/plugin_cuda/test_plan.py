@@ -24,7 +24,8 @@ MODELS = {
     "mlp-8x256-b1": lambda: zoo.mlp(layers=8, hidden=256, batch=1),  # generated GEMV + epilogue kernels
     "mlp-3x64-b32": lambda: zoo.mlp(layers=3, hidden=64, batch=32),  # generated tiled GEMMs + epilogues
     "mlp-2x512-b512": lambda: zoo.mlp(layers=2, hidden=512, batch=512),  # cuBLAS GEMMs + fused epilogues
-    "mlp-odd-b37": lambda: zoo.mlp(layers=2, hidden=70, batch=37, in_features=19),  # ragged tile edges
+    "mlp-odd-b37": lambda: zoo.mlp(layers=2, hidden=70, batch=37, in_features=19),  # ragged 32x32 tile edges
+    "mlp-wide-b512": lambda: zoo.mlp(layers=1, hidden=2000, batch=500, in_features=64),  # 64x64 tiles, ragged
     "mlp-gemm-b4": lambda: zoo.mlp(layers=3, hidden=48, batch=4, in_features=20, use_gemm=True),
     "transformer": lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),
     "transformer-gelu20": lambda: zoo.transformer_block(seq=8, hidden=32, heads=2, ffn=64, opset=20),
