@@ -4,9 +4,9 @@
 
 For each fixture: p50 latency of one `run` (batch 1, the fixture's inputs) for onnxruntime (default
 optimization level, default threads), ephost with the optimizer off (ORT_DISABLE_ALL) and ephost at its
-default level (ORT_ENABLE_ALL), all in this process, in rounds (one call of each per round); the ratio is
-the median over rounds of ephost / onnxruntime (lower is better; 1.0 = parity). Results go to stdout as a
-Markdown table.
+default level (ORT_ENABLE_ALL), all in this process, in rounds (a block of back-to-back calls of each per
+round); the ratio is ephost p50 / onnxruntime p50 (lower is better; 1.0 = parity). Results go to stdout
+as a Markdown table.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _ephost_session(path, level: str | None) -> InferenceSession:
     return InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
 
 
-def bench_model(name: str, warmup: int, iters: int) -> dict:
+def bench_model(name: str, warmup: int, iters: int, block: int = 20) -> dict:
     path, feeds, _ = load(name)
     ort_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     runs = {"onnxruntime": lambda: ort_sess.run(None, feeds)}
@@ -52,31 +52,32 @@ def bench_model(name: str, warmup: int, iters: int) -> dict:
     for label in ("ephost_noopt", "ephost"):
         for g, w in zip(runs[label](), want):
             np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
-    samples = interleaved(runs, warmup, iters)
+    samples = in_rounds(runs, warmup, iters, block)
     row = {"model": name}
     for label in runs:
         row[f"{label}_p50_us"] = float(np.median(samples[label]))
         row[f"{label}_nodes"] = nodes[label]
     for label in ("ephost_noopt", "ephost"):
-        # Median of per-round ratios: each round times the three runs back to back, so a load spike
-        # on this shared machine hits the peer in the same round too.
-        row[f"{label}_ratio"] = float(np.median(samples[label] / samples["onnxruntime"]))
+        row[f"{label}_ratio"] = row[f"{label}_p50_us"] / row["onnxruntime_p50_us"]
     return row
 
 
-def interleaved(runs: dict, warmup: int, iters: int) -> dict[str, np.ndarray]:
-    """Per-call latencies (us) of each callable, called in rounds: one call of each per round."""
+def in_rounds(runs: dict, warmup: int, iters: int, block: int) -> dict[str, np.ndarray]:
+    """Per-call latencies (us) of each callable, timed in rounds: each round runs a block of `block`
+    back-to-back calls of each callable in turn (warm caches and thread pools within a block), and the
+    rounds spread the peers over the same stretch of time, so load on a shared machine hits all of them."""
     clock = time.perf_counter_ns
-    for _ in range(warmup):
-        for fn in runs.values():
+    for fn in runs.values():
+        for _ in range(warmup):
             fn()
-    samples = {label: np.empty(iters) for label in runs}
-    for i in range(iters):
+    samples: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(max(1, -(-iters // block))):
         for label, fn in runs.items():
-            t0 = clock()
-            fn()
-            samples[label][i] = (clock() - t0) / 1e3
-    return samples
+            for _ in range(block):
+                t0 = clock()
+                fn()
+                samples[label].append((clock() - t0) / 1e3)
+    return {label: np.array(v) for label, v in samples.items()}
 
 
 def markdown(rows: list[dict]) -> str:

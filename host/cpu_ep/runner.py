@@ -10,24 +10,47 @@ NumPy scalars become arrays.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from host.errors import EpError, EphostError
 
 
-def run_plan(nodes, values: list, keep: set[int], value_names: list[str]) -> None:
+def _gather(inputs: tuple[int, ...]):
+    """values -> the node's argument list (None for an absent optional input), as cheaply as possible."""
+    if inputs and all(v >= 0 for v in inputs):
+        if len(inputs) == 1:
+            only = inputs[0]
+            return lambda values: (values[only],)
+        return itemgetter(*inputs)
+    return lambda values: [values[v] if v >= 0 else None for v in inputs]
+
+
+def _steps(nodes, keep: set[int]) -> list[tuple]:
+    """Per node, built once per plan: (node, argument getter, output ids, values to free)."""
+    return [(node, _gather(node.inputs), tuple(node.outputs), tuple(v for v in node.frees if v not in keep))
+            for node in nodes]
+
+
+def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=None) -> None:
     """Runs plan `nodes` (all CPU EP) in order over `values` (indexed by value id); frees what each
-    node's `frees` lists unless it is in `keep`."""
+    node's `frees` lists unless it is in `keep`. `owner` (the executor) keeps the per-node steps
+    between runs; they are rebuilt when the nodes or `keep` change."""
+    cached = getattr(owner, "_cpu_run_steps", None)
+    if cached is None or cached[0] is not nodes or cached[1] != keep:
+        cached = (nodes, frozenset(keep), _steps(nodes, keep))
+        if owner is not None:
+            owner._cpu_run_steps = cached
     ndarray = np.ndarray
     with np.errstate(all="ignore"):
-        for node in nodes:
+        for node, gather, outputs, frees in cached[2]:
             kernel = node.kernel
             # A profiler (host/runtime/profiling.py) times a kernel by wrapping its `run` on the
             # instance: call that wrapper when it is there.
             fn = kernel.__dict__.get("run") or kernel._run
-            args = [values[v] if v >= 0 else None for v in node.inputs]
             try:
-                outs = fn(*args)
+                outs = fn(*gather(values))
             except EphostError:
                 raise
             except Exception as exc:
@@ -35,9 +58,8 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str]) -> Non
                 if missing:
                     raise EpError(f"value '{missing[0]}' was not produced") from exc
                 raise kernel.failure(exc) from exc
-            for vid, out in zip(node.outputs, outs):
+            for vid, out in zip(outputs, outs):
                 if vid >= 0:
                     values[vid] = out if type(out) is ndarray else np.asarray(out)
-            for v in node.frees:
-                if v not in keep:
-                    values[v] = None
+            for v in frees:
+                values[v] = None

@@ -255,7 +255,7 @@ class Executor:
             for v in feeds.values():
                 if not isinstance(v, np.ndarray):  # a device feed, and no EP here that can read it
                     raise EpError(f"no data transfer can copy from {_location(v)} to {CPU_LOCATION}")
-            run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names)
+            run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names, owner=self)
             return
         for node in self.plan.nodes:
             if node.ep is None:
