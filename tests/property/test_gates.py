@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import abi
 from abi import sdk
-from host.errors import AbiVersionError, PluginLoadError
+from host.errors import AbiVersionError, GraphCaptureError, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.plugins.hostapi import ffi
@@ -333,3 +333,111 @@ def test_sdk_gate_alone_against_an_over_eager_host(host, plugin, claim, capture)
     assert computes > 0
     assert rec.fallbacks["untagged_scratch"] == (computes if n < ft.SYNC_STREAM_VERSION else 0)
     assert rec.host_calls["KernelContext_GetSyncStream"] == (0 if n < ft.SYNC_STREAM_VERSION else computes)
+
+
+def short_table(version: int):
+    """An EpApi table that says `version` but whose struct_size stops before the v4 slots: a host
+    that lies short. The SDK must trust struct_size and take the fallback."""
+    t = over_eager_table(version, "honest")
+    t.struct_size = golden_size("EpApi", ft.SYNC_STREAM_VERSION - 1)
+    return t
+
+
+@given(host=st.sampled_from([v for v in s.VERSIONS if v >= ft.SYNC_STREAM_VERSION]),
+       plugin=st.sampled_from([v for v in s.VERSIONS if v >= ft.SYNC_STREAM_VERSION]))
+@settings(deadline=None, max_examples=s.budget(4))
+def test_sdk_trusts_struct_size_over_the_version_field(host, plugin):
+    n = min(host, plugin)
+    case = h.chain_case()
+    gc.collect()
+    h.clear_record(plugin)
+    env = Environment(api_version=host)
+    keep = {v: short_table(v) for v in range(1, TOP + 1)}
+    env.api._tables.update(keep)
+    try:
+        env.register_plugin(f"ex{plugin}", built_plugin("example", plugin))
+        rt = sdk.runtime(h.example_module(plugin))
+        assert not rt.api.has("KernelContext_GetSyncStream")
+        assert {k for k in abi.since_table()["EpApi"] if rt.api.has(k)} == set(
+            abi.slots_at("EpApi", ft.SYNC_STREAM_VERSION - 1))
+        sess = h.session(case, env)
+        try:
+            h.References(case).check(sess.run(None, case.feeds), case.feeds, f"v{n} host with a short EpApi")
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
+        del keep
+    rec = h.record(plugin)
+    assert rec.fallbacks["untagged_scratch"] == rec.slot_calls["EpKernel.Compute"] == len(case.nodes)
+    assert rec.host_calls["KernelContext_GetSyncStream"] == 0
+
+
+# ---- declared versions and sizes of a real plugin, end to end ---------------------------------------------
+def _registration_error(fault_name: str, host: int, plugin: int) -> str | None:
+    """The anchored message registering the example plugin with `fault_name` must raise (None: it loads)."""
+    path = str(built_plugin("example", plugin))
+    owner = rf"^plugin 'ex{plugin}' \({re.escape(path)}\): "
+    n = min(plugin, host)
+    if fault_name == "version_low":
+        return owner + rf"EpFactory declares ABI version 0; this host supports 1\.\.{host}$"
+    if fault_name == "version_future":
+        return owner + (rf"EpFactory declares ABI version {NEXT + 1}, a future incompatible generation "
+                        rf"\(>= {NEXT}\); this host supports 1\.\.{host}$")
+    if fault_name == "struct_truncated":
+        size = GOLDEN[str(plugin)]["EpFactory"]["offsets"]["GetName"]
+        return owner + rf"EpFactory\.struct_size is {size} bytes; version {n} needs at least " \
+                       rf"{golden_size('EpFactory', n)}$"
+    if fault_name == "null_mandatory":
+        return owner + r"mandatory slot EpFactory\.GetSupportedDevices is NULL$"
+    return None
+
+
+@pytest.mark.parametrize("fault_name", ["version_low", "version_future", "struct_truncated", "null_mandatory",
+                                        "struct_oversized"])
+@given(host=s.versions, plugin=s.versions)
+@example(host=1, plugin=1)
+@example(host=TOP, plugin=TOP)
+@settings(deadline=None, max_examples=s.budget(3))
+def test_declared_versions_and_sizes_of_a_real_plugin(fault_name, host, plugin):
+    want = _registration_error(fault_name, host, plugin)
+    gc.collect()
+    h.clear_record(plugin)
+    env = Environment(api_version=host)
+    try:
+        with fault(fault_name):
+            if want is not None:
+                with pytest.raises(AbiVersionError, match=want):
+                    env.register_plugin(f"ex{plugin}", built_plugin("example", plugin))
+                assert env.plugins == {}
+                return
+            reg = env.register_plugin(f"ex{plugin}", built_plugin("example", plugin))
+        f = reg.factories[0]
+        assert (f.slots.declared, f.negotiated) == (plugin, min(host, plugin))
+        assert f.slots.struct_size == golden_size("EpFactory", plugin) + 64
+        case = h.chain_case()
+        sess = h.session(case, env)
+        try:
+            h.References(case).check(sess.run(None, case.feeds), case.feeds, "oversized EpFactory")
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
+
+
+def test_capture_policy_defaults_to_all_nodes_on_the_ep():
+    """GetGraphCaptureNodeAssignmentPolicy NULL: the host assumes ALL_NODES_ON_EP, so even a CPU
+    node that only computes a shape (int64) refuses a capturing session."""
+    from onnx import TensorProto, helper
+
+    x, y, z = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "XYZ")
+    shp = helper.make_tensor_value_info("S", TensorProto.INT64, [2])
+    nodes = [helper.make_node("Add", ["X", "Y"], ["Z"], name="add"), helper.make_node("Shape", ["X"], ["S"], name="shape")]
+    m = helper.make_model(helper.make_graph(nodes, "g", [x, y], [z, shp]), opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    with h.example_env(TOP, [TOP]) as env:
+        with pytest.raises(GraphCaptureError, match=r"^graph capture on ExampleEP requires all nodes on the EP; "
+                                                    r"offending node\(s\): 'shape' \(Shape on CPUExecutionProvider\)"):
+            h.session(m, env, {"enable_graph": "1", "null_slots": "GetGraphCaptureNodeAssignmentPolicy"})

@@ -142,6 +142,9 @@ def _bound(sess, b, ro, bufs: Buffers, m: Model, case, data, refs, i: int) -> No
         m.computes += m.nodes * (m.min_runs + 1)  # ExampleEP captures the run after min_runs warm-ups
         m.captured[m.gid] = now
     got = [bufs.bound[n] for n in refs.names]
+    # What the binding reports after the run (also after a replay) is what is in the bound buffers.
+    for name, value in zip(b.output_names(), b.copy_outputs_to_cpu()):
+        np.testing.assert_array_equal(value, bufs.bound[name], err_msg=f"step {i}: IOBinding output {name}")
     what = "replayed" if m.gid in m.captured and m.replays else "bound"
     refs.check(got, data, f"step {i}: {what} run (graph {m.gid}) after the steps before it")
 
