@@ -14,6 +14,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis, scalar
+from host.cpu_ep.ops_reduce import trailing_sum
 from host.cpu_ep.registry import register
 
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
@@ -79,6 +80,11 @@ def _windows(xp: np.ndarray, g: _Geometry, kernel, strides, dilations) -> np.nda
     shape = xp.shape[:2] + tuple(g.out) + tuple(kernel)
     steps = st[:2] + tuple(st[2 + i] * strides[i] for i in range(nd)) + tuple(st[2 + i] * dilations[i]
                                                                              for i in range(nd))
+    if xp.flags.c_contiguous:
+        # The ndarray constructor over xp's buffer: the same view as as_strided, without its Python overhead.
+        view = np.ndarray(shape, xp.dtype, buffer=xp, strides=steps)
+        view.flags.writeable = False
+        return view
     return as_strided(xp, shape, steps, writeable=False)
 
 
@@ -316,7 +322,9 @@ class AveragePool(_Pool):
 class GlobalAveragePool(OpKernel):
     def _run(self, x):
         ct = compute_dtype(x.dtype)
-        y = x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=ct)
+        axes = tuple(range(2, x.ndim))
+        y = trailing_sum(x, axes, True, ct)
+        y *= ct.type(1 / math.prod(x.shape[2:])) if x.size else ct.type(np.nan)
         return (y.astype(x.dtype, copy=False),)
 
 

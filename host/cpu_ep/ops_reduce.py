@@ -16,6 +16,16 @@ from host.cpu_ep.base import OpKernel, compute_dtype, int_list, normalize_axes, 
 from host.cpu_ep.registry import register
 
 
+def trailing_sum(x: np.ndarray, axis, keepdims: bool, dtype) -> np.ndarray:
+    """np.add.reduce over `axis`; trailing axes of a contiguous tensor (global pooling, the SE blocks of
+    vision models) are summed as one flattened axis, which NumPy reduces much faster."""
+    k = len(axis) if axis is not None else 0
+    if k > 1 and x.flags.c_contiguous and tuple(axis) == tuple(range(x.ndim - k, x.ndim)):
+        total = np.add.reduce(x.reshape(*x.shape[:x.ndim - k], -1), axis=-1, dtype=dtype)
+        return total.reshape(*total.shape, *([1] * k)) if keepdims else total
+    return np.add.reduce(x, axis=axis, keepdims=keepdims, dtype=dtype)
+
+
 def _accumulator(dtype: np.dtype) -> np.dtype:
     # Sums in the input dtype (np.sum would widen int32 to int64), halves in float32.
     return compute_dtype(dtype)
@@ -64,7 +74,7 @@ class ReduceMean(Reduce):
             return (total - np.fmod(total, count)) // count if count else total
         # add.reduce and a multiply: np.mean's python wrapper costs more than the sum on small tensors.
         count = x.size if axis is None else math.prod(x.shape[a] for a in axis)
-        total = np.add.reduce(x, axis=axis, keepdims=self.keepdims, dtype=ct)
+        total = trailing_sum(x, axis, self.keepdims, ct)
         return total * ct.type(1 / count) if count else total * ct.type(np.nan)
 
 
