@@ -313,3 +313,20 @@ def claimable(op_type: str, attrs: dict, input_dtypes, opset: int | None = None,
         return False
     dtypes = [dtype_name(d) for d in input_dtypes]
     return cls.claims(attrs, dtypes, opset)
+
+
+def coverage_rows() -> list[str]:
+    """Markdown table rows (op, domain, opsets, dtypes of input 0, module) of every registered kernel:
+    the op table of docs/cuda_ops.md, which a test keeps equal to the registry."""
+    rows = []
+    for key in sorted(KERNELS):
+        versions = KERNELS[key]
+        cls = versions[max(versions)]
+        ephost = key.startswith(EPHOST_DOMAIN + ".")
+        op = key[len(EPHOST_DOMAIN) + 1:] if ephost else key
+        opsets = "1" if ephost else f"{min(versions)}..{LATEST_OPSET}"
+        types = cls.input_types[0] if cls.input_types else None
+        dtypes = "any" if types is None else ", ".join(sorted(types))
+        rows.append(f"| {op} | {EPHOST_DOMAIN if ephost else 'ai.onnx'} | {opsets} | {dtypes} | "
+                    f"{cls.__module__.rsplit('.', 1)[-1]} |")
+    return rows

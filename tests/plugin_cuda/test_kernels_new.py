@@ -706,3 +706,12 @@ def test_cuda_sources_are_plain_text_for_each_dtype():
             assert ("typedef float T;" in text) == (dtype == F32)
     with pytest.raises(ValueError, match=r"^fused CUDA kernels got dtype float64; allowed: float32, float16$"):
         fused.source_for(fused.SOURCE, np.float64)
+
+
+def test_docs_op_table_matches_the_registry():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cuda_ops.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 6
+             and not line.startswith("| op |")]
+    assert table == kernels.base.coverage_rows()
