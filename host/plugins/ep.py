@@ -151,6 +151,10 @@ class PluginEp:
             # `released` tells allocations that outlive it (a caller's output at exit) not to Free into it.
             slots.released = released = [False]
             fin = weakref.finalize(slots, _release_allocator, fs.ReleaseAllocator, fs.ptr, slots.ptr, released)
+            # Not at exit on its own: weakref's exit hook would run before the Environment's (it is
+            # registered later), releasing allocators under live sessions. The Environment's exit
+            # close releases them in order (sessions, EPs, then allocators with their factory).
+            fin.atexit = False
             alive = [f for f in self.factory.allocator_finalizers if f.alive]  # drop the ones that ran
             self.factory.allocator_finalizers[:] = [*alive, fin]
         return slots

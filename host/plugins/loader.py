@@ -338,7 +338,11 @@ class PluginRegistration:
         errors = []
         for f in self.factories:
             for fin in f.allocator_finalizers:
-                fin()  # allocators still held by outputs go now, while their factory exists
+                # Allocators still held by outputs go now, while their factory exists. detach(), not
+                # fin(): at interpreter exit weakref refuses to call finalizers that are not atexit.
+                got = fin.detach()
+                if got is not None:
+                    got[1](*got[2])
             f.allocator_finalizers.clear()
             try:
                 hostapi.check(self.library.ReleaseEpFactory(f.ptr), f"{self._owner()}: ReleaseEpFactory", EpError)

@@ -108,6 +108,11 @@ int Hostile_Calls(const char* slot) {
   return n;
 }
 
+/* At process exit (after the interpreter finalised): whatever the host never released. */
+__attribute__((destructor)) static void report_at_exit(void) {
+  if (Hostile_Live() != 0) fprintf(stderr, "HostileEP: at exit, live objects %s\n", Hostile_LiveReport());
+}
+
 static void live(int kind, int delta) { __atomic_add_fetch(&g_live[kind], delta, __ATOMIC_SEQ_CST); }
 
 static void orphan(int kind) {
@@ -190,9 +195,12 @@ static void finish_table(const char* table, void* obj, size_t size) {
 
 typedef struct HFactory HFactory;
 
+typedef struct HEp HEp;
+
 typedef struct HAllocator {
   EpAllocator table;
   HFactory* factory;
+  HEp* ep; /* the EP that created it, while that EP lives: releasing it first is out of order */
   struct HAllocator* next;
   int blocks;
   int released;
@@ -200,7 +208,7 @@ typedef struct HAllocator {
 
 typedef struct Step { const float* a; const float* b; float* out; int64_t n; } Step;
 
-typedef struct HEp {
+struct HEp {
   Ep table;
   HFactory* factory;
   const EpApi* api;
@@ -217,7 +225,7 @@ typedef struct HEp {
   int has_kept_frame;
   int kernels;
   struct HKernel* kernel_list;
-} HEp;
+};
 
 typedef struct HKernel {
   EpKernel table;
@@ -598,6 +606,11 @@ static void alloc_free(EpAllocator* self, void* p) {
   HAllocator* a = (HAllocator*)self;
   called("EpAllocator.Free");
   if (p == NULL) return;
+  if (a->released) {
+    /* The analogue of "EpAllocator.Free called with an unknown EpAllocator pointer". */
+    fprintf(stderr, "HostileEP: Free into an allocator the host already released\n");
+    return;
+  }
   free(p);
   a->blocks--;
   live(K_BLOCK, -1);
@@ -872,7 +885,9 @@ static EpStatus* ep_create_allocator(Ep* self, const EpMemoryInfo* info, EpAlloc
   ENTER(ep->api, "Ep.CreateAllocator");
   *out = NULL;
   if (has("nullout=Ep.CreateAllocator")) return NULL;
-  return make_allocator(ep->factory, out);
+  EpStatus* st = make_allocator(ep->factory, out);
+  if (st == NULL) ((HAllocator*)*out)->ep = ep;
+  return st;
 }
 
 static EpStatus* ep_create_stream(Ep* self, const EpMemoryInfo* info, EpSyncStream** out) {
@@ -1019,10 +1034,11 @@ static EpStatus* factory_create_ep(EpFactory* self, const EpDevice* devices, siz
 }
 
 static void factory_release_ep(EpFactory* self, Ep* e) {
-  (void)self;
   called("EpFactory.ReleaseEp");
   HEp* ep = (HEp*)e;
   if (ep == NULL) return;
+  for (HAllocator* a = ((HFactory*)self)->allocators; a != NULL; a = a->next)
+    if (a->ep == ep) a->ep = NULL;
   for (HKernel* k = ep->kernel_list; k != NULL;) {
     HKernel* next = k->next;
     if (!k->released) orphan(K_KERNEL); /* the host never released it */
@@ -1047,6 +1063,7 @@ static void factory_release_allocator(EpFactory* self, EpAllocator* allocator) {
   called("EpFactory.ReleaseAllocator");
   HAllocator* a = (HAllocator*)allocator;
   if (a == NULL || a->released) return;
+  if (a->ep != NULL) fprintf(stderr, "HostileEP: allocator released before the EP that created it\n");
   a->released = 1;
   live(K_ALLOCATOR, -1);
 }
@@ -1155,6 +1172,7 @@ EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_
 EpStatus* ReleaseEpFactory(EpFactory* factory) {
   called("ReleaseEpFactory");
   if (factory == NULL) return NULL;
+  if (g_live[K_EP] > 0) fprintf(stderr, "HostileEP: factory released while %d EP(s) live\n", g_live[K_EP]);
   free_factory((HFactory*)factory);
   live(K_FACTORY, -1);
   if (has("fail=ReleaseEpFactory") && g_api != NULL)
