@@ -4,7 +4,8 @@ The snippets of one file run in order in one namespace (a later snippet may use 
 one made), with a fresh temporary directory as the working directory; a snippet that writes files
 writes them there. A snippet that needs a GPU is marked by the line `<!-- gpu -->` right before
 its fence: the CPU test runs the file without it (so later snippets must not depend on it), and
-the GPU test (`-m gpu`) runs the whole file.
+the GPU test (`-m gpu`) runs the whole file. Code that is not meant to run as it stands (an
+excerpt, a signature sketch) belongs in a fence other than ```python, e.g. ```text.
 """
 
 from __future__ import annotations
