@@ -104,6 +104,8 @@ def build_graph(model) -> Graph:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
         raise ModelError(f"model is not valid ONNX: {exc}") from exc
+    except UnicodeDecodeError as exc:  # a string field (a name, a domain) that is not UTF-8
+        raise ModelError(f"model is not valid ONNX: a string field is not UTF-8 ({exc})") from exc
     try:
         inferred = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - inference errors are model errors

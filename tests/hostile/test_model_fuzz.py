@@ -97,6 +97,16 @@ def test_mutated_protobuf_bytes(worker, data):
     _typed(worker.ask(bytes(raw)))
 
 
+def test_name_that_is_not_utf8():
+    """Found by the thorough profile: one byte of a name flipped to 0x80 reached the onnx checker
+    as a raw UnicodeDecodeError."""
+    raw = bytearray(base_model().SerializeToString())
+    pos = raw.index(b"fuzz")  # the graph's name
+    raw[pos] = 0x80
+    with pytest.raises(ModelError, match=r"^model is not valid ONNX: a string field is not UTF-8 \('utf-8' codec "):
+        InferenceSession(bytes(raw), providers=["CPUExecutionProvider"])
+
+
 ELEM_TYPES = st.sampled_from([0, 2, 6, 7, 8, 9, 10, 11, 16, 17, 21, 99, 1000])
 
 
