@@ -108,6 +108,41 @@ class FusedMatMulActivation(pattern.RewriteRuleClassBase):
         return op.FusedMatMul(a, b, bias, activation=self.activation, _domain=EPHOST_DOMAIN)
 
 
+class FlattenedGemm(pattern.RewriteRuleClassBase):
+    """Reshape(Gemm(Reshape(x, [-1, K]), W, b), [..., N]) -> FusedMatMul(x, W, b) (or MatMul without b).
+
+    GPT-2's Conv1D and other `addmm` exports flatten the batch and sequence dims around a 2-D Gemm;
+    MatMul broadcasts over them, so the two Reshapes go.
+    """
+
+    def pattern(self, op, x, flat_shape, w, out_shape):
+        flat = op.Reshape(x, flat_shape, _outputs=["flat"])
+        y = op.Gemm(flat, w, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["gemm"])
+        return op.Reshape(y, out_shape, _outputs=["y"])
+
+    def check(self, context, x, w, flat, gemm, y, **_):
+        result = pattern.MatchResult()
+        node = gemm.producer()
+        attrs = {name: node.attributes.get_int(name, 0) for name in ("transA", "transB")}
+        if any(attrs.values()) or node.attributes.get_float("alpha", 1.0) != 1.0:
+            return result.fail("Gemm transposes or scales", node)
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if bias is not None and (node.attributes.get_float("beta", 1.0) != 1.0 or rank(bias) != 1):
+            return result.fail("bias is not a plain 1-D bias", bias)
+        if not has_float_type(x) or x.shape is None or y.shape is None or rank(x) < 3 or rank(flat) != 2:
+            return result.fail("not a flattened N-D input", x)
+        dims_x, dims_y, n = list(x.shape), list(y.shape), last_dim(w)
+        if not isinstance(n, int) or dims_y != dims_x[:-1] + [n] or flat.shape[-1] != dims_x[-1]:
+            return result.fail("the Reshapes do not just flatten and restore the leading dims", y)
+        return result
+
+    def rewrite(self, op, x, w, gemm, **_):
+        node = gemm.producer()
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            return op.FusedMatMul(x, w, node.inputs[2], activation="", _domain=EPHOST_DOMAIN)
+        return op.MatMul(x, w)
+
+
 def gemm_rules() -> list:
     rules = []
     for cls in (TransABMatMulAddToGemm, TransAMatMulAddToGemm, TransBMatMulAddToGemm, MatMulAddToGemm):
@@ -116,11 +151,11 @@ def gemm_rules() -> list:
 
 
 def fused_matmul_rules() -> list:
-    rules = MatMulAddToFusedMatMul.rule().commute()
+    rules = MatMulAddToFusedMatMul.rule().commute() + [FlattenedGemm.rule()]
     rules += [FusedMatMulActivation.rule(act) for act in ("Relu", "Gelu", "GeluTanh")]
     return rules
 
 
 GEMM = Family("Gemm", gemm_rules, min_opset=7, triggers=frozenset({"MatMul"}), emits=(("", "Gemm"),))
-FUSED_MATMUL = Family("FusedMatMul", fused_matmul_rules, min_opset=7, triggers=frozenset({"MatMul"}),
+FUSED_MATMUL = Family("FusedMatMul", fused_matmul_rules, min_opset=7, triggers=frozenset({"MatMul", "Gemm"}),
                       emits=((EPHOST_DOMAIN, "FusedMatMul"),))

@@ -355,3 +355,28 @@ def test_rotate_half_pattern_becomes_rotary_embedding(x, freqs):
     assert ops(optimized)["RotaryEmbedding"] == 1
     assert "Neg" not in ops(optimized)
     assert_same(original, fused, {"x": x, "freqs": freqs})
+
+
+def _flattened_gemm_model(bias: bool):
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["f"]),
+             helper.make_node("Gemm", ["f", "w"] + (["b"] if bias else []), ["g"]),
+             helper.make_node("Reshape", ["g", "back"], ["y"])]
+    inits = {"flat": np.array([-1, 5], np.int64), "back": np.array([2, 3, 6], np.int64),
+             "w": RNG.standard_normal((5, 6)).astype(np.float32), "b": RNG.standard_normal(6).astype(np.float32)}
+    if not bias:
+        del inits["b"]
+    return make_model(nodes, [("x", [2, 3, 5])], [("y", [2, 3, 6])], inits)
+
+
+@functools.cache
+def flattened_gemm(bias):
+    return _pair(_flattened_gemm_model(bias))
+
+
+@pytest.mark.parametrize("bias,expected", [(True, "ai.ephost::FusedMatMul"), (False, "MatMul")])
+@given(x=float_arrays([2, 3, 5]))
+def test_reshape_gemm_reshape_becomes_an_nd_matmul(bias, expected, x):
+    """GPT-2's Conv1D: the flatten / restore Reshapes around a 2-D Gemm go."""
+    original, optimized, fused = flattened_gemm(bias)
+    assert ops(optimized) == {expected: 1}
+    assert_same(original, fused, {"x": x})
