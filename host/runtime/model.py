@@ -97,8 +97,23 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     return arr if arr.dtype in ONNX_TO_NUMPY.values() else None
 
 
+def _check_text(proto: onnx.ModelProto) -> None:
+    """protobuf hands back a string field that is not UTF-8 as bytes: refuse it here, by name,
+    instead of letting it fail wherever it is first used."""
+    g = proto.graph
+    fields = [("graph name", g.name)]
+    for n in g.node:
+        fields += [("node name", n.name), ("op_type", n.op_type), ("domain", n.domain)]
+        fields += [("value name", v) for v in (*n.input, *n.output)]
+    fields += [("value name", v.name) for v in (*g.input, *g.output, *g.value_info, *g.initializer)]
+    for what, value in fields:
+        if not isinstance(value, str):
+            raise ModelError(f"model is not valid ONNX: a {what} is not UTF-8 text ({bytes(value)[:40]!r})")
+
+
 def build_graph(model) -> Graph:
     proto = load_model(model)
+    _check_text(proto)
     opsets = _check_opsets(proto)
     try:
         onnx.checker.check_model(proto)
