@@ -715,3 +715,41 @@ def test_docs_op_table_matches_the_registry():
     table = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 6
              and not line.startswith("| op |")]
     assert table == kernels.base.coverage_rows()
+
+
+def test_claim_leaves_shape_arithmetic_on_the_host_and_takes_the_data_path():
+    """CudaEp.claim on a small graph: shape arithmetic (from Shape, through int64 ops and constants)
+    stays off the EP, integer data ops and ai.ephost ops are claimed, a Reshape whose shape is computed
+    at run time and nodes of unknown domains or with unsupported outputs are not."""
+    from abi.sdk import GraphSpec, NodeSpec, ValueSpec
+    from plugin_cuda.plugin import CudaEp
+
+    f32, i64, bool_ = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+
+    def value(name, elem, const=None):
+        return ValueSpec(name, elem, None, 0, None if const is None else np.asarray(const))
+
+    values = [value("x", f32), value("x_shape", i64), value("zero", i64, [0]), value("dim", i64),
+              value("minus_one", i64, [-1]), value("new_shape", i64), value("x2", f32), value("ids", i64),
+              value("one", i64, 1), value("ids1", i64), value("const_shape", i64, [2, -1]), value("x3", f32),
+              value("skip", f32), value("gamma", f32), value("y", f32), value("total", f32), value("z", f32),
+              value("q", f32), value("a0", f32), value("a1", f32), value("a2", f32), value("a3", f32),
+              value("mask", bool_), value("mask_f", f32)]
+    ix = {v.name: i for i, v in enumerate(values)}
+
+    def node(i, op, ins, outs, domain="", opset=23, **attrs):
+        return NodeSpec(i, f"n{i}", op, domain, opset, tuple(ix[n] for n in ins), tuple(ix[n] for n in outs), attrs)
+
+    nodes = [
+        node(0, "Shape", ["x"], ["x_shape"]),
+        node(1, "Gather", ["x_shape", "zero"], ["dim"], axis=0),
+        node(2, "Concat", ["dim", "minus_one"], ["new_shape"], axis=0),
+        node(3, "Reshape", ["x", "new_shape"], ["x2"]),
+        node(4, "Add", ["ids", "one"], ["ids1"]),
+        node(5, "Reshape", ["x", "const_shape"], ["x3"]),
+        node(6, "SkipLayerNormalization", ["x", "skip", "gamma"], ["y", "total"], domain="ai.ephost", opset=1),
+        node(7, "Relu", ["x"], ["z"], domain="com.other", opset=1),
+        node(8, "Attention", ["q", "q", "q"], ["a0", "a1", "a2", "a3"]),
+        node(9, "Cast", ["mask"], ["mask_f"], to=TensorProto.FLOAT),
+    ]
+    assert CudaEp.claim(None, GraphSpec(nodes, values)) == [4, 5, 6, 9]
