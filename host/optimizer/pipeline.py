@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from host.errors import InvalidArgument, ModelError
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
+from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
 
 
@@ -63,14 +65,15 @@ class OptimizeResult:
 
 # Level 1: removal of what computes nothing (onnxscript's no-op rules), redundant casts and
 # reshapes. Fusions (Conv+BN included) wait for level 2.
+@functools.cache
 def _basic_rules() -> RewriteRuleSet:
     r = onnxscript_rules
-    return RewriteRuleSet([*cast_rules(),
+    return RewriteRuleSet(root_filtered([*cast_rules(),
         r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
         r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
         r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
         r.cast_constant_of_shape_rule, r.cast_constant_of_shape_without_value_rule,
-    ])
+    ]))
 
 
 def _op_key(node: ir.Node) -> str:
@@ -215,16 +218,20 @@ def _finish(model: ir.Model) -> None:
 def _quiet_onnxscript():
     """onnxscript logs a warning for every node its folding cannot evaluate (and then leaves it
     unfolded, which is right); those are not the user's concern, so they are kept below ERROR."""
+    # A filter, not setLevel: setLevel clears every logger's cache (milliseconds per call).
     loggers = [logging.getLogger(n) for n in ("onnxscript.optimizer._constant_folding",
                                                "onnxscript.version_converter")]
-    levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.addFilter(_below_error)
     try:
         yield
     finally:
-        for lg, lv in zip(loggers, levels):
-            lg.setLevel(lv)
+        for lg in loggers:
+            lg.removeFilter(_below_error)
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
