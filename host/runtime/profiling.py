@@ -7,6 +7,8 @@
     cat "Node"     one event per node per run (CPU EP kernel, or a plugin kernel's Compute crossing)
     cat "Api"      ABI crossings that are not node kernels: OnRunStart/OnRunEnd, CopyTensors
     cat "Optimizer" one instant ("i") event per optimizer pass that changed the model, with its change
+    cat "GPU"      for nodes of an EP on a GPU: kernel time from CUDA events on the node's stream
+                   (CuPy), one track per stream, read when the profile is written
 
 `InferenceSession.end_profiling()` writes `<profile_file_prefix><date>_<pid>_<n>.json` and
 returns its path. With profiling off nothing here is on the run path: the session checks one
@@ -23,7 +25,9 @@ import threading
 import time
 from pathlib import Path
 
+import abi
 from host.errors import InvalidArgument
+from host.plugins.hostapi import CONTEXTS, ffi
 
 _FILES = itertools.count(1)
 _ns = time.perf_counter_ns
@@ -41,6 +45,8 @@ class Profiler:
         self.start_time_ns = time.time_ns()  # wall clock of ts=0, for get_profiling_start_time_ns()
         self.pid = os.getpid()
         self.events: list[dict] = []
+        self.on_end: list = []  # called before the trace is written (GPU timers read their events)
+        self.notes: dict[str, str] = {}
 
     def record(self, name: str, cat: str, t0: int, t1: int, args: dict | None = None) -> None:
         """One complete event from perf_counter_ns stamps `t0`..`t1`."""
@@ -80,11 +86,13 @@ class Profiler:
 
     def end(self) -> str:
         """Write the trace and return its path."""
+        for flush in self.on_end:
+            flush()
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(self.start_time_ns / 1e9))
         path = Path(f"{self.prefix}{stamp}_{self.pid}_{next(_FILES)}.json")
         trace = {"traceEvents": sorted(self.events, key=lambda e: e["ts"]), "displayTimeUnit": "ms",
                  "otherData": {"producer": "ephost", "session": self.session_name,
-                               "start_time_ns": self.start_time_ns}}
+                               "start_time_ns": self.start_time_ns, **self.notes}}
         try:
             if path.parent != Path("."):
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,18 +130,133 @@ def _time_kernel(kernel, profiler: Profiler, name: str, args: dict) -> None:
             setattr(kernel, entry, profiler.timed(fn, name, "Node", args))
 
 
-def instrument(session, profiler: Profiler) -> None:
-    """Time every node of `session`'s plan and its ABI crossings; done before the first run."""
+def instrument(session, profiler: Profiler, cuda=None) -> None:
+    """Time every node of `session`'s plan and its ABI crossings; done before the first run.
+
+    Nodes of an EP on a GPU also get CUDA events on their stream (GpuTimer), through `cuda`
+    (CuPy's `cupy.cuda`, imported here when None and a GPU EP is in the plan).
+    """
+    gpu = None
+    if any(n.ep is not None and n.ep.location[0] == abi.DEVICE_GPU for n in session.plan.nodes):
+        gpu = GpuTimer.create(profiler, cuda)
     for node in session.plan.nodes:
         provider = node.ep.name if node.ep is not None else "CPUExecutionProvider"
         args = {"op_name": node.op_type, "provider": provider, "node_index": node.index}
         if getattr(node, "members", ()):
             args["fused_nodes"] = list(node.members)
+        on_gpu = node.ep is not None and node.ep.location[0] == abi.DEVICE_GPU
+        if gpu is not None and on_gpu:
+            gpu.time_kernel(node.kernel, node.name, args, node.ep.location[1])
         _time_kernel(node.kernel, profiler, node.name, args)
     ex = session._executor
     ex.transfer = profiler.timed(ex.transfer, "CopyTensors", "Api")
     session._on_run_start = profiler.timed(session._on_run_start, "OnRunStart", "Api")
     session._on_run_end = profiler.timed(session._on_run_end, "OnRunEnd", "Api")
+
+
+def _kernel_stream(kernel_ptr, context) -> int:
+    """The GPU stream of a per-node Compute(kernel, context) call: its kernel context's stream."""
+    ctx = CONTEXTS.get(context)
+    stream = getattr(ctx, "stream", None)
+    if stream is None or stream.handle == ffi.NULL:
+        return 0
+    return int(ffi.cast("uintptr_t", stream.handle))
+
+
+def _frame_stream(info_ptr, state, frame) -> int:
+    """The GPU stream of a compiled partition's Compute(info, state, frame), 0 while capturing."""
+    if frame == ffi.NULL or frame.stream == ffi.NULL or frame.capturing:
+        return 0
+    return int(ffi.cast("uintptr_t", frame.stream))
+
+
+class GpuTimer:
+    """Kernel time of GPU EP nodes from CUDA events recorded on the node's stream around Compute.
+
+    Events are read when the profile is written (never during runs, which stay asynchronous):
+    each node becomes a "GPU" event on a track per stream, placed on the host clock through a
+    reference event recorded on that stream at its first use. Nothing is recorded on a stream
+    that is capturing a CUDA graph. `cuda` is CuPy's `cupy.cuda` (or a stand-in with
+    ExternalStream, Event, Device, get_elapsed_time and runtime.streamIsCapturing).
+    """
+
+    def __init__(self, profiler: Profiler, cuda):
+        self.profiler = profiler
+        self.cuda = cuda
+        self.pending: list[tuple] = []            # (name, args, handle, start event, end event)
+        self.refs: dict[int, tuple] = {}          # stream handle -> (reference event, perf_counter_ns)
+        self.streams: dict[int, object] = {}
+        profiler.on_end.append(self.flush)
+
+    @classmethod
+    def create(cls, profiler: Profiler, cuda=None):
+        if cuda is None:
+            try:
+                import cupy.cuda as cuda  # the host already uses CuPy for DLPack hand-over
+            except ImportError as exc:
+                profiler.notes["gpu_kernel_time"] = f"not recorded: CuPy cannot be imported ({exc})"
+                return None
+        return cls(profiler, cuda)
+
+    def time_kernel(self, kernel, name: str, args: dict, device_id: int) -> None:
+        for entry, stream_of in (("Compute", _kernel_stream), ("compute", _frame_stream)):
+            fn = getattr(kernel, entry, None)
+            if callable(fn):
+                setattr(kernel, entry, self._wrap(fn, name, args, device_id, stream_of))
+
+    def _wrap(self, fn, name: str, args: dict, device_id: int, stream_of):
+        def call(*a):
+            handle = stream_of(*a)
+            if not handle:
+                return fn(*a)
+            with self.cuda.Device(device_id):
+                stream = self._stream(handle)
+                if self.cuda.runtime.streamIsCapturing(handle):
+                    return fn(*a)
+                self._reference(handle, stream)
+                start = self.cuda.Event()
+                start.record(stream)
+                try:
+                    return fn(*a)
+                finally:
+                    end = self.cuda.Event()
+                    end.record(stream)
+                    self.pending.append((name, args, handle, start, end))
+        return call
+
+    def _stream(self, handle: int):
+        stream = self.streams.get(handle)
+        if stream is None:
+            stream = self.streams[handle] = self.cuda.ExternalStream(handle)
+        return stream
+
+    def _reference(self, handle: int, stream) -> None:
+        if handle not in self.refs:
+            ref = self.cuda.Event()
+            ref.record(stream)
+            self.refs[handle] = (ref, _ns())
+
+    def flush(self) -> None:
+        """Turn the recorded events into trace events (waits for them)."""
+        p = self.profiler
+        pending, self.pending = self.pending, []
+        for name, args, handle, start, end in pending:
+            end.synchronize()
+            ref, ref_ns = self.refs[handle]
+            t0 = ref_ns + int(self.cuda.get_elapsed_time(ref, start) * 1e6)
+            t1 = t0 + int(self.cuda.get_elapsed_time(start, end) * 1e6)
+            event = {"cat": "GPU", "name": name, "ph": "X", "pid": p.pid, "tid": _stream_track(handle),
+                     "ts": (t0 - p.start_ns) / 1000.0, "dur": (t1 - t0) / 1000.0, "args": {**args, "gpu": True}}
+            p.events.append(event)
+        for handle in self.refs:
+            p.events.append({"cat": "__metadata", "name": "thread_name", "ph": "M", "pid": p.pid,
+                             "tid": _stream_track(handle),
+                             "ts": 0.0, "args": {"name": f"GPU stream {handle:#x}"}})
+
+
+def _stream_track(handle: int) -> int:
+    # Chrome-trace tids are ints; keep stream tracks apart from OS thread ids (which are < 2**31).
+    return (1 << 40) + (handle & 0xFFFFFFFFFF)
 
 
 def record_passes(profiler: Profiler, result) -> None:

@@ -195,3 +195,146 @@ def test_cli_run_profile_writes_a_trace(tmp_path, capsys):
     events = profiling.load(path)
     assert len([e for e in events if e["name"] == "model_run"]) == 1
     assert len(complete(events, "Node")) >= 2
+
+
+# ---- GPU kernel time (CUDA events), with a stand-in for cupy.cuda ---------------------------------
+class FakeCuda:
+    """cupy.cuda's event API over a fake GPU clock: each recorded event takes the stream's time,
+    and `work(stream, ms)` advances a stream as a kernel would."""
+
+    def __init__(self):
+        self.clock: dict[int, float] = {}
+        self.capturing: set[int] = set()
+        self.created = 0
+        cuda = self
+
+        class ExternalStream:
+            def __init__(self, handle):
+                self.handle = handle
+                cuda.clock.setdefault(handle, 100.0)
+
+        class Event:
+            def __init__(self):
+                self.t = None
+                cuda.created += 1
+
+            def record(self, stream):
+                self.t = cuda.clock[stream.handle]
+
+            def synchronize(self):
+                assert self.t is not None
+
+        class Device:
+            def __init__(self, device_id):
+                self.device_id = device_id
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class runtime:
+            @staticmethod
+            def streamIsCapturing(handle):
+                return handle in cuda.capturing
+
+        self.ExternalStream, self.Event, self.Device, self.runtime = ExternalStream, Event, Device, runtime
+
+    def work(self, handle, ms):
+        self.clock[handle] = self.clock.get(handle, 100.0) + ms
+
+    @staticmethod
+    def get_elapsed_time(a, b):
+        return b.t - a.t
+
+
+def test_gpu_timer_places_kernel_time_on_a_stream_track():
+    cuda = FakeCuda()
+    prof = profiling.Profiler("unused_")
+    timer = profiling.GpuTimer(prof, cuda)
+    handle = 0xABC0
+
+    def compute(kernel_ptr, context, ms):
+        cuda.work(handle, ms)  # the kernel's GPU time
+        return "status"
+
+    timed = timer._wrap(compute, "gemm", {"op_name": "Gemm"}, 0, lambda *a: handle)
+    cuda.work(handle, 5.0)  # the stream was busy before the first node: the reference event sees it
+    assert timed(1, 2, 2.0) == "status"
+    cuda.work(handle, 1.0)
+    timed(1, 2, 3.0)
+    cuda.capturing.add(handle)
+    timed(1, 2, 7.0)  # capturing: no events recorded
+    untimed = timer._wrap(compute, "cpu", {}, 0, lambda *a: 0)
+    untimed(1, 2, 0.5)  # no stream: nothing recorded
+    timer.flush()
+    gpu = [e for e in prof.events if e["cat"] == "GPU"]
+    assert [(e["name"], e["dur"]) for e in gpu] == [("gemm", 2000.0), ("gemm", 3000.0)]  # ms -> µs
+    assert gpu[1]["ts"] - gpu[0]["ts"] == pytest.approx(3000.0)  # 2 ms kernel + 1 ms gap
+    assert {e["tid"] for e in gpu} == {profiling._stream_track(handle)}
+    assert gpu[0]["args"] == {"op_name": "Gemm", "gpu": True}
+    names = [e for e in prof.events if e["ph"] == "M"]
+    assert names == [{"cat": "__metadata", "name": "thread_name", "ph": "M", "pid": os.getpid(),
+                      "tid": profiling._stream_track(handle), "ts": 0.0, "args": {"name": "GPU stream 0xabc0"}}]
+    assert cuda.created == 5  # one reference event, then two per timed call
+
+
+def test_gpu_streams_of_kernel_contexts_and_call_frames():
+    from types import SimpleNamespace
+
+    from host.plugins.hostapi import CONTEXTS, ffi
+
+    ctx = SimpleNamespace(stream=SimpleNamespace(handle=ffi.cast("void*", 0x5000)), active=True)
+    handle, key, _holder = CONTEXTS.add(ctx)
+    try:
+        assert profiling._kernel_stream(None, handle) == 0x5000
+        ctx.stream = None
+        assert profiling._kernel_stream(None, handle) == 0
+    finally:
+        CONTEXTS.remove(key)
+    frame = ffi.new("EpCallFrame*")
+    frame.stream = ffi.cast("void*", 0x7000)
+    assert profiling._frame_stream(None, None, frame) == 0x7000
+    frame.capturing = 1
+    assert profiling._frame_stream(None, None, frame) == 0
+
+
+def test_no_cupy_is_noted_in_the_profile(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name.startswith("cupy"):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    prof = profiling.Profiler(str(tmp_path / "p_"))
+    assert profiling.GpuTimer.create(prof) is None
+    data = json.loads(open(prof.end()).read())
+    assert data["otherData"]["gpu_kernel_time"] == "not recorded: CuPy cannot be imported (No module named 'cupy')"
+
+
+@pytest.mark.gpu
+def test_cuda_ep_profile_has_gpu_kernel_time(tmp_path):
+    cupy = pytest.importorskip("cupy", reason="GPU kernel time is read through CuPy's CUDA events")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device")
+    from host.cli import zoo
+
+    so = SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "cuda_")
+    s = InferenceSession(zoo.mlp(layers=2, hidden=256), so, providers=["CUDAExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    for _ in range(3):
+        s.run(None, {"input": x})
+    events = profiling.load(s.end_profiling())
+    cuda_nodes = [n for n, ep in s.node_assignment().items() if ep == "CUDAExecutionProvider"]
+    assert cuda_nodes
+    gpu = [e for e in events if e.get("cat") == "GPU"]
+    assert len(gpu) == 3 * len([n for n in s.plan.nodes if n.ep is not None])
+    assert all(e["dur"] > 0 and e["tid"] >= 1 << 40 for e in gpu)
+    assert any(e["ph"] == "M" and e["args"]["name"].startswith("GPU stream") for e in events)
