@@ -500,19 +500,24 @@ class InferenceSession:
             raise InvalidArgument("this InferenceSession is closed")
 
     def _release_eps(self) -> None:
-        """Release kernels, partitions, then EPs, each in reverse order of creation."""
+        """Release kernels, partitions, then EPs, each in reverse order of creation. A failing
+        release does not stop the others; the first failure is raised at the end."""
         kernels, self._kernel_list = getattr(self, "_kernel_list", []), []
-        for k in reversed(kernels):
-            k.Release(k.ptr)
         partitions, self._partitions = getattr(self, "_partitions", []), []
-        for p in reversed(partitions):
-            p.release()
         eps, self._eps = self._eps, []
-        for ep in reversed(eps):
-            ep.close()
         regs, self._regs = self._regs, []
-        for reg in regs:
-            reg.release()
+        steps = ([lambda k=k: k.Release(k.ptr) for k in reversed(kernels)]
+                 + [p.release for p in reversed(partitions)] + [ep.close for ep in reversed(eps)]
+                 + [reg.release for reg in regs])
+        first = None
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the rest is still released
+                _log.warning("releasing a session object failed: %s", exc)
+                first = first or exc
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         """Release graphs, run states, kernels, streams and EPs; closing twice is fine. Whatever fails,

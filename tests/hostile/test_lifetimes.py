@@ -208,3 +208,26 @@ def test_cuda_options_checked_without_a_device(options, message):
             with InferenceSession(MAIN_MODEL, providers=[("CUDAExecutionProvider", {"device_id": "0"})], env=env) as s:
                 np.testing.assert_allclose(s.run(None, _feed())[0], _expected(_feed()["X"]))
         assert any("CUDAExecutionProvider has no device" in str(w.message) for w in caught)
+
+
+def test_a_failing_release_does_not_stop_the_others(hostile, monkeypatch):
+    """One EP's close raising (after releasing) must not keep the rest of the session alive."""
+    path, lib, _ = hostile
+    base = lib.Hostile_Live()
+    with Environment() as env:
+        env.register_plugin("hostile", path)
+        s = InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env)
+        s.run(None, _feed())
+        [ep] = s._eps
+        real_close = ep.close
+
+        def close_then_fail():
+            real_close()
+            raise RuntimeError("planted failure after release")
+
+        monkeypatch.setattr(ep, "close", close_then_fail)
+        with pytest.raises(RuntimeError, match="^planted failure after release$"):
+            s.close()
+        assert env.plugin("hostile")._users == 0 and env.sessions() == []
+        assert lib.Hostile_Live() == base + 1  # the factory only
+    assert lib.Hostile_Live() == base
