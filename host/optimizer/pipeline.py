@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
+
+_LOCK = threading.Lock()
 
 
 @dataclass
@@ -270,7 +273,9 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
     except Exception as exc:  # noqa: BLE001 - a proto onnx-ir cannot read is a model error
         raise ModelError(f"the optimizer cannot read the model: {exc}") from exc
     rec = _Recorder(ir_model, verbose)
-    with _quiet_onnxscript():
+    # Rule objects are shared and keep match state between check() and rewrite() (onnxscript's
+    # rules do too), so sessions created on several threads optimize one at a time.
+    with _LOCK, _quiet_onnxscript():
         _basic(rec)
         if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
             _extended(rec, FAMILIES)
