@@ -363,8 +363,12 @@ def _counters_ffi():
     return f
 
 
-@pytest.mark.parametrize(("host", "plugin"), [(6, 6), (5, 6), (6, 5)])
+C_PAIRS = [(h, p) for h in abi.SUPPORTED_VERSIONS for p in abi.SUPPORTED_VERSIONS]
+
+
+@pytest.mark.parametrize(("host", "plugin"), C_PAIRS, ids=[f"host{h}-plugin{p}" for h, p in C_PAIRS])
 def test_c_plugin_fuses_a_chain_of_adds(cc, host, plugin):
+    """The C plugin built for each ABI version (build.py -DEXAMPLE_C_ABI=N) on each host version."""
     path, lib = c_plugin_at(plugin)
     model = add_chain(4)
     with Environment(api_version=host) as env:
