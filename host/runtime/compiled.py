@@ -22,7 +22,7 @@ import numpy as np
 import abi
 from host.errors import EpError, InvalidArgument, KernelError
 from host.plugins import hostapi
-from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
+from host.plugins.ep import PluginEp, SyncStream
 from host.plugins.hostapi import ffi
 from host.plugins.loader import Slots, negotiate, release_rejected
 from host.runtime.graphview import GraphView
@@ -515,9 +515,6 @@ class FrameContext:
             self.free_scratch(ptr)
 
 
-__all__ = ["CPU_LOCATION", "Claims", "CompiledPartition", "FrameContext", "collect_claims", "compile_groups",
-           "describe_group", "unit_order"]
-
 
 def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph,
                       fallbacks) -> tuple[dict[int, PluginEp], list[CompiledPartition]]:
@@ -541,3 +538,7 @@ def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph,
             if i in singles:
                 assigned[i] = g.ep
     return assigned, parts
+
+
+__all__ = ["Claims", "CompiledPartition", "FrameContext", "collect_claims", "compile_groups",
+           "claim_and_compile", "describe_group", "unit_order"]
