@@ -13,6 +13,7 @@ Outputs whose shapes shape inference fixed are preallocated on the EP's device b
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ from host.runtime.tensor import Allocation, check_output_dims
 _NULL = ffi.NULL
 FUSED_OP_TYPE = "FusedPartition"
 FUSED_DOMAIN = "ai.ephost.fused"
+MAX_TENSOR_BYTES = 1 << 62  # beyond any device; keeps shape arithmetic inside int64
 
 
 # ---- claiming ---------------------------------------------------------------------------------
@@ -431,11 +433,16 @@ class FrameContext:
             raise _OutputRequest(f"output index {index} out of range 0..{len(self.node.outputs) - 1}")
         t = self.outputs[index]
         vid = self.node.outputs[index]
+        name = self.run.plan.value_names[vid]
+        itemsize = self.run.executor.dtype_of(vid).itemsize
+        if any(d < 0 for d in dims) or math.prod(dims) * itemsize > MAX_TENSOR_BYTES:
+            raise _OutputRequest(f"output {index} ('{name}'): dims {list(dims)} must be >= 0 and hold at most "
+                                 f"{MAX_TENSOR_BYTES} bytes")
         check_output_dims(dims, self.run.executor.dtype_of(vid), f"output {index} of fused node '{self.part.name}'")
         if t.data != _NULL:
             have = tuple(t.dims[d] for d in range(t.rank))
             if have != dims:
-                raise _OutputRequest(f"output {index} ('{self.run.plan.value_names[vid]}') is already allocated "
+                raise _OutputRequest(f"output {index} ('{name}') is already allocated "
                                      f"with shape {list(have)}; asked for {list(dims)}")
             return t.data
         value = self.run.make_output(vid, dims, self.ep, self.stream)

@@ -20,7 +20,7 @@ from onnx.reference import ReferenceEvaluator
 import abi
 import build
 from abi import sdk
-from host.errors import KernelError
+from host.errors import InvalidArgument, KernelError
 from host.plugins.environment import Environment
 from host.plugins.hostapi import FUSE_GROUPS, _api_table, ffi
 from host.runtime import compiled
@@ -487,3 +487,23 @@ def test_sdk_fused_graph_describes_inputs_outputs_and_constants(env6):
     constants = {v.name: v.constant for v in g.values if v.constant is not None}
     np.testing.assert_array_equal(constants["w"], np.linspace(-1, 1, 3, dtype=np.float32))
     assert [g.values[i].name for i in g.input_ids] == ["x"]
+
+
+def test_allocate_output_refuses_bad_dims_and_a_second_shape(env6):
+    model = chain_model(("Add", "Relu"), dynamic=True)
+    with session(env6, model) as s:
+        s.run(None, {"x": _x()})
+        node = s.plan.nodes[0]
+        ctx = s._executor.state().contexts[node.index]
+        with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\): dims \[-1, 3\] must be >= 0 and hold at most "):
+            ctx.allocate_output(0, (-1, 3))
+        with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\): dims \[4611686018427387904, 3\] must be "):
+            ctx.allocate_output(0, (1 << 62, 3))
+        with pytest.raises(InvalidArgument, match=r"^output index 1 out of range 0\.\.0$"):
+            ctx.allocate_output(1, (2, 3))
+        ctx.outputs[0].data = ffi.NULL  # as the host leaves it before a call
+        first = ctx.allocate_output(0, (2, 3))
+        assert ctx.allocate_output(0, (2, 3)) == first, "asking again for the same shape gives the same memory"
+        with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\) is already allocated with shape \[2, 3\]; "
+                                                  r"asked for \[5, 3\]$"):
+            ctx.allocate_output(0, (5, 3))
