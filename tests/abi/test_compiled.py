@@ -507,3 +507,13 @@ def test_allocate_output_refuses_bad_dims_and_a_second_shape(env6):
         with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\) is already allocated with shape \[2, 3\]; "
                                                   r"asked for \[5, 3\]$"):
             ctx.allocate_output(0, (5, 3))
+
+
+def test_compute_that_leaves_a_dynamic_output_unallocated_is_an_error(env6):
+    model = chain_model(("Add", "Relu"), dynamic=True)
+    with session(env6, model) as s:
+        # The plugin runs in this interpreter: make its compiled function return without output.
+        _example_ep().last_compiled[0].compute = lambda state, frame: None
+        with pytest.raises(KernelError, match=rf"^fused node '{EP}_fused_0' \(nodes 'add0', 'relu1'\) on {EP} "
+                                              r"returned without producing output\(s\) \['y'\]$"):
+            s.run(None, {"x": _x()})
