@@ -253,6 +253,45 @@ def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return proto
 
 
+# Ops the BASIC rules rewrite or fold whatever their inputs, and the binary ops whose constant operand
+# may make them no-ops; with none of these, no constant inputs, no duplicate or dead node and no
+# fusion trigger, no pass can change the graph.
+_BASIC_CANDIDATES = frozenset({
+    "Identity", "Dropout", "Cast", "CastLike", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Flatten",
+    "Shape", "Size", "ConstantOfShape", "Constant", "Slice", "Split", "Concat",
+})
+_CONSTANT_SENSITIVE = frozenset({"Add", "Sub", "Mul", "Div", "Min", "Max", "Clip"})
+
+
+def nothing_to_do(model: onnx.ModelProto) -> bool:
+    """A cheap, conservative look at the proto: True only when no pass could change the graph
+    (single-op test models and the like skip deserializing and the pass pipeline)."""
+    g = model.graph
+    if model.functions:
+        return False
+    constants = {t.name for t in g.initializer}
+    used = {name for n in g.node for name in n.input} | {o.name for o in g.output}
+    triggers = set().union(*(f.triggers for f in FAMILIES))
+    seen = set()
+    for n in g.node:
+        if n.domain not in ("", "ai.onnx") or n.op_type in _BASIC_CANDIDATES or n.op_type in triggers:
+            return False
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            return False
+        ins = [i for i in n.input if i]
+        if ins and all(i in constants for i in ins):
+            return False  # foldable
+        if n.op_type in _CONSTANT_SENSITIVE and any(i in constants for i in ins):
+            return False
+        if not any(o in used for o in n.output):
+            return False  # dead
+        key = (n.op_type, tuple(n.input), tuple(a.SerializeToString() for a in n.attribute))
+        if key in seen:
+            return False  # a common subexpression
+        seen.add(key)
+    return True
+
+
 def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL, *,
              verbose: bool = False) -> OptimizeResult:
     """Optimize `model` at `level` (a GraphOptimizationLevel, its int value or name).
@@ -266,7 +305,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
     if not isinstance(model, onnx.ModelProto):
         raise InvalidArgument(f"optimize() takes an onnx.ModelProto; got {type(model).__name__}")
     count = len(model.graph.node)
-    if level == GraphOptimizationLevel.ORT_DISABLE_ALL:
+    if level == GraphOptimizationLevel.ORT_DISABLE_ALL or nothing_to_do(model):
         return OptimizeResult(model, level, [], count, count)
     try:
         ir_model = ir.serde.deserialize_model(_with_fresh_shapes(model))

@@ -210,3 +210,26 @@ def test_onnxscript_layer_norm_rule_ignores_the_scale_shape():
     assert "LayerNormalization" not in ops(ours)
     x = np.random.default_rng(2).standard_normal((2, 5, 16)).astype(np.float32)
     assert_same(References(model), References(ours), {"x": x})
+
+
+def _chain(*extra):
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Sigmoid", ["a"], ["b"]),
+             helper.make_node("Neg", ["b"], ["y"]), *extra]
+    outputs = [("y", [2, 3])] + [(n.output[0], [2, 3]) for n in extra]
+    return make_model(nodes, [("x", [2, 3])], outputs)
+
+
+def test_a_model_with_nothing_to_optimize_is_returned_as_is():
+    model = _chain()
+    result = optimize(model, L.ORT_ENABLE_ALL)
+    assert result.model is model and result.report == []
+
+
+@pytest.mark.parametrize("extra,gone", [
+    (helper.make_node("Identity", ["b"], ["i"]), "Identity"),          # a BASIC candidate
+    (helper.make_node("Relu", ["x"], ["r"]), "Relu"),                 # a common subexpression of node 0
+])
+def test_the_fast_path_does_not_skip_work(extra, gone):
+    model = _chain(extra)
+    after = ops(optimize(model, L.ORT_ENABLE_ALL).model)
+    assert after[gone] < ops(model)[gone]
