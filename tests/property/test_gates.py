@@ -105,7 +105,9 @@ def check_negotiate(table: str, declared: int, struct_size: int, nulls, host: in
             negotiate(table, fab.ptr, host, OWNER)
         return
     slots = negotiate(table, fab.ptr, host, OWNER)
-    assert (slots.declared, slots.negotiated, slots.struct_size) == (declared, min(declared, host), struct_size)
+    assert (slots.table, slots.declared, slots.negotiated, slots.struct_size) == (
+        table, declared, min(declared, host), struct_size)
+    assert slots.ptr == fab.ptr
     got = {k: slots.has(k) for k in abi.since_table()[table]}
     assert got == want
     for k, callable_ in want.items():

@@ -166,14 +166,14 @@ versions = st.sampled_from(ft.CAPTURE_VERSIONS)
 @example(case=h.chain_case(), version=max(ft.CAPTURE_VERSIONS), min_runs=0,
          steps=[("bound",), ("rebind", "input_new"), ("gid", "-1"), ("bound",), ("eager",), ("gid", "3"),
                 ("bound",), ("bound",)])
-@settings(deadline=None, max_examples=s.budget(20))
+@settings(deadline=None, max_examples=s.budget(10))
 def test_reused_run_options_binding_and_session(case, version, min_runs, steps):
     play(case, version, min_runs, steps, h.References(case))
 
 
 @given(case=s.elementwise_graphs(max_nodes=3), version=versions, eager=st.integers(1, 4),
        gid=st.sampled_from([None, "0", "2"]), sync=st.sampled_from([None, "0", "1"]))
-@settings(deadline=None, max_examples=s.budget(8))
+@settings(deadline=None, max_examples=s.budget(5))
 def test_eager_runs_before_capture_do_not_count_as_warm_up(case, version, eager, gid, sync):
     """Eager runs with the RunOptions later used for capture, then capture and replays: the
     replayed outputs are the references' (a graph captured during an eager run would replay into

@@ -73,7 +73,7 @@ def same_shape_adds(n: int):
 @example(case=h.chain_case(), host=5, plugin=5, order=(h.EXAMPLE_EP, C_EP), ops=frozenset({"Add", "Mul"}))
 @example(case=h.chain_case(), host=5, plugin=5, order=(C_EP, h.EXAMPLE_EP), ops=frozenset({"Add", "Mul"}))
 @example(case=h.chain_case(), host=1, plugin=3, order=(C_EP, h.EXAMPLE_EP), ops=frozenset({"Add", "Relu"}))
-@settings(deadline=None, max_examples=s.budget(15))
+@settings(deadline=None, max_examples=s.budget(10))
 def test_provider_order_decides_and_answers_equal_the_references(case, host, plugin, order, ops):
     refs = h.References(case)
     claimed = {ep: claims(case, ep, set(ops)) for ep in order}
