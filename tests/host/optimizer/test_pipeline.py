@@ -233,3 +233,12 @@ def test_the_fast_path_does_not_skip_work(extra, gone):
     model = _chain(extra)
     after = ops(optimize(model, L.ORT_ENABLE_ALL).model)
     assert after[gone] < ops(model)[gone]
+
+
+@pytest.mark.parametrize("to,removed", [(onnx.TensorProto.FLOAT, True), (onnx.TensorProto.DOUBLE, False)])
+def test_single_cast_is_removed_only_when_it_is_a_no_op(to, removed):
+    node = helper.make_node("Cast", ["x"], ["y"], to=to)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", to, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert ("Cast" not in ops(optimize(model, L.ORT_ENABLE_ALL).model)) == removed
