@@ -58,22 +58,29 @@ GRAPH_MODEL = _model([helper.make_node("Add", ["X", "X"], ["Y"], name="add0")])
 CPU_MODEL = _model([helper.make_node("Relu", ["X"], ["Y"], name="relu")])
 
 
+def options() -> SessionOptions:
+    """No graph optimization: these models have nothing to optimize, and the optimizer is most of
+    a session's creation time (the suite creates hundreds)."""
+    so = SessionOptions()
+    so.graph_optimization_level = 0  # ORT_DISABLE_ALL
+    so.add_session_config_entry("hostile.entry", "a value longer than two bytes")
+    return so
+
+
 def _expect(got, want) -> None:
     if not np.allclose(got, want):
         raise WrongResult(f"expected {want.tolist()}, got {np.asarray(got).tolist()}")
 
 
 def scenario_main(env: Environment, rng) -> None:
-    so = SessionOptions()
-    so.add_session_config_entry("hostile.entry", "a value longer than two bytes")
-    with InferenceSession(MAIN_MODEL, so, providers=["HostileEP"], env=env) as s:
+    with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
         for _ in range(2):
             x = rng.standard_normal(SHAPE).astype(np.float32)
             _expect(s.run(None, {"X": x})[0], np.maximum(2 * x, 0) * 2)
 
 
 def scenario_graph(env: Environment, rng) -> None:
-    with InferenceSession(GRAPH_MODEL, providers=[("HostileEP", {"graph": "1"})], env=env) as s:
+    with InferenceSession(GRAPH_MODEL, options(), providers=[("HostileEP", {"graph": "1"})], env=env) as s:
         x = np.zeros(SHAPE, np.float32)
         y = np.zeros(SHAPE, np.float32)
         b = s.io_binding()
@@ -90,7 +97,7 @@ def scenario_graph(env: Environment, rng) -> None:
 
 def scenario_fuse(env: Environment, rng) -> None:
     """ABI v6: each Add is offered for compilation and runs as a compiled partition (call frames)."""
-    with InferenceSession(MAIN_MODEL, providers=[("HostileEP", {"fuse": "1"})], env=env) as s:
+    with InferenceSession(MAIN_MODEL, options(), providers=[("HostileEP", {"fuse": "1"})], env=env) as s:
         for _ in range(2):
             x = rng.standard_normal(SHAPE).astype(np.float32)
             _expect(s.run(None, {"X": x})[0], np.maximum(2 * x, 0) * 2)
@@ -146,7 +153,7 @@ def survivor(lib, path: str, rng) -> dict:
     out = {"name": "<survivor>", "outcome": "ok", "message": ""}
     try:
         x = rng.standard_normal(SHAPE).astype(np.float32)
-        with InferenceSession(CPU_MODEL, providers=["CPUExecutionProvider"], env=Environment()) as s:
+        with InferenceSession(CPU_MODEL, options(), providers=["CPUExecutionProvider"], env=Environment()) as s:
             _expect(s.run(None, {"X": x})[0], np.maximum(x, 0))
         live0 = lib.Hostile_Live() if path.endswith("libephost_hostile.so") else 0
         with Environment() as env:

@@ -25,7 +25,7 @@ from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.runtime.session import InferenceSession
 from tests.conftest import built_plugin
-from tests.hostile.driver import MAIN_MODEL, SHAPE
+from tests.hostile.driver import MAIN_MODEL, SHAPE, options
 
 ROOT = build.ROOT
 
@@ -54,7 +54,7 @@ def test_environment_closes_its_sessions_first(hostile):
     base = lib.Hostile_Live()
     with Environment() as env:
         env.register_plugin("hostile", path)
-        sessions = [InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) for _ in range(3)]
+        sessions = [InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) for _ in range(3)]
         for s in sessions:
             np.testing.assert_allclose(s.run(None, _feed())[0], _expected(_feed()["X"]))
         assert env.sessions() == sessions
@@ -65,7 +65,7 @@ def test_environment_closes_its_sessions_first(hostile):
     with pytest.raises(InvalidArgument, match="^this InferenceSession is closed$"):
         sessions[0].run(None, _feed())
     with pytest.raises(InvalidArgument, match="^this Environment is closed; create a new one$"):
-        InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env)
+        InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env)
     env.close()  # twice is fine
 
 
@@ -81,7 +81,7 @@ def test_close_refuses_while_a_plugin_is_held_and_releases_nothing(hostile):
         env.close()
     # Not half torn down: still registered, factories alive, usable.
     assert list(env.plugins) == ["hostile"] and reg.factories and lib.Hostile_Live() == base + 1
-    with InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) as s:
+    with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
         np.testing.assert_allclose(s.run(None, _feed())[0], _expected(_feed()["X"]))
     reg.release()
     env.close()
@@ -118,12 +118,12 @@ def test_thousand_sessions_flat_rss_and_no_live_objects(hostile):
         env.register_plugin("hostile", path)
         x = _feed()
         for _ in range(50):  # warm-up: caches, interned strings, allocator arenas
-            with InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) as s:
+            with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
                 s.run(None, x)
         gc.collect()
         before = rss_kib()
         for _ in range(1000):
-            with InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) as s:
+            with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
                 s.run(None, x)
             assert lib.Hostile_Live() == base + 1  # only the factory outlives a closed session
         gc.collect()
@@ -151,7 +151,7 @@ def test_exit_with_unclosed_sessions_is_silent(hostile, example_plugin):
         import numpy as np
         from host.plugins.environment import Environment
         from host.runtime.session import InferenceSession
-        from tests.hostile.driver import MAIN_MODEL, GRAPH_MODEL
+        from tests.hostile.driver import MAIN_MODEL, GRAPH_MODEL, options
         env = Environment()
         env.register_plugin("hostile", {str(path)!r})
         env.register_plugin("example", {str(example)!r})
@@ -163,7 +163,7 @@ def test_exit_with_unclosed_sessions_is_silent(hostile, example_plugin):
             b.bind_input("X", x)
             b.bind_output("Y")  # the EP allocates: a device output the caller keeps past exit
             s.run_with_iobinding(b)
-            keep += [s, b.get_outputs()[0], InferenceSession(MAIN_MODEL, providers=provider, env=env)]
+            keep += [s, b.get_outputs()[0], InferenceSession(MAIN_MODEL, options(), providers=provider, env=env)]
         assert "device=cuda" in repr(keep[1]), keep[1]  # device memory the caller keeps
         print("ran")
     """)
@@ -187,13 +187,13 @@ def test_plugin_from_a_moved_checkout(example_plugin, tmp_path):
         Environment().register_plugin("moved", moved)
 
 
-@pytest.mark.parametrize(("options", "message"), [
+@pytest.mark.parametrize(("bad", "message"), [
     ({"bogus": "1"}, r"unknown option 'bogus' for CUDAExecutionProvider; allowed: "),
     ({"do_copy_in_default_stream": "maybe"}, r"do_copy_in_default_stream"),
     ({"gpu_external_alloc": "1234"}, r"option gpu_external_alloc needs both gpu_external_alloc and "
                                      r"gpu_external_free; only one was given"),
 ])
-def test_cuda_options_checked_without_a_device(options, message):
+def test_cuda_options_checked_without_a_device(bad, message):
     """On this GPU-less machine the CUDA plugin has no device, yet a wrong option is an error."""
     path = built_plugin("cuda")
     with Environment() as env:
@@ -202,10 +202,10 @@ def test_cuda_options_checked_without_a_device(options, message):
             pytest.skip("a CUDA device is present: the no-device path is not reached")
         with pytest.raises(InvalidArgument, match=r"^EP 'CUDAExecutionProvider' of plugin 'cuda' \([^)]*\): "
                                                   r"CreateEp failed \(INVALID_ARGUMENT\): .*" + message):
-            InferenceSession(MAIN_MODEL, providers=[("CUDAExecutionProvider", options)], env=env)
+            InferenceSession(MAIN_MODEL, options(), providers=[("CUDAExecutionProvider", bad)], env=env)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with InferenceSession(MAIN_MODEL, providers=[("CUDAExecutionProvider", {"device_id": "0"})], env=env) as s:
+            with InferenceSession(MAIN_MODEL, options(), providers=[("CUDAExecutionProvider", {"device_id": "0"})], env=env) as s:
                 np.testing.assert_allclose(s.run(None, _feed())[0], _expected(_feed()["X"]))
         assert any("CUDAExecutionProvider has no device" in str(w.message) for w in caught)
 
@@ -216,7 +216,7 @@ def test_a_failing_release_does_not_stop_the_others(hostile, monkeypatch):
     base = lib.Hostile_Live()
     with Environment() as env:
         env.register_plugin("hostile", path)
-        s = InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env)
+        s = InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env)
         s.run(None, _feed())
         [ep] = s._eps
         real_close = ep.close

@@ -20,7 +20,7 @@ from host.errors import KernelError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.runtime.session import InferenceSession
-from tests.hostile.driver import MAIN_MODEL, SHAPE
+from tests.hostile.driver import MAIN_MODEL, SHAPE, options
 
 THREADS, RUNS = 8, 50
 
@@ -67,7 +67,7 @@ def test_concurrent_runs_equal_sequential(hostile):
     inputs = _inputs()
     with Environment() as env:
         env.register_plugin("hostile", path)
-        with InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) as s:
+        with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
             assert s._executor.concurrent, "the plugin says concurrent runs are safe"
             expected = [s.run(None, {"X": x})[0] for x in inputs]
             np.testing.assert_allclose(expected[0], np.maximum(2 * inputs[0], 0) * 2)
@@ -83,7 +83,7 @@ def test_one_failing_call_in_ten_does_not_poison_the_session(hostile):
     inputs = _inputs()
     with Environment() as env:
         env.register_plugin("hostile", path)
-        with InferenceSession(MAIN_MODEL, providers=["HostileEP"], env=env) as s:
+        with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
             expected = [s.run(None, {"X": x})[0] for x in inputs]
             lib.Hostile_Configure(b"concurrent;fail_every=10")
             results = _hammer(s, inputs, expected)
@@ -110,7 +110,7 @@ def test_concurrent_runs_on_the_gpu_equal_sequential(cuda_plugin_path):
         if not env.plugin("cuda").factories[0].devices:
             pytest.skip("no CUDA device: the CUDA EP would fall back to the CPU EP")
         inputs = _inputs()
-        with InferenceSession(MAIN_MODEL, providers=["CUDAExecutionProvider"], env=env) as s:
+        with InferenceSession(MAIN_MODEL, options(), providers=["CUDAExecutionProvider"], env=env) as s:
             assert "CUDAExecutionProvider" in s.node_assignment().values()
             expected = [s.run(None, {"X": x})[0] for x in inputs]
             np.testing.assert_allclose(expected[0], np.maximum(2 * inputs[0], 0) * 2, rtol=1e-6)
