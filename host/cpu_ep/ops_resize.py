@@ -2,7 +2,8 @@
 
 The interpolation is separable, so it runs one axis at a time: for each resized axis the output
 coordinates are mapped back to input coordinates (coordinate_transformation_mode), then gathered
-(nearest) or blended from 2 (linear) or 4 (cubic) neighbours with per-coordinate weights. Neighbours
+(nearest) or blended from 2 (linear) or 4 (cubic) neighbours with per-coordinate weights (more with
+antialias when downscaling: the kernel is stretched by 1/scale). Neighbours
 outside the input repeat the edge, except with exclude_outside (cubic) which drops their weight,
 and tf_crop_and_resize, which puts extrapolation_value where the source coordinate leaves the input.
 """
@@ -58,6 +59,24 @@ def _nearest_index(coords: np.ndarray, mode: str, in_len: int) -> np.ndarray:
     return np.clip(idx, 0, in_len - 1).astype(np.int64)
 
 
+def _keys(d: np.ndarray, a: float) -> np.ndarray:
+    """The Keys cubic kernel at distances |d| (0 from 2 on)."""
+    d = np.abs(d)
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+
+def _antialias_taps(frac: np.ndarray, scale: float, cubic: bool, a: float):
+    """Downscaling with antialias: the linear (triangle) or cubic kernel stretched by 1/scale, so each
+    output averages every input it covers; neighbours floor+start .. floor+1-start, weights normalized."""
+    start = math.floor(-(2 if cubic else 1) / scale) + 1
+    offsets = np.arange(start, 2 - start)
+    args = (offsets[None, :] - frac[:, None]) * scale
+    weights = _keys(args, a) if cubic else np.clip(1 - np.abs(args), 0, 1)
+    return offsets, weights / weights.sum(axis=1, keepdims=True)
+
+
 def _cubic_weights(frac: np.ndarray, a: float) -> np.ndarray:
     """(n, 4) Keys cubic weights for neighbours floor-1 .. floor+2 at fractional offset frac."""
     def far(d):  # 1 < |d| < 2
@@ -86,8 +105,7 @@ class Resize(OpKernel):
         self.extrapolation = self.attr_float("extrapolation_value", 0.0)
         self.axes_attr = self.attr_ints("axes", None)
         self.policy = self.attr_str("keep_aspect_ratio_policy", "stretch", choices=_POLICIES)
-        if self.attr_bool("antialias", 0):
-            raise self.bad_attr("antialias", 1, "0 (antialiased resizing is not implemented by the CPU EP)")
+        self.antialias = self.attr_bool("antialias", 0)
 
     def _run(self, x, *rest):
         roi, scales, sizes = (None, rest[0] if rest else None, None) if self.opset < 11 else \
@@ -157,7 +175,9 @@ class Resize(OpKernel):
         else:
             base = np.floor(coords)
             frac = coords - base
-            if self.mode == "linear":
+            if self.antialias and scale < 1:
+                offsets, weights = _antialias_taps(frac, scale, self.mode == "cubic", self.cubic_a)
+            elif self.mode == "linear":
                 offsets = np.array([0, 1])
                 weights = np.stack([1 - frac, frac], axis=1)
             else:
@@ -166,7 +186,8 @@ class Resize(OpKernel):
             idx = base.astype(np.int64)[:, None] + offsets[None, :]
             if self.exclude_outside:
                 weights = np.where((idx < 0) | (idx >= in_len), 0.0, weights)
-                weights = weights / weights.sum(axis=1, keepdims=True)
+                total = weights.sum(axis=1, keepdims=True)
+                weights = weights / np.where(total == 0, 1.0, total)
             idx = np.clip(idx, 0, in_len - 1)
             xc = x.astype(ct, copy=False)
             shape = [1] * x.ndim

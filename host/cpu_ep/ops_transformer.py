@@ -79,7 +79,10 @@ class Attention(OpKernel):
         rep = h // kvh
         scale = self.scale if self.scale is not None else 1 / math.sqrt(d)
         # Query head g*rep + r uses kv head g: group the query heads so one batched matmul serves a group.
-        scores = np.matmul(q4.reshape(b, kvh, rep * s, d), np.swapaxes(k4, 2, 3)).reshape(b, h, s, t)
+        if rep == 1:  # no grouping: the 4-D views multiply as they are (no copy of transposed 3-D inputs)
+            scores = np.matmul(q4, np.swapaxes(k4, 2, 3))
+        else:
+            scores = np.matmul(q4.reshape(b, kvh, rep * s, d), np.swapaxes(k4, 2, 3)).reshape(b, h, s, t)
         scores *= ct.type(scale)
         if self.softcap > 0:
             scores = np.tanh(scores / self.softcap) * self.softcap
@@ -94,7 +97,10 @@ class Attention(OpKernel):
         if want_qk and self.mode == 3:
             qk_out = probs.copy()
         probs = probs.astype(ct, copy=False)
-        y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, v4.shape[3])
+        if rep == 1:
+            y = np.matmul(probs, v4)
+        else:
+            y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, v4.shape[3])
         if three_d:
             y = y.transpose(0, 2, 1, 3).reshape(b, s, h * v4.shape[3])
         outs = [y.astype(dtype, copy=False), k4.astype(dtype, copy=False), v4.astype(dtype, copy=False)]

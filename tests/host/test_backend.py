@@ -91,7 +91,6 @@ STRINGS = "string tensors: ephost has no string element type"
 SEQUENCES = "sequence or optional values: ephost runs tensor values only"
 NOT_REGISTERED = "an op the CPU EP does not register, whose test name starts with a registered op's prefix"
 NARROW_TYPES = "bfloat16 / float8 / float4 / int4 / int2 element types: not in ephost's dtype table (abi/dtypes.py)"
-ANTIALIAS = "Resize with antialias=1: not implemented by the CPU EP (it refuses the node with a ModelError)"
 FP16_BODY = ("float16 function body: each float16 intermediate rounds differently from the float32 reference, "
              "beyond onnx's rtol 1e-3 (the fused Attention kernel passes its float16 test)")
 OPSET = f"model's default opset is outside ephost's window {MIN_OPSET}..{MAX_OPSET} (host/runtime/model.py)"
@@ -106,7 +105,6 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^test_range_bfloat16_", NARROW_TYPES),                 # Range on bfloat16
     (r"^test_attention_.*bf16", NARROW_TYPES),                # Attention on bfloat16
     (r"^test_(einsum|onehot)_.*bfloat16", NARROW_TYPES),      # Einsum, OneHot on bfloat16
-    (r"^test_resize_.*_antialias_", ANTIALIAS),               # Resize-18 antialias=1
     (r"^test_attention_4d_causal_fp16_expanded_", FP16_BODY),  # Attention's function body in float16
     # Every remaining test below uses a default opset past 23 (or, for Not, opset 1) in this onnx:
     (r"^test_cast_", OPSET),                                  # Cast-28

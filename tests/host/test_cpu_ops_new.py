@@ -134,6 +134,9 @@ RESIZE = [
     _resize(_IMG, sizes=np.array([1, 2, 7, 3], np.int64), mode="linear"),
     _resize(_IMG, sizes=np.array([7, 8], np.int64), mode="nearest", axes=[2, 3], keep_aspect_ratio_policy="not_larger"),
     _resize(_IMG, sizes=np.array([7, 8], np.int64), mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_smaller"),
+    _resize(f32(1, 1, 9, 11), np.array([1, 1, 0.4, 0.7], np.float32), mode="linear", antialias=1),
+    _resize(f32(1, 1, 9, 11), np.array([1, 1, 0.4, 1.5], np.float32), mode="cubic", antialias=1),
+    _resize(f32(1, 1, 9, 11), sizes=np.array([1, 1, 3, 4], np.int64), mode="cubic", antialias=1, exclude_outside=1),
     _resize(_IMG, np.array([1, 1, 0.8, 1.2], np.float32), roi=np.array([0, 0, 0.2, 0.1, 1, 1, 1.1, 0.9], np.float32),
             mode="linear", coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=-3.0),
 ]
@@ -330,10 +333,10 @@ def test_attention_3d_needs_head_counts():
         ours(node, {"q": f32(1, 2, 8), "k": f32(1, 2, 8), "v": f32(1, 2, 8)}, 23)
 
 
-def test_resize_antialias_is_refused():
-    node = helper.make_node("Resize", ["x", "", "s"], ["y"], name="rs", antialias=1, mode="linear")
-    with pytest.raises(ModelError, match=r"^node 'rs' \(Resize\): attribute 'antialias' is 1; allowed: 0 "
-                                         r"\(antialiased resizing is not implemented by the CPU EP\)$"):
+def test_resize_rejects_an_unknown_mode():
+    node = helper.make_node("Resize", ["x", "", "s"], ["y"], name="rs", mode="bilinear")
+    with pytest.raises(ModelError, match=r"^node 'rs' \(Resize\): attribute 'mode' is 'bilinear'; allowed: one of "
+                                         r"'nearest', 'linear', 'cubic'$"):
         ours(node, {"x": f32(1, 1, 4, 4), "s": np.array([1, 1, 0.5, 0.5], np.float32)}, 19)
 
 
@@ -374,13 +377,15 @@ def test_attention_random(batch, kv_heads, s, t, causal, masked, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(2, 7), st.integers(1, 7), st.sampled_from(["nearest", "linear", "cubic"]),
-       st.sampled_from(["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"]), st.integers(0, 2**31 - 1))
-def test_resize_random(h, w, out_h, mode, coord, seed):
+       st.sampled_from(["half_pixel", "align_corners", "asymmetric", "pytorch_half_pixel"]), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_resize_random(h, w, out_h, mode, coord, antialias, seed):
     r = np.random.default_rng(seed)
     x = r.standard_normal((1, 1, h, w)).astype(np.float32)
     sizes = np.array([1, 1, out_h, int(r.integers(1, 9))], np.int64)
+    extra = {"antialias": 1} if antialias and mode != "nearest" else {}
     node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], name="rs", mode=mode,
-                            coordinate_transformation_mode=coord)
+                            coordinate_transformation_mode=coord, **extra)
     feeds = {"x": x, "sizes": sizes}
     (want,) = reference(node, feeds, 19)
     (got,) = ours(node, feeds, 19)
