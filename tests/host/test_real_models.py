@@ -2,7 +2,9 @@
 
 Each fixture runs with the optimizer off (ORT_DISABLE_ALL) and at the default level (ORT_ENABLE_ALL) and must
 match onnxruntime's CPU provider (rtol 1e-3, atol 1e-4, the issue's bar) and the outputs torch computed at
-export time (same tolerance: the exports themselves differ from torch by < 2e-6).
+export time (same tolerance: the exports themselves differ from torch by < 2e-6). The atol is scaled down
+for outputs smaller than 1: the MobileNetV3 fixture's logits are ~2e-7 (its random-init activations shrink
+through the network), where a bare atol of 1e-4 would check nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def _options(level: str) -> SessionOptions:
     return so
 
 
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """rtol 1e-3 with atol 1e-4 scaled by the output's magnitude when that is below 1."""
+    scale = min(1.0, float(np.abs(want).max())) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * scale, err_msg=what)
+
+
 @cache
 def _onnxruntime_outputs(name: str) -> dict[str, np.ndarray]:
     path, feeds, _ = load(name)
@@ -68,8 +76,8 @@ def test_matches_onnxruntime_and_torch(name, level):
     reference = _onnxruntime_outputs(name)
     for out in names:
         assert got[out].shape == reference[out].shape and got[out].dtype == reference[out].dtype
-        np.testing.assert_allclose(got[out], reference[out], rtol=RTOL, atol=ATOL, err_msg=f"{name}:{out} vs ORT")
-        np.testing.assert_allclose(got[out], expected[out], rtol=RTOL, atol=ATOL, err_msg=f"{name}:{out} vs torch")
+        assert_close(got[out], reference[out], f"{name}:{out} vs ORT")
+        assert_close(got[out], expected[out], f"{name}:{out} vs torch")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -80,7 +88,7 @@ def test_unoptimized_runs_without_the_optimizer(name):
     sess = InferenceSession(str(path), sess_options=_options("ORT_DISABLE_ALL"), providers=["CPUExecutionProvider"])
     assert set(sess.node_assignment().values()) == {"CPUExecutionProvider"}
     for out, value in zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)):
-        np.testing.assert_allclose(value, expected[out], rtol=RTOL, atol=ATOL)
+        assert_close(value, expected[out], f"{name}:{out} vs torch")
 
 
 @pytest.mark.skipif(GraphOptimizationLevel is None, reason="host.optimizer (helper A's work) is not importable yet")
