@@ -19,7 +19,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from abi import sdk
 from host.errors import GraphCaptureError
+from host.plugins.hostapi import ffi
 from host.runtime.session import RunOptions
 from tests.property import fallback_table as ft
 from tests.property import harness as h
@@ -217,3 +219,32 @@ def test_eager_runs_before_capture_do_not_count_as_warm_up(case, version, eager,
     steps += [] if sync is None else [("sync", sync)]
     steps += [("eager",)] * eager + [("bound",)] * 3
     play(case, version, 1, steps, h.References(case))
+
+
+@pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
+def test_a_replay_the_ep_refuses_is_a_typed_error(version):
+    """The EP dropped its graph behind the host's back: the replay fails with the EP's status, as an
+    EpError naming the EP and the slot, and the session goes on (another graph id captures)."""
+    from host.errors import EpError
+
+    case = h.chain_case()
+    refs = h.References(case)
+    slot = "ReplayGraphWithSync" if version >= ft.STREAM_SYNC_VERSION else "ReplayGraph"
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "0"})
+        try:
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(b)  # capture of graph 0
+            # Forget graph 0 on the plugin side only, as a plugin that lost it would.
+            plugin_ep = sdk.runtime(h.example_module(version)).obj(ffi.cast("void*", sess.plan.eps[0].ptr))
+            plugin_ep.graphs.clear()
+            with pytest.raises(EpError, match=rf"^EP 'ExampleEP' of plugin 'ex{version}' \(.*\): {slot} failed "
+                                              r"\(INVALID_ARGUMENT\): .*graph 0 was not captured$"):
+                sess.run_with_iobinding(b)
+            ro = RunOptions()
+            ro.add_run_config_entry("gpu_graph_id", "1")
+            h.refill(ins, case.feeds2)
+            sess.run_with_iobinding(b, ro)
+            refs.check([outs[n] for n in refs.names], case.feeds2, "capture of another graph after a failed replay")
+        finally:
+            sess.close()
