@@ -147,9 +147,9 @@ def _refused_change(sess, b, ro, bufs: Buffers, m: Model, case, what: str) -> No
         now = {k: v for k, v in bufs.ids().items() if not k.startswith("input")}
     else:
         name = next(iter(case.outputs))
-        b.bind_output(name, bufs.bound[name].reshape(-1))  # same address, another shape
-        now = {**bufs.ids(), f"output '{name}'": (bufs.bound[name].__array_interface__["data"][0],
-                                                   (bufs.bound[name].size,), bufs.bound[name].dtype.str)}
+        view = bufs.bound[name].reshape((1,) + bufs.bound[name].shape)  # same address, one more dimension
+        b.bind_output(name, view)
+        now = {**bufs.ids(), f"output '{name}'": (view.__array_interface__["data"][0], view.shape, view.dtype.str)}
     with pytest.raises(GraphCaptureError, match="^" + re.escape(refusal(m.gid, m.captured[m.gid], now))):
         sess.run_with_iobinding(b, ro)
     for k, v in bufs.bound.items():  # the same buffers again: the graph replays as before
