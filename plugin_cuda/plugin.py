@@ -259,6 +259,11 @@ class CudaEp(sdk.EpBase):
 
         functions = [PlanFunction(self, fg) for fg in fused]
         self.__dict__.setdefault("plan_functions", []).extend(functions)
+        for fn in functions:  # the host learns plan sizes through its logger, never from our objects
+            d = fn.plan.describe()
+            self.api.log(self.logger, 1, f"compiled partition '{fn.name}': {d['nodes']} nodes -> {d['kernels']} "
+                                         f"kernels + {d['cublas']} cuBLAS calls, arena {d['arena_bytes']} bytes, "
+                                         f"built in {d['build_seconds'] * 1e3:.0f} ms")
         return functions
 
     # -- v2 ------------------------------------------------------------------------------------------

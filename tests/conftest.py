@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -48,3 +49,12 @@ def example_record(version: int):
     from abi import sdk
 
     return sdk.runtime(build.module_name("example", version)).record
+
+
+@pytest.fixture(autouse=True)
+def _restore_ephost_log_level():
+    """log_severity_level is process-wide (as in onnxruntime): a test that sets it must not silence later ones."""
+    logger = logging.getLogger("ephost")
+    level = logger.level
+    yield
+    logger.setLevel(level)

@@ -401,13 +401,14 @@ def _plot(samples: list[float], path: str, title: str) -> None:
 
 
 def cmd_bench(args) -> int:
-    from host.cli.benchutil import bench_session, format_stats, plan_counts
+    from host.cli.benchutil import PlanReports, bench_session, format_stats, plan_counts
 
     if args.plot:
         _require_matplotlib()  # fail before a long run, not after
     extra = {"enable_cuda_graph": "1"} if args.cuda_graph else None
     with contextlib.ExitStack() as stack:
-        session, model = _open_session(stack, args, extra)
+        with PlanReports() as reports:
+            session, model = _open_session(stack, args, extra)
         feeds = _feeds(args, model, session, random_missing=True)
         if args.cuda_graph or args.iobinding:
             # An EP capturing graphs (whatever option turned it on) replays into fixed buffers.
@@ -421,7 +422,7 @@ def cmd_bench(args) -> int:
         stats = bench_session(run, args.warmup, args.iters)
         print(f"model: {args.model}")
         print(f"mode: {mode}")
-        for line in _node_counts(session) + plan_counts(session):
+        for line in _node_counts(session) + plan_counts(session, reports.lines):
             print(line)
         print(format_stats(stats))
         if CUDA_EP in session.get_providers() and not session.capture.enabled:

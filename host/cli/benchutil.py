@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -64,26 +65,42 @@ def format_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_counts(session) -> list[str]:
-    """Lines on the session's compiled partitions (ABI v6): fused nodes per partition and, where a
-    plugin in this process reports it, the kernels each plan launches. The host never imports a
-    plugin: a plugin's objects are reached through abi.sdk and read only when they offer a plan."""
+class PlanReports(logging.Handler):
+    """Collects the lines plugins log about their compiled partitions (through the ABI's logger)."""
+
+    MARK = "compiled partition '"
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if self.MARK in text:
+            self.lines.append(text[text.index(self.MARK) + len("compiled partition "):])
+
+    def __enter__(self) -> PlanReports:
+        logger = logging.getLogger("ephost.plugin")
+        self._level = logger.level
+        logger.addHandler(self)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("ephost.plugin")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
+def plan_counts(session, reports: list[str] = ()) -> list[str]:
+    """Lines on the session's compiled partitions (ABI v6): fused nodes per partition, and what each
+    plugin reported about its plans through the host logger at Compile (kernels, arena, build time)."""
     parts = getattr(session, "_partitions", None) or []
     if not parts:
         return ["compiled partitions: none (per-node kernels)"]
     fused = sum(len(getattr(getattr(p, "group", None), "nodes", ())) for p in parts)
-    lines = [f"compiled partitions: {len(parts)} ({fused} nodes fused)"]
-    from abi import sdk
-
-    for rt in sdk.runtimes().values():
-        for obj in list(getattr(rt, "_objects", {}).values()):
-            for fn in obj.__dict__.get("plan_functions", ()) if hasattr(obj, "__dict__") else ():
-                describe = getattr(getattr(fn, "plan", None), "describe", None)
-                if describe is not None and fn.name in {getattr(p, "name", None) for p in parts}:
-                    d = describe()
-                    lines.append(f"  {fn.name}: {d['nodes']} nodes -> {d['kernels']} kernels + {d['cublas']} cuBLAS "
-                                 f"calls, arena {d['arena_bytes']} bytes, built in {d['build_seconds'] * 1e3:.0f} ms")
-    return lines
+    return [f"compiled partitions: {len(parts)} ({fused} nodes fused)"] + [f"  {line}" for line in reports]
 
 
-__all__ = ["PERCENTILES", "bench_session", "format_stats", "plan_counts"]
+__all__ = ["PERCENTILES", "PlanReports", "bench_session", "format_stats", "plan_counts"]

@@ -374,7 +374,9 @@ class Executor:
     def to_host(self, value):
         if isinstance(value, np.ndarray):
             return value
-        return self.transfer(value, CPU_LOCATION, None, None)
+        # On the producer's stream, so the copy follows the EP's copy-stream options and is ordered
+        # after the kernel that wrote the value.
+        return self.transfer(value, CPU_LOCATION, None, getattr(value, "stream", None))
 
 
 def wrap_kernel_error(exc: Exception, node: PlanNode) -> EphostError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -128,11 +129,14 @@ def test_build_py_reports_a_missing_compiler_in_one_line(tmp_path):
 def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkout(tmp_path):
     """`pip install .` (no checkout on sys.path): the CUDA plugin builds into the cache and loads."""
     target = tmp_path / "site"
+    src = tmp_path / "src"  # a copy, so setuptools' build/ never lands in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "mutants", ".ci-venv*", ".whl",
+                                                             "*.egg-info", "__pycache__", "tests"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True)
+                    "--target", str(target), str(src)], check=True, capture_output=True)
     script = textwrap.dedent(f"""
         import sys, numpy as np
-        sys.path[:] = [p for p in sys.path if not p.startswith({str(ROOT)!r})]
+        sys.path[:] = [p for p in sys.path if not p.startswith({str(ROOT)!r}) and p not in ("", ".")]
         import host
         assert host.__file__.startswith({str(target)!r}), host.__file__
         from host.cli import zoo
