@@ -30,7 +30,8 @@ class Environment:
         self.api_version = api_version
         self.api = HostApi(api_version)
         self._plugins: dict[str, PluginRegistration] = {}
-        self._lock = threading.Lock()
+        # Reentrant: garbage collection can close a session (forget_session) on a thread that holds it.
+        self._lock = threading.RLock()
         self._closed = False
         # Sessions created on this environment, in creation order; weak, so that a session nobody
         # holds can still be garbage collected (its finalizer closes it and forgets it here).

@@ -31,7 +31,7 @@ def run_driver(lib: Path, cases: list[dict]) -> list[dict]:
     """Run `cases` in one fresh interpreter; a crash keeps the lines printed before it and adds
     one {"outcome": "crash"} line naming the case that was running."""
     args = [sys.executable, "-m", "tests.hostile.driver", str(lib), *(json.dumps(c) for c in cases)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "HOSTILE_SURVIVOR_LIB": str(lib.with_name("libephost_hostile.so"))}
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=CASE_TIMEOUT_S)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

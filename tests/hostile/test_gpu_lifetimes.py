@@ -77,7 +77,7 @@ def test_exit_with_unclosed_cuda_sessions_is_silent(cuda_plugin_path):
         print("ran")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=build.ROOT,
-                          env={**os.environ, "PYTHONPATH": str(build.ROOT)}, timeout=300)
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(build.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "ran\n"
     assert "unknown EpAllocator pointer" not in proc.stderr

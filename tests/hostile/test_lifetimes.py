@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import cffi
@@ -137,7 +138,7 @@ def test_thousand_sessions_flat_rss_and_no_live_objects(hostile):
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=120)
 
@@ -231,3 +232,24 @@ def test_a_failing_release_does_not_stop_the_others(hostile, monkeypatch):
         assert env.plugin("hostile")._users == 0 and env.sessions() == []
         assert lib.Hostile_Live() == base + 1  # the factory only
     assert lib.Hostile_Live() == base
+
+
+def test_a_session_closed_by_gc_while_the_environment_lock_is_held_does_not_deadlock():
+    """Regression: garbage collection ran Session.__del__ inside Environment.register_plugin (which
+    holds the environment's lock), and forget_session waited for that same lock forever."""
+    from host.cli import zoo
+
+    env = Environment()
+    session = InferenceSession(zoo.mlp(layers=1, hidden=4), env=env)
+    closed = threading.Event()
+
+    def close_under_the_lock():
+        with env._lock:  # where gc may run a finalizer: inside any locked Environment method
+            session.close()
+            closed.set()
+
+    worker = threading.Thread(target=close_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert closed.is_set(), "Session.close() deadlocked on the Environment's lock"
+    env.close()
