@@ -175,7 +175,7 @@ class PluginEp:
         if fn is None:
             return False
         out = ffi.new("int32_t*", 0)
-        hostapi.check(fn(self.ptr, out), f"{self.owner}: IsConcurrentRunSupported")
+        hostapi.check(fn(self.ptr, out), f"{self.owner}: Ep.IsConcurrentRunSupported")
         return self._flag(out[0], "Ep.IsConcurrentRunSupported")
 
     def create_stream(self) -> SyncStream | None:

@@ -11,7 +11,9 @@ host calls CreateEpFactories: entry_error, entry_null, create_ep_fails, version_
 version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails,
 eager_slots (every table carries every slot the plugin was built with, whatever the host serves).
 Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
-min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to).
+min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to),
+lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails (a broken answer from
+IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy or IsConcurrentRunSupported).
 
 Compiled partitions (ABI v6, option fuse=1): every maximal run of consecutive claimed nodes
 (a range of the topological order, so never a cycle) is claimed as one fused group, and
@@ -117,7 +119,7 @@ class ExampleEp(sdk.EpBase):
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
         allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                   "compile_fails", "scratch"}
+                   "compile_fails", "scratch", "lie"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -131,6 +133,7 @@ class ExampleEp(sdk.EpBase):
                                   abi.EP_INVALID_ARGUMENT)
         self.min_runs = int(min_runs)
         self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
+        self.lie = options.get("lie", "")
         self.mock_device = options.get("mock_device", "0") == "1"
         self.fuse = options.get("fuse", "0") == "1"
         self.compile_fails = options.get("compile_fails", "")
@@ -191,7 +194,11 @@ class ExampleEp(sdk.EpBase):
         self.runtime.record.fallbacks["ep_device_sync"] += 1
 
     def IsConcurrentRunSupported(self, supported):
-        supported[0] = 0 if self.graph_enabled else 1
+        if self.lie == "concurrent_fails":
+            raise sdk.PluginError("injected failure in IsConcurrentRunSupported", abi.EP_FAIL)
+        if self.lie == "concurrent_silent":
+            return  # OK without writing the answer: the host must read its own initial "no"
+        supported[0] = 3 if self.lie == "concurrent_flag" else 0 if self.graph_enabled else 1
 
     # -- runs and graphs (v3..v5) --------------------------------------------------------
     def OnRunStart(self, run_options):
@@ -213,13 +220,13 @@ class ExampleEp(sdk.EpBase):
                 self.capturing = None
 
     def IsGraphCaptureEnabled(self):
-        return int(self.graph_enabled)
+        return 2 if self.lie == "capture_flag" else int(self.graph_enabled)
 
     def IsGraphCaptured(self, graph_id):
         return int(graph_id in self.graphs)
 
     def GetGraphCaptureNodeAssignmentPolicy(self):
-        return abi.GRAPH_ALL_NODES_ON_EP
+        return 7 if self.lie == "policy" else abi.GRAPH_ALL_NODES_ON_EP
 
     def ReplayGraph(self, graph_id):
         self._replay(graph_id)

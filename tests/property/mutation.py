@@ -4,6 +4,7 @@
     python -m tests.property.mutation --summary    # the summary of the last run only
     python -m tests.property.mutation --list       # the mutant-name globs passed to mutmut
     python -m tests.property.mutation abi.sdk ...  # only these modules of TARGETS
+    python -m tests.property.mutation --pending    # only mutants not run yet or not killed (resumes a run)
 
 pyproject.toml's [tool.mutmut] names the files mutmut copies and mutates and makes tests/property
 the test command; TARGETS narrows the run to the functions that gate, negotiate and fall back (a
@@ -71,6 +72,13 @@ def results() -> dict[str, int | None]:
     return {k: v for k, v in out.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
+def pending(modules=None) -> list[str]:
+    """Mutants of TARGETS (or of the given modules) that were not run yet or survived unexplained."""
+    eq = equivalent()
+    return [name for name, code in sorted(results().items())
+            if (not modules or module_of(name) in modules) and (code is None or (code in SURVIVED and name not in eq))]
+
+
 def equivalent() -> dict[str, str]:
     out = {}
     if EQUIVALENT.is_file():
@@ -128,7 +136,10 @@ def main(argv: list[str]) -> int:
         print(f"unknown module(s) {unknown}; TARGETS has {sorted(TARGETS)}")
         return 2
     if "--summary" not in argv:
-        subprocess.run([sys.executable, "-m", "mutmut", "run", *globs(modules)], cwd=ROOT, check=False)
+        # mutmut re-runs every mutant a name or glob selects; --pending names only the open ones.
+        names = pending(modules) if "--pending" in argv else globs(modules)
+        if names:
+            subprocess.run([sys.executable, "-m", "mutmut", "run", *names], cwd=ROOT, check=False)
     return summary()
 
 

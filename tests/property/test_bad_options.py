@@ -107,3 +107,69 @@ def test_malformed_graph_id_is_invalid_argument_and_the_session_goes_on(case, ho
             refs.check(sess.run(None, case.feeds2, good.make()), case.feeds2, "eager run after a refused one")
         finally:
             sess.close()
+
+
+# ---- the exact text of every CUDA option error ---------------------------------------------------------
+# The messages are part of the contract (what was expected, what arrived, what is allowed), so each
+# is pinned whole: a dropped clause or a wrong range in the text is a bug a user reads.
+ALLOWED_KEYS = ("arena.max_mem, arena.use_cuda_mempool, compiled_plan, debug_force_capture_failure, device_id, "
+                "do_copy_in_default_stream, enable_cuda_graph, gpu_external_alloc, gpu_external_empty_cache, "
+                "gpu_external_free, min_num_runs_before_cuda_graph_capture, plan_auto_graph, use_ep_level_unified_stream, "
+                "use_tf32, user_compute_stream")
+OPTION_ERRORS = [
+    ({"use_tf32": "yes"}, 1, "option use_tf32='yes': expected a boolean; allowed: 0, 1, true, false"),
+    ({"ep.cuda.arena.max_mem": "1_000"}, 1, "option ep.cuda.arena.max_mem='1_000': expected a decimal integer >= 0"),
+    ({"min_num_runs_before_cuda_graph_capture": "-1"}, 1,
+     "option min_num_runs_before_cuda_graph_capture='-1': must be >= 0"),
+    ({"user_compute_stream": "0xzz"}, 1, "option user_compute_stream='0xzz': expected an address in decimal or 0x-hex"),
+    ({"gpu_external_alloc": "-5", "gpu_external_free": "1"}, 1,
+     "option gpu_external_alloc='-5': address out of range 0..2**64-1"),
+    ({"user_compute_stream": str(1 << 64)}, 1, f"option user_compute_stream='{1 << 64}': address out of range 0..2**64-1"),
+    ({"user_compute_stream": hex(2 << 64)}, 1, f"option user_compute_stream='{hex(2 << 64)}': address out of range "
+                                               "0..2**64-1"),
+    ({"ep.cuda.nope": "1"}, 1, f"unknown option 'ep.cuda.nope' for CUDAExecutionProvider; allowed: {ALLOWED_KEYS} "
+                               "(optionally prefixed with 'ep.cuda.')"),
+    ({"ep.cuda.use_tf32": "1", "use_tf32": "0"}, 1, "option 'use_tf32' given twice (as 'ep.cuda.use_tf32' and 'use_tf32')"),
+    ({"device_id": "1"}, 1, "option device_id=1: no such CUDA device; allowed: 0..0"),
+    ({"device_id": "2"}, 2, "option device_id=2: no such CUDA device; allowed: 0..1"),
+    ({"device_id": "3"}, 3, "option device_id=3: no such CUDA device; allowed: 0..2"),
+    ({}, 0, "option device_id=0: no such CUDA device; allowed: none (no CUDA device)"),
+    ({"gpu_external_alloc": "0x10"}, 1,
+     "option gpu_external_alloc needs both gpu_external_alloc and gpu_external_free; only one was given"),
+    ({"gpu_external_free": "0x10"}, 1,
+     "option gpu_external_free needs both gpu_external_alloc and gpu_external_free; only one was given"),
+    ({"gpu_external_empty_cache": "0x10"}, 1,
+     "option gpu_external_empty_cache needs gpu_external_alloc and gpu_external_free"),
+    ({"user_compute_stream": "16", "gpu_external_alloc": "0x20", "gpu_external_free": "0x30"}, 1,
+     "options user_compute_stream and gpu_external_alloc cannot be combined: "
+     "the external allocator is not ordered on the caller's stream"),
+    ({"gpu_external_alloc": "0x20", "gpu_external_free": "0x30", "arena.max_mem": "1"}, 1,
+     "options gpu_external_alloc and arena.* cannot be combined: the external allocator manages its own memory"),
+]
+
+
+@pytest.mark.parametrize("raw, device_count, message", OPTION_ERRORS, ids=[m[:48] for _, _, m in OPTION_ERRORS])
+def test_each_cuda_option_error_has_its_whole_message(raw, device_count, message):
+    with pytest.raises(OptionError) as info:
+        parse_options(raw, device_count)
+    assert str(info.value) == message
+
+
+def test_option_values_at_their_edges_parse():
+    """Zero and the largest address are valid; decimal and hex name the same address; integers are base 10."""
+    top = (1 << 64) - 1
+    o = parse_options({"user_compute_stream": str(top), "arena.max_mem": "0", "device_id": "0",
+                       "min_num_runs_before_cuda_graph_capture": "010"}, 1)
+    assert (o.user_compute_stream, o.arena_max_mem, o.min_num_runs_before_cuda_graph_capture) == (top, 0, 10)
+    assert parse_options({"user_compute_stream": "0"}, 1).user_compute_stream == 0
+    assert parse_options({"user_compute_stream": "0x0"}, 1).user_compute_stream == 0
+    assert parse_options({"user_compute_stream": "0010"}, 1).user_compute_stream == 10
+    assert parse_options({"user_compute_stream": hex(top)}, 1).user_compute_stream == top
+    assert parse_options({"device_id": "3"}, 4).device_id == 3
+
+
+def test_without_a_device_check_every_device_id_parses_but_the_rest_is_still_validated():
+    """No GPU: options are still validated, only device_id's range cannot be."""
+    assert parse_options({"device_id": "7"}, 0, check_device=False).device_id == 7
+    with pytest.raises(OptionError, match="^option gpu_external_empty_cache needs"):
+        parse_options({"gpu_external_empty_cache": "1"}, 0, check_device=False)
