@@ -132,32 +132,11 @@ EXCLUDED: list[tuple[str, str]] = [
     (r"^test_unsqueeze_", OPSET),                             # Unsqueeze-25
 ]
 
-# Tests that feed a 0-d (scalar) input: host/runtime/session.py `_check_feed` turns 0-d feeds into shape (1,)
-# (np.ascontiguousarray returns ndim >= 1) and then rejects them against the declared rank-0 input. They are
-# expected failures while that bug is there (probed below) and run normally once it is fixed.
-def feeds_a_scalar(name: str) -> bool:
-    return any(_as_array(x).ndim == 0 for inputs, _ in NODE_CASES[name].data_sets for x in inputs)
-
-
 def _as_array(x) -> np.ndarray:
     """A case's input or output as an array (cases hold arrays, NumPy scalars or TensorProtos)."""
     return onnx.numpy_helper.to_array(x) if isinstance(x, TensorProto) else np.asarray(x)
 
 
-def _scalar_feeds_lose_rank() -> bool:
-    """Whether a 0-d feed is rejected against a rank-0 input (the host/runtime/session.py bug above)."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
-    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "probe", [x], [y]),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    try:
-        EphostBackend.prepare(model).run([np.array(1.0, np.float32)])
-    except InvalidArgument:
-        return True
-    return False
-
-
-SCALAR_FEED_BUG = _scalar_feeds_lose_rank()
 
 
 def exclusion_reason(test_name: str) -> str | None:
@@ -181,10 +160,6 @@ for _pattern, _reason in EXCLUDED:
 
 INCLUDED = sorted(name for name in NODE_CASES if op_of(name) is not None)
 RUN = [name for name in INCLUDED if exclusion_reason(name) is None]
-SCALAR_FEED_XFAIL = sorted(n for n in INCLUDED if SCALAR_FEED_BUG and feeds_a_scalar(n))
-for _name in SCALAR_FEED_XFAIL:
-    if _name in RUN:
-        backend_test.xfail(rf"^{_name}$")  # the host/runtime/session.py bug above: 0-d feeds become shape (1,)
 
 OnnxBackendNodeModelTest = backend_test.test_cases["OnnxBackendNodeModelTest"]
 # Keep the CPU variants of the included tests (excluded ones stay, reported as skipped with their pattern);
@@ -241,9 +216,7 @@ def run_case(name: str, model: onnx.ModelProto | None = None, **prepare_kwargs) 
     return rep
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    reason="host/runtime/session.py turns 0-d feeds into shape (1,)", strict=True)) if n in SCALAR_FEED_XFAIL else n
-    for n in retargetable()])
+@pytest.mark.parametrize("name", retargetable())
 def test_node_retargeted(name):
     run_case(name, retargeted(NODE_CASES[name].model))
 
@@ -251,18 +224,14 @@ def test_node_retargeted(name):
 # ---- the summary ------------------------------------------------------------------------------------
 def summary() -> dict:
     excluded = Counter(exclusion_reason(n) for n in INCLUDED if exclusion_reason(n))
-    scalar = [n for n in RUN if n in SCALAR_FEED_XFAIL]
-    covered = {op_of(n) for n in (*RUN, *retargetable()) if n not in SCALAR_FEED_XFAIL}
+    covered = {op_of(n) for n in (*RUN, *retargetable())}
     return {
         "ops": len(SUPPORTED_OPS),
         "included": len(INCLUDED),
         "run": len(RUN),
-        "expected_to_pass": len(RUN) - len(scalar),
-        "xfail_scalar_feed_bug": len(scalar),
         "expanded": sum(n.endswith("_expanded_cpu") for n in RUN),
         "excluded": dict(excluded),
         "retargeted": len(retargetable()),
-        "retargeted_xfail_scalar_feed_bug": sum(n in SCALAR_FEED_XFAIL for n in retargetable()),
         "ops_covered": len(covered),
         "ops_without_test": sorted(set(SUPPORTED_OPS) - covered),
         "per_op": dict(sorted(Counter(op_of(n) for n in RUN).items())),
@@ -273,9 +242,7 @@ def format_summary() -> str:
     s = summary()
     lines = [f"onnx {onnx.__version__} node tests for the {s['ops']} ops of the CPU EP: {s['included']} tests "
              f"match their prefixes; {s['run']} run through BackendTest ({s['expanded']} of them *_expanded "
-             f"function bodies), {s['expected_to_pass']} expected to pass"
-             + (f", {s['xfail_scalar_feed_bug']} expected failures (0-d feed bug in host/runtime/session.py)"
-                if s["xfail_scalar_feed_bug"] else "") + ";",
+             f"function bodies), all expected to pass;",
              f"{sum(s['excluded'].values())} excluded:"]
     lines += [f"  {count:4d}  {reason}" for reason, count in s["excluded"].items()]
     lines.append(f"{s['retargeted']} of the opset-excluded ones run again with their opset moved into the window "
@@ -438,3 +405,13 @@ def test_backend_rep_through_plugin(example_env, xy):
 
 if __name__ == "__main__":
     print(format_summary())
+
+
+def test_a_0d_feed_keeps_its_rank():
+    """A rank-0 input takes a 0-d array and gives 0-d outputs (np.ascontiguousarray would make it (1,))."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
+    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    (out,) = EphostBackend.prepare(model).run([np.array(1.5, np.float32)])
+    assert out.shape == () and out == np.float32(-1.5)
