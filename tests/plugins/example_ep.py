@@ -13,7 +13,9 @@ eager_slots (every table carries every slot the plugin was built with, whatever 
 Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
 min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to),
 lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails (a broken answer from
-IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy or IsConcurrentRunSupported).
+IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy or IsConcurrentRunSupported) or
+lie=sync_fails_after_capture (Sync fails once a graph is captured), slow_replay=1 (each replay sleeps
+2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
 Compiled partitions (ABI v6, option fuse=1): every maximal run of consecutive claimed nodes
 (a range of the topological order, so never a cycle) is claimed as one fused group, and
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -119,7 +122,7 @@ class ExampleEp(sdk.EpBase):
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
         allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                   "compile_fails", "scratch", "lie"}
+                   "compile_fails", "scratch", "lie", "slow_replay"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -134,6 +137,8 @@ class ExampleEp(sdk.EpBase):
         self.min_runs = int(min_runs)
         self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
         self.lie = options.get("lie", "")
+        self.slow_replay = options.get("slow_replay", "0") == "1"
+        self.replaying = 0
         self.mock_device = options.get("mock_device", "0") == "1"
         self.fuse = options.get("fuse", "0") == "1"
         self.compile_fails = options.get("compile_fails", "")
@@ -191,6 +196,8 @@ class ExampleEp(sdk.EpBase):
 
     # -- v2 ----------------------------------------------------------------------------
     def Sync(self):
+        if self.lie == "sync_fails_after_capture" and self.graphs:
+            raise sdk.PluginError("injected failure in Sync", abi.EP_FAIL)
         self.runtime.record.fallbacks["ep_device_sync"] += 1
 
     def IsConcurrentRunSupported(self, supported):
@@ -246,6 +253,19 @@ class ExampleEp(sdk.EpBase):
         if steps is None:
             raise sdk.PluginError(f"graph {graph_id} was not captured", abi.EP_INVALID_ARGUMENT)
         self.runtime.record.slot_calls["replayed_steps"] += len(steps)
+        with self.lock:
+            self.replaying += 1
+            if self.replaying > 1:  # another thread is inside a replay of this EP (it declared no concurrent runs)
+                self.runtime.record.slot_calls["overlapping_replays"] += 1
+        try:
+            if self.slow_replay:
+                time.sleep(0.002)  # widens the window in which an unserialised replay would overlap
+            self._replay_steps(steps)
+        finally:
+            with self.lock:
+                self.replaying -= 1
+
+    def _replay_steps(self, steps) -> None:
         for step in steps:
             if callable(step):  # a compiled partition: re-run its closure on the captured buffers
                 step()

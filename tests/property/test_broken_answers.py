@@ -5,7 +5,8 @@ policy of 7, a concurrency flag of 3, a failing IsConcurrentRunSupported, and on
 without writing its answer. Every lie but the last is an EpError whose whole text names the EP, the
 slot, what came back and what is allowed, at any negotiated version that has the slot; a silent
 answer means "no concurrent runs" (the host's own initial value), so runs are serialised. The
-session created next in the same environment runs and matches the references.
+session created next in the same environment runs and matches the references. A Sync that fails
+after a replay (the device-wide sync of an EP without ReplayGraphWithSync) is the run's EpError.
 """
 
 from __future__ import annotations
@@ -75,5 +76,26 @@ def test_an_unwritten_concurrency_answer_means_serialised_runs(host, plugin, gra
             h.References(case).check(sess.run(None, case.feeds), case.feeds, "silent concurrency answer")
             assert sess.fallbacks["serialised_runs"] == 1
             assert sess.fallbacks["concurrent_runs"] == 0
+        finally:
+            sess.close()
+
+
+@pytest.mark.parametrize("version", [3, 4, 5, 6])
+def test_a_failing_sync_after_a_replay_is_an_ep_error_naming_it(version):
+    """Without ReplayGraphWithSync (v3/v4, or NULLed) a synchronous replay is ReplayGraph then Sync:
+    a failing Sync is the run's error, with the EP and the slot named."""
+    case = h.chain_case()
+    opts = {"enable_graph": "1", "min_runs": "0", "lie": "sync_fails_after_capture"}
+    if version >= 5:
+        opts["null_slots"] = "ReplayGraphWithSync"
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, opts)
+        try:
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(b)  # captured; Sync has not failed yet
+            want = _owner(env, version) + (f"Sync failed (FAIL): _ephost_example_v{version}: Ep.Sync failed: "
+                                           "injected failure in Sync")
+            with pytest.raises(EpError, match="^" + re.escape(want) + "$"):
+                sess.run_with_iobinding(b)
         finally:
             sess.close()

@@ -282,3 +282,69 @@ def test_an_output_bound_after_capture_is_refused(version):
             np.testing.assert_array_equal(zbuf, np.maximum(feeds["X"] + feeds["Y"], 0))
         finally:
             sess.close()
+
+
+@pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
+def test_a_second_binding_over_the_captured_buffers_replays_and_has_outputs(version):
+    """A new IOBinding over the very buffers of the capture replays the graph; its own get_outputs()
+    then returns the replayed values (it has never run eagerly, so nothing else could fill them)."""
+    case = h.chain_case()
+    refs = h.References(case)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "0"})
+        try:
+            first, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(first)  # captured
+            second = sess.io_binding()
+            for name, buf in ins.items():
+                second.bind_input(name, buf)
+            for name, buf in outs.items():
+                second.bind_output(name, buf)
+            h.refill(ins, case.feeds2)
+            sess.run_with_iobinding(second)
+            assert sess.fallbacks["graph_captured"] == 1
+            assert sum(sess.fallbacks[k] for k in ("replay_device_sync", "replay_stream_sync", "replay_async")) == 1
+            got = [v.numpy() for v in second.get_outputs()]
+            assert [o.__array_interface__["data"][0] for o in second.get_output_values()] == \
+                [outs[n].__array_interface__["data"][0] for n in second.output_names()]
+            refs.check([got[second.output_names().index(n)] for n in refs.names], case.feeds2, "second binding")
+        finally:
+            sess.close()
+
+
+@pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
+def test_replays_of_an_ep_without_concurrent_runs_never_overlap(version):
+    """An EP that declared no concurrent runs gets one replay at a time, from any number of threads
+    (the example EP counts replays that overlap; each replay sleeps 2 ms to widen the window)."""
+    import threading
+
+    case = h.chain_case()
+    refs = h.References(case)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "0", "slow_replay": "1"})
+        try:
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(b)  # captured
+            errors = []
+
+            def replay():
+                try:
+                    for _ in range(5):
+                        sess.run_with_iobinding(b)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=replay) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert errors == []
+            # Captured graphs are per thread: each thread's first run captures (for the EP, graph 0 is
+            # already there), its other four replay.
+            assert sess.fallbacks["graph_captured"] == 1 + 4
+            assert sum(sess.fallbacks[k] for k in ("replay_device_sync", "replay_stream_sync", "replay_async")) == 16
+            assert h.record(version).slot_calls["overlapping_replays"] == 0
+            refs.check([outs[n] for n in refs.names], case.feeds, "after threaded replays")
+        finally:
+            sess.close()
