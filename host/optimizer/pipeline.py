@@ -170,7 +170,7 @@ def _present(model: ir.Model) -> set[str]:
 def _needed_opset(model: ir.Model) -> int:
     """The highest opset a family that may fire here needs (0 when none needs more than the model has)."""
     ops = _present(model)
-    return max((f.min_opset for f in FAMILIES if f.triggers & ops), default=0)
+    return max((f.min_opset for f in FAMILIES if f.may_fire(ops)), default=0)
 
 
 def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
@@ -189,7 +189,7 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
     ir_passes.AddDefaultAttributesPass()(model)
     opset = onnx_opset(model)
     for family in families:
-        if family.min_opset > opset or not family.triggers & _present(model):
+        if family.min_opset > opset or not family.may_fire(_present(model)):
             continue
         *prepare, fusions = family.rule_sets()
         for rules in prepare:
@@ -294,7 +294,8 @@ def nothing_to_do(model: onnx.ModelProto) -> bool:
     used = {name for n in g.node for name in n.input} | {o.name for o in g.output}
     if len(g.node) == 1:
         return _single_node_is_final(g, constants, used)
-    triggers = set().union(*(f.triggers for f in FAMILIES))
+    present = {n.op_type for n in g.node}
+    triggers = set().union(*(f.triggers for f in FAMILIES if f.requires <= present))
     seen = set()
     for n in g.node:
         if n.domain not in ("", "ai.onnx") or n.op_type in _BASIC_CANDIDATES or n.op_type in triggers:

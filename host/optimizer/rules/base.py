@@ -20,7 +20,8 @@ class Family:
 
     `min_opset` is the ai.onnx opset its fused ops need (the model is converted up first);
     `triggers` are op types whose presence means the family may fire (a cheap pre-check that
-    also decides whether converting the opset is worth it).
+    also decides whether converting the opset is worth it); `requires` are op types that must all
+    be present as well (for a trigger as common as Neg).
     """
 
     name: str
@@ -29,6 +30,11 @@ class Family:
     triggers: frozenset[str]
     emits: tuple[tuple[str, str], ...]  # (domain, op_type) of the fused ops it creates
     prepare: Callable[[], list[pattern.RewriteRule]] | None = None  # canonicalising rules run first
+    requires: frozenset[str] = frozenset()
+
+    def may_fire(self, ops) -> bool:
+        """Whether the family may fire on a graph with these op types (see triggers, requires)."""
+        return bool(self.triggers & ops) and self.requires <= ops
 
     def rule_sets(self) -> list[pattern.RewriteRuleSet]:
         """The compiled rule sets (prepare, then the fusions), built once per process."""
