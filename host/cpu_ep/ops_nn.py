@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
-from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis, scalar
+from host.cpu_ep.base import OpKernel, compute_dtype, constant_column, normalize_axis, scalar
 from host.cpu_ep.ops_reduce import trailing_sum
 from host.cpu_ep.registry import register
 
@@ -130,6 +130,11 @@ class _Spatial(OpKernel):
         return g, strides, dilations
 
 
+# Largest dense per-channel matrix (elements) a depthwise convolution with bound weights is turned
+# into: beyond it (larger images) the window copy costs less than the extra multiply-adds by zero.
+_DENSE_LIMIT = 1 << 17
+
+
 @dataclass(frozen=True)
 class _ConvPlan:
     """What one input/weight shape pair needs, computed once per shape (shapes only: safe to share
@@ -150,6 +155,54 @@ class Conv(_Spatial):
         super().__init__(node)
         self.group = self.attr_int("group", 1, lo=1)
         self._plans: dict[tuple, _ConvPlan] = {}
+        self._bound_w = self._bound_b = None
+        # Per input shape, what the bound (initializer) weights become: ("pointwise" | "dense", matrix),
+        # or None where neither applies.
+        self._prepared: dict[tuple, tuple | None] = {}
+
+    def bind_constants(self, constants):
+        self._bound_w, self._bound_b = constants.get(1), constants.get(2)
+        self._prepared = {}
+
+    def _prepare(self, x, w, plan: _ConvPlan) -> tuple | None:
+        """The bound weights as one matrix for this input shape: (M, C) for a pointwise convolution;
+        for a depthwise one over a small image, the dense (C, pixels in, multiplier * pixels out)
+        matrix of each channel's filter (zeros where a tap falls on padding), so the whole
+        convolution is one batched GEMV instead of a window copy (_DENSE_LIMIT bounds its size)."""
+        ct = compute_dtype(x.dtype)
+        n, c = x.shape[:2]
+        m = w.shape[0]
+        if plan.kind == "pointwise":
+            return "pointwise", np.ascontiguousarray(w.reshape(m, c), dtype=ct)
+        if plan.kind != "depthwise":
+            return None
+        hw, pixels = math.prod(x.shape[2:]), math.prod(plan.g.out)
+        mg, taps = m // c, math.prod(w.shape[2:])
+        if c * hw * mg * pixels > _DENSE_LIMIT:
+            return None
+        # Which input pixel each (output pixel, tap) reads: the convolution's windows over an image of
+        # pixel numbers, padded with the number hw (a dump row, dropped below).
+        ids = np.arange(hw, dtype=np.int64).reshape(1, 1, *x.shape[2:])
+        reads = _windows(_pad_spatial(ids, plan.g, hw), plan.g, w.shape[2:], plan.strides,
+                         plan.dilations).reshape(pixels, taps)
+        dense = np.zeros((c, hw + 1, mg, pixels), dtype=ct)
+        # Within one output pixel every tap reads a different input pixel (or the dump row): no clashes.
+        dense[:, reads, :, np.arange(pixels)[:, None]] = np.moveaxis(w.reshape(c, mg, taps), 2, 0)[None]
+        return "dense", np.ascontiguousarray(dense[:, :hw].reshape(c, hw, mg * pixels))
+
+    def _run_prepared(self, x, b, prepared, g, m):
+        n, c = x.shape[:2]
+        kind, matrix = prepared
+        ct = matrix.dtype
+        xc = x.astype(ct, copy=False)
+        if kind == "pointwise":
+            # (N, M, pixels), a new array; np.dot for batch 1 (a cheaper call than matmul).
+            y = np.dot(matrix, xc.reshape(c, -1))[None] if n == 1 else np.matmul(matrix, xc.reshape(n, c, -1))
+        else:
+            y = np.matmul(xc.reshape(n, c, 1, -1), matrix).reshape(n, m, -1)
+        if b is not None:
+            y += b.astype(ct, copy=False).reshape(1, m, 1)
+        return (y.reshape(n, m, *g.out).astype(x.dtype, copy=False),)
 
     def _plan(self, x, w) -> _ConvPlan:
         kernel = list(w.shape[2:])
@@ -175,9 +228,16 @@ class Conv(_Spatial):
         n, c = x.shape[:2]
         m, G, nd = w.shape[0], self.group, w.ndim - 2
         dtype = x.dtype
-        ct = compute_dtype(dtype)
         if 0 in g.out or x.size == 0:
             return (np.zeros((n, m, *g.out), dtype=dtype),)
+        if w is self._bound_w:
+            pkey = (x.shape, dtype)
+            prepared = self._prepared.get(pkey, False)
+            if prepared is False:
+                prepared = self._prepared[pkey] = self._prepare(x, w, plan)
+            if prepared is not None:
+                return self._run_prepared(x, b, prepared, g, m)
+        ct = compute_dtype(dtype)
         xc, wc = x.astype(ct, copy=False), w.astype(ct, copy=False)
         if plan.kind == "pointwise":
             y = np.matmul(wc.reshape(m, c), xc.reshape(n, c, -1))  # (N, M, pixels), contiguous
@@ -382,11 +442,44 @@ class LayerNormalization(OpKernel):
     def _run(self, x, scale, bias=None):
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        if x.dtype == st and fast_rows(x, axis):
+            y, mean, std = standardize_rows(x.reshape(-1, x.shape[-1]), self.epsilon)
+            y = y.reshape(x.shape)
+            y *= scale
+            if bias is not None:
+                y += bias
+            if self.n_outputs == 1:
+                return (y,)
+            stat_shape = x.shape[:-1] + (1,)
+            return (y, mean.reshape(stat_shape), np.reciprocal(std).reshape(stat_shape))
         y, mean, inv_std = standardize(x.astype(st, copy=False), tuple(range(axis, x.ndim)), self.epsilon)
         y *= scale
         if bias is not None:
             y += bias
         return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+def fast_rows(x: np.ndarray, axis: int) -> bool:
+    """Whether `standardize_rows` serves x normalized over [axis, rank): float32/float64, C-contiguous,
+    the normalized part being the last axis alone, nothing empty."""
+    return (x.dtype in _ROW_DTYPES and axis == x.ndim - 1 and x.size > 0 and x.flags.c_contiguous)
+
+
+_ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def standardize_rows(x2: np.ndarray, epsilon: float):
+    """standardize() for a C-contiguous float 2-D array normalized over its last axis:
+    ((x - mean) / std, mean, std) with std = sqrt(var + epsilon); the first is a new array.
+    Means are GEMVs against a 1/n column: 8 NumPy calls in all."""
+    avg = constant_column(x2.shape[1], 1 / x2.shape[1], x2.dtype)
+    mean = np.dot(x2, avg)  # np.dot: a cheaper call than matmul for 2-D operands
+    diff = x2 - mean
+    var = np.dot(np.square(diff), avg)
+    var += x2.dtype.type(epsilon)
+    std = np.sqrt(var, out=var)
+    diff /= std
+    return diff, mean, std
 
 
 def standardize(x: np.ndarray, axes: tuple[int, ...], epsilon: float):

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from host.cpu_ep.base import OpKernel, compute_dtype, int_list, normalize_axes, normalize_axis
+from host.cpu_ep.base import OpKernel, compute_dtype, constant_column, int_list, normalize_axes, normalize_axis
 from host.cpu_ep.registry import register
 
 
@@ -24,6 +24,9 @@ def trailing_sum(x: np.ndarray, axis, keepdims: bool, dtype) -> np.ndarray:
         total = np.add.reduce(x.reshape(*x.shape[:x.ndim - k], -1), axis=-1, dtype=dtype)
         return total.reshape(*total.shape, *([1] * k)) if keepdims else total
     return np.add.reduce(x, axis=axis, keepdims=keepdims, dtype=dtype)
+
+
+_GEMV_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _accumulator(dtype: np.dtype) -> np.dtype:
@@ -65,6 +68,32 @@ class ReduceSum(Reduce):
 
 @register("ReduceMean")
 class ReduceMean(Reduce):
+    def __init__(self, node):
+        super().__init__(node)
+        self._bound_axes = self._parsed = None
+
+    def bind_constants(self, constants):
+        self._bound_axes, self._parsed = constants.get(1), None
+
+    def _run(self, x, axes=None):
+        # The axes input is an initializer in exported models: parsed once per input rank.
+        if axes is not None and axes is self._bound_axes and self.axes_attr is None:
+            parsed = self._parsed
+            if parsed is None or parsed[0] != x.ndim:
+                parsed = self._parsed = (x.ndim, self._axes(x, axes))
+            axis = parsed[1]
+        else:
+            axis = self._axes(x, axes)
+        k = len(axis) if axis else 0
+        if (k and x.dtype in _GEMV_DTYPES and x.flags.c_contiguous and x.size
+                and axis == tuple(range(x.ndim - k, x.ndim))):
+            # Mean over trailing axes (global pooling, SE blocks): one GEMV against a 1/count column.
+            count = math.prod(x.shape[x.ndim - k:])
+            y = np.dot(x.reshape(-1, count), constant_column(count, 1 / count, x.dtype))
+            lead = x.shape[:x.ndim - k]
+            return (y.reshape(lead + (1,) * k if self.keepdims else lead),)
+        return (np.asarray(self._reduce(x, axis)).astype(x.dtype, copy=False),)
+
     def _reduce(self, x, axis):
         ct = _accumulator(x.dtype)
         if ct.kind in "iu":

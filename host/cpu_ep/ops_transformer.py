@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 
-from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis
+from host.cpu_ep.base import OpKernel, compute_dtype, constant_column, normalize_axis
 from host.cpu_ep.ops_elementwise import gelu
 from host.cpu_ep.ops_math import matmul
-from host.cpu_ep.ops_nn import standardize
+from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"
@@ -171,8 +171,18 @@ class RMSNormalization(OpKernel):
             raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
 
     def _run(self, x, scale):
-        axes = tuple(range(normalize_axis(self.axis, x.ndim), x.ndim))
+        axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        if x.dtype == st and fast_rows(x, axis):
+            # The mean of squares as one GEMV against a 1/n column; y = x / sqrt(ms + eps) * scale.
+            x2 = x.reshape(-1, x.shape[-1])
+            ms = np.dot(np.square(x2), constant_column(x2.shape[1], 1 / x2.shape[1], st))
+            ms += st(self.epsilon)
+            np.sqrt(ms, out=ms)
+            y = np.divide(x2, ms).reshape(x.shape)
+            y *= scale
+            return (y,)
+        axes = tuple(range(axis, x.ndim))
         xc = x.astype(st, copy=False)
         ms = np.add.reduce(xc * xc, axis=axes, keepdims=True)
         ms *= st(1 / math.prod(x.shape[a] for a in axes))
@@ -247,9 +257,12 @@ class SkipLayerNormalization(OpKernel):
 
     def _run(self, x, skip, scale, bias=None):
         s = x + skip
-        axes = tuple(range(normalize_axis(self.axis, s.ndim), s.ndim))
+        axis = normalize_axis(self.axis, s.ndim)
         st = np.float64 if s.dtype == np.float64 else np.float32
-        y = standardize(s.astype(st, copy=False), axes, self.epsilon)[0]
+        if s.dtype == st and fast_rows(s, axis):
+            y = standardize_rows(s.reshape(-1, s.shape[-1]), self.epsilon)[0].reshape(s.shape)
+        else:
+            y = standardize(s.astype(st, copy=False), tuple(range(axis, s.ndim)), self.epsilon)[0]
         y *= scale
         if bias is not None:
             y += bias

@@ -27,8 +27,13 @@ def _gather(inputs: tuple[int, ...]):
     return lambda values: [values[v] if v >= 0 else None for v in inputs]
 
 
-def _steps(nodes, keep: set[int]) -> list[tuple]:
-    """Per node, built once per plan: (node, argument getter, output ids, values to free)."""
+def _steps(nodes, keep: set[int], constants: dict) -> list[tuple]:
+    """Per node, built once per plan: (node, argument getter, output ids, values to free). Each
+    kernel is told which of its inputs are initializers (`OpKernel.bind_constants`)."""
+    for node in nodes:
+        bound = {pos: constants[v] for pos, v in enumerate(node.inputs) if v in constants}
+        if bound:
+            node.kernel.bind_constants(bound)
     return [(node, _gather(node.inputs), tuple(node.outputs), tuple(v for v in node.frees if v not in keep))
             for node in nodes]
 
@@ -39,7 +44,8 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
     between runs; they are rebuilt when the nodes or `keep` change."""
     cached = getattr(owner, "_cpu_run_steps", None)
     if cached is None or cached[0] is not nodes or cached[1] != keep:
-        cached = (nodes, frozenset(keep), _steps(nodes, keep))
+        plan = getattr(owner, "plan", None)
+        cached = (nodes, frozenset(keep), _steps(nodes, keep, getattr(plan, "constants", None) or {}))
         if owner is not None:
             owner._cpu_run_steps = cached
     ndarray = np.ndarray

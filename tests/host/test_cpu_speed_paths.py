@@ -1,0 +1,243 @@
+"""The CPU EP's fast paths (docs/cpu_ep.md, "Speed") against onnxruntime and onnx's ReferenceEvaluator.
+
+Each fast path serves only some inputs (initializer weights bound by the run loop, float32/float64,
+contiguous, normalized over the last axis...); every test here runs a whole session, so the path is
+chosen the way a real model chooses it, checks that the fast path was really taken (so a test cannot
+pass on the general path alone), and compares with independent references. Hypothesis draws the
+shapes where the geometry matters (convolutions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from host.optimizer import GraphOptimizationLevel
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _model(nodes, inputs: dict, outputs, initializers: dict, opset=18, domains=()):
+    """A one-graph model: `inputs` name -> array (its dtype and shape declare the input), initializers
+    name -> array; the outputs' types come from ONNX shape inference."""
+    ins = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+           for k, v in inputs.items()]
+    outs = [helper.make_empty_tensor_value_info(o) for o in outputs]
+    inits = [numpy_helper.from_array(v, k) for k, v in initializers.items()]
+    graph = helper.make_graph(nodes, "g", ins, outs, initializer=inits)
+    imports = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=imports, ir_version=10))
+    for out in model.graph.output:
+        if not out.type.tensor_type.HasField("shape"):  # ai.ephost ops have no inference: float, rank unknown
+            out.type.tensor_type.elem_type = ins[0].type.tensor_type.elem_type
+            out.type.tensor_type.shape.SetInParent()
+    return model
+
+
+def _ephost(model) -> InferenceSession:
+    so = SessionOptions()
+    so.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL  # the node as written
+    return InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def _kernels(sess: InferenceSession, op_type: str) -> list:
+    return [n.kernel for n in sess._executor.plan.nodes if n.op_type == op_type]
+
+
+def _ort(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+# -- the run loop binds initializers ---------------------------------------------------------------
+
+
+def test_run_loop_binds_initializers_by_position():
+    w = np.ones((4, 3), np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": np.ones((2, 4), np.float32)}, ["y"],
+                   {"w": w})
+    sess = _ephost(model)
+    seen = []
+    kernel = _kernels(sess, "MatMul")[0]
+    kernel.bind_constants = seen.append  # the instance attribute shadows the (no-op) method
+    sess.run(None, {"x": np.ones((2, 4), np.float32)})
+    assert len(seen) == 1 and list(seen[0]) == [1]
+    np.testing.assert_array_equal(seen[0][1], w)
+
+
+# -- Conv with bound weights -----------------------------------------------------------------------
+
+
+def _conv_model(x, w, b, attrs, weights_fed=False):
+    inputs = {"x": x}
+    names = ["x", "w"] + (["b"] if b is not None else [])
+    consts = {"w": w} if not weights_fed else {}
+    if weights_fed:
+        inputs["w"] = w
+    if b is not None:
+        consts["b"] = b
+    node = helper.make_node("Conv", names, ["y"], **attrs)
+    return _model([node], inputs, ["y"], consts)
+
+
+@st.composite
+def depthwise_cases(draw):
+    c = draw(st.integers(1, 12))
+    mult = draw(st.integers(1, 3))
+    nd = draw(st.sampled_from([1, 2]))
+    k = [draw(st.integers(1, 5)) for _ in range(nd)]
+    dil = [draw(st.integers(1, 2)) for _ in range(nd)]
+    size = [draw(st.integers(max(1, (kk - 1) * dd + 1 - 2), 9)) for kk, dd in zip(k, dil)]
+    strides = [draw(st.integers(1, 3)) for _ in range(nd)]
+    pads = [draw(st.integers(0, 2)) for _ in range(2 * nd)]
+    batch = draw(st.integers(1, 2))
+    bias = draw(st.booleans())
+    return c, mult, k, dil, size, strides, pads, batch, bias
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depthwise_cases())
+def test_depthwise_conv_as_dense_matrix_matches_onnxruntime(case):
+    c, mult, k, dil, size, strides, pads, batch, bias = case
+    nd = len(k)
+    # The padded image must hold one dilated window (else the output is empty).
+    if any(s + pads[i] + pads[i + nd] < (kk - 1) * d + 1 for i, (s, kk, d) in enumerate(zip(size, k, dil))):
+        return
+    rng = np.random.default_rng(sum(size) + c)
+    x = rng.standard_normal((batch, c, *size)).astype(np.float32)
+    w = rng.standard_normal((c * mult, 1, *k)).astype(np.float32)
+    b = rng.standard_normal(c * mult).astype(np.float32) if bias else None
+    attrs = {"group": c, "strides": strides, "pads": pads, "dilations": dil}
+    model = _conv_model(x, w, b, attrs)
+    sess = _ephost(model)
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL)
+    kernel = _kernels(sess, "Conv")[0]
+    prepared = [p[0] for p in kernel._prepared.values()]
+    if [p.kind for p in kernel._plans.values()] == ["pointwise"]:  # one channel, 1x1, stride 1, no padding
+        assert prepared == ["pointwise"]
+    else:
+        assert prepared == ["dense"]  # these sizes are all under the dense-matrix limit
+
+
+def test_depthwise_conv_over_a_large_image_keeps_the_window_path():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 8, 32, 32)).astype(np.float32)
+    w = rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+    model = _conv_model(x, w, None, {"group": 8, "strides": [2, 2], "pads": [1, 1, 1, 1]})
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], _ort(model, {"x": x})[0], **TOL)
+    assert list(_kernels(sess, "Conv")[0]._prepared.values()) == [None]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_conv_with_bound_weights(batch, bias):
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, 6, 3, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 6, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32) if bias else None
+    model = _conv_model(x, w, b, {})
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], _ort(model, {"x": x})[0], **TOL)
+    assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == ["pointwise"]
+
+
+def test_conv_with_fed_weights_takes_the_general_path():
+    """Weights that are a graph input are not bound: each run's weights are used as they come."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 4, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 1, 3, 3)).astype(np.float32)
+    model = _conv_model(x, w, None, {"group": 4, "pads": [1, 1, 1, 1]}, weights_fed=True)
+    sess = _ephost(model)
+    for scale in (1.0, -2.0):
+        feeds = {"x": x, "w": w * np.float32(scale)}
+        np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    assert _kernels(sess, "Conv")[0]._prepared == {}
+
+
+def test_conv_float64_dense_path():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 3, 4, 4))
+    w = rng.standard_normal((3, 1, 3, 3))
+    model = _conv_model(x, w, None, {"group": 3, "pads": [1, 1, 1, 1]})
+    sess = _ephost(model)
+    got = sess.run(None, {"x": x})[0]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-12, atol=1e-12)
+
+
+# -- ReduceMean over trailing axes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axes,keepdims", [([2, 3], 1), ([2, 3], 0), ([-1], 1), ([1, 2, 3], 0), ([1], 1),
+                                           ([3, 2], 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reduce_mean_with_initializer_axes(axes, keepdims, dtype):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 3, 4)).astype(dtype)
+    node = helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=keepdims)
+    model = _model([node], {"x": x}, ["y"], {"axes": np.array(axes, np.int64)})
+    sess = _ephost(model)
+    got = sess.run(None, {"x": x})[0]
+    want = np.mean(x, axis=tuple(axes), keepdims=bool(keepdims))
+    assert got.dtype == x.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL)
+
+
+# -- normalizations over the last axis -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 16, 64), (3, 7), (2, 2, 3, 5)])
+def test_layer_normalization_rows(dtype, shape):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    scale = rng.standard_normal(shape[-1]).astype(dtype)
+    bias = rng.standard_normal(shape[-1]).astype(dtype)
+    node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], epsilon=1e-3)
+    model = _model([node], {"x": x}, ["y", "mean", "inv"], {"s": scale, "b": bias}, opset=17)
+    got = _ephost(model).run(None, {"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 64), (4, 9)])
+def test_rms_normalization_rows(shape):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape).astype(np.float32)
+    scale = rng.standard_normal(shape[-1]).astype(np.float32)
+    node = helper.make_node("RMSNormalization", ["x", "s"], ["y"], epsilon=1e-2)
+    model = _model([node], {"x": x}, ["y"], {"s": scale}, opset=23)
+    got = _ephost(model).run(None, {"x": x})[0]
+    want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-2) * scale
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_skip_layer_normalization_rows(with_bias, dtype):
+    rng = np.random.default_rng(7)
+    x, skip = (rng.standard_normal((2, 5, 8)).astype(dtype) for _ in range(2))
+    scale, bias = (rng.standard_normal(8).astype(dtype) for _ in range(2))
+    names = ["x", "skip", "s"] + (["b"] if with_bias else [])
+    node = helper.make_node("SkipLayerNormalization", names, ["y", "sum"], domain="ai.ephost", epsilon=1e-4)
+    consts = {"s": scale} | ({"b": bias} if with_bias else {})
+    model = _model([node], {"x": x, "skip": skip}, ["y", "sum"], consts, domains=("ai.ephost",))
+    y, total = _ephost(model).run(None, {"x": x, "skip": skip})
+    s = (x + skip).astype(np.float64)
+    want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-4) * scale
+    if with_bias:
+        want = want + bias
+    np.testing.assert_allclose(y, want, **TOL)
+    np.testing.assert_array_equal(total, x + skip)
