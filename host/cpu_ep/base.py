@@ -169,6 +169,32 @@ def constant_column(n: int, value: float, dtype) -> np.ndarray:
     return col
 
 
+_TILE_LIMIT = 1 << 16  # elements: larger tiles cost more memory traffic than the broadcast saves
+
+
+def row_tile(cache: dict, vector: np.ndarray, rows: int) -> np.ndarray:
+    """`vector` (1-D, a bound initializer) repeated as a read-only (rows, n) array, kept in `cache`
+    per row count: adding or multiplying a same-shape array is a plain loop, while broadcasting a
+    vector over rows costs NumPy about a microsecond more per call on small tensors. Returns the
+    vector itself when the tile would be large."""
+    tile = cache.get(rows)
+    if tile is None:
+        if rows * vector.size > _TILE_LIMIT or len(cache) >= 8:
+            return vector
+        tile = np.tile(vector, (rows, 1))
+        tile.flags.writeable = False
+        tile = cache.setdefault(rows, tile)
+    return tile
+
+
+def bound_tile(cache: dict, value: np.ndarray, bound, rows: int, dtype) -> np.ndarray:
+    """row_tile() of `value` when it is the bound initializer `bound`, a vector of `dtype`; else
+    `value` as it is (it then broadcasts as usual)."""
+    if value is bound and value.ndim == 1 and value.dtype == dtype:
+        return row_tile(cache, value, rows)
+    return value
+
+
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype to compute heavy float math in: half types go through float32."""
     dtype = np.dtype(dtype)

@@ -44,12 +44,40 @@ class GatherElements(OpKernel):
         super().__init__(node)
         self.axis = self.attr_int("axis", 0)
 
+        self._bound = None
+        self._flat: dict[tuple, np.ndarray] = {}
+
+    def bind_constants(self, constants):
+        self._bound, self._flat = constants.get(1), {}
+
     def _run(self, data, indices):
         axis = normalize_axis(self.axis, data.ndim)
         if indices.ndim != data.ndim:
             raise ValueError(f"indices of rank {indices.ndim} must have the rank of data ({data.ndim})")
+        if indices is self._bound and indices.size and data.flags.c_contiguous:
+            # Initializer indices (exporters' position ids): checked and made flat once per data shape.
+            flat = self._flat.get(data.shape)
+            if flat is None:
+                flat = self._flat[data.shape] = self._flat_index(data.shape, indices, axis)
+            if flat is not _NO_FLAT:
+                return (np.take(data.reshape(-1), flat),)
         idx = checked_indices(indices, data.shape[axis], "index")
         return (np.take_along_axis(data, idx, axis=axis),)
+
+    @staticmethod
+    def _flat_index(shape, indices, axis):
+        """Indices into data.reshape(-1) giving the gather (checked), or _NO_FLAT when indices would
+        broadcast along another axis (the general path then decides)."""
+        if any(i > d for a, (i, d) in enumerate(zip(indices.shape, shape)) if a != axis):
+            return _NO_FLAT
+        coords = list(np.indices(indices.shape, sparse=True))
+        coords[axis] = checked_indices(indices, shape[axis], "index")
+        flat = np.ravel_multi_index(coords, shape)
+        flat.flags.writeable = False
+        return flat
+
+
+_NO_FLAT = np.empty(0, np.int64)  # marks "no flat index for this shape"
 
 
 def _nd_split(data: np.ndarray, indices: np.ndarray, batch_dims: int):
@@ -77,11 +105,35 @@ class GatherND(OpKernel):
         super().__init__(node)
         self.batch_dims = self.attr_int("batch_dims", 0, lo=0)
 
+        self._bound = None
+        self._flat: dict[tuple, tuple] = {}
+
+    def bind_constants(self, constants):
+        self._bound, self._flat = constants.get(1), {}
+
     def _run(self, data, indices):
+        if indices is self._bound and data.flags.c_contiguous and data.size:
+            # Initializer indices: checked and made flat once per data shape; a run is one take.
+            cached = self._flat.get(data.shape)
+            if cached is None:
+                cached = self._flat[data.shape] = self._flat_index(data, indices)
+            flat, rows, out_shape = cached
+            return (data.reshape(rows).take(flat, axis=0).reshape(out_shape),)
         data_b, idx, out_shape = _nd_split(data, indices, self.batch_dims)
         batch = np.arange(data_b.shape[0]).reshape(-1, 1)
         coords = tuple(idx[..., j] for j in range(idx.shape[-1]))
         return (data_b[(batch, *coords)].reshape(out_shape),)
+
+    def _flat_index(self, data, indices):
+        """(row numbers, data's shape as rows, output shape): the addressed slices as rows of data
+        reshaped to (batch * addressed cells, *slice)."""
+        data_b, idx, out_shape = _nd_split(data, indices, self.batch_dims)
+        k = idx.shape[-1]
+        cells = data_b.shape[1:1 + k]
+        batch = np.arange(data_b.shape[0]).reshape(-1, 1)
+        flat = np.ravel_multi_index((batch, *(idx[..., j] for j in range(k))), (data_b.shape[0], *cells))
+        flat.flags.writeable = False
+        return flat, (-1, *data_b.shape[1 + k:]), out_shape
 
 
 class _ScatterBase(OpKernel):

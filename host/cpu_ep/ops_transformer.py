@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from host.cpu_ep.base import OpKernel, compute_dtype, constant_column, normalize_axis
+from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_elementwise import gelu
 from host.cpu_ep.ops_math import matmul
 from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
@@ -97,12 +97,19 @@ class Attention(OpKernel):
         if want_qk and self.mode == 3:
             qk_out = probs.copy()
         probs = probs.astype(ct, copy=False)
-        if rep == 1:
-            y = np.matmul(probs, v4)
+        dv = v4.shape[3]
+        if rep == 1 and three_d:
+            # Straight into the (batch, seq, heads, size) layout of a 3-D output: no transposed copy.
+            y = np.empty((b, s, h, dv), dtype=ct)
+            np.matmul(probs, v4, out=y.transpose(0, 2, 1, 3))
+            y = y.reshape(b, s, h * dv)
         else:
-            y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, v4.shape[3])
-        if three_d:
-            y = y.transpose(0, 2, 1, 3).reshape(b, s, h * v4.shape[3])
+            if rep == 1:
+                y = np.matmul(probs, v4)
+            else:
+                y = np.matmul(probs.reshape(b, kvh, rep * s, t), v4).reshape(b, h, s, dv)
+            if three_d:
+                y = y.transpose(0, 2, 1, 3).reshape(b, s, h * dv)
         outs = [y.astype(dtype, copy=False), k4.astype(dtype, copy=False), v4.astype(dtype, copy=False)]
         if want_qk:
             outs.append(qk_out.astype(dtype, copy=False))
@@ -136,8 +143,26 @@ class Attention(OpKernel):
         return causal
 
     def _softmax(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        """Softmax over keys, in place on `scores` (the kernel's own array)."""
+        """Softmax over keys. First tried with one maximum for the whole tensor (NumPy's max along a
+        short last axis costs several times a whole-array max) and row sums as a GEMV; that is exact
+        unless a row lies so far below the maximum that its exponentials underflow, which the row
+        sums show (a sum below sqrt(tiny)): then the per-row softmax."""
         x = scores if self.softmax_dtype is None else scores.astype(self.softmax_dtype)
+        if x.dtype in _FAST_SOFTMAX and x.flags.c_contiguous and x.size:
+            top = np.maximum.reduce(x, axis=None)
+            if np.isfinite(top):
+                e = np.subtract(x, top)
+                np.exp(e, out=e)
+                rows = e.reshape(-1, x.shape[-1])
+                total = np.dot(rows, constant_column(x.shape[-1], 1, x.dtype))
+                if np.minimum.reduce(total, axis=None) >= _FAST_SOFTMAX[x.dtype]:
+                    rows /= total
+                    return e
+        return self._softmax_rows(x, bias)
+
+    @staticmethod
+    def _softmax_rows(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """Softmax over keys with each row's own maximum, in place on `x` (the kernel's own array)."""
         top = np.maximum.reduce(x, axis=-1, keepdims=True)
         dead = None
         if bias is not None:
@@ -156,6 +181,11 @@ class Attention(OpKernel):
         if dead is not None:
             x = np.where(dead, 0, x)
         return x
+
+
+# Row sums below these (sqrt of the smallest normal number) mean the shared maximum was too far
+# above the row: exponentials may have lost precision or vanished (a row masked out entirely sums to 0).
+_FAST_SOFTMAX = {np.dtype(t): np.sqrt(np.finfo(t).tiny) for t in (np.float32, np.float64)}
 
 
 @register("RMSNormalization", since=23)
@@ -254,13 +284,23 @@ class SkipLayerNormalization(OpKernel):
         super().__init__(node)
         self.axis = self.attr_int("axis", -1)
         self.epsilon = self.attr_float("epsilon", 1e-5)
+        self._bound: dict[int, np.ndarray] = {}
+        self._tiles: tuple[dict, dict] = ({}, {})
+
+    def bind_constants(self, constants):
+        self._bound, self._tiles = constants, ({}, {})
 
     def _run(self, x, skip, scale, bias=None):
         s = x + skip
         axis = normalize_axis(self.axis, s.ndim)
         st = np.float64 if s.dtype == np.float64 else np.float32
         if s.dtype == st and fast_rows(s, axis):
-            y = standardize_rows(s.reshape(-1, s.shape[-1]), self.epsilon)[0].reshape(s.shape)
+            y2 = standardize_rows(s.reshape(-1, s.shape[-1]), self.epsilon)[0]
+            rows = y2.shape[0]
+            y2 *= bound_tile(self._tiles[0], scale, self._bound.get(2), rows, st)
+            if bias is not None:
+                y2 += bound_tile(self._tiles[1], bias, self._bound.get(3), rows, st)
+            return (y2.reshape(s.shape), s)[:self.n_outputs]
         else:
             y = standardize(s.astype(st, copy=False), tuple(range(axis, s.ndim)), self.epsilon)[0]
         y *= scale
@@ -280,17 +320,34 @@ class FusedMatMul(OpKernel):
     def __init__(self, node):
         super().__init__(node)
         self.activation = self.attr_str("activation", "", choices=_ACTIVATIONS)
+        self._bound_bias = None
+        self._tiles: dict[int, np.ndarray] = {}
+
+    def bind_constants(self, constants):
+        self._bound_bias, self._tiles = constants.get(2), {}
 
     def _run(self, a, b, bias=None):
+        if (b.ndim == 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _FAST_SOFTMAX
+                and a.flags.c_contiguous and (bias is None or (bias.ndim <= 1 and bias.dtype == a.dtype))):
+            # The common case (an activation times a weight matrix, a bias vector): one 2-D GEMM, the
+            # bias added as a same-shape tile when it is an initializer.
+            y = np.dot(a.reshape(-1, a.shape[-1]), b)
+            if bias is not None:
+                y += row_tile(self._tiles, bias, y.shape[0]) if bias is self._bound_bias and bias.ndim else bias
+            return (self._activate(y).reshape(*a.shape[:-1], b.shape[1]),)
         ct = compute_dtype(a.dtype)
         y = matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
         if bias is not None:
             y += bias.astype(ct, copy=False)
+        return (self._activate(y).astype(a.dtype, copy=False),)
+
+    def _activate(self, y):
+        """The activation, in place where it can be (y is this kernel's own array)."""
         if self.activation == "Relu":
             np.maximum(y, 0, out=y)
         elif self.activation:
             y = gelu(y, self.activation == "GeluTanh")
-        return (y.astype(a.dtype, copy=False),)
+        return y
 
 
 @register("BiasGelu", domain=EPHOST_DOMAIN, since=1)

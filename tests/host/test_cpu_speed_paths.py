@@ -241,3 +241,124 @@ def test_skip_layer_normalization_rows(with_bias, dtype):
         want = want + bias
     np.testing.assert_allclose(y, want, **TOL)
     np.testing.assert_array_equal(total, x + skip)
+
+
+# -- Attention's softmax: one shared maximum, the per-row softmax when a row underflows ---------------
+
+
+def _attention_model(q, mask, heads):
+    names = ["q", "k", "v"] + (["mask"] if mask is not None else [])
+    node = helper.make_node("Attention", names, ["y"], q_num_heads=heads, kv_num_heads=heads)
+    inputs = {"q": q, "k": q[:, ::-1].copy(), "v": q * 2} | ({"mask": mask} if mask is not None else {})
+    return _model([node], inputs, ["y"], {}, opset=23), inputs
+
+
+def _attention_cases():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    yield "no-mask", q, None
+    yield "additive", q, rng.standard_normal((1, 1, 6, 6)).astype(np.float32)
+    far = np.zeros((1, 1, 6, 6), np.float32)
+    far[..., 2, :] = -1e4  # one query row far below the others: its exponentials vanish with a shared maximum
+    yield "row-far-below", q, far
+    dead = np.zeros((1, 1, 6, 6), np.float32)
+    dead[..., 3, :] = -np.inf  # a row with no attendable key: zeros
+    yield "dead-row", q, dead
+    yield "bool-mask", q, rng.random((2, 1, 6, 6)) > 0.3
+    yield "huge-scores", q * 40, None  # exp(score - shared max) underflows for most rows
+
+
+@pytest.mark.parametrize("label,q,mask", list(_attention_cases()), ids=[c[0] for c in _attention_cases()])
+def test_attention_softmax_paths_match_the_reference(label, q, mask):
+    model, feeds = _attention_model(q, mask, heads=2)
+    got = _ephost(model).run(None, feeds)[0]
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, **TOL)
+    assert np.isfinite(got).all()
+
+
+def test_attention_fast_softmax_falls_back_exactly_when_a_row_underflows():
+    """The fallback is needed: a shared maximum alone gives NaN (0/0) on the far row."""
+    from host.cpu_ep.ops_transformer import Attention
+    from host.runtime.node import NodeInfo
+
+    kernel = Attention(NodeInfo("a", "Attention", "", 23, {}, ("q", "k", "v"), ("y",)))
+    scores = np.zeros((1, 1, 3, 4), np.float32)
+    scores[..., 1, :] = -1e4
+    probs = kernel._softmax(scores.copy(), None)
+    np.testing.assert_allclose(probs, np.full((1, 1, 3, 4), 0.25, np.float32), rtol=1e-6)
+
+
+# -- gathers with initializer indices --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_elements_with_initializer_indices(axis):
+    rng = np.random.default_rng(9)
+    data = rng.standard_normal((3, 5)).astype(np.float32)
+    dim = data.shape[axis]
+    shape = (2, 5) if axis == 0 else (3, 4)
+    indices = rng.integers(-dim, dim, size=shape).astype(np.int64)
+    model = _model([helper.make_node("GatherElements", ["data", "idx"], ["y"], axis=axis)], {"data": data}, ["y"],
+                   {"idx": indices})
+    sess = _ephost(model)
+    for scale in (1, 3):  # the flat index is reused on the next run
+        feeds = {"data": data * np.float32(scale)}
+        got = sess.run(None, feeds)[0]
+        # (onnx's reference mishandles a negative axis here: onnxruntime and NumPy are the references)
+        np.testing.assert_array_equal(got, _ort(model, feeds)[0])
+        np.testing.assert_array_equal(got, np.take_along_axis(feeds["data"], indices % dim, axis=axis))
+    assert list(_kernels(sess, "GatherElements")[0]._flat) == [data.shape]
+
+
+def test_gather_elements_initializer_index_out_of_range_is_a_kernel_error():
+    data = np.zeros((2, 3), np.float32)
+    model = _model([helper.make_node("GatherElements", ["data", "idx"], ["y"], axis=1)], {"data": data}, ["y"],
+                   {"idx": np.array([[0, 3]], np.int64)})
+    from host.errors import KernelError
+
+    with pytest.raises(KernelError, match=r"^node '.*' \(GatherElements\) on CPUExecutionProvider failed: index 3 "):
+        _ephost(model).run(None, {"data": data})
+
+
+@pytest.mark.parametrize("batch_dims,data_shape,idx", [
+    (0, (1, 16), np.stack([np.zeros(16, np.int64), np.arange(16)], -1).reshape(1, 1, 1, 16, 2)),
+    (0, (4, 3, 2), np.array([[1], [-1], [0]], np.int64)),
+    (1, (2, 4, 3), np.array([[[1, 2], [3, -1]], [[0, 0], [2, 1]]], np.int64)),
+])
+def test_gather_nd_with_initializer_indices(batch_dims, data_shape, idx):
+    rng = np.random.default_rng(10)
+    data = rng.standard_normal(data_shape).astype(np.float32)
+    node = helper.make_node("GatherND", ["data", "idx"], ["y"], batch_dims=batch_dims)
+    model = _model([node], {"data": data}, ["y"], {"idx": idx})
+    sess = _ephost(model)
+    got = sess.run(None, {"data": data})[0]
+    np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"data": data})[0])
+    np.testing.assert_array_equal(got, _ort(model, {"data": data})[0])
+    assert list(_kernels(sess, "GatherND")[0]._flat) == [data.shape]
+
+
+# -- FusedMatMul with an initializer bias ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["", "Relu", "Gelu", "GeluTanh"])
+@pytest.mark.parametrize("a_shape", [(1, 16, 8), (5, 8), (2, 3, 4, 8)])
+def test_fused_matmul_bound_bias_tile(activation, a_shape):
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal((8, 6)).astype(np.float32)
+    bias = rng.standard_normal(6).astype(np.float32)
+    node = helper.make_node("FusedMatMul", ["a", "b", "bias"], ["y"], domain="ai.ephost", activation=activation)
+    model = _model([node], {"a": a}, ["y"], {"b": b, "bias": bias}, domains=("ai.ephost",))
+    sess = _ephost(model)
+    got = sess.run(None, {"a": a})[0]
+    z = (a.astype(np.float64) @ b + bias)
+    from scipy.special import erf
+
+    want = {"": z, "Relu": np.maximum(z, 0), "Gelu": 0.5 * z * (1 + erf(z / np.sqrt(2))),
+            "GeluTanh": 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))}[activation]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, **TOL)
+    rows = int(np.prod(a_shape[:-1]))
+    assert list(_kernels(sess, "FusedMatMul")[0]._tiles) == [rows]
