@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import onnx_ir as ir
 from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
 from onnxscript.rewriter._basics import MatchFailureError
 
@@ -74,7 +75,9 @@ class Attention3D(pattern.RewriteRuleClassBase):
 
     Reshape([B, S, H*D] -> [B, S, H, D]) + Transpose([0, 2, 1, 3]) on Q, K and V, and
     Transpose([0, 2, 1, 3]) + Reshape(-> [B, S, H*Dv]) on the output, are what Attention does
-    itself when given 3-D inputs.
+    itself when given 3-D inputs. The output Reshape may also flatten to [B*S, H*Dv] for a 2-D
+    Gemm (GPT-2's Conv1D after its packed Q/K/V Split); that Reshape is kept, on the 3-D output,
+    and FlattenedGemm (matmul.py) then takes it with the Gemm.
     """
 
     def pattern(self, op, q3, k3, v3, q_shape, k_shape, v_shape, y_shape):
@@ -99,9 +102,17 @@ class Attention3D(pattern.RewriteRuleClassBase):
             hidden, heads, head = dims[f"{name}_hidden"], split.shape[2], split.shape[3]
             if not all(isinstance(d, int) for d in (hidden, heads, head)) or hidden != heads * head:
                 return result.fail(f"{name}: the Reshape does not split the last dim into heads", split)
-        _fusion_utils.check_shape(dims, y3, ["B", "S", "y_hidden"])
-        if dims["y_hidden"] != dims["Hq"] * dims["v_head"]:
-            return result.fail("the output Reshape does not merge the heads", y3)
+        self._flat = None
+        if y3.shape is not None and y3.shape.rank() == 2:
+            flat = _flattened(dims, y3)
+            if flat is None:
+                return result.fail("the 2-D output Reshape does not flatten [B, S, H*Dv] to [B*S, H*Dv]", y3)
+            self._flat = flat
+            self._unflat = [dims["B"], dims["S"], flat[1]]
+        else:
+            _fusion_utils.check_shape(dims, y3, ["B", "S", "y_hidden"])
+            if dims["y_hidden"] != dims["Hq"] * dims["v_head"]:
+                return result.fail("the output Reshape does not merge the heads", y3)
         self._heads = (dims["Hq"], dims["Hkv"])
         return result
 
@@ -109,7 +120,22 @@ class Attention3D(pattern.RewriteRuleClassBase):
         node = y4.producer()
         attrs = {k: v for k, v in node.attributes.items()}
         args = [q3, k3, v3, *node.inputs[3:4]]
-        return op.Attention(*args, q_num_heads=self._heads[0], kv_num_heads=self._heads[1], **attrs)
+        y = op.Attention(*args, q_num_heads=self._heads[0], kv_num_heads=self._heads[1], **attrs)
+        if self._flat is not None:
+            # The 3-D value is new (onnxscript carries types over to replaced outputs only), and
+            # FlattenedGemm needs its shape.
+            y.dtype, y.shape = q3.dtype, ir.Shape(self._unflat)
+            y = op.Reshape(y, op.Constant(value_ints=self._flat))
+        return y
+
+
+def _flattened(dims: dict, y2) -> list[int] | None:
+    """[B*S, H*Dv] when the 2-D value y2 is the 3-D output with batch and sequence flattened, else None."""
+    batch, seq, heads, head = dims["B"], dims["S"], dims["Hq"], dims["v_head"]
+    if not all(isinstance(d, int) for d in (batch, seq, heads, head)):
+        return None
+    want = [batch * seq, heads * head]
+    return want if list(y2.shape) == want else None
 
 
 def _scale_value(kind: str, scale) -> float:
