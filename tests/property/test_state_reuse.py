@@ -348,3 +348,28 @@ def test_replays_of_an_ep_without_concurrent_runs_never_overlap(version):
             refs.check([outs[n] for n in refs.names], case.feeds, "after threaded replays")
         finally:
             sess.close()
+
+
+@pytest.mark.parametrize("gid", [None, "0", "7", "-1"])
+def test_compiled_frames_say_capturing_exactly_on_the_runs_of_a_graph_id(gid):
+    """v6 call frames carry the capture flag on warm-up and capture runs of a graph id (the default
+    id 0 included), never on eager runs nor on gpu_graph_id=-1 runs; replays make no frames."""
+    case = h.chain_case()
+    refs = h.References(case)
+    top = max(ft.CAPTURE_VERSIONS)
+    with h.example_env(top, [top]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "1", "fuse": "1"})
+        try:
+            rec = h.record(top)
+            refs.check(sess.run(None, case.feeds), case.feeds, "eager run")
+            assert rec.fallbacks["frame_capturing"] == 0
+            ro = RunOptions()
+            if gid is not None:
+                ro.add_run_config_entry("gpu_graph_id", gid)
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            for _ in range(3):
+                sess.run_with_iobinding(b, ro)  # warm-up + capture, then a replay (or three eager runs)
+            refs.check([outs[n] for n in refs.names], case.feeds, "bound runs")
+            assert rec.fallbacks["frame_capturing"] == (0 if gid == "-1" else 2)
+        finally:
+            sess.close()
