@@ -373,3 +373,24 @@ def test_compiled_frames_say_capturing_exactly_on_the_runs_of_a_graph_id(gid):
             assert rec.fallbacks["frame_capturing"] == (0 if gid == "-1" else 2)
         finally:
             sess.close()
+
+
+@pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
+def test_a_graph_never_captured_warns_once_per_run_at_the_callers_line(version):
+    """An EP that wants more warm-up runs than the host gives (16 per call) is run eagerly: the run is
+    right, a RuntimeWarning says so and points at the caller's line (not into ephost)."""
+    case = h.chain_case()
+    refs = h.References(case)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "40"})
+        try:
+            b, ins, outs = h.bind(sess, case.feeds, case.outputs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sess.run_with_iobinding(b)
+            assert [(w.category, str(w.message), w.filename) for w in caught] == [
+                (RuntimeWarning, "ExampleEP did not capture graph 0 within 16 runs; running eagerly", __file__)]
+            assert sess.fallbacks["capture_not_reached"] == 1
+            refs.check([outs[n] for n in refs.names], case.feeds, "never captured")
+        finally:
+            sess.close()
