@@ -394,3 +394,31 @@ def test_a_graph_never_captured_warns_once_per_run_at_the_callers_line(version):
             refs.check([outs[n] for n in refs.names], case.feeds, "never captured")
         finally:
             sess.close()
+
+
+@pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
+def test_a_binding_verified_for_one_graph_id_is_checked_again_for_another(version):
+    """Graph ids 1 and 2 captured on different buffers: after binding A replays id 1, replaying id 2
+    with A is refused (its buffers are not id 2's), and id 2 still replays with its own binding."""
+    case = h.chain_case()
+    refs = h.References(case)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": "0"})
+        try:
+            ro = {}
+            for gid in (1, 2):
+                ro[gid] = RunOptions()
+                ro[gid].add_run_config_entry("gpu_graph_id", str(gid))
+            a, _, outs_a = h.bind(sess, case.feeds, case.outputs)
+            b, ins_b, outs_b = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(a, ro[1])  # captures id 1 on A's buffers
+            sess.run_with_iobinding(b, ro[2])  # captures id 2 on B's buffers
+            sess.run_with_iobinding(a, ro[1])  # replay: A verified for id 1
+            with pytest.raises(GraphCaptureError, match=r"^graph 2 was captured with input '.*' at a fixed buffer; "
+                                                        r"it moved from address "):
+                sess.run_with_iobinding(a, ro[2])
+            h.refill(ins_b, case.feeds2)
+            sess.run_with_iobinding(b, ro[2])
+            refs.check([outs_b[n] for n in refs.names], case.feeds2, "graph 2 with its own binding")
+        finally:
+            sess.close()
