@@ -179,7 +179,7 @@ class Conv(_Spatial):
         hw, pixels = math.prod(x.shape[2:]), math.prod(plan.g.out)
         mg, taps = m // c, math.prod(w.shape[2:])
         if c * hw * mg * pixels > _DENSE_LIMIT:
-            return None
+            return self._prepare_rows(x, w, plan, ct)
         # Which input pixel each (output pixel, tap) reads: the convolution's windows over an image of
         # pixel numbers, padded with the number hw (a dump row, dropped below).
         ids = np.arange(hw, dtype=np.int64).reshape(1, 1, *x.shape[2:])
@@ -190,18 +190,68 @@ class Conv(_Spatial):
         dense[:, reads, :, np.arange(pixels)[:, None]] = np.moveaxis(w.reshape(c, mg, taps), 2, 0)[None]
         return "dense", np.ascontiguousarray(dense[:, :hw].reshape(c, hw, mg * pixels))
 
+    @staticmethod
+    def _prepare_rows(x, w, plan: _ConvPlan, ct) -> tuple | None:
+        """For a 2-D depthwise convolution (one filter per channel) over a larger image: per channel, the
+        (kernel rows * padded width, output width) matrix that turns the kernel_h padded input rows under
+        one output row into that output row. A run copies those rows (kernel_h times the image, not
+        kernel_h * kernel_w times as im2col does) and multiplies once."""
+        c = x.shape[1]
+        if w.ndim != 4 or w.shape[0] != c:
+            return None
+        g = plan.g
+        kh, kw = w.shape[2:]
+        wp = x.shape[3] + g.begin[1] + g.end[1] + g.extra[1]
+        ow = g.out[1]
+        if c * kh * wp * ow > _DENSE_LIMIT:
+            return None
+        rows = np.zeros((c, kh, wp, ow), dtype=ct)
+        first = np.arange(ow) * plan.strides[1]
+        for j in range(kw):  # tap (i, j) of output column o reads padded column o * stride + j * dilation
+            rows[:, :, first + j * plan.dilations[1], np.arange(ow)] = w[:, 0, :, j, None].astype(ct)
+        return "rows", np.ascontiguousarray(rows.reshape(c, kh * wp, ow))
+
+    def _rows_view(self, xp, plan: _ConvPlan, kh: int):
+        """(N, C, out_h, kh, Wp) view of the padded input: the kernel rows under each output row."""
+        st = xp.strides
+        shape = (*xp.shape[:2], plan.g.out[0], kh, xp.shape[3])
+        steps = (st[0], st[1], st[2] * plan.strides[0], st[2] * plan.dilations[0], st[3])
+        if xp.flags.c_contiguous:  # the ndarray constructor: as_strided without its Python overhead
+            return np.ndarray(shape, xp.dtype, buffer=xp, strides=steps)
+        return as_strided(xp, shape, steps, writeable=False)
+
+    def _with_bias_tile(self, prepared, plan: _ConvPlan):
+        """prepared + the bound bias as a read-only (M, pixels) tile (adding a same-shape array costs
+        NumPy less than broadcasting a column), or None without a bound bias or when it is large."""
+        b = self._bound_b
+        if prepared is None:
+            return None
+        pixels = math.prod(plan.g.out)
+        if b is None or b.ndim != 1 or b.size * pixels > 1 << 16:
+            return (*prepared, None)
+        tile = np.repeat(b.astype(prepared[1].dtype).reshape(-1, 1), pixels, axis=1)
+        tile.flags.writeable = False
+        return (*prepared, tile)
+
     def _run_prepared(self, x, b, prepared, g, m):
         n, c = x.shape[:2]
-        kind, matrix = prepared
+        kind, matrix, bias_tile = prepared
         ct = matrix.dtype
         xc = x.astype(ct, copy=False)
         if kind == "pointwise":
             # (N, M, pixels), a new array; np.dot for batch 1 (a cheaper call than matmul).
             y = np.dot(matrix, xc.reshape(c, -1))[None] if n == 1 else np.matmul(matrix, xc.reshape(n, c, -1))
+        elif kind == "rows":
+            plan = self._plans[(x.shape, self._bound_w.shape)]
+            kh = matrix.shape[1] // (x.shape[3] + g.begin[1] + g.end[1] + g.extra[1])
+            view = self._rows_view(_pad_spatial(xc, g, 0), plan, kh)
+            # A dense copy: overlapping rows (stride < kernel rows) would keep matmul off BLAS.
+            rows = np.ascontiguousarray(view).reshape(n, c, g.out[0], -1)
+            y = np.matmul(rows, matrix).reshape(n, m, -1)
         else:
             y = np.matmul(xc.reshape(n, c, 1, -1), matrix).reshape(n, m, -1)
         if b is not None:
-            y += b.astype(ct, copy=False).reshape(1, m, 1)
+            y += bias_tile if b is self._bound_b and bias_tile is not None else b.astype(ct, copy=False).reshape(1, m, 1)
         return (y.reshape(n, m, *g.out).astype(x.dtype, copy=False),)
 
     def _plan(self, x, w) -> _ConvPlan:
@@ -234,7 +284,7 @@ class Conv(_Spatial):
             pkey = (x.shape, dtype)
             prepared = self._prepared.get(pkey, False)
             if prepared is False:
-                prepared = self._prepared[pkey] = self._prepare(x, w, plan)
+                prepared = self._prepared[pkey] = self._with_bias_tile(self._prepare(x, w, plan), plan)
             if prepared is not None:
                 return self._run_prepared(x, b, prepared, g, m)
         ct = compute_dtype(dtype)

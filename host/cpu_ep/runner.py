@@ -14,6 +14,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from host.cpu_ep.fusion import FusedNode, fuse
 from host.errors import EpError, EphostError
 
 
@@ -27,15 +28,25 @@ def _gather(inputs: tuple[int, ...]):
     return lambda values: [values[v] if v >= 0 else None for v in inputs]
 
 
+def _fused_gather(node: FusedNode):
+    """A chain's kernel takes (values, its first node's arguments)."""
+    first = _gather(node.kernel.arg_ids)
+    return lambda values: (values, first(values))
+
+
 def _steps(nodes, keep: set[int], constants: dict) -> list[tuple]:
-    """Per node, built once per plan: (node, argument getter, output ids, values to free). Each
-    kernel is told which of its inputs are initializers (`OpKernel.bind_constants`)."""
+    """Per node (or joined chain, fusion.py), built once per plan: (node, argument getter, output ids,
+    values to free). Each kernel is told first which of its inputs are initializers
+    (`OpKernel.bind_constants`)."""
     for node in nodes:
         bound = {pos: constants[v] for pos, v in enumerate(node.inputs) if v in constants}
         if bound:
             node.kernel.bind_constants(bound)
-    return [(node, _gather(node.inputs), tuple(node.outputs), tuple(v for v in node.frees if v not in keep))
-            for node in nodes]
+    steps = []
+    for node in fuse(nodes, keep, constants):
+        gather = _fused_gather(node) if isinstance(node, FusedNode) else _gather(node.inputs)
+        steps.append((node, gather, tuple(node.outputs), tuple(v for v in node.frees if v not in keep)))
+    return steps
 
 
 def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=None) -> None:

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from host.optimizer import GraphOptimizationLevel
@@ -127,6 +127,27 @@ def test_depthwise_conv_as_dense_matrix_matches_onnxruntime(case):
         assert prepared == ["dense"]  # these sizes are all under the dense-matrix limit
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 6), st.tuples(st.integers(1, 5), st.integers(1, 5)), st.tuples(st.integers(1, 2), st.integers(1, 2)),
+       st.tuples(st.integers(1, 3), st.integers(1, 3)), st.lists(st.integers(0, 2), min_size=4, max_size=4),
+       st.integers(20, 28), st.booleans())
+def test_depthwise_conv_over_a_larger_image_by_rows_matches_onnxruntime(c, k, dil, strides, pads, size, bias):
+    """Images too large for the dense matrix: the kernel-rows matrix (Conv._prepare_rows)."""
+    rng = np.random.default_rng(size + c)
+    x = rng.standard_normal((1, c, size, size + 3)).astype(np.float32)
+    w = rng.standard_normal((c, 1, *k)).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32) if bias else None
+    model = _conv_model(x, w, b, {"group": c, "strides": list(strides), "pads": pads, "dilations": list(dil)})
+    sess = _ephost(model)
+    want = _ort(model, {"x": x})[0]
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **TOL)
+    from host.cpu_ep.ops_nn import _DENSE_LIMIT
+
+    # Strides can shrink the output enough for the dense matrix: only larger outputs go by rows.
+    expected = "dense" if c * x[0, 0].size * want[0, 0].size <= _DENSE_LIMIT else "rows"
+    assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == [expected]
+
+
 def test_depthwise_conv_over_a_large_image_keeps_the_window_path():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, 8, 32, 32)).astype(np.float32)
@@ -134,7 +155,7 @@ def test_depthwise_conv_over_a_large_image_keeps_the_window_path():
     model = _conv_model(x, w, None, {"group": 8, "strides": [2, 2], "pads": [1, 1, 1, 1]})
     sess = _ephost(model)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], _ort(model, {"x": x})[0], **TOL)
-    assert list(_kernels(sess, "Conv")[0]._prepared.values()) == [None]
+    assert list(_kernels(sess, "Conv")[0]._prepared.values())[0][0] == "rows"
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -362,3 +383,154 @@ def test_fused_matmul_bound_bias_tile(activation, a_shape):
     np.testing.assert_allclose(got, want, **TOL)
     rows = int(np.prod(a_shape[:-1]))
     assert list(_kernels(sess, "FusedMatMul")[0]._tiles) == [rows]
+
+
+# -- run-loop chains (host/cpu_ep/fusion.py) --------------------------------------------------------
+
+
+def _steps(sess):
+    return sess._executor._cpu_run_steps[2]
+
+
+def _chains(sess) -> list[tuple[str, tuple[str, ...]]]:
+    from host.cpu_ep.fusion import FusedNode
+
+    return [(type(s[0].kernel).__name__, s[0].names) for s in _steps(sess) if isinstance(s[0], FusedNode)]
+
+
+def _conv_chain_model(outputs=("out",), extra_nodes=()):
+    """x -> Conv -> HardSwish -> Conv(depthwise) -> Relu -> Conv(1x1) -> Add(x1) -> Gemm-free tail."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((1, 4, 6, 6)).astype(np.float32)
+    inits = {
+        "w1": rng.standard_normal((8, 4, 3, 3)).astype(np.float32), "b1": rng.standard_normal(8).astype(np.float32),
+        "w2": rng.standard_normal((8, 1, 3, 3)).astype(np.float32),
+        "w3": rng.standard_normal((8, 8, 1, 1)).astype(np.float32), "b3": rng.standard_normal(8).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("HardSwish", ["c1"], ["a1"], name="hswish"),
+        helper.make_node("Conv", ["a1", "w2"], ["c2"], pads=[1, 1, 1, 1], group=8, name="dw"),
+        helper.make_node("Relu", ["c2"], ["a2"], name="relu"),
+        helper.make_node("Conv", ["a2", "w3", "b3"], ["c3"], name="project"),
+        helper.make_node("Add", ["a1", "c3"], ["out"], name="residual"),
+        *extra_nodes,
+    ]
+    return _model(nodes, {"x": x}, list(outputs), inits), {"x": x}
+
+
+def test_conv_epilogue_chains_match_onnxruntime():
+    model, feeds = _conv_chain_model()
+    sess = _ephost(model)
+    got = sess.run(None, feeds)[0]
+    np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+    # a1 feeds both the depthwise conv and the residual Add: conv1+hswish is a chain, the Add stays with
+    # the projection conv.
+    assert _chains(sess) == [("_EpilogueChain", ("conv1", "hswish")), ("_EpilogueChain", ("dw", "relu")),
+                             ("_EpilogueChain", ("project", "residual"))]
+
+
+def test_a_chain_value_that_is_a_graph_output_keeps_its_own_value():
+    """c1 is asked for: HardSwish must not run in place on it."""
+    model, feeds = _conv_chain_model(outputs=("out", "c1", "c2"))
+    sess = _ephost(model)
+    got = sess.run(None, feeds)
+    want = _ort(model, feeds)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **TOL)
+    names = [c[1] for c in _chains(sess)]
+    assert ("conv1", "hswish") not in names and ("dw", "relu") not in names
+    assert ("project", "residual") in names
+
+
+def test_a_chain_value_with_two_readers_is_not_joined():
+    extra = [helper.make_node("Sigmoid", ["c2"], ["side"], name="side")]
+    model, feeds = _conv_chain_model(outputs=("out", "side"), extra_nodes=extra)
+    sess = _ephost(model)
+    for g, w in zip(sess.run(None, feeds), _ort(model, feeds)):
+        np.testing.assert_allclose(g, w, **TOL)
+    assert ("dw", "relu") not in [c[1] for c in _chains(sess)]
+
+
+def test_profiled_nodes_are_never_joined(tmp_path):
+    model, feeds = _conv_chain_model()
+    so = SessionOptions()
+    so.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "p")
+    sess = InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    assert _chains(sess) == []
+
+
+def test_chain_failure_names_the_node_that_failed():
+    """A residual Add whose operands do not broadcast fails in the chain, naming the Add."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((1, 2, 3, 3)).astype(np.float32)
+    other = rng.standard_normal((1, 2, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("Add", ["c", "other"], ["y"], name="the_add")]
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", 2, "h", "w"]),
+           helper.make_tensor_value_info("other", TensorProto.FLOAT, ["b", 2, "h2", "w2"])]
+    graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", 2, "h", "w"])],
+                              initializer=[numpy_helper.from_array(np.ones((2, 2, 1, 1), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, {"x": x, "other": other})[0], _ort(model, {"x": x, "other": other})[0],
+                               **TOL)
+    assert _chains(sess) == [("_EpilogueChain", ("conv", "the_add"))]
+    from host.errors import KernelError
+
+    with pytest.raises(KernelError, match=r"^node 'the_add' \(Add\) on CPUExecutionProvider failed: "):
+        sess.run(None, {"x": x, "other": other[:, :, :2, :2]})
+
+
+def _se_model(pool: str, gate: str, batch: int, swap_mul: bool, axes=(2, 3), dtype=np.float32):
+    rng = np.random.default_rng(14)
+    c, r = 6, 3
+    x = rng.standard_normal((batch, c, 5, 4)).astype(dtype)
+    inits = {"w1": rng.standard_normal((r, c, 1, 1)).astype(dtype), "b1": rng.standard_normal(r).astype(dtype),
+             "w2": rng.standard_normal((c, r, 1, 1)).astype(dtype), "b2": rng.standard_normal(c).astype(dtype)}
+    if pool == "ReduceMean":
+        inits["axes"] = np.array(axes, np.int64)
+        pool_node = helper.make_node("ReduceMean", ["x", "axes"], ["p"], keepdims=1, name="pool")
+    else:
+        pool_node = helper.make_node("GlobalAveragePool", ["x"], ["p"], name="pool")
+    gate_attrs = {"alpha": 0.25, "beta": 0.4} if gate == "HardSigmoid" else {}
+    nodes = [
+        pool_node,
+        helper.make_node("Conv", ["p", "w1", "b1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+        helper.make_node("Conv", ["hr", "w2", "b2"], ["g"], name="fc2"),
+        helper.make_node(gate, ["g"], ["gate"], name="gate", **gate_attrs),
+        helper.make_node("Mul", ["gate", "x"] if swap_mul else ["x", "gate"], ["y"], name="scale"),
+    ]
+    return _model(nodes, {"x": x}, ["y"], inits), {"x": x}
+
+
+@pytest.mark.parametrize("pool", ["ReduceMean", "GlobalAveragePool"])
+@pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
+@pytest.mark.parametrize("batch,swap_mul", [(1, False), (3, True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_squeeze_excite_block_matches_onnxruntime(pool, gate, batch, swap_mul, dtype, monkeypatch):
+    from host.cpu_ep import fusion
+
+    def refuse(self, values):
+        raise AssertionError("the fast path should serve this block")
+
+    monkeypatch.setattr(fusion._SqueezeExcite, "_one_by_one", refuse)
+    model, feeds = _se_model(pool, gate, batch, swap_mul, dtype=dtype)
+    sess = _ephost(model)
+    got = sess.run(None, feeds)[0]
+    want = _ort(model, feeds)[0] if dtype == np.float32 else ReferenceEvaluator(model).run(None, feeds)[0]
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, want, **TOL)
+    assert _chains(sess) == [("_SqueezeExcite", ("pool", "fc1", "relu", "fc2", "gate", "scale"))]
+
+
+def test_squeeze_excite_over_other_axes_runs_the_kernels_one_by_one():
+    """Pooling over one spatial axis only: the block still matches, but its fast path does not apply."""
+    model, feeds = _se_model("ReduceMean", "HardSigmoid", 2, False, axes=(3,))
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    assert [c[0] for c in _chains(sess)] == ["_SqueezeExcite"]
