@@ -174,6 +174,11 @@ class Conv(_Spatial):
         m = w.shape[0]
         if plan.kind == "pointwise":
             return "pointwise", np.ascontiguousarray(w.reshape(m, c), dtype=ct)
+        if plan.kind == "im2col":
+            # One group, one image: the window copy (C * taps, pixels) times W as (M, C * taps), one GEMM.
+            if self.group != 1 or n != 1:
+                return None
+            return "im2col", np.ascontiguousarray(w.reshape(m, -1), dtype=ct)
         if plan.kind != "depthwise":
             return None
         hw, pixels = math.prod(x.shape[2:]), math.prod(plan.g.out)
@@ -241,6 +246,13 @@ class Conv(_Spatial):
         if kind == "pointwise":
             # (N, M, pixels), a new array; np.dot for batch 1 (a cheaper call than matmul).
             y = np.dot(matrix, xc.reshape(c, -1))[None] if n == 1 else np.matmul(matrix, xc.reshape(n, c, -1))
+        elif kind == "im2col":
+            plan = self._plans[(x.shape, self._bound_w.shape)]
+            nd = x.ndim - 2
+            win = _windows(_pad_spatial(xc, g, 0), g, self._bound_w.shape[2:], plan.strides, plan.dilations)[0]
+            # (C, *out, *kernel) -> (C, *kernel, *out): the copy that im2col is.
+            cols = win.transpose(0, *range(1 + nd, 1 + 2 * nd), *range(1, 1 + nd)).reshape(matrix.shape[1], -1)
+            y = np.dot(matrix, cols)[None]
         elif kind == "rows":
             plan = self._plans[(x.shape, self._bound_w.shape)]
             kh = matrix.shape[1] // (x.shape[3] + g.begin[1] + g.end[1] + g.extra[1])

@@ -148,6 +148,23 @@ def test_depthwise_conv_over_a_larger_image_by_rows_matches_onnxruntime(c, k, di
     assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == [expected]
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.integers(1, 6), st.tuples(st.integers(1, 4), st.integers(1, 4)),
+       st.tuples(st.integers(1, 2), st.integers(1, 2)), st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       st.lists(st.integers(0, 2), min_size=4, max_size=4), st.booleans())
+def test_conv_im2col_with_bound_weights_matches_onnxruntime(c, m, k, dil, strides, pads, bias):
+    rng = np.random.default_rng(c * 7 + m)
+    x = rng.standard_normal((1, c, 11, 9)).astype(np.float32)
+    w = rng.standard_normal((m, c, *k)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32) if bias else None
+    model = _conv_model(x, w, b, {"strides": list(strides), "pads": pads, "dilations": list(dil)})
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], _ort(model, {"x": x})[0], **TOL)
+    kernel = _kernels(sess, "Conv")[0]
+    if [p.kind for p in kernel._plans.values()] == ["im2col"]:
+        assert [p[0] for p in kernel._prepared.values()] == ["im2col"]
+
+
 def test_depthwise_conv_over_a_large_image_keeps_the_window_path():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, 8, 32, 32)).astype(np.float32)
