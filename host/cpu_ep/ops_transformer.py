@@ -44,6 +44,8 @@ class Attention(OpKernel):
         precision = self.attr("softmax_precision", None)
         self.softmax_dtype = None if precision is None else _float_type(self.attr_int("softmax_precision"))
         self._causal_cache: dict[tuple, np.ndarray] = {}
+        # What _run_plain serves: one output, no softcap or softmax precision of its own.
+        self._plain = self.n_outputs == 1 and self.softcap == 0 and self.softmax_dtype is None
 
     def _heads_first(self, x: np.ndarray, heads: int, what: str) -> np.ndarray:
         if x.ndim == 4:
@@ -57,6 +59,11 @@ class Attention(OpKernel):
         return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
 
     def _run(self, q, k, v, attn_mask=None, past_key=None, past_value=None):
+        if (past_key is None and self._plain and q.dtype in _FAST_SOFTMAX and k.dtype == q.dtype
+                and v.dtype == q.dtype):
+            y = self._run_plain(q, k, v, attn_mask)
+            if y is not None:
+                return (y,)
         if not q.ndim == k.ndim == v.ndim:
             raise ValueError(f"Q, K, V ranks differ: {q.shape}, {k.shape}, {v.shape}")
         if (past_key is None) != (past_value is None):
@@ -115,6 +122,41 @@ class Attention(OpKernel):
             outs.append(qk_out.astype(dtype, copy=False))
         return tuple(outs[:self.n_outputs])
 
+    def _run_plain(self, q, k, v, mask):
+        """The common case in few NumPy calls: one output, no cache, no softcap, float32/float64, as
+        many key/value heads as query heads, a mask covering every key. None when that is not the case
+        (the general path then decides, errors included)."""
+        if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:
+            h = self.q_heads
+            if h < 1 or self.kv_heads != h or q.shape[2] % h or k.shape[2] % h or v.shape[2] % h:
+                return None
+            b, s = q.shape[:2]
+            q4 = q.reshape(b, s, h, -1).transpose(0, 2, 1, 3)
+            k4 = k.reshape(k.shape[0], k.shape[1], h, -1).transpose(0, 2, 3, 1)  # (b, h, d, t)
+            v4 = v.reshape(v.shape[0], v.shape[1], h, -1).transpose(0, 2, 1, 3)
+        elif q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[1] == k.shape[1] == v.shape[1]:
+            q4, k4, v4 = q, k.transpose(0, 1, 3, 2), v
+        else:
+            return None
+        t = k4.shape[3]
+        if mask is not None and (mask.shape[-1] != t or (mask.dtype != q.dtype and mask.dtype != np.bool_)):
+            return None
+        ct = q.dtype.type
+        d = q4.shape[3]
+        scores = np.matmul(q4, k4)
+        scores *= ct(self.scale if self.scale is not None else 1 / math.sqrt(d))
+        bias = self._bias(mask, q4.shape[2], t, 0, q.dtype)
+        if bias is not None:
+            scores += bias
+        probs = self._softmax(scores, bias)
+        if q.ndim == 4:
+            return np.matmul(probs, v4)
+        b, h, s = q4.shape[:3]
+        dv = v4.shape[3]
+        y = np.empty((b, s, h, dv), dtype=q.dtype)  # written in the 3-D output's layout: no transposed copy
+        np.matmul(probs, v4, out=y.transpose(0, 2, 1, 3))
+        return y.reshape(b, s, h * dv)
+
     def _bias(self, mask, s: int, t: int, past_len: int, ct) -> np.ndarray | None:
         """The additive bias (0 or -inf for boolean masks, the values for float ones), causal part included."""
         if mask is not None:
@@ -151,8 +193,8 @@ class Attention(OpKernel):
         if x.dtype in _FAST_SOFTMAX and x.flags.c_contiguous and x.size:
             top = np.maximum.reduce(x, axis=None)
             if np.isfinite(top):
-                e = np.subtract(x, top)
-                np.exp(e, out=e)
+                # Scores near 0 need no shift at all (exp cannot overflow): one call fewer.
+                e = np.exp(x) if -30 < top < 30 else np.exp(np.subtract(x, top))
                 rows = e.reshape(-1, x.shape[-1])
                 total = np.dot(rows, constant_column(x.shape[-1], 1, x.dtype))
                 if np.minimum.reduce(total, axis=None) >= _FAST_SOFTMAX[x.dtype]:

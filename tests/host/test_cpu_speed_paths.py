@@ -316,6 +316,24 @@ def test_attention_softmax_paths_match_the_reference(label, q, mask):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("mask_kind", ["none", "float", "bool", "short"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_4d_and_causal_match_the_reference(causal, mask_kind, dtype):
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)).astype(dtype) for _ in range(3))
+    masks = {"none": None, "float": rng.standard_normal((1, 3, 5, 5)).astype(dtype),
+             "bool": rng.random((5, 5)) > 0.2, "short": rng.standard_normal((5, 3)).astype(dtype)}
+    mask = masks[mask_kind]
+    names = ["q", "k", "v"] + ([] if mask is None else ["mask"])
+    node = helper.make_node("Attention", names, ["y"], is_causal=causal, scale=0.7)
+    feeds = {"q": q, "k": k, "v": v} | ({} if mask is None else {"mask": mask})
+    model = _model([node], feeds, ["y"], {}, opset=23)
+    got = _ephost(model).run(None, feeds)[0]
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 def test_attention_fast_softmax_falls_back_exactly_when_a_row_underflows():
     """The fallback is needed: a shared maximum alone gives NaN (0/0) on the far row."""
     from host.cpu_ep.ops_transformer import Attention
