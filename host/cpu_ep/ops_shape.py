@@ -14,6 +14,33 @@ from host.cpu_ep.base import OpKernel, int_list, normalize_axes, normalize_axis,
 from host.cpu_ep.registry import register
 
 
+class _ShapeMemo(OpKernel):
+    """A kernel whose output shape follows from x's shape and a shape-like second input (target shape,
+    axes): with that input an initializer (or absent: attributes decide), the shape is worked out once
+    per input shape and kept (validation included: it runs on the first call for each shape)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self._bound_arg = None
+        self._memo: dict[tuple, tuple] = {}
+
+    def bind_constants(self, constants):
+        self._bound_arg, self._memo = constants.get(1), {}
+
+    def out_shape(self, x, arg) -> tuple:
+        if arg is None or arg is self._bound_arg:
+            shape = self._memo.get(x.shape)
+            if shape is None:
+                if len(self._memo) >= 64:  # many input shapes (dynamic axes): start over
+                    self._memo = {}
+                shape = self._memo[x.shape] = tuple(self._out_shape(x, arg))
+            return shape
+        return self._out_shape(x, arg)
+
+    def _out_shape(self, x, arg):
+        raise NotImplementedError
+
+
 @register("Identity")
 class Identity(OpKernel):
     def _run(self, x):
@@ -93,7 +120,7 @@ class Size(OpKernel):
 
 
 @register("Reshape", since=5)
-class Reshape(OpKernel):
+class Reshape(_ShapeMemo):
     """0 copies the input dimension unless allowzero (opset 14); -1 is inferred."""
 
     def __init__(self, node):
@@ -101,12 +128,15 @@ class Reshape(OpKernel):
         self.allowzero = self.attr_bool("allowzero", 0)
 
     def _run(self, x, shape):
+        return (x.reshape(self.out_shape(x, shape)),)
+
+    def _out_shape(self, x, shape):
         dims = int_list(shape)
         if not self.allowzero:
             if any(d == 0 for d in dims[x.ndim:]):
                 raise ValueError(f"shape {dims}: a 0 past the input rank {x.ndim} has nothing to copy")
             dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
-        return (x.reshape(dims),)
+        return dims  # a -1 is resolved (and the size checked) by ndarray.reshape at each run
 
 
 @register("Flatten")
@@ -132,7 +162,7 @@ class Transpose(OpKernel):
         return (np.transpose(x, self.perm),)
 
 
-class _AxesKernel(OpKernel):
+class _AxesKernel(_ShapeMemo):
     """An op whose axes are an attribute before opset 13 and an input from then on."""
 
     def __init__(self, node):
@@ -159,13 +189,16 @@ class Unsqueeze(_AxesKernel):
     """Axes index the output, whose rank is input rank + len(axes)."""
 
     def _run(self, x, axes=None):
+        return (x.reshape(self.out_shape(x, axes)),)
+
+    def _out_shape(self, x, axes):
         axes = self.axes(axes)
         if not axes:
             raise ValueError("axes is empty")
         rank = x.ndim + len(axes)
         inserted = set(normalize_axes(axes, rank))
         dims = iter(x.shape)
-        return (x.reshape([1 if i in inserted else next(dims) for i in range(rank)]),)
+        return [1 if i in inserted else next(dims) for i in range(rank)]
 
 
 @register("Concat", since=4)
@@ -270,12 +303,14 @@ class Gather(OpKernel):
 
 
 @register("Expand", since=8)
-class Expand(OpKernel):
+class Expand(_ShapeMemo):
     """Bidirectional broadcast of x against `shape`; the result owns its memory."""
 
+    def _out_shape(self, x, shape):
+        return broadcast_shape(x.shape, int_list(shape))
+
     def _run(self, x, shape):
-        out = broadcast_shape(x.shape, int_list(shape))
-        y = np.empty(out, dtype=x.dtype)
+        y = np.empty(self.out_shape(x, shape), dtype=x.dtype)
         np.copyto(y, x)
         return (y,)
 

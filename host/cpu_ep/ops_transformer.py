@@ -277,8 +277,18 @@ class RotaryEmbedding(OpKernel):
         self.interleaved = self.attr_bool("interleaved", 0)
         self.rotary_dim = self.attr_int("rotary_embedding_dim", 0, lo=0)
         self.num_heads = self.attr_int("num_heads", 0, lo=0)
+        self._bound_cos = self._bound_sin = None
+        self._full: tuple | None = None  # (cos, sin, C, S) for the bound caches
+
+    def bind_constants(self, constants):
+        self._bound_cos, self._bound_sin, self._full = constants.get(1), constants.get(2), None
 
     def _run(self, x, cos_cache, sin_cache, position_ids=None):
+        if (x.ndim == 4 and position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
+                and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
+                and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
+                and 2 * cos_cache.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])):
+            return (self._rotate_whole(x, cos_cache, sin_cache),)
         if x.ndim == 4:
             xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)
         elif x.ndim == 3:
@@ -313,6 +323,25 @@ class RotaryEmbedding(OpKernel):
         out[..., rd:] = xs[..., rd:]
         out = out.astype(x.dtype, copy=False)
         return (out.reshape(x.shape) if x.ndim == 3 else out.transpose(0, 2, 1, 3),)
+
+    def _rotate_whole(self, x, cos, sin):
+        """(batch, heads, seq, size) input rotated over all of each head, halves layout: with
+        C = [cos, cos] and S = [-sin, sin] per token, y = x * C + [x2, x1] * S, which is the same
+        products and sums as the two halves computed apart (negation is exact). C and S are kept for
+        initializer caches."""
+        full = self._full
+        if full is None or full[0] is not cos or full[1] is not sin:
+            C = np.concatenate((cos, cos), axis=-1)[:, None]
+            S = np.concatenate((-sin, sin), axis=-1)[:, None]
+            full = (cos, sin, C, S)
+            if cos is self._bound_cos and sin is self._bound_sin:
+                self._full = full
+        half = x.shape[3] // 2
+        y = x * full[2]
+        swapped = np.concatenate((x[..., half:], x[..., :half]), axis=-1)
+        swapped *= full[3]
+        y += swapped
+        return y
 
 
 # -- ai.ephost fused ops ---------------------------------------------------------------------

@@ -569,3 +569,88 @@ def test_squeeze_excite_over_other_axes_runs_the_kernels_one_by_one():
     sess = _ephost(model)
     np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
     assert [c[0] for c in _chains(sess)] == ["_SqueezeExcite"]
+
+
+# -- shape ops with initializer shapes / axes: the output shape is kept per input shape ---------------
+
+
+def _dynamic_model(node, const_name, const, rank, opset=18):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [f"d{i}" for i in range(rank)])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([node], "g", [x], [y], initializer=[numpy_helper.from_array(const, const_name)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    model = onnx.shape_inference.infer_shapes(model)
+    if not model.graph.output[0].type.tensor_type.HasField("shape"):
+        model.graph.output[0].type.tensor_type.shape.SetInParent()
+    return model
+
+
+@pytest.mark.parametrize("op,const,shapes", [
+    ("Reshape", np.array([0, -1], np.int64), [(2, 3, 4), (5, 2, 2), (2, 3, 4)]),
+    ("Reshape", np.array([-1, 2, 0], np.int64), [(3, 4, 5), (6, 2, 1)]),
+    ("Unsqueeze", np.array([0, -1], np.int64), [(2, 3), (4, 1), (2, 3)]),
+    ("Expand", np.array([3, 1, 4], np.int64), [(1, 5, 1), (3, 2, 1), (1, 5, 1)]),
+])
+def test_shape_ops_with_initializer_arguments_follow_each_input_shape(op, const, shapes):
+    node = helper.make_node(op, ["x", "arg"], ["y"])
+    model = _dynamic_model(node, "arg", const, len(shapes[0]))
+    sess = _ephost(model)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(16)
+    for shape in shapes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = sess.run(None, {"x": x})[0]
+        want = ref.run(None, {"x": x})[0]
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    assert sorted(_kernels(sess, op)[0]._memo) == sorted(set(shapes))
+
+
+def test_reshape_with_an_initializer_shape_still_checks_the_size():
+    from host.errors import KernelError
+
+    model = _dynamic_model(helper.make_node("Reshape", ["x", "arg"], ["y"]), "arg", np.array([4, -1], np.int64), 2)
+    sess = _ephost(model)
+    assert sess.run(None, {"x": np.zeros((2, 6), np.float32)})[0].shape == (4, 3)
+    with pytest.raises(KernelError, match=r"^node '.*' \(Reshape\) on CPUExecutionProvider failed: cannot reshape"):
+        sess.run(None, {"x": np.zeros((3, 3), np.float32)})
+
+
+def test_reshape_with_a_fed_shape_follows_every_run():
+    """A shape that is a graph input is not kept: the same x with another shape reshapes anew."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])
+    shape = helper.make_tensor_value_info("shape", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g", [x, shape], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    sess = _ephost(model)
+    data = np.arange(12, dtype=np.float32).reshape(2, 6)
+    for target in ([3, 4], [4, 3], [-1, 2]):
+        got = sess.run(None, {"x": data, "shape": np.array(target, np.int64)})[0]
+        np.testing.assert_array_equal(got, data.reshape(target))
+
+
+# -- RotaryEmbedding over whole heads --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rotary_dim", [0, 8])
+@pytest.mark.parametrize("caches_fed", [False, True])
+def test_rotary_whole_heads_match_the_reference(dtype, rotary_dim, caches_fed):
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 3, 5, 8)).astype(dtype)
+    angles = rng.standard_normal((2, 5, 4))
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin"], ["y"], rotary_embedding_dim=rotary_dim)
+    caches = {"cos": cos, "sin": sin}
+    model = _model([node], {"x": x} | (caches if caches_fed else {}), ["y"], {} if caches_fed else caches,
+                   opset=23)
+    sess = _ephost(model)
+    for scale in (1, 2):  # fed caches change between runs; bound ones are kept
+        feeds = {"x": x * dtype(scale)} | ({"cos": cos * dtype(scale), "sin": sin} if caches_fed else {})
+        got = sess.run(None, feeds)[0]
+        want = ReferenceEvaluator(model).run(None, feeds)[0]
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    kept = _kernels(sess, "RotaryEmbedding")[0]._full
+    assert (kept is None) == caches_fed
