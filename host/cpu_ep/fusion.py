@@ -26,12 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from host.cpu_ep.base import constant_column
+from host.cpu_ep.ops_elementwise import sigmoid_inplace
 from host.errors import EphostError
-
-try:
-    from scipy.special import expit as _expit
-except ImportError:  # pragma: no cover - depends on the environment
-    _expit = None
 
 # Producers whose kernels always return a newly allocated output (never a view of an input).
 _FRESH = {("", "Conv"), ("", "Gemm"), ("", "MatMul"), ("ai.ephost", "FusedMatMul")}
@@ -96,9 +92,9 @@ def _hard_swish(kernel, y, _other=None):
 
 
 def _sigmoid(kernel, y, _other=None):
-    if _expit is None or y.dtype not in _FLOATS:
+    if y.dtype not in _FLOATS:
         return _call(kernel, y)[0]
-    return _expit(y, out=y)
+    return sigmoid_inplace(y)
 
 
 def _add(kernel, y, other):

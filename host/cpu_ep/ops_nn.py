@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
-from host.cpu_ep.base import OpKernel, compute_dtype, constant_column, normalize_axis, scalar
+from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, scalar
 from host.cpu_ep.ops_reduce import trailing_sum
 from host.cpu_ep.registry import register
 
@@ -500,16 +500,22 @@ class LayerNormalization(OpKernel):
         self.stash_type = self.attr_int("stash_type", 1)
         if self.stash_type not in (1, 11):
             raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+        self._bound: dict[int, np.ndarray] = {}
+        self._tiles: tuple[dict, dict] = ({}, {})
+
+    def bind_constants(self, constants):
+        self._bound, self._tiles = constants, ({}, {})
 
     def _run(self, x, scale, bias=None):
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
         if x.dtype == st and fast_rows(x, axis):
             y, mean, std = standardize_rows(x.reshape(-1, x.shape[-1]), self.epsilon)
-            y = y.reshape(x.shape)
-            y *= scale
+            rows = y.shape[0]
+            y *= bound_tile(self._tiles[0], scale, self._bound.get(1), rows, st)
             if bias is not None:
-                y += bias
+                y += bound_tile(self._tiles[1], bias, self._bound.get(2), rows, st)
+            y = y.reshape(x.shape)
             if self.n_outputs == 1:
                 return (y,)
             stat_shape = x.shape[:-1] + (1,)

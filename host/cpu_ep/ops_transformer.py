@@ -241,6 +241,11 @@ class RMSNormalization(OpKernel):
         self.stash_type = self.attr_int("stash_type", 1)
         if self.stash_type not in (1, 11):
             raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+        self._bound_scale = None
+        self._tiles: dict[int, np.ndarray] = {}
+
+    def bind_constants(self, constants):
+        self._bound_scale, self._tiles = constants.get(1), {}
 
     def _run(self, x, scale):
         axis = normalize_axis(self.axis, x.ndim)
@@ -251,9 +256,9 @@ class RMSNormalization(OpKernel):
             ms = np.dot(np.square(x2), constant_column(x2.shape[1], 1 / x2.shape[1], st))
             ms += st(self.epsilon)
             np.sqrt(ms, out=ms)
-            y = np.divide(x2, ms).reshape(x.shape)
-            y *= scale
-            return (y,)
+            y = np.divide(x2, ms)
+            y *= bound_tile(self._tiles, scale, self._bound_scale, y.shape[0], st)
+            return (y.reshape(x.shape),)
         axes = tuple(range(axis, x.ndim))
         xc = x.astype(st, copy=False)
         ms = np.add.reduce(xc * xc, axis=axes, keepdims=True)

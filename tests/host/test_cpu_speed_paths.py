@@ -654,3 +654,21 @@ def test_rotary_whole_heads_match_the_reference(dtype, rotary_dim, caches_fed):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     kept = _kernels(sess, "RotaryEmbedding")[0]._full
     assert (kept is None) == caches_fed
+
+
+# -- Sigmoid as 1 / (1 + exp(-x)) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sigmoid_over_its_whole_range(dtype):
+    from scipy.special import expit
+
+    x = np.concatenate([np.linspace(-120, 120, 4001), [0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30]]).astype(dtype)
+    model = _model([helper.make_node("Sigmoid", ["x"], ["y"])], {"x": x}, ["y"], {})
+    got = _ephost(model).run(None, {"x": x})[0]
+    want = expit(x.astype(np.float64))
+    assert got.dtype == dtype
+    # Within 4 ulp; values below the dtype's smallest normal number may flush to 0.
+    np.testing.assert_allclose(got, want, rtol=4 * np.finfo(dtype).eps, atol=np.finfo(dtype).tiny)
+    np.testing.assert_array_equal(x, np.concatenate([np.linspace(-120, 120, 4001),
+                                                     [0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30]]).astype(dtype))
