@@ -672,3 +672,19 @@ def test_sigmoid_over_its_whole_range(dtype):
     np.testing.assert_allclose(got, want, rtol=4 * np.finfo(dtype).eps, atol=np.finfo(dtype).tiny)
     np.testing.assert_array_equal(x, np.concatenate([np.linspace(-120, 120, 4001),
                                                      [0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30]]).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_tanh_over_its_whole_range(dtype):
+    x = np.concatenate([np.linspace(-30, 30, 6001), [0.0, np.inf]]).astype(dtype)
+    node = helper.make_node("Gelu", ["x"], ["y"], approximate="tanh")
+    got = _ephost(_model([node], {"x": x}, ["y"], {}, opset=20)).run(None, {"x": x})[0]
+    x64 = x.astype(np.float64)
+    # 0.5 x (1 + tanh(u)) = x * expit(2u), in float64 through scipy (1 + tanh(u) cancels for x << 0).
+    from scipy.special import expit
+
+    want = x64 * expit(2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))
+    want[np.isinf(x64)] = x64[np.isinf(x64)]
+    assert got.dtype == dtype
+    # exp(-2u) magnifies u's rounding by |2u| (up to ~60 here, where the outputs are ~1e-13): 64 ulp.
+    np.testing.assert_allclose(got, want, rtol=64 * np.finfo(dtype).eps, atol=np.sqrt(np.finfo(dtype).tiny))
