@@ -312,6 +312,11 @@ class FuseRegistry:
     def get(self, view_ptr):
         return self._open.get(view_ptr)
 
+    def open_views(self) -> int:
+        """How many graph views are between begin and end (0 outside GetCapability)."""
+        with self._lock:
+            return len(self._open)
+
 
 FUSE_GROUPS = FuseRegistry()
 

@@ -12,8 +12,9 @@ version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails
 eager_slots (every table carries every slot the plugin was built with, whatever the host serves).
 Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
 min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to),
-lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails (a broken answer from
-IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy or IsConcurrentRunSupported) or
+lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails|capability_fails (a broken
+answer from IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy, IsConcurrentRunSupported or
+GetCapability) or
 lie=sync_fails_after_capture (Sync fails once a graph is captured), slow_replay=1 (each replay sleeps
 2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
@@ -156,6 +157,8 @@ class ExampleEp(sdk.EpBase):
 
     # -- capability and kernels --------------------------------------------------------
     def claim(self, graph):
+        if self.lie == "capability_fails":
+            raise sdk.PluginError("injected failure in GetCapability", abi.EP_FAIL)
         chosen = []
         for node in graph.nodes:
             types = [graph.values[i].elem_type for i in node.inputs if i >= 0]

@@ -28,6 +28,8 @@ LIES = {
     ("policy", "1"): (3, "Ep.GetGraphCaptureNodeAssignmentPolicy returned 7; expected 0 (ALL_NODES_ON_EP) or 1 "
                          "(ALLOW_CPU_FOR_SHAPES)"),
     ("concurrent_flag", "0"): (2, "Ep.IsConcurrentRunSupported returned 3; expected 0 or 1"),
+    ("capability_fails", "0"): (1, "GetCapability failed (FAIL): _ephost_example_v{v}: Ep.GetCapability failed: "
+                                   "injected failure in GetCapability"),
     ("concurrent_fails", "0"): (2, "Ep.IsConcurrentRunSupported failed (FAIL): _ephost_example_v{v}: "
                                    "Ep.IsConcurrentRunSupported failed: injected failure in IsConcurrentRunSupported"),
 }

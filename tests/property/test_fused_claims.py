@@ -1,0 +1,97 @@
+"""Property 10: fused-group claims (ABI v6) of two plugin EPs in one session.
+
+The C plugin (ExampleCEP) claims every run of two or more same-shape float32 Adds as one fused
+group; the example EP with fuse=1 claims each maximal run of consecutive nodes it takes. On a
+model where their groups overlap, provider order decides: a later EP's group that shares a node with
+an earlier claim is dropped (counted once per group in `fused_group_overlaps`), its other groups
+stand, and the dropped group's free nodes still go to it one by one. The number of compiled
+partitions each EP runs per call, the node assignment and the answers are checked; no graph view is
+left open for Graph_AddNodesToFuse once the session exists.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from host.plugins import hostapi
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
+from tests.conftest import built_plugin
+from tests.property import harness as h
+
+C_EP, EX, CPU = "ExampleCEP", "ExampleEP", "CPUExecutionProvider"
+EX_FUSING = (EX, {"ops": "Add,Relu", "fuse": "1"})
+
+
+def overlap_model(tail: bool):
+    """a1, a2: same-shape Adds (both EPs take them); s: Sub (neither); r: Relu and b1: a broadcasting
+    Add (only the example EP); with `tail`, two more same-shape Adds c1, c2 after b1."""
+    def vi(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    nodes = [helper.make_node("Add", ["X", "Y"], ["a1"], name="a1"),
+             helper.make_node("Add", ["a1", "Y"], ["a2"], name="a2"),
+             helper.make_node("Sub", ["a2", "Y"], ["s"], name="s"),
+             helper.make_node("Relu", ["s"], ["r"], name="r"),
+             helper.make_node("Add", ["r", "B"], ["b" if tail else "Z"], name="b1")]
+    if tail:
+        nodes += [helper.make_node("Add", ["b", "Y"], ["c"], name="c1"),
+                  helper.make_node("Add", ["c", "Y"], ["Z"], name="c2")]
+    graph = helper.make_graph(nodes, "overlap", [vi("X", [2, 3]), vi("Y", [2, 3]), vi("B", [3])], [vi("Z", [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+FEEDS = {"X": np.linspace(-2, 2, 6, dtype=np.float32).reshape(2, 3), "Y": np.full((2, 3), 0.25, np.float32),
+         "B": np.array([-1.0, 0.5, 2.0], np.float32)}
+
+
+def reference(feeds, tail: bool):
+    x, y, b = feeds["X"], feeds["Y"], feeds["B"]
+    z = np.maximum(x + y + y - y, 0) + b
+    return z + y + y if tail else z
+
+
+# (providers, node assignment, overlapping groups dropped, the example EP's compiled partitions per run);
+# "+tail": the example EP's second group [r, b1, c1, c2] overlaps the C EP's [c1, c2] too.
+ONE, TWO = {"a1": C_EP, "a2": C_EP, "s": CPU, "r": EX, "b1": EX}, {"a1": EX, "a2": EX, "s": CPU, "r": EX, "b1": EX}
+CASES = {
+    "c-then-fusing+tail": ([C_EP, EX_FUSING], {**ONE, "c1": C_EP, "c2": C_EP}, 2, 0),
+    "fusing-then-c+tail": ([EX_FUSING, C_EP], {**TWO, "c1": EX, "c2": EX}, 2, 2),
+    "c-then-fusing": ([C_EP, EX_FUSING], {"a1": C_EP, "a2": C_EP, "s": CPU, "r": EX, "b1": EX}, 1, 1),
+    "fusing-then-c": ([EX_FUSING, C_EP], {"a1": EX, "a2": EX, "s": CPU, "r": EX, "b1": EX}, 1, 2),
+    "fusing-alone": ([EX_FUSING], {"a1": EX, "a2": EX, "s": CPU, "r": EX, "b1": EX}, 0, 2),
+    "c-then-plain": ([C_EP, (EX, {"ops": "Add,Relu"})], {"a1": C_EP, "a2": C_EP, "s": CPU, "r": EX, "b1": EX}, 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlapping_fused_groups_follow_the_provider_order(case):
+    order, assignment, overlaps, partitions = CASES[case]
+    tail = case.endswith("+tail")
+    gc.collect()
+    h.clear_record(6)
+    env = Environment(api_version=6)
+    try:
+        env.register_plugin("ex", built_plugin("example", 6))
+        env.register_plugin("c", built_plugin("example_c"))
+        sess = InferenceSession(overlap_model(tail), h.session_options(), providers=order, env=env)
+        try:
+            assert hostapi.FUSE_GROUPS.open_views() == 0
+            assert sess.node_assignment() == assignment
+            assert sess.fallbacks["fused_group_overlaps"] == overlaps
+            rec = h.record(6)
+            for run in (1, 2):
+                (z,) = sess.run(None, FEEDS)
+                np.testing.assert_allclose(z, reference(FEEDS, tail), rtol=1e-6)
+                assert rec.slot_calls["EpNodeComputeInfo.Compute"] == partitions * run
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
