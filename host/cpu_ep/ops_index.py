@@ -58,6 +58,8 @@ class GatherElements(OpKernel):
             # Initializer indices (exporters' position ids): checked and made flat once per data shape.
             flat = self._flat.get(data.shape)
             if flat is None:
+                if len(self._flat) >= 16:  # many data shapes: keep memory bounded
+                    self._flat = {}
                 flat = self._flat[data.shape] = self._flat_index(data.shape, indices, axis)
             if flat is not _NO_FLAT:
                 return (np.take(data.reshape(-1), flat),)
@@ -116,6 +118,8 @@ class GatherND(OpKernel):
             # Initializer indices: checked and made flat once per data shape; a run is one take.
             cached = self._flat.get(data.shape)
             if cached is None:
+                if len(self._flat) >= 16:  # many data shapes: keep memory bounded
+                    self._flat = {}
                 cached = self._flat[data.shape] = self._flat_index(data, indices)
             flat, rows, out_shape = cached
             return (data.reshape(rows).take(flat, axis=0).reshape(out_shape),)

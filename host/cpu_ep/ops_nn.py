@@ -296,6 +296,8 @@ class Conv(_Spatial):
             pkey = (x.shape, dtype)
             prepared = self._prepared.get(pkey, False)
             if prepared is False:
+                if len(self._prepared) >= 16:  # many input shapes: keep memory bounded, start over
+                    self._prepared = {}
                 prepared = self._prepared[pkey] = self._with_bias_tile(self._prepare(x, w, plan), plan)
             if prepared is not None:
                 return self._run_prepared(x, b, prepared, g, m)
