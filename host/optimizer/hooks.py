@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import onnx
@@ -10,6 +9,7 @@ import onnx
 from host.errors import EphostError, InvalidArgument
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.pipeline import OptimizeResult, optimize
+from host.runtime.warn import warn_caller
 
 # The opsets the session loads (host/runtime/model.py); outside them the session reports the model.
 MIN_OPSET, MAX_OPSET = 7, 23
@@ -54,8 +54,7 @@ def prepare(model, level, optimized_model_filepath: str = "") -> tuple[object, O
     except EphostError:
         raise
     except Exception as exc:  # noqa: BLE001 - optimization must never make a model unrunnable
-        warnings.warn(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized",
-                      RuntimeWarning, stacklevel=3)
+        warn_caller(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized")
         return proto, None
     if optimized_model_filepath:
         save(result.model, optimized_model_filepath)

@@ -14,7 +14,6 @@ Outputs whose shapes shape inference fixed are preallocated on the EP's device b
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ from host.plugins.loader import Slots, negotiate, release_rejected
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, ValueMeta
 from host.runtime.tensor import Allocation, check_output_dims
+from host.runtime.warn import warn_caller
 
 _NULL = ffi.NULL
 FUSED_OP_TYPE = "FusedPartition"
@@ -75,8 +75,8 @@ def collect_claims(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks
                 continue
             if not is_convex(graph, set(group)):
                 fallbacks["fused_group_not_convex"] += 1
-                warnings.warn(f"{ep.owner}: fused group {list(group)} is not convex (a path leaves it and comes "
-                              "back); its nodes are not fused", RuntimeWarning, stacklevel=4)
+                warn_caller(f"{ep.owner}: fused group {list(group)} is not convex (a path leaves it and comes "
+                            "back); its nodes are not fused")
                 continue
             ordered = tuple(sorted(group))  # the model's node order is topological
             claims.groups.append((ep, ordered))
@@ -259,7 +259,7 @@ def compile_groups(groups: list[FusedGroup], graph: Graph, fallbacks) -> tuple[l
                 compiled.append(part)
     for g in failed:
         fallbacks["compile_failed"] += 1
-        warnings.warn(_failure_text(g), RuntimeWarning, stacklevel=4)
+        warn_caller(_failure_text(g))
     return compiled, failed
 
 

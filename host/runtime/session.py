@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 import traceback
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from host.runtime.model import ValueMeta, build_graph
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue, host_array_at
 from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
+from host.runtime.warn import warn_caller
 
 _log = logging.getLogger("ephost")
 CPU_EP = "CPUExecutionProvider"
@@ -156,8 +156,7 @@ class InferenceSession:
                 raise InvalidArgument(f"execution provider {name!r} is not registered; available: {known}")
             if not factory.devices:
                 check_options_without_device(reg, factory, options, self.options.entries)  # mistakes still count
-                warnings.warn(f"{name} has no device; its nodes fall back to {CPU_EP}", RuntimeWarning,
-                              stacklevel=3)
+                warn_caller(f"{name} has no device; its nodes fall back to {CPU_EP}")
                 self.fallbacks["ep_without_device"] += 1
                 continue
             ep = PluginEp(reg, factory, options, self.options.entries)

@@ -19,7 +19,8 @@ lie=sync_fails_after_capture (Sync fails once a graph is captured), slow_replay=
 2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
 Compiled partitions (ABI v6, option fuse=1): every maximal run of consecutive claimed nodes
-(a range of the topological order, so never a cycle) is claimed as one fused group, and
+(a range of the topological order, so never a cycle) is claimed as one fused group (fuse=all: every
+claimed node in one group, which the host refuses when a path leaves it and comes back), and
 compile() turns each into a NumPy closure that Compute runs on the call frame: inputs are read
 in place, static outputs are written into the host's preallocated buffers, dynamic ones are
 allocated through the frame's callback. fail_node=NAME fails inside the closure naming that
@@ -141,7 +142,8 @@ class ExampleEp(sdk.EpBase):
         self.slow_replay = options.get("slow_replay", "0") == "1"
         self.replaying = 0
         self.mock_device = options.get("mock_device", "0") == "1"
-        self.fuse = options.get("fuse", "0") == "1"
+        self.fuse = options.get("fuse", "0") in ("1", "all")
+        self.fuse_all = options.get("fuse", "0") == "all"  # one group of every claimed node: may not be convex
         self.compile_fails = options.get("compile_fails", "")
         self.scratch_bytes = int(options.get("scratch", "0"))
         self.last_output_ptrs: list[int] = []
@@ -174,6 +176,9 @@ class ExampleEp(sdk.EpBase):
     def claim_fused(self, graph):
         if not self.fuse:
             return []
+        if self.fuse_all:
+            chosen = list(self.claim(graph))
+            return [chosen] if chosen else []
         groups: list[list[int]] = []
         previous = None
         for i in self.claim(graph):

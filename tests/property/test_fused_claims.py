@@ -12,6 +12,7 @@ left open for Graph_AddNodesToFuse once the session exists.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import numpy as np
 import pytest
@@ -90,6 +91,45 @@ def test_overlapping_fused_groups_follow_the_provider_order(case):
                 (z,) = sess.run(None, FEEDS)
                 np.testing.assert_allclose(z, reference(FEEDS, tail), rtol=1e-6)
                 assert rec.slot_calls["EpNodeComputeInfo.Compute"] == partitions * run
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
+
+
+@pytest.mark.parametrize("version", [6])
+def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_line(version):
+    """fuse=all claims a1 and a2 as one group around the CPU's Sub (a1 -> s -> a2): fusing it would
+    make a cycle, so the host counts it, warns (pointing at the InferenceSession call), and runs
+    both Adds as per-node kernels of the EP."""
+    def vi(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])
+
+    nodes = [helper.make_node("Add", ["X", "Y"], ["a"], name="a1"), helper.make_node("Sub", ["a", "Y"], ["s"], name="s"),
+             helper.make_node("Add", ["s", "a"], ["Z"], name="a2")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [vi("X"), vi("Y")], [vi("Z")]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    gc.collect()
+    h.clear_record(version)
+    env = Environment(api_version=version)
+    try:
+        reg = env.register_plugin("ex", built_plugin("example", version))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sess = InferenceSession(model, h.session_options(), providers=[(EX, {"ops": "Add", "fuse": "all"})],
+                                    env=env)
+        try:
+            want = (f"EP 'ExampleEP' of plugin 'ex' ({reg.path}): fused group [0, 2] is not convex (a path leaves it "
+                    "and comes back); its nodes are not fused")
+            assert [(w.category, str(w.message), w.filename) for w in caught] == [(RuntimeWarning, want, __file__)]
+            assert sess.fallbacks["fused_group_not_convex"] == 1
+            assert sess.node_assignment() == {"a1": EX, "s": CPU, "a2": EX}
+            x, y = FEEDS["X"], FEEDS["Y"]
+            (z,) = sess.run(None, {"X": x, "Y": y})
+            np.testing.assert_allclose(z, (x + y - y) + (x + y), rtol=1e-6)
+            assert h.record(version).slot_calls["EpNodeComputeInfo.Compute"] == 0
         finally:
             sess.close()
     finally:
