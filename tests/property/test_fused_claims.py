@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from host.errors import KernelError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.runtime.session import InferenceSession
@@ -130,6 +131,33 @@ def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_lin
             (z,) = sess.run(None, {"X": x, "Y": y})
             np.testing.assert_allclose(z, (x + y - y) + (x + y), rtol=1e-6)
             assert h.record(version).slot_calls["EpNodeComputeInfo.Compute"] == 0
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
+
+
+@pytest.mark.parametrize("node, fused, members, index", [("a2", "ExampleEP_fused_0", "'a1', 'a2'", 1),
+                                                         ("r", "ExampleEP_fused_1", "'r', 'b1', 'c1', 'c2'", 0)])
+def test_a_failing_node_is_named_with_its_fused_node_numbered_per_ep(node, fused, members, index):
+    """Fused nodes are numbered per EP in model order (EP_fused_0, _1, ...; the C EP's dropped groups
+    take no number); a failure inside one names the fused node, its members and the node."""
+    gc.collect()
+    env = Environment(api_version=6)
+    try:
+        env.register_plugin("ex", built_plugin("example", 6))
+        env.register_plugin("c", built_plugin("example_c"))
+        providers = [(EX, {"ops": "Add,Relu", "fuse": "1", "fail_node": node}), C_EP]
+        sess = InferenceSession(overlap_model(True), h.session_options(), providers=providers, env=env)
+        try:
+            op = "Add" if node == "a2" else "Relu"
+            want = (f"fused node '{fused}' (nodes {members}) on ExampleEP, at node '{node}' ({op}) failed (FAIL): "
+                    f"_ephost_example_v6: EpNodeComputeInfo.Compute failed: injected failure in node {index} of "
+                    f"'{fused}'")
+            with pytest.raises(KernelError) as info:
+                sess.run(None, FEEDS)
+            assert str(info.value) == want
         finally:
             sess.close()
     finally:
