@@ -138,17 +138,21 @@ def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_lin
         env.close()
 
 
-@pytest.mark.parametrize("node, fused, members, index", [("a2", "ExampleEP_fused_0", "'a1', 'a2'", 1),
-                                                         ("r", "ExampleEP_fused_1", "'r', 'b1', 'c1', 'c2'", 0)])
-def test_a_failing_node_is_named_with_its_fused_node_numbered_per_ep(node, fused, members, index):
-    """Fused nodes are numbered per EP in model order (EP_fused_0, _1, ...; the C EP's dropped groups
-    take no number); a failure inside one names the fused node, its members and the node."""
+@pytest.mark.parametrize("c_first, ops, node, fused, members, index", [
+    (False, "Add,Relu", "a2", "ExampleEP_fused_0", "'a1', 'a2'", 1),
+    (False, "Add,Relu", "r", "ExampleEP_fused_1", "'r', 'b1', 'c1', 'c2'", 0),
+    (True, "Relu", "r", "ExampleEP_fused_0", "'r'", 0),  # after the C EP's two groups: numbered per EP
+])
+def test_a_failing_node_is_named_with_its_fused_node_numbered_per_ep(c_first, ops, node, fused, members, index):
+    """Fused nodes are numbered per EP in model order (EP_fused_0, _1, ...); a failure inside one
+    names the fused node, its members and the node."""
     gc.collect()
     env = Environment(api_version=6)
     try:
         env.register_plugin("ex", built_plugin("example", 6))
         env.register_plugin("c", built_plugin("example_c"))
-        providers = [(EX, {"ops": "Add,Relu", "fuse": "1", "fail_node": node}), C_EP]
+        ex = (EX, {"ops": ops, "fuse": "1", "fail_node": node})
+        providers = [C_EP, ex] if c_first else [ex, C_EP]
         sess = InferenceSession(overlap_model(True), h.session_options(), providers=providers, env=env)
         try:
             op = "Add" if node == "a2" else "Relu"
