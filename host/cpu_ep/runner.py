@@ -34,19 +34,40 @@ def _fused_gather(node: FusedNode):
     return lambda values: (values, first(values))
 
 
-def _steps(nodes, keep: set[int], constants: dict) -> list[tuple]:
+def _through_identities(nodes, constants: dict) -> dict:
+    """constants plus the outputs of Identity nodes over them: the Identity kernel passes its input
+    object through, so at run time such an output is the initializer itself (the TorchScript exporter
+    puts an Identity in front of many weights when the optimizer is off)."""
+    more = dict(constants)
+    for node in nodes:
+        if (node.op_type == "Identity" and node.kernel.node.domain in ("", "ai.onnx") and len(node.inputs) == 1
+                and node.inputs[0] in more and len(node.outputs) == 1 and node.outputs[0] >= 0):
+            more[node.outputs[0]] = more[node.inputs[0]]
+    return more
+
+
+def _steps(nodes, keep: set[int], constants: dict) -> tuple[list[tuple], tuple]:
     """Per node (or joined chain, fusion.py), built once per plan: (node, argument getter, output ids,
-    values to free). Each kernel is told first which of its inputs are initializers
-    (`OpKernel.bind_constants`)."""
+    values to free), and the prelude: (value id, initializer) for each Identity over an initializer,
+    which a run stores up front instead of running the node (unless it is a graph output or profiled).
+    Each kernel is told first which of its inputs are initializers (`OpKernel.bind_constants`)."""
+    constants = _through_identities(nodes, constants)
     for node in nodes:
         bound = {pos: constants[v] for pos, v in enumerate(node.inputs) if v in constants}
         if bound:
             node.kernel.bind_constants(bound)
+    prelude, rest = [], []
+    for node in nodes:
+        out = node.outputs[0] if node.op_type == "Identity" and len(node.outputs) == 1 else -1
+        if out >= 0 and out in constants and out not in keep and "run" not in node.kernel.__dict__:
+            prelude.append((out, constants[out]))
+        else:
+            rest.append(node)
     steps = []
-    for node in fuse(nodes, keep, constants):
+    for node in fuse(rest, keep, constants):
         gather = _fused_gather(node) if isinstance(node, FusedNode) else _gather(node.inputs)
         steps.append((node, gather, tuple(node.outputs), tuple(v for v in node.frees if v not in keep)))
-    return steps
+    return steps, tuple(prelude)
 
 
 def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=None) -> None:
@@ -56,9 +77,11 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
     cached = getattr(owner, "_cpu_run_steps", None)
     if cached is None or cached[0] is not nodes or cached[1] != keep:
         plan = getattr(owner, "plan", None)
-        cached = (nodes, frozenset(keep), _steps(nodes, keep, getattr(plan, "constants", None) or {}))
+        cached = (nodes, frozenset(keep), *_steps(nodes, keep, getattr(plan, "constants", None) or {}))
         if owner is not None:
             owner._cpu_run_steps = cached
+    for vid, arr in cached[3]:
+        values[vid] = arr
     ndarray = np.ndarray
     with np.errstate(all="ignore"):
         for node, gather, outputs, frees in cached[2]:

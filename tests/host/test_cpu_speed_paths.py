@@ -694,3 +694,38 @@ def test_gelu_tanh_over_its_whole_range(dtype):
     np.testing.assert_allclose(got[near], want[near], rtol=32 * np.finfo(dtype).eps, atol=0)
     np.testing.assert_allclose(got[~near], want[~near], rtol=16 * np.finfo(dtype).eps,
                                atol=1e-8 * np.abs(x64[~near & np.isfinite(x64)]).max())
+
+
+# -- Identity over an initializer (TorchScript exports with the optimizer off) ------------------------
+
+
+def _identity_weight_model(weight_is_output: bool):
+    rng = np.random.default_rng(18)
+    x = rng.standard_normal((1, 4, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 1, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Identity", ["w0"], ["w"], name="copy_w"),
+             helper.make_node("Conv", ["x", "w"], ["y"], group=4, pads=[1, 1, 1, 1], name="dw"),
+             helper.make_node("Relu", ["y"], ["out"], name="relu")]
+    outputs = ["out", "w"] if weight_is_output else ["out"]
+    return _model(nodes, {"x": x}, outputs, {"w0": w}), {"x": x}, w
+
+
+def test_identity_over_an_initializer_is_stored_up_front_and_binds_the_weights():
+    model, feeds, w = _identity_weight_model(False)
+    sess = _ephost(model)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    prelude = sess._executor._cpu_run_steps[3]
+    assert len(prelude) == 1 and prelude[0][1] is sess._executor.plan.constants[sess._executor.plan.value_ids["w0"]]
+    assert "copy_w" not in [getattr(s[0], "name", None) for s in _steps(sess)]
+    assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == ["dense"]
+    assert _chains(sess) == [("_EpilogueChain", ("dw", "relu"))]
+
+
+def test_identity_over_an_initializer_that_is_a_graph_output_still_runs():
+    model, feeds, w = _identity_weight_model(True)
+    sess = _ephost(model)
+    out, weight = sess.run(None, feeds)
+    np.testing.assert_allclose(out, _ort(model, feeds)[0], **TOL)
+    np.testing.assert_array_equal(weight, w)
+    assert sess._executor._cpu_run_steps[3] == ()
