@@ -13,8 +13,8 @@ nothing else reads:
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
-order (the pooling's sum is the GEMV that the ReduceMean kernel uses); input it does not expect
-(another dtype, rank or shape) runs the nodes' own kernels in turn. An error names the node whose
+order (the pooling is the GEMV that the ReduceMean and GlobalAveragePool kernels use); input it does
+not expect (another dtype, rank or shape) runs the nodes' own kernels in turn. An error names the node whose
 kernel failed. Nodes wrapped by a profiler are never joined, so each keeps its event.
 """
 

@@ -445,6 +445,11 @@ class AveragePool(_Pool):
 @register("GlobalAveragePool")
 class GlobalAveragePool(OpKernel):
     def _run(self, x):
+        if x.dtype in _ROW_DTYPES and x.ndim > 2 and x.size and x.flags.c_contiguous:
+            # One GEMV against a 1/count column (as ReduceMean over trailing axes).
+            count = math.prod(x.shape[2:])
+            y = np.dot(x.reshape(-1, count), constant_column(count, 1 / count, x.dtype))
+            return (y.reshape(*x.shape[:2], *([1] * (x.ndim - 2))),)
         ct = compute_dtype(x.dtype)
         axes = tuple(range(2, x.ndim))
         y = trailing_sum(x, axes, True, ct)

@@ -729,3 +729,15 @@ def test_identity_over_an_initializer_that_is_a_graph_output_still_runs():
     np.testing.assert_allclose(out, _ort(model, feeds)[0], **TOL)
     np.testing.assert_array_equal(weight, w)
     assert sess._executor._cpu_run_steps[3] == ()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (1, 4, 3, 3), (2, 2, 2, 3, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_global_average_pool_as_a_gemv(shape, dtype):
+    rng = np.random.default_rng(19)
+    x = rng.standard_normal(shape).astype(dtype)
+    model = _model([helper.make_node("GlobalAveragePool", ["x"], ["y"])], {"x": x}, ["y"], {})
+    got = _ephost(model).run(None, {"x": x})[0]
+    want = x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, **TOL)
