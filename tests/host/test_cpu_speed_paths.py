@@ -117,9 +117,11 @@ def test_depthwise_conv_as_dense_matrix_matches_onnxruntime(case):
     attrs = {"group": c, "strides": strides, "pads": pads, "dilations": dil}
     model = _conv_model(x, w, b, attrs)
     sess = _ephost(model)
-    got = sess.run(None, {"x": x})[0]
-    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL)
+    want = _ort(model, {"x": x})[0]
+    for _ in range(2):  # the second run goes through the per-shape closure (Conv._closure)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **TOL)
     kernel = _kernels(sess, "Conv")[0]
+    assert list(kernel._fast) == [x.shape]
     prepared = [p[0] for p in kernel._prepared.values()]
     if [p.kind for p in kernel._plans.values()] == ["pointwise"]:  # one channel, 1x1, stride 1, no padding
         assert prepared == ["pointwise"]
@@ -184,8 +186,11 @@ def test_pointwise_conv_with_bound_weights(batch, bias):
     b = rng.standard_normal(4).astype(np.float32) if bias else None
     model = _conv_model(x, w, b, {})
     sess = _ephost(model)
-    np.testing.assert_allclose(sess.run(None, {"x": x})[0], _ort(model, {"x": x})[0], **TOL)
+    want = _ort(model, {"x": x})[0]
+    for _ in range(2):  # the second run goes through the per-shape closure (Conv._closure)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, **TOL)
     assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == ["pointwise"]
+    assert list(_kernels(sess, "Conv")[0]._fast) == [x.shape]
 
 
 def test_conv_with_fed_weights_takes_the_general_path():
@@ -741,3 +746,28 @@ def test_global_average_pool_as_a_gemv(shape, dtype):
     want = x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_conv_kernel_uses_its_closure_only_for_the_bound_weights_and_bias():
+    """bind_constants' contract: what a kernel derives from bound arrays serves only those arrays (a
+    kernel also runs outside the CPU run loop, with other weights or bias)."""
+    from host.cpu_ep.ops_nn import Conv
+    from host.runtime.node import NodeInfo
+
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((1, 6, 3, 3)).astype(np.float32)
+    w = rng.standard_normal((4, 6, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    kernel = Conv(NodeInfo("c", "Conv", "", 18, {}, ("x", "w", "b"), ("y",)))
+    kernel.bind_constants({1: w, 2: b})
+    for _ in range(2):
+        kernel._run(x, w, b)
+    assert list(kernel._fast) == [x.shape]
+
+    def reference(w_, b_):
+        return np.einsum("mc,nchw->nmhw", w_[:, :, 0, 0], x) + b_.reshape(1, -1, 1, 1)
+
+    np.testing.assert_allclose(kernel._run(x, w, b)[0], reference(w, b), **TOL)
+    np.testing.assert_allclose(kernel._run(x, w, b * 3)[0], reference(w, b * 3), **TOL)
+    np.testing.assert_allclose(kernel._run(x, w * 2, b)[0], reference(w * 2, b), **TOL)
+    np.testing.assert_allclose(kernel._run(x, w, None)[0], reference(w, np.zeros(4, np.float32)), **TOL)
