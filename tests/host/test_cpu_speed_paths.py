@@ -771,3 +771,21 @@ def test_conv_kernel_uses_its_closure_only_for_the_bound_weights_and_bias():
     np.testing.assert_allclose(kernel._run(x, w, b * 3)[0], reference(w, b * 3), **TOL)
     np.testing.assert_allclose(kernel._run(x, w * 2, b)[0], reference(w * 2, b), **TOL)
     np.testing.assert_allclose(kernel._run(x, w, None)[0], reference(w, np.zeros(4, np.float32)), **TOL)
+
+
+@pytest.mark.parametrize("a_shape", [(5, 8), (1, 16, 8), (2, 3, 4, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_by_a_weight_matrix(a_shape, dtype):
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal(a_shape).astype(dtype)
+    b = rng.standard_normal((8, 6)).astype(dtype)
+    model = _model([helper.make_node("MatMul", ["a", "b"], ["y"])], {"a": a}, ["y"], {"b": b})
+    sess = _ephost(model)
+    got = sess.run(None, {"a": a})[0]
+    want = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, **TOL)
+    # The kernel with a non-contiguous operand (a transposed view) takes the general path.
+    view = np.swapaxes(np.ascontiguousarray(np.swapaxes(a, -1, -2)), -1, -2)
+    assert not view.flags.c_contiguous
+    np.testing.assert_allclose(_kernels(sess, "MatMul")[0]._run(view, b)[0], want, **TOL)
