@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 
 import numpy as np
@@ -19,6 +18,7 @@ import numpy as np
 import abi
 from host.errors import GraphCaptureError, InvalidArgument
 from host.plugins import hostapi
+from host.runtime.warn import warn_caller
 
 _log = logging.getLogger("ephost")
 MAX_INTERNAL_RUNS = 16
@@ -135,8 +135,7 @@ class GraphCapture:
                 s.fallbacks["graph_captured"] += 1
                 return
         s.fallbacks["capture_not_reached"] += 1
-        warnings.warn(f"{self.ep.name} did not capture graph {gid} within {MAX_INTERNAL_RUNS} runs; "
-                      "running eagerly", RuntimeWarning, stacklevel=3)
+        warn_caller(f"{self.ep.name} did not capture graph {gid} within {MAX_INTERNAL_RUNS} runs; running eagerly")
 
     def _require_bound_outputs(self, binding) -> None:
         unbound = [n for n in binding.output_names() if binding.outputs.get(n) is None]
