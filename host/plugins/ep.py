@@ -197,6 +197,14 @@ class PluginEp:
             self._streams.append(stream)
         return stream
 
+    def release_stream(self, stream: SyncStream) -> None:
+        """Release one stream before the EP closes (the state of a thread that ended)."""
+        with self._stream_lock:
+            if stream not in self._streams:
+                return  # the EP closed first and released it
+            self._streams.remove(stream)
+        stream.close()
+
     # -- graph capture (v3..v5) -----------------------------------------------------------
     def graph_capture_enabled(self) -> bool:
         s = self.slots

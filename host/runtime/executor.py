@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,6 +186,17 @@ def _location(value) -> tuple[int, int]:
     return (value.device_type, value.device_id)
 
 
+class _ThreadToken:
+    __slots__ = ("__weakref__",)
+
+
+def _release_state(executor_ref, state_ref) -> None:
+    # Weak references only: a finalizer must not keep a closed session's executor alive.
+    executor, st = executor_ref(), state_ref()
+    if executor is not None and st is not None:
+        executor._release(st)
+
+
 class Executor:
     """Runs a Plan; one RunState per thread (or one shared, when runs are serialised)."""
 
@@ -229,12 +241,30 @@ class Executor:
             if not self.concurrent:
                 self._shared = st
         self._tls.state = st
+        if self.concurrent:
+            # A thread's state (kernel contexts, plugin streams) goes when the thread does: thread-local
+            # storage drops the token at thread exit. Otherwise short-lived threads (run_async makes
+            # one per call) would grow the session without bound.
+            token = self._tls.token = _ThreadToken()
+            weakref.finalize(token, _release_state, weakref.ref(self), weakref.ref(st))
         return st
 
+    def _release(self, st: RunState) -> None:
+        with self._lock:
+            if st not in self._states:
+                return  # the session closed first
+            self._states.remove(st)
+        st.close()
+        eps = {id(ep): ep for ep in self.plan.eps}
+        for key, stream in st.streams.items():
+            if stream is not None:
+                eps[key].release_stream(stream)
+
     def close(self) -> None:
-        for st in self._states:
+        with self._lock:  # a thread's exit may be releasing its state at the same time
+            states, self._states = self._states, []
+        for st in states:
             st.close()
-        self._states.clear()
         self._shared = None
         self._device_constants.clear()
         self._tls = threading.local()
