@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from host.optimizer import expand_unclaimed
+from host.optimizer import GraphOptimizationLevel, expand_unclaimed, optimize
 
 FLOAT = TensorProto.FLOAT
 
@@ -65,3 +67,19 @@ def assert_same(original: References, optimized: References, feeds: dict, rtol=1
 def float_arrays(shape, low: float = -4.0, high: float = 4.0):
     """A hypothesis strategy for float32 arrays of `shape` with values in [low, high]."""
     return arrays(np.float32, shape, elements=st.floats(low, high, width=32, allow_nan=False))
+
+
+@functools.cache
+def optimized_fixture(name: str):
+    """A real-model fixture (tests/models), optimized at ORT_ENABLE_ALL, with onnxruntime's outputs on
+    the original: (path, feeds, expected torch outputs, optimized model, onnxruntime outputs)."""
+    from tests.models import available_models, load
+
+    if name not in available_models():
+        pytest.skip(f"fixture tests/models/{name}.onnx (with its .npz) is not present; tests/models/export.py "
+                    "makes it where torch and transformers are installed")
+    path, feeds, expected = load(name)
+    model = onnx.load(str(path))
+    optimized = optimize(model, GraphOptimizationLevel.ORT_ENABLE_ALL).model
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    return path, feeds, expected, optimized, want

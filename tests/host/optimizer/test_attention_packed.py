@@ -9,7 +9,6 @@ ReferenceEvaluator and ephost's CPU EP.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -24,7 +23,7 @@ from onnx.reference import ReferenceEvaluator
 from host.optimizer import GraphOptimizationLevel, optimize
 from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
-from tests.host.optimizer.common import References, assert_same, ops, standard_only
+from tests.host.optimizer.common import References, assert_same, ops, optimized_fixture, standard_only
 
 EXTENDED = GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 
@@ -39,17 +38,8 @@ def _attrs(node) -> dict:
 
 
 # ---- the GPT-2 fixtures ---------------------------------------------------------------------------
-@functools.cache
 def _gpt2(exporter: str):
-    name = f"gpt2_{exporter}"
-    if name not in available_models():
-        pytest.skip(f"fixture tests/models/{name}.onnx (with its .npz) is not present; tests/models/export.py "
-                    "makes it where torch and transformers are installed")
-    path, feeds, expected = load(name)
-    model = onnx.load(str(path))
-    optimized = optimize(model, GraphOptimizationLevel.ORT_ENABLE_ALL).model
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-    return path, feeds, expected, optimized, want
+    return optimized_fixture(f"gpt2_{exporter}")
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])

@@ -10,8 +10,6 @@ whose two halves differ (which RotaryEmbedding cannot express) are left unfused.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -23,7 +21,7 @@ from onnx.reference import ReferenceEvaluator
 
 from host.optimizer import GraphOptimizationLevel, expand_unclaimed, optimize
 from host.runtime.session import InferenceSession
-from tests.host.optimizer.common import References, assert_same, ops
+from tests.host.optimizer.common import References, assert_same, ops, optimized_fixture
 
 EXTENDED = GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 INT64_MAX = np.iinfo(np.int64).max
@@ -35,17 +33,8 @@ except ImportError:  # the fixtures package is another helper's; without it ther
 
 
 # ---- the Llama fixtures ---------------------------------------------------------------------------
-@functools.cache
 def _llama(exporter: str):
-    name = f"llama_{exporter}"
-    if name not in available_models():
-        pytest.skip(f"fixture tests/models/{name}.onnx (with its .npz) is not present; tests/models/export.py "
-                    "makes it where torch and transformers are installed")
-    path, feeds, expected = load(name)
-    model = onnx.load(str(path))
-    optimized = optimize(model, GraphOptimizationLevel.ORT_ENABLE_ALL).model
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-    return path, feeds, expected, optimized, want
+    return optimized_fixture(f"llama_{exporter}")
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
