@@ -18,9 +18,10 @@ GetCapability) or
 lie=sync_fails_after_capture (Sync fails once a graph is captured), slow_replay=1 (each replay sleeps
 2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
-Compiled partitions (ABI v6, option fuse=1): every maximal run of consecutive claimed nodes
-(a range of the topological order, so never a cycle) is claimed as one fused group (fuse=all: every
-claimed node in one group, which the host refuses when a path leaves it and comes back), and
+Compiled partitions (ABI v6, option fuse=1 or fuse=runs): every maximal run of consecutive claimed
+nodes (a range of the topological order, so never a cycle) is claimed as one fused group (fuse=all: every
+claimed node in one group, which the host refuses when a path leaves it and comes back; modes joined by
+'+', e.g. fuse=all+all+runs, propose their groups one after the other), and
 compile() turns each into a NumPy closure that Compute runs on the call frame: inputs are read
 in place, static outputs are written into the host's preallocated buffers, dynamic ones are
 allocated through the frame's callback. fail_node=NAME fails inside the closure naming that
@@ -118,6 +119,31 @@ class ExampleFactory(sdk.FactoryBase):
         return ExampleStream(self.runtime, self)
 
 
+_FUSE_MODES = ("runs", "all")
+
+
+def _fuse_modes(text: str) -> list[str]:
+    """fuse=0 (none), 1 (= runs), all, or modes joined by '+', proposed in that order (all+all+runs)."""
+    if text == "0":
+        return []
+    modes = ["runs" if m == "1" else m for m in text.split("+")]
+    bad = [m for m in modes if m not in _FUSE_MODES]
+    if bad:
+        raise sdk.PluginError(f"option fuse={text!r}: unknown mode(s) {bad}; expected 0, 1, or modes of "
+                              f"{list(_FUSE_MODES)} joined by '+'", abi.EP_INVALID_ARGUMENT)
+    return modes
+
+
+def _consecutive_runs(nodes: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for i in nodes:
+        if groups and i == groups[-1][-1] + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class ExampleEp(sdk.EpBase):
     name = EP_NAME
 
@@ -142,8 +168,7 @@ class ExampleEp(sdk.EpBase):
         self.slow_replay = options.get("slow_replay", "0") == "1"
         self.replaying = 0
         self.mock_device = options.get("mock_device", "0") == "1"
-        self.fuse = options.get("fuse", "0") in ("1", "all")
-        self.fuse_all = options.get("fuse", "0") == "all"  # one group of every claimed node: may not be convex
+        self.fuse_modes = _fuse_modes(options.get("fuse", "0"))
         self.compile_fails = options.get("compile_fails", "")
         self.scratch_bytes = int(options.get("scratch", "0"))
         self.last_output_ptrs: list[int] = []
@@ -174,19 +199,12 @@ class ExampleEp(sdk.EpBase):
 
     # -- compiled partitions (v6) --------------------------------------------------------
     def claim_fused(self, graph):
-        if not self.fuse:
+        if not self.fuse_modes:
             return []
-        if self.fuse_all:
-            chosen = list(self.claim(graph))
-            return [chosen] if chosen else []
+        chosen = list(self.claim(graph))
         groups: list[list[int]] = []
-        previous = None
-        for i in self.claim(graph):
-            if previous is not None and i == previous + 1:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-            previous = i
+        for mode in self.fuse_modes:
+            groups += _consecutive_runs(chosen) if mode == "runs" else [list(chosen)] if chosen else []
         return groups
 
     def compile(self, fused):

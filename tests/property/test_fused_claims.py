@@ -99,11 +99,8 @@ def test_overlapping_fused_groups_follow_the_provider_order(case):
         env.close()
 
 
-@pytest.mark.parametrize("version", [6])
-def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_line(version):
-    """fuse=all claims a1 and a2 as one group around the CPU's Sub (a1 -> s -> a2): fusing it would
-    make a cycle, so the host counts it, warns (pointing at the InferenceSession call), and runs
-    both Adds as per-node kernels of the EP."""
+def _around_the_cpu_model():
+    """a1 -> s -> a2 with a1 also feeding a2: a group {a1, a2} without s is not convex."""
     def vi(name):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])
 
@@ -112,6 +109,15 @@ def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_lin
     model = helper.make_model(helper.make_graph(nodes, "g", [vi("X"), vi("Y")], [vi("Z")]),
                               opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("version", [6])
+def test_a_group_that_is_not_convex_is_refused_with_a_warning_at_the_callers_line(version):
+    """fuse=all claims a1 and a2 as one group around the CPU's Sub (a1 -> s -> a2): fusing it would
+    make a cycle, so the host counts it, warns (pointing at the InferenceSession call), and runs
+    both Adds as per-node kernels of the EP."""
+    model = _around_the_cpu_model()
     gc.collect()
     h.clear_record(version)
     env = Environment(api_version=version)
@@ -168,3 +174,41 @@ def test_a_failing_node_is_named_with_its_fused_node_numbered_per_ep(c_first, op
     finally:
         gc.collect()
         env.close()
+
+
+@pytest.mark.parametrize("version", [6])
+def test_every_group_after_a_refused_one_is_still_judged(version):
+    """fuse=all+all+runs proposes the non-convex group [a1, a2] twice, then a1 and a2 as groups of one:
+    both non-convex proposals are counted and warned about, and the two later groups are still
+    accepted and compiled (one Compute each per run), not dropped with the refused ones."""
+    model = _around_the_cpu_model()
+    gc.collect()
+    h.clear_record(version)
+    env = Environment(api_version=version)
+    try:
+        env.register_plugin("ex", built_plugin("example", version))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sess = InferenceSession(model, h.session_options(),
+                                    providers=[(EX, {"ops": "Add", "fuse": "all+all+runs"})], env=env)
+        try:
+            assert [str(w.message).endswith("fused group [0, 2] is not convex (a path leaves it and comes back); "
+                                            "its nodes are not fused") for w in caught] == [True, True]
+            assert sess.fallbacks["fused_group_not_convex"] == 2
+            assert sess.node_assignment() == {"a1": EX, "s": CPU, "a2": EX}
+            x, y = FEEDS["X"], FEEDS["Y"]
+            (z,) = sess.run(None, {"X": x, "Y": y})
+            np.testing.assert_allclose(z, (x + y - y) + (x + y), rtol=1e-6)
+            assert h.record(version).slot_calls["EpNodeComputeInfo.Compute"] == 2
+        finally:
+            sess.close()
+    finally:
+        gc.collect()
+        env.close()
+
+
+def test_an_unknown_fuse_mode_is_refused_by_the_example_ep():
+    from tests.plugins.example_ep import _fuse_modes
+    assert _fuse_modes("1") == ["runs"] and _fuse_modes("all+runs") == ["all", "runs"] and _fuse_modes("0") == []
+    with pytest.raises(Exception, match=r"fuse='all\+some': unknown mode\(s\) \['some'\]"):
+        _fuse_modes("all+some")
