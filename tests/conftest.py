@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import os
@@ -58,3 +59,16 @@ def _restore_ephost_log_level():
     level = logger.level
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _hang_limit():
+    """EPHOST_TEST_TIMEOUT=S ends the process (exit 1, tracebacks of every thread) when one test runs longer
+    than S seconds. The mutation run sets it: a mutant that leaves a lock held makes the next call wait
+    forever, and mutmut's own timeout, scaled from the whole suite's duration, is hours away."""
+    limit = os.environ.get("EPHOST_TEST_TIMEOUT")
+    if limit:
+        faulthandler.dump_traceback_later(float(limit), exit=True)
+    yield
+    if limit:
+        faulthandler.cancel_dump_traceback_later()
