@@ -10,7 +10,10 @@ with the references, after copying fresh data into the bound inputs and NaNs int
 
 from __future__ import annotations
 
+import glob
+import json
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 
@@ -55,6 +58,8 @@ class Model:
     computes: int = 0
     replays: int = 0
     sync_replays: int = 0
+    eager_calls: int = 0
+    bound_calls: int = 0  # run_with_iobinding calls, refused ones included
 
 
 @dataclass
@@ -89,11 +94,23 @@ def _rebind(b, bufs: Buffers, what: str, case) -> None:
     (b.bind_input if kind == "input" else b.bind_output)(name, arr)
 
 
-def play(case, version: int, min_runs: int, steps, refs: h.References) -> None:
+def play(case, version: int, min_runs: int, steps, refs: h.References, profile: bool = False) -> None:
+    """The steps on one session; with `profile`, profiling on (its run path is a separate branch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        m = _play(case, version, min_runs, steps, refs, f"{tmp}/trace_" if profile else None)
+        if profile:
+            (path,) = glob.glob(f"{tmp}/trace_*.json")
+            with open(path, encoding="utf-8") as f:
+                runs = [e.get("args") for e in json.load(f)["traceEvents"] if e["name"] == "model_run"]
+            assert sorted(runs, key=str) == sorted([None] * m.eager_calls + [{"iobinding": True}] * m.bound_calls,
+                                                   key=str)
+
+
+def _play(case, version: int, min_runs: int, steps, refs: h.References, profile_prefix: str | None) -> Model:
     feeds = [case.feeds, case.feeds2]
     m = Model(len(case.nodes), min_runs)
     with h.example_env(version, [version]) as env:
-        sess = h.session(case, env, {"enable_graph": "1", "min_runs": str(min_runs)})
+        sess = h.session(case, env, {"enable_graph": "1", "min_runs": str(min_runs)}, profile_prefix=profile_prefix)
         try:
             ro = RunOptions()
             b, ins, outs = h.bind(sess, case.feeds, case.outputs)
@@ -110,6 +127,7 @@ def play(case, version: int, min_runs: int, steps, refs: h.References) -> None:
                 elif st_[0] == "eager":
                     refs.check(sess.run(None, data, ro), data, f"step {i}: eager run with the shared RunOptions")
                     m.computes += m.nodes
+                    m.eager_calls += 1
                 elif st_[0] == "rebind":
                     _rebind(b, bufs, st_[1], case)
                 elif st_[0] == "check":
@@ -123,8 +141,11 @@ def play(case, version: int, min_runs: int, steps, refs: h.References) -> None:
             replays = sum(sess.fallbacks[k] for k in ("replay_stream_sync", "replay_device_sync", "replay_async"))
             assert replays == m.replays
             assert sess.fallbacks["replay_async"] == m.replays - m.sync_replays
+            if profile_prefix is not None:
+                sess.end_profiling()
         finally:
             sess.close()
+    return m
 
 
 def refusal(gid: int, then: dict[str, tuple], now: dict[str, tuple]) -> str:
@@ -150,6 +171,7 @@ def _refused_change(sess, b, ro, bufs: Buffers, m: Model, case, what: str) -> No
         view = bufs.bound[name].reshape((1,) + bufs.bound[name].shape)  # same address, one more dimension
         b.bind_output(name, view)
         now = {**bufs.ids(), f"output '{name}'": (view.__array_interface__["data"][0], view.shape, view.dtype.str)}
+    m.bound_calls += 1
     with pytest.raises(GraphCaptureError, match="^" + re.escape(refusal(m.gid, m.captured[m.gid], now))):
         sess.run_with_iobinding(b, ro)
     for k, v in bufs.bound.items():  # the same buffers again: the graph replays as before
@@ -162,6 +184,7 @@ def _bound(sess, b, ro, bufs: Buffers, m: Model, case, data, refs, i: int) -> No
     for k in case.outputs:
         bufs.bound[k][...] = np.nan
     now = bufs.ids()
+    m.bound_calls += 1
     if m.gid in m.captured and m.captured[m.gid] != now:
         with pytest.raises(GraphCaptureError, match="^" + re.escape(refusal(m.gid, m.captured[m.gid], now))):
             sess.run_with_iobinding(b, ro)
@@ -189,23 +212,23 @@ versions = st.sampled_from(ft.CAPTURE_VERSIONS)
 
 
 @given(case=s.elementwise_graphs(max_nodes=3), version=versions, min_runs=st.integers(0, 2),
-       steps=st.lists(step, min_size=1, max_size=12))
+       steps=st.lists(step, min_size=1, max_size=12), profile=st.booleans())
 @example(case=h.chain_case(), version=5, min_runs=1,
-         steps=[("eager",), ("eager",), ("eager",), ("bound",), ("bound",), ("eager",), ("bound",)])
+         steps=[("eager",), ("eager",), ("eager",), ("bound",), ("bound",), ("eager",), ("bound",)], profile=True)
 @example(case=h.chain_case(), version=3, min_runs=0,
          steps=[("gid", "1"), ("eager",), ("bound",), ("gid", "-1"), ("eager",), ("bound",), ("gid", "1"),
-                ("sync", "1"), ("bound",), ("eager",), ("gid", "2"), ("bound",), ("bound",)])
+                ("sync", "1"), ("bound",), ("eager",), ("gid", "2"), ("bound",), ("bound",)], profile=False)
 @example(case=h.chain_case(), version=4, min_runs=2,
          steps=[("bound",), ("bound",), ("rebind", "input_new"), ("bound",), ("rebind", "input_back"), ("bound",),
                 ("rebind", "input_same"), ("bound",), ("rebind", "output_new"), ("bound",),
                 ("rebind", "output_back"), ("rebind", "output_same"), ("bound",), ("check", "unbind_inputs"),
-                ("bound",), ("check", "reshape_output"), ("bound",)])
+                ("bound",), ("check", "reshape_output"), ("bound",)], profile=False)
 @example(case=h.chain_case(), version=max(ft.CAPTURE_VERSIONS), min_runs=0,
          steps=[("bound",), ("rebind", "input_new"), ("gid", "-1"), ("bound",), ("eager",), ("gid", "3"),
-                ("bound",), ("bound",)])
+                ("bound",), ("bound",)], profile=False)
 @settings(deadline=None, max_examples=s.budget(10))
-def test_reused_run_options_binding_and_session(case, version, min_runs, steps):
-    play(case, version, min_runs, steps, h.References(case))
+def test_reused_run_options_binding_and_session(case, version, min_runs, steps, profile):
+    play(case, version, min_runs, steps, h.References(case), profile)
 
 
 @given(case=s.elementwise_graphs(max_nodes=3), version=versions, eager=st.integers(1, 4),
