@@ -235,9 +235,11 @@ class ExampleEp(sdk.EpBase):
 
     # -- runs and graphs (v3..v5) --------------------------------------------------------
     def OnRunStart(self, run_options):
+        seen = self.run_options(run_options).get("gpu_graph_id")
+        self.runtime.record.slot_calls[f"OnRunStart gpu_graph_id={seen}"] += 1  # what the host passed on
         if not self.graph_enabled:
             return
-        gid = int(self.run_options(run_options).get("gpu_graph_id", "0"))
+        gid = int(seen or "0")
         if gid == -1 or gid in self.graphs:
             return
         with self.lock:

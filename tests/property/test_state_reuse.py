@@ -10,6 +10,7 @@ with the references, after copying fresh data into the bound inputs and NaNs int
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import re
@@ -242,6 +243,33 @@ def test_eager_runs_before_capture_do_not_count_as_warm_up(case, version, eager,
     steps += [] if sync is None else [("sync", sync)]
     steps += [("eager",)] * eager + [("bound",)] * 3
     play(case, version, 1, steps, h.References(case))
+
+
+@given(version=versions, capture=st.booleans(), gid=st.sampled_from([None, "-1", "0", "2"]))
+@example(version=5, capture=False, gid="2")
+@example(version=5, capture=True, gid=None)
+@settings(deadline=None, max_examples=s.budget(10))
+def test_the_ep_sees_the_callers_graph_id_unless_the_session_captures(version, capture, gid):
+    """The gpu_graph_id in OnRunStart's run options: a session that does not capture passes the
+    caller's entry through untouched, eager and bound; one that captures says -1 on eager runs (never
+    captured) and, on a bound run, the id it captures (0 when the caller set none)."""
+    case = h.chain_case()
+    ro = RunOptions()
+    if gid is not None:
+        ro.add_run_config_entry("gpu_graph_id", gid)
+    with h.example_env(version, [version]) as env:
+        sess = h.session(case, env, {"enable_graph": str(int(capture)), "min_runs": "0"})
+        try:
+            sess.run(None, case.feeds, ro)
+            b, _, _ = h.bind(sess, case.feeds, case.outputs)
+            sess.run_with_iobinding(b, ro)
+            seen = {k: v for k, v in h.record(version).slot_calls.items() if k.startswith("OnRunStart ")}
+        finally:
+            sess.close()
+    eager = "-1" if capture else gid
+    bound = (gid or "0") if capture else gid
+    want = collections.Counter([f"OnRunStart gpu_graph_id={eager}", f"OnRunStart gpu_graph_id={bound}"])
+    assert seen == want
 
 
 @pytest.mark.parametrize("version", ft.CAPTURE_VERSIONS)
