@@ -15,7 +15,9 @@ min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must c
 lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails|capability_fails (a broken
 answer from IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy, IsConcurrentRunSupported or
 GetCapability) or
-lie=sync_fails_after_capture (Sync fails once a graph is captured), slow_replay=1 (each replay sleeps
+lie=sync_fails_after_capture (Sync fails once a graph is captured), lie=run_start_fails|run_end_fails
+(OnRunStart or OnRunEnd fails on every run; OnRunStart records the gpu_graph_id it was given and
+OnRunEnd the sync_stream flag, in slot_calls), slow_replay=1 (each replay sleeps
 2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
 Compiled partitions (ABI v6, option fuse=1 or fuse=runs): every maximal run of consecutive claimed
@@ -237,6 +239,8 @@ class ExampleEp(sdk.EpBase):
     def OnRunStart(self, run_options):
         seen = self.run_options(run_options).get("gpu_graph_id")
         self.runtime.record.slot_calls[f"OnRunStart gpu_graph_id={seen}"] += 1  # what the host passed on
+        if self.lie == "run_start_fails":
+            raise sdk.PluginError("injected failure in OnRunStart", abi.EP_FAIL)
         if not self.graph_enabled:
             return
         gid = int(seen or "0")
@@ -248,11 +252,14 @@ class ExampleEp(sdk.EpBase):
                 self.capturing, self.recording, self.capture_allocations = gid, [], []
 
     def OnRunEnd(self, run_options, sync_stream):
+        self.runtime.record.slot_calls[f"OnRunEnd sync_stream={sync_stream}"] += 1
         with self.lock:
             if self.capturing is not None:
                 self.graphs[self.capturing] = self.recording
                 self.graph_memory[self.capturing] = self.capture_allocations
                 self.capturing = None
+        if self.lie == "run_end_fails":
+            raise sdk.PluginError("injected failure in OnRunEnd", abi.EP_FAIL)
 
     def IsGraphCaptureEnabled(self):
         return 2 if self.lie == "capture_flag" else int(self.graph_enabled)
