@@ -373,8 +373,10 @@ class InferenceSession:
         parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         outs = [self._executor.to_host(st.values[i]) for i in ids]
-        # Views (of EP allocations, feeds or initializers) are copied so results are the caller's own.
-        return [o if o.flags.owndata else o.copy() for o in outs]
+        # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
+        # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
+        feed_ids = {id(v) for v in fed.values()}
+        return [o if o.flags.owndata and id(o) not in feed_ids else o.copy() for o in outs]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
         ex = self._executor

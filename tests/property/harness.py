@@ -67,23 +67,25 @@ def example_env(host_version: int, plugin_versions=(), clear: bool = True):
         env.close()
 
 
-def session_options(profile_prefix: str | None = None):
+def session_options(profile_prefix: str | None = None, intra_op_threads: int = 0):
     """No graph optimization: the properties count kernel calls per node of the model as written
     (the optimizer's own equivalence is tests/host/optimizer's business). With `profile_prefix`,
     profiling on, its trace files starting with that prefix."""
     so = SessionOptions()
     so.graph_optimization_level = 0  # ORT_DISABLE_ALL
+    so.intra_op_num_threads = intra_op_threads
     if profile_prefix is not None:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
     return so
 
 
-def session(case_or_model, env, opts: dict[str, str] | None = None, providers=None, profile_prefix=None):
+def session(case_or_model, env, opts: dict[str, str] | None = None, providers=None, profile_prefix=None,
+            intra_op_threads: int = 0):
     model = getattr(case_or_model, "model", case_or_model)
     if providers is None:
         providers = [(EXAMPLE_EP, dict(opts or {}))]
-    return InferenceSession(model, session_options(profile_prefix), providers=providers, env=env)
+    return InferenceSession(model, session_options(profile_prefix, intra_op_threads), providers=providers, env=env)
 
 
 # ---- references ---------------------------------------------------------------------------------

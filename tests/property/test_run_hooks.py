@@ -121,3 +121,4 @@ def test_a_failing_run_hook_is_the_runs_ep_error_naming_the_slot(slot, version):
             assert len(hostapi.STATUSES) == statuses
         finally:
             sess.close()
+

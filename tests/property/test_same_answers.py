@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from host.errors import GraphCaptureError
@@ -23,13 +23,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:ExampleEP did not capture graph:
 
 
 @given(case=s.graphs(), host=s.versions, plugin=s.versions, null_slots=s.null_slot_sets,
-       opts=s.example_ep_options(graph=False))
+       opts=s.example_ep_options(graph=False), intra=st.sampled_from([0, 1, 2]))
+@example(case=h.chain_case(), host=5, plugin=5, null_slots=(), opts={}, intra=1)
 @settings(deadline=None)
-def test_eager_run_matches_references(case, host, plugin, null_slots, opts):
+def test_eager_run_matches_references(case, host, plugin, null_slots, opts, intra):
+    """Also with intra_op_num_threads set (the session bounds the BLAS threads around a run)."""
     refs = h.References(case)
     with h.example_env(host, [plugin]) as env:
-        sess = h.session(case, env, h.with_null_slots(opts, null_slots))
-        cpu = h.session(case, env, providers=[])
+        sess = h.session(case, env, h.with_null_slots(opts, null_slots), intra_op_threads=intra)
+        cpu = h.session(case, env, providers=[], intra_op_threads=intra)
         try:
             expected_on_ep = {n for n, op in case.nodes.items() if op in h.claimed_ops(opts)}
             assert {n for n, ep in sess.node_assignment().items() if ep == h.EXAMPLE_EP} == expected_on_ep
@@ -174,3 +176,31 @@ def test_replay_from_threads_matches_references(case, version, threads, min_runs
             sess.close()
     if errors:
         raise errors[0]
+
+
+@pytest.mark.parametrize("on_example_ep", [False, True])
+def test_results_are_the_callers_own(on_example_ep):
+    """Outputs that are views (an Identity or a Reshape of a feed, on the CPU EP) come back as copies:
+    neither overwriting the feeds afterwards nor the next run changes results already returned."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 3])
+    a = helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3])
+    b = helper.make_tensor_value_info("B", TensorProto.FLOAT, [3, 2])
+    nodes = [helper.make_node("Identity", ["X"], ["A"], name="id"), helper.make_node("Reshape", ["X", "S"], ["B"], name="r")]
+    shape = numpy_helper.from_array(np.array([3, 2], np.int64), "S")
+    model = helper.make_model(helper.make_graph(nodes, "views", [x], [a, b], [shape]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    first = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with h.example_env(5, [5]) as env:
+        sess = h.session(model, env, {"ops": "Add"}, providers=None if on_example_ep else [])
+        try:
+            feeds = {"X": first.copy()}
+            got = sess.run(None, feeds)
+            feeds["X"].fill(np.nan)
+            sess.run(None, {"X": np.full((2, 3), -1.0, np.float32)})
+            np.testing.assert_array_equal(got[0], first)
+            np.testing.assert_array_equal(got[1], first.reshape(3, 2))
+        finally:
+            sess.close()
