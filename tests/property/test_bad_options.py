@@ -11,14 +11,16 @@ is left broken: sessions created afterwards work (run and compared with the refe
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.errors import InvalidArgument
+from host.errors import InvalidArgument, ModelError
 from host.plugins import hostapi
+from host.runtime.session import InferenceSession
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
 from tests.property import harness as h
 from tests.property import strategies as s
@@ -173,3 +175,46 @@ def test_without_a_device_check_every_device_id_parses_but_the_rest_is_still_val
     assert parse_options({"device_id": "7"}, 0, check_device=False).device_id == 7
     with pytest.raises(OptionError, match="^option gpu_external_empty_cache needs"):
         parse_options({"gpu_external_empty_cache": "1"}, 0, check_device=False)
+
+
+# ---- the host's own refusals: provider entries, option text, nodes no EP supports ----------------------------
+@pytest.mark.parametrize("entry", [(1, {}), ("ExampleEP", {}, "extra"), ("ExampleEP",), ("ExampleEP", "ops=Add"), 5,
+                                   ["ExampleEP", {"ops": "Add"}, {}]])
+def test_a_malformed_provider_entry_is_named_whole(entry):
+    want = f"a provider must be a name or (name, options dict); got {entry!r}"
+    with h.example_env(5, [5]) as env:
+        with pytest.raises(InvalidArgument, match="^" + re.escape(want) + "$"):
+            InferenceSession(h.chain_case().model, h.session_options(), providers=[entry], env=env)
+
+
+@pytest.mark.parametrize("key, value, what, why", [
+    ("ops\0x", "Add", "key", "contains a NUL character; keys and values must be plain text"),
+    ("ops", "Add\0", "value", "contains a NUL character; keys and values must be plain text"),
+    ("\ud800", "1", "key", "is not encodable as UTF-8 (surrogates not allowed)"),
+    ("min_runs", "\ud800", "value", "is not encodable as UTF-8 (surrogates not allowed)"),
+])
+def test_option_text_that_cannot_reach_the_plugin_is_refused_whole(key, value, what, why):
+    want = f"ExampleEP option {key!r}: the {what} {why}"
+    with h.example_env(5, [5]) as env:
+        with pytest.raises(InvalidArgument, match="^" + re.escape(want) + "$"):
+            InferenceSession(h.chain_case().model, h.session_options(), providers=[("ExampleEP", {key: value})],
+                             env=env)
+
+
+def test_nodes_no_ep_supports_are_all_named():
+    """Every unsupported node is listed (not only the first), with its domain (ai.onnx for the default
+    one) and opset; the supported node between them does not stop the scan."""
+    from onnx import TensorProto, helper
+
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("X", "Z")]
+    nodes = [helper.make_node("Hardmax", ["X"], ["a"], name="h"), helper.make_node("Relu", ["a"], ["b"], name="r"),
+             helper.make_node("Shrink", ["b"], ["c"], name="s"),
+             helper.make_node("Twist", ["c"], ["Z"], name="t", domain="com.example")]
+    model = helper.make_model(helper.make_graph(nodes, "g", vi[:1], vi[1:]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 2)])
+    model.ir_version = 10
+    want = ("no execution provider supports 3 node(s): 'h' (ai.onnx::Hardmax, opset 17), "
+            "'s' (ai.onnx::Shrink, opset 17), 't' (com.example::Twist, opset 2)")
+    with h.example_env(5, [5]) as env:
+        with pytest.raises(ModelError, match="^" + re.escape(want) + "$"):
+            InferenceSession(model, h.session_options(), providers=["ExampleEP"], env=env)

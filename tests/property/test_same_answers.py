@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from host.errors import GraphCaptureError
 from tests.property import harness as h
@@ -202,5 +203,36 @@ def test_results_are_the_callers_own(on_example_ep):
             sess.run(None, {"X": np.full((2, 3), -1.0, np.float32)})
             np.testing.assert_array_equal(got[0], first)
             np.testing.assert_array_equal(got[1], first.reshape(3, 2))
+        finally:
+            sess.close()
+
+
+@given(x=hnp.arrays(np.float32, (2, 4), elements=st.floats(-2, 2, width=32)), on_example_ep=st.booleans())
+@settings(deadline=None, max_examples=s.budget(10))
+def test_omitted_optional_inputs_and_outputs(x, on_example_ep):
+    """Clip with its `min` omitted ("") and LayerNormalization with its Mean output omitted, next to
+    values used later: an omitted name is no value at all, never another value of the graph."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    def vi(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    nodes = [helper.make_node("Clip", ["X", "", "hi"], ["C"], name="clip"),
+             helper.make_node("LayerNormalization", ["X", "sc", "bi"], ["L", "", "I"], name="ln"),
+             helper.make_node("Add", ["X", "Y"], ["A"], name="add")]
+    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "hi"),
+             numpy_helper.from_array(np.ones(4, np.float32), "sc"), numpy_helper.from_array(np.zeros(4, np.float32), "bi")]
+    graph = helper.make_graph(nodes, "optional", [vi("X", [2, 4]), vi("Y", [2, 4])],
+                              [vi("C", [2, 4]), vi("L", [2, 4]), vi("I", [2, 1]), vi("A", [2, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    feeds = {"X": x, "Y": x + 3.0}
+    want = ReferenceEvaluator(model).run(None, feeds)
+    with h.example_env(5, [5]) as env:
+        sess = h.session(model, env, {"ops": "Add"}, providers=None if on_example_ep else [])
+        try:
+            for got, ref in zip(sess.run(None, feeds), want):
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
         finally:
             sess.close()
