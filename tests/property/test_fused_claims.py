@@ -184,3 +184,35 @@ def test_an_unknown_fuse_mode_is_refused_by_the_example_ep():
     assert _fuse_modes("1") == ["runs"] and _fuse_modes("all+runs") == ["all", "runs"] and _fuse_modes("0") == []
     with pytest.raises(Exception, match=r"fuse='all\+some': unknown mode\(s\) \['some'\]"):
         _fuse_modes("all+some")
+
+
+def test_a_profiled_run_names_each_compiled_partition_as_the_ep_numbers_it():
+    """One Node event per compiled partition per run, under the fused node's name (the EP's own
+    numbering, <EP>_fused_<k>), with op FusedPartition, the EP and the original nodes it holds."""
+    import glob
+    import json
+    import tempfile
+
+    gc.collect()
+    env = Environment(api_version=6)
+    try:
+        env.register_plugin("ex", built_plugin("example", 6))
+        with tempfile.TemporaryDirectory() as tmp:
+            so = h.session_options(f"{tmp}/trace_")
+            sess = InferenceSession(overlap_model(tail=False), so, providers=[EX_FUSING], env=env)
+            try:
+                sess.run(None, FEEDS)
+                sess.end_profiling()
+            finally:
+                sess.close()
+            (path,) = glob.glob(f"{tmp}/trace_*.json")
+            with open(path, encoding="utf-8") as f:
+                events = [e for e in json.load(f)["traceEvents"] if e["cat"] == "Node"]
+        got = sorted((e["name"], e["args"]["op_name"], e["args"]["provider"], tuple(e["args"].get("fused_nodes", ())))
+                     for e in events)
+        assert got == [("ExampleEP_fused_0", "FusedPartition", EX, ("a1", "a2")),
+                       ("ExampleEP_fused_1", "FusedPartition", EX, ("r", "b1")),
+                       ("s", "Sub", CPU, ())]
+    finally:
+        gc.collect()
+        env.close()
