@@ -216,3 +216,24 @@ def test_a_profiled_run_names_each_compiled_partition_as_the_ep_numbers_it():
     finally:
         gc.collect()
         env.close()
+
+
+@pytest.mark.parametrize("host", [1, 5])
+def test_a_compiling_plugin_on_an_older_host_records_the_kernel_fallback_per_session(host):
+    """A v6 example EP asked to fuse, on a host older than v6: each session's GetCapability records
+    one kernels_instead_of_compile (per-node kernels run instead), so two sessions record two."""
+    gc.collect()
+    h.clear_record(6)
+    env = Environment(api_version=host)
+    try:
+        env.register_plugin("ex", built_plugin("example", 6))
+        for n in (1, 2):
+            sess = InferenceSession(overlap_model(tail=False), h.session_options(), providers=[EX_FUSING], env=env)
+            try:
+                np.testing.assert_allclose(sess.run(None, FEEDS)[0], reference(FEEDS, tail=False), rtol=1e-6)
+            finally:
+                sess.close()
+            assert h.record(6).fallbacks["kernels_instead_of_compile"] == n
+    finally:
+        gc.collect()
+        env.close()
