@@ -114,3 +114,37 @@ def test_an_older_host_is_recorded_once_per_creation():
         base, _cb2 = api_base(rt, TOP)
         create(rt, base)
         assert rec.fallbacks[f"host_api_v{TOP}"] == 0, "a host as new as the plugin is no fallback"
+
+
+@pytest.mark.parametrize("name", [b"my-registration", None])
+def test_a_factory_given_as_an_object_is_exposed_as_its_table(name):
+    """A plugin's create_factories may return factory objects instead of tables: the SDK exposes
+    each as an EpFactory table (GetName answers through it) and counts it; create_factories gets
+    the registration name ("" for NULL) and the host's logger as they came."""
+    from tests.plugins.example_ep import ExampleFactory
+
+    with plugin_runtime() as rt:
+        pffi = rt.ffi
+        seen = []
+
+        def make(runtime, registration, logger):
+            seen.append((registration, logger))
+            return [ExampleFactory(runtime, logger, "")]
+
+        real, rt._create_factories = rt._create_factories, make
+        try:
+            base, _cb = api_base(rt, TOP)
+            logger = pffi.cast("const EpLogger*", 0x1000)  # never dereferenced by the factory here
+            factories = pffi.new("EpFactory*[]", 2)
+            num = pffi.new("size_t*", 7)
+            reg = pffi.new("char[]", name) if name is not None else pffi.NULL
+            live = rt.record.live["EpFactory"]
+            rt._create_locked(reg, base, logger, factories, 2, num)
+        finally:
+            rt._create_factories = real
+        assert num[0] == 1 and factories[0] != pffi.NULL
+        assert pffi.string(factories[0].GetName(factories[0])).decode() == "ExampleEP"
+        assert factories[0].version == rt.compiled_version
+        assert rt.record.live["EpFactory"] - live == 1
+        assert seen == [((name or b"").decode(), logger)]
+        rt.forget(pffi.cast("void*", factories[0]), "EpFactory")
