@@ -338,6 +338,19 @@ def _row_block(cols: int) -> int:
     return min(256, max(32, -(-cols // 32) * 32))
 
 
+def _softmax_logit(op) -> tuple[str, str, list]:
+    """(row set-up, logit of column c, extra pointer params) of a softmax step; with an attention
+    mask (Attention's additive float attn_mask), the mask row is found from the row's (b, h, i) and
+    the mask's broadcast strides; columns past the mask's length are masked (padding)."""
+    if "mask_strides" not in op.attrs:
+        return "", "xr[c]", []
+    mb, mh, mi = op.attrs["mask_strides"]
+    q_len, heads = op.attrs["q_len"], op.attrs["heads"]
+    setup = (f"  const long long ri = blockIdx.x % {q_len}, rbh = blockIdx.x / {q_len};\n"
+             f"  const float* mr = p2 + (rbh / {heads}) * {mb}LL + (rbh % {heads}) * {mh}LL + ri * {mi}LL;\n")
+    return setup, f"(c < {op.attrs['mask_len']} ? xr[c] + mr[c] : -EP_INF)", [op.inputs[1]]
+
+
 def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     op = step.op
     shape = prog.values[op.inputs[0]].shape
@@ -345,26 +358,34 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     rows = math.prod(shape[:-1]) if shape else 1
     _check_size(prog, op.inputs + op.outputs)
     block = _row_block(cols)
+    setup, logit, extra = _softmax_logit(op)
     # Causal attention: row r is query i = r % q_len, which sees keys 0..i (the rest weigh 0).
     limit = f"(int)(blockIdx.x % {op.attrs['q_len']}) + 1" if op.attrs.get("causal") else "C"
     if op.attrs["log"]:
         finish = "  const float ls = logf(s);\n  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] - m - ls;\n"
     else:
-        finish = "  for (int c = threadIdx.x; c < C; c += B) yr[c] = c < L ? expf(xr[c] - m) / s : 0.0f;\n"
+        finish = f"  for (int c = threadIdx.x; c < C; c += B) yr[c] = c < L ? expf({logit} - m) / s : 0.0f;\n"
+    # A row whose every key is masked has no defined softmax: zeros, as the per-node kernel and the
+    # ONNX reference give (the check follows ep_block_max, whose barriers precede every write).
+    empty = ("  if (m == -EP_INF) { for (int c = threadIdx.x; c < C; c += B) yr[c] = 0.0f; return; }\n"
+             if extra else "")
     src = (f'extern "C" __global__ void __launch_bounds__({block}) {name}('
-           "const float* __restrict__ p0, float* __restrict__ p1) {\n"
+           "const float* __restrict__ p0, float* __restrict__ p1"
+           + (", const float* __restrict__ p2" if extra else "") + ") {\n"
            f"  enum {{ C = {cols}, B = {block} }};\n"
            "  __shared__ float sh[32];\n"
            "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
            "  float* yr = p1 + (long long)blockIdx.x * C;\n"
+           + setup +
            f"  const int L = {limit};\n"
            "  float m = -EP_INF;\n"
-           "  for (int c = threadIdx.x; c < L; c += B) m = fmaxf(m, xr[c]);\n"
+           f"  for (int c = threadIdx.x; c < L; c += B) m = fmaxf(m, {logit});\n"
            "  m = ep_block_max(m, sh);\n"
+           + empty +
            "  float s = 0.0f;\n"
-           "  for (int c = threadIdx.x; c < L; c += B) s += expf(xr[c] - m);\n"
+           f"  for (int c = threadIdx.x; c < L; c += B) s += expf({logit} - m);\n"
            "  s = ep_block_sum(s, sh);\n" + finish + "}\n")
-    return KernelSpec(name, [op.inputs[0], op.outputs[0]], (max(rows, 1), 1, 1), (block, 1, 1), src, step)
+    return KernelSpec(name, [op.inputs[0], op.outputs[0]] + extra, (max(rows, 1), 1, 1), (block, 1, 1), src, step)
 
 
 def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:

@@ -419,24 +419,28 @@ def _skip_layer_norm(ctx, node):
 
 @lowers("Attention")
 def _attention(ctx, node):
-    """Attention-23 without mask or past: scores = scale * Q K^T (cuBLAS, batched), a row softmax
-    (causal when asked), Y = P V (cuBLAS). The GEMM layouts come from the per-node kernel's
-    attention_plan, so both paths read Q, K, V and write Y the same way."""
+    """Attention-23 without past: scores = scale * Q K^T (cuBLAS, batched), a row softmax (causal
+    when asked, plus the additive float attn_mask when given), Y = P V (cuBLAS). The GEMM layouts and
+    the mask's broadcast strides come from the per-node kernel's attention_plan, so both paths read
+    Q, K, V and the mask and write Y the same way."""
     try:
         from plugin_cuda.kernels.attention import attention_plan
     except ImportError as exc:
         raise PlanError(f"Attention node '{node.name}': the attention kernels are not available ({exc})") from None
-    if any(_present(node, i) for i in range(3, len(node.inputs))):
-        raise PlanError(f"Attention node '{node.name}': attn_mask/past inputs are not supported in a compiled plan")
+    if any(_present(node, i) for i in range(4, len(node.inputs))):
+        raise PlanError(f"Attention node '{node.name}': past_key/past_value inputs are not supported in a "
+                        "compiled plan")
     if any(v >= 0 for v in node.outputs[1:]):
         raise PlanError(f"Attention node '{node.name}': only output Y is supported in a compiled plan")
     if float(node.attrs.get("softcap", 0.0) or 0.0) != 0.0:
         raise PlanError(f"Attention node '{node.name}': softcap is not supported in a compiled plan")
     q, k, v = node.inputs[:3]
+    mask = node.inputs[3] if _present(node, 3) else None
     try:
-        plan = attention_plan(ctx.shape(q), ctx.shape(k), ctx.shape(v), None, None, node.attrs.get("q_num_heads"),
-                              node.attrs.get("kv_num_heads"), bool(node.attrs.get("is_causal", 0)),
-                              node.attrs.get("scale"), 0.0, np.float32, f"Attention node '{node.name}'")
+        plan = attention_plan(ctx.shape(q), ctx.shape(k), ctx.shape(v), None if mask is None else ctx.shape(mask),
+                              np.float32, node.attrs.get("q_num_heads"), node.attrs.get("kv_num_heads"),
+                              bool(node.attrs.get("is_causal", 0)), node.attrs.get("scale"), 0.0, np.float32,
+                              f"Attention node '{node.name}'")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     rows = plan.batch * plan.q_heads * plan.q_len
@@ -444,8 +448,10 @@ def _attention(ctx, node):
     probs = ctx.temp(node, (rows, plan.kv_len), "probs")
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
     ctx.emit("bgemm", node, [k, q], [scores], gemm=plan.scores, alpha=plan.scale)
-    ctx.emit("softmax", node, [scores], [probs], log=False, cols=plan.kv_len,
-             causal=plan.causal, q_len=plan.q_len)
+    masked = {} if mask is None else {"mask_strides": plan.mask_strides[:3], "mask_len": plan.mask_len,
+                                      "heads": plan.q_heads}
+    ctx.emit("softmax", node, [scores] + ([] if mask is None else [mask]), [probs], log=False, cols=plan.kv_len,
+             causal=plan.causal, q_len=plan.q_len, **masked)
     ctx.emit("bgemm", node, [v, probs], [node.outputs[0]], gemm=plan.values, alpha=1.0)
 
 

@@ -248,14 +248,48 @@ def test_connected_nodes_form_one_group():
     assert groups == [list(range(len(spec.nodes)))]
 
 
+def test_masked_attention_reads_its_mask_in_the_softmax():
+    from tests.plugin_cuda.attention_models import CASES, attention_model
+
+    q, k, v, mask, attrs = CASES["3d-bcast-mask"]
+    spec, prog, steps = _program(attention_model(q, k, v, mask, attrs))
+    assert [s.kind for s in steps] == ["bgemm", "softmax", "bgemm"]
+    soft = steps[1].op
+    assert prog.values[soft.inputs[1]].name == "M"
+    # mask (2, 1, 5, 7) against scores (batch 2, heads 2, q 5, kv 7): b, h (broadcast), i strides
+    assert soft.attrs["mask_strides"] == (35, 0, 7) and soft.attrs["mask_len"] == 7 and soft.attrs["heads"] == 2
+    spec_ = codegen.softmax_kernel(prog, steps[1], "k")
+    assert spec_.params == [soft.inputs[0], soft.outputs[0], soft.inputs[1]]
+    assert "xr[c] + mr[c]" in spec_.source and "(rbh / 2) * 35LL + (rbh % 2) * 0LL + ri * 7LL" in spec_.source
+
+
+def test_attention_with_past_is_refused_by_name():
+    from tests.plugin_cuda.attention_models import attention_model
+
+    spec = spec_from_onnx(attention_model((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), past=True))
+    with pytest.raises(PlanError, match=r"^Attention node 'attn': past_key/past_value inputs are not supported"):
+        lower.lower(spec)
+
+
+def test_attention_mask_that_does_not_broadcast_is_refused_by_name():
+    from tests.plugin_cuda.attention_models import attention_model
+
+    spec = spec_from_onnx(attention_model((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), (3, 4, 4)))
+    with pytest.raises(PlanError, match=r"^Attention node 'attn': attn_mask shape \[3, 4, 4\] does not broadcast"):
+        lower.lower(spec)
+
+
 # -- the generated module compiles ----------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: cannot compile the generated CUDA")
 def test_generated_source_compiles_with_nvcc(tmp_path):
+    from tests.plugin_cuda.attention_models import CASES, attention_model
+
     zoo = _zoo()
     models = [zoo.mlp(layers=2, hidden=64, batch=1), zoo.mlp(layers=2, hidden=64, batch=32, use_gemm=True),
               zoo.transformer_block(seq=16, hidden=32, heads=2, ffn=64, opset=20)]
+    models += [attention_model(q, k, v, mask, attrs) for q, k, v, mask, attrs in CASES.values()]
     for k, model in enumerate(models):
         _, prog, steps = _program(model)
         source, _ = codegen.generate(prog, steps)

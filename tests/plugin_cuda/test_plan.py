@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from host.cli import zoo
+from tests.plugin_cuda.attention_models import CASES as ATTENTION_CASES
+from tests.plugin_cuda.attention_models import attention_feeds, attention_model
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
@@ -79,6 +81,28 @@ def test_plan_matches_onnx_reference(cp, name):
         for got, exp in zip(outs, want):
             np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-4, atol=1e-4)
         assert plan.num_kernels + plan.num_cublas == len(plan.steps) < plan.num_nodes
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_attention_plan_matches_onnx_reference(cp, name):
+    """Attention-23 with an additive float attn_mask (broadcast, padded, with causal, GQA, 3-D)."""
+    q, k, v, mask, attrs = ATTENTION_CASES[name]
+    model = attention_model(q, k, v, mask, attrs)
+    feeds = attention_feeds(model)
+    with build(model) as plan:
+        (got,) = Runner(cp, plan)([feeds[n] for n in plan.input_names])
+        np.testing.assert_allclose(cp.asnumpy(got), reference(model, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_plan_fully_masked_row_is_zero(cp):
+    model = attention_model((1, 1, 2, 4), (1, 1, 3, 4), (1, 1, 3, 4), (2, 3))
+    feeds = attention_feeds(model)
+    feeds["M"][0, :] = -np.inf
+    with build(model) as plan:
+        (got,) = Runner(cp, plan)([feeds[n] for n in plan.input_names])
+        got = cp.asnumpy(got)
+    assert np.all(got[0, 0, 0] == 0)
+    np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_steady_state_allocates_nothing(cp):

@@ -28,7 +28,9 @@ from tests.property import strategies as s
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
 CUDA_MODULE = f"_ephost_cuda_v{abi.ABI_VERSION}"  # the module name build.py gives the CUDA plugin
-CUDA_ABI = 5
+CUDA_ABI = abi.ABI_VERSION  # build.py builds the CUDA plugin at the newest ABI
+STREAM_SYNC = abi.since("Ep", "ReplayGraphWithSync")  # replays sync their own stream from here on
+COMPILE = abi.since("Ep", "Compile")  # fused partitions compile from here on
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +134,7 @@ def test_gpu_eager_runs_match_references(cp, cuda_plugin_path, case, host, opts)
             sess.close()
 
 
-@given(case=s.graphs(max_nodes=5), host=st.sampled_from([3, 4, 5]), opts=cuda_session_options(graph=True),
+@given(case=s.graphs(max_nodes=5), host=st.sampled_from([3, 4, 5, 6]), opts=cuda_session_options(graph=True),
        ro=s.run_options)
 @settings(deadline=None, max_examples=s.budget(15))
 def test_gpu_replay_matches_references(cp, cuda_plugin_path, case, host, opts, ro):
@@ -162,7 +164,7 @@ def test_gpu_replay_matches_references(cp, cuda_plugin_path, case, host, opts, r
             sess.run_with_iobinding(b, ro.make())
             refs.check(outputs_of(cp, refs.names, outs), case.feeds2, "CUDA replay" if captures else "CUDA bound run")
             if captures:
-                key = ("replay_stream_sync" if host == 5 else "replay_device_sync") if ro.sync else "replay_async"
+                key = ("replay_stream_sync" if host >= STREAM_SYNC else "replay_device_sync") if ro.sync else "replay_async"
                 assert sess.fallbacks[key] == 1
         finally:
             sess.close()
@@ -212,7 +214,7 @@ def test_gpu_fallbacks_match_the_table(cp, cuda_plugin_path, case, host, graph, 
             seen.add(ro.gid)
             want["graph_captured"] += 1
         elif ro.sync:
-            want["replay_stream_sync" if host == 5 else "replay_device_sync"] += 1
+            want["replay_stream_sync" if host >= STREAM_SYNC else "replay_device_sync"] += 1
         else:
             want["replay_async"] += 1
     assert got == +want
@@ -224,6 +226,8 @@ def test_gpu_fallbacks_match_the_table(cp, cuda_plugin_path, case, host, graph, 
         want_plugin[f"host_api_v{host}"] += 1
     if 2 <= host < 4:  # IsConcurrentRunSupported exists but no GetSyncStream: no claim, counted per EP
         want_plugin["no_concurrent_run_claim"] += 1
+    if host < COMPILE:  # the CUDA EP fuses; an older host gets its per-node kernels, once per GetCapability
+        want_plugin["kernels_instead_of_compile"] += 1
     assert plugin == +want_plugin
 
 

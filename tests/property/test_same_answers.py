@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import abi
 from host.errors import GraphCaptureError
 from tests.property import harness as h
 from tests.property import strategies as s
@@ -88,7 +89,7 @@ def test_runs_from_threads_match_references(case, host, plugin, null_slots, opts
         raise errors[0]
 
 
-capture_versions = st.sampled_from([3, 4, 5])
+capture_versions = st.sampled_from([3, 4, 5, 6])
 
 
 @given(case=s.graphs(max_nodes=5), host=capture_versions, plugin=capture_versions, null_slots=s.null_slot_sets,
@@ -172,7 +173,7 @@ def test_replay_from_threads_matches_references(case, version, threads, min_runs
             for t in ts:
                 t.join()
             assert sess.fallbacks["graph_captured"] == threads
-            assert sess.fallbacks["replay_stream_sync" if version == 5 else "replay_device_sync"] == 2 * threads
+            assert sess.fallbacks["replay_stream_sync" if version >= abi.since("Ep", "ReplayGraphWithSync") else "replay_device_sync"] == 2 * threads
         finally:
             sess.close()
     if errors:
