@@ -443,7 +443,50 @@ def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
                       src, step)
 
 
-GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel}
+def _elementwise_spec(name: str, params: list, n: int, body: str, step: Step, consts: int = 1) -> KernelSpec:
+    """A one-thread-per-output-element kernel: `consts` read-only pointers then the output p{consts}."""
+    decls = [f"const float* __restrict__ p{k}" for k in range(consts)] + [f"float* __restrict__ p{consts}"]
+    src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(decls)}) {{\n'
+           f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
+           f"  if (i >= {n}) return;\n" + body + "}\n")
+    return KernelSpec(name, params, (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1), src, step)
+
+
+def copy_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    out_shape = prog.values[op.outputs[0]].shape
+    _check_size(prog, op.inputs + op.outputs)
+    ostr = strides(out_shape)
+    terms = [str(op.attrs["offset"])] + [f"((i / {ostr[d]}) % {out_shape[d]}) * {op.attrs['in_strides'][d]}"
+                                         for d in range(len(out_shape)) if out_shape[d] != 1]
+    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(out_shape),
+                             f"  p1[i] = p0[{' + '.join(terms)}];\n", step)
+
+
+def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """RotaryEmbedding: element d < rot of a head is rotated with its partner (d +- rot/2, or its
+    neighbour when interleaved) by the cos/sin of its token; the rest is copied."""
+    op, a = step.op, step.op.attrs
+    n = prog.values[op.outputs[0]].size
+    _check_size(prog, op.inputs + op.outputs)
+    size, seq, rot, half = a["size"], a["seq"], a["rot"], a["rot"] // 2
+    row = f"{a['heads'] * size}" if a["seq_major"] else f"{size}"  # elements between two tokens of a head
+    per_batch = seq * a["heads"] * size
+    if a["interleaved"]:
+        j, partner = "(d >> 1)", "((d & 1) ? x * c + p0[i - 1] * s : x * c - p0[i + 1] * s)"
+    else:
+        j, partner = f"(d < {half} ? d : d - {half})", f"(d < {half} ? x * c - p0[i + {half}] * s : x * c + p0[i - {half}] * s)"
+    body = (f"  const int d = i % {size}, t = (i / {row}) % {seq}, b = i / {per_batch};\n"
+            f"  const float x = p0[i];\n"
+            f"  if (d >= {rot}) {{ p3[i] = x; return; }}\n"
+            f"  const int k = b * {a['cache_batch']} + t * {half} + {j};\n"
+            f"  const float c = p1[k], s = p2[k];\n"
+            f"  p3[i] = {partner};\n")
+    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n, body, step, consts=3)
+
+
+GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel,
+              "copy": copy_kernel, "rotary": rotary_kernel}
 
 
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:

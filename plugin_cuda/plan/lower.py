@@ -8,6 +8,8 @@ Plan ops, each with value ids in and out:
   softmax    over the last axis (attrs["log"] for LogSoftmax)
   norm       LayerNorm / RMSNorm over the trailing `cols` elements (attrs kind, eps)
   transpose  attrs["perm"]
+  copy       a strided read: out[i] = in[offset + sum(coord_d(i) * in_strides[d])] (Split)
+  rotary     RotaryEmbedding over (batch, heads, seq, size) or (batch, seq, heads * size)
   alias      a view with another shape over the same bytes (Reshape, Flatten, Squeeze, ...)
 Lowering rules are registered per (domain, op_type) in one table (`LOWERINGS`).
 """
@@ -572,6 +574,77 @@ def _unsqueeze(ctx, node):
     _view(ctx, node, x, node.outputs[0])
 
 
+@lowers("Expand")
+def _expand(ctx, node):
+    x = node.inputs[0]
+    target = ctx.host_ints(node, node.inputs[1], "the shape input")
+    _ew_to(ctx, node, x, _bcast(node, ctx.shape(x), target))
+
+
+def _ew_to(ctx, node, x: int, shape: tuple) -> None:
+    ctx.set_shape(node, node.outputs[0], shape)
+    ctx.emit("ew", node, [x], [node.outputs[0]], expr="{0}")
+
+
+def _split_sizes(ctx, node, dim: int) -> list:
+    """The chunk lengths of a Split: the split input (or attribute before opset 13), else
+    num_outputs (opset 18: the last chunk may be shorter), else equal chunks per output."""
+    if _present(node, 1):
+        sizes = list(ctx.host_ints(node, node.inputs[1], "the split input"))
+    elif node.attrs.get("split") is not None:
+        sizes = [int(s) for s in node.attrs["split"]]
+    else:
+        n = int(node.attrs.get("num_outputs") or len(node.outputs))
+        chunk = -(-dim // n) if node.attrs.get("num_outputs") else (dim // n if dim % n == 0 else -1)
+        if chunk < 0:
+            raise PlanError(f"Split node '{node.name}': {dim} elements do not split into {n} equal chunks")
+        sizes = [min(chunk, max(dim - k * chunk, 0)) for k in range(n)]
+    if len(sizes) != len(node.outputs) or sum(sizes) != dim or min(sizes, default=0) < 0:
+        raise PlanError(f"Split node '{node.name}': chunks {sizes} for {len(node.outputs)} outputs of an axis of "
+                        f"{dim}; they must be one per output and add up to {dim}")
+    return sizes
+
+
+@lowers("Split")
+def _split(ctx, node):
+    x = node.inputs[0]
+    shape = ctx.shape(x)
+    axis = _axis(node, int(node.attrs.get("axis", 0)), len(shape))
+    in_strides = [int(math.prod(shape[d + 1:])) for d in range(len(shape))]
+    start = 0
+    for out, size in zip(node.outputs, _split_sizes(ctx, node, shape[axis])):
+        if out >= 0:
+            ctx.set_shape(node, out, shape[:axis] + (size,) + shape[axis + 1:])
+            ctx.emit("copy", node, [x], [out], offset=start * in_strides[axis], in_strides=in_strides)
+        start += size
+
+
+@lowers("RotaryEmbedding")
+def _rotary(ctx, node):
+    if _present(node, 3):
+        raise PlanError(f"RotaryEmbedding node '{node.name}': position_ids are not supported in a compiled plan")
+    x, cos, sin = node.inputs[:3]
+    shape = ctx.shape(x)
+    heads = int(node.attrs.get("num_heads", 0) or 0)
+    if len(shape) == 4:
+        batch, heads, seq, size = shape
+    elif len(shape) == 3 and heads > 0 and shape[2] % heads == 0:
+        batch, seq, size = shape[0], shape[1], shape[2] // heads
+    else:
+        raise PlanError(f"RotaryEmbedding node '{node.name}': input shape {shape} with num_heads {heads}; allowed: "
+                        "4-D (batch, heads, seq, size), or 3-D with num_heads dividing the last dimension")
+    rot = int(node.attrs.get("rotary_embedding_dim", 0) or 0) or size
+    cache = ctx.shape(cos)
+    if rot % 2 or rot > size or ctx.shape(sin) != cache or len(cache) != 3 or cache[0] not in (1, batch) \
+            or cache[1:] != (seq, rot // 2):
+        raise PlanError(f"RotaryEmbedding node '{node.name}': caches {cache} and {ctx.shape(sin)} for input {shape} "
+                        f"and rotary dim {rot}; a compiled plan needs both ({batch} or 1, {seq}, {rot // 2})")
+    ctx.set_shape(node, node.outputs[0], shape)
+    ctx.emit("rotary", node, [x, cos, sin], [node.outputs[0]], heads=heads, seq=seq, size=size, rot=rot,
+             seq_major=len(shape) == 3, interleaved=bool(node.attrs.get("interleaved", 0)),
+             cache_batch=0 if cache[0] == 1 else seq * rot // 2)
+
+
 @lowers("Identity")
 def _identity(ctx, node):
     ctx.set_shape(node, node.outputs[0], ctx.shape(node.inputs[0]))
@@ -582,7 +655,8 @@ def _identity(ctx, node):
 # Entry points
 
 
-HOST_INPUTS = {("", "Reshape"): (1,), ("", "Squeeze"): (1,), ("", "Unsqueeze"): (1,), ("", "Clip"): (1, 2)}
+HOST_INPUTS = {("", "Reshape"): (1,), ("", "Squeeze"): (1,), ("", "Unsqueeze"): (1,), ("", "Clip"): (1, 2),
+               ("", "Expand"): (1,), ("", "Split"): (1,)}
 
 
 def _elem_type(v) -> int | None:

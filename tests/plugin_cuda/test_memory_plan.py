@@ -279,17 +279,38 @@ def test_attention_mask_that_does_not_broadcast_is_refused_by_name():
         lower.lower(spec)
 
 
+def test_split_with_chunks_that_do_not_add_up_is_refused_by_name():
+    from tests.plugin_cuda.layout_models import _model
+
+    spec = spec_from_onnx(_model("Split", {"X": (2, 6)}, {"sp": np.array([2, 3])}, 2, 13, axis=1))
+    with pytest.raises(PlanError, match=r"^Split node 'n': chunks \[2, 3\] for 2 outputs of an axis of 6; they must"):
+        lower.lower(spec)
+
+
+def test_rotary_with_position_ids_is_left_to_the_kernel_path():
+    from tests.plugin_cuda.layout_models import _model
+
+    model = _model("RotaryEmbedding", {"X": (1, 2, 4, 8), "C": (9, 4), "S": (9, 4)}, {"P": np.zeros((1, 4), np.int64)},
+                   1, 23)
+    spec = spec_from_onnx(model)
+    assert "plans run float32" in lower.node_supported(spec, spec.nodes[0])  # never claimed for a plan
+    with pytest.raises(PlanError, match=r"^node 'n' \(RotaryEmbedding\) cannot run in a compiled plan: input 3"):
+        lower.lower(spec)
+
+
 # -- the generated module compiles ----------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: cannot compile the generated CUDA")
 def test_generated_source_compiles_with_nvcc(tmp_path):
     from tests.plugin_cuda.attention_models import CASES, attention_model
+    from tests.plugin_cuda.layout_models import CASES as LAYOUT_CASES
 
     zoo = _zoo()
     models = [zoo.mlp(layers=2, hidden=64, batch=1), zoo.mlp(layers=2, hidden=64, batch=32, use_gemm=True),
               zoo.transformer_block(seq=16, hidden=32, heads=2, ffn=64, opset=20)]
     models += [attention_model(q, k, v, mask, attrs) for q, k, v, mask, attrs in CASES.values()]
+    models += [make() for make in LAYOUT_CASES.values()]
     for k, model in enumerate(models):
         _, prog, steps = _program(model)
         source, _ = codegen.generate(prog, steps)

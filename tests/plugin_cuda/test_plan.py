@@ -17,6 +17,8 @@ import pytest
 from host.cli import zoo
 from tests.plugin_cuda.attention_models import CASES as ATTENTION_CASES
 from tests.plugin_cuda.attention_models import attention_feeds, attention_model
+from tests.plugin_cuda.layout_models import CASES as LAYOUT_CASES
+from tests.plugin_cuda.layout_models import feeds as layout_feeds
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
@@ -92,6 +94,19 @@ def test_attention_plan_matches_onnx_reference(cp, name):
     with build(model) as plan:
         (got,) = Runner(cp, plan)([feeds[n] for n in plan.input_names])
         np.testing.assert_allclose(cp.asnumpy(got), reference(model, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CASES))
+def test_layout_plan_matches_onnx_reference(cp, name):
+    """Split (strided copies), Expand (a broadcast), RotaryEmbedding (its own kernel)."""
+    model = LAYOUT_CASES[name]()
+    feeds = layout_feeds(model)
+    with build(model) as plan:
+        outs = Runner(cp, plan)([feeds[n] for n in plan.input_names])
+        want = reference(model, feeds)
+        assert len(outs) == len(want)
+        for got, exp in zip(outs, want):
+            np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_plan_fully_masked_row_is_zero(cp):

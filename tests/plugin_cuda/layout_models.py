@@ -1,0 +1,52 @@
+"""One-node ONNX models of the layout ops a compiled plan lowers to strided copies or its rotary
+kernel (Split, Expand, RotaryEmbedding), with their feeds: shared by the CPU lowering tests and the
+GPU plan tests, which compare against onnx.reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _model(op: str, inputs: dict, consts: dict, outputs: int, opset: int, **attrs) -> onnx.ModelProto:
+    names = list(inputs) + list(consts)
+    node = helper.make_node(op, [n if n else "" for n in names], [f"Y{k}" for k in range(outputs)], name="n",
+                            **attrs)
+    graph = helper.make_graph(
+        [node], op.lower(), [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(f"Y{k}", TensorProto.FLOAT, None) for k in range(outputs)],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def _rotary(x, cache, **attrs):
+    return _model("RotaryEmbedding", {"X": x, "C": cache, "S": cache}, {}, 1, 23, **attrs)
+
+
+# name -> model
+CASES = {
+    "split-last-axis-input": lambda: _model("Split", {"X": (2, 5, 12)}, {"sp": np.array([4, 4, 4])}, 3, 13, axis=-1),
+    "split-middle-uneven": lambda: _model("Split", {"X": (3, 7, 2)}, {"sp": np.array([2, 5])}, 2, 13, axis=1),
+    "split-num-outputs-ragged": lambda: _model("Split", {"X": (10, 3)}, {}, 3, 18, axis=0, num_outputs=3),
+    "split-equal-attr-free": lambda: _model("Split", {"X": (2, 6)}, {}, 2, 13, axis=1),
+    "expand-heads": lambda: _model("Expand", {"X": (1, 2, 1, 4, 3)}, {"sh": np.array([1, 2, 3, 4, 3])}, 1, 13),
+    "expand-rank-up": lambda: _model("Expand", {"X": (3, 1)}, {"sh": np.array([2, 1, 3, 5])}, 1, 13),
+    "rotary-4d": lambda: _rotary((2, 3, 5, 8), (2, 5, 4)),
+    "rotary-4d-cache-batch1-interleaved": lambda: _rotary((2, 3, 5, 8), (1, 5, 4), interleaved=1),
+    "rotary-4d-partial": lambda: _rotary((1, 2, 4, 8), (1, 4, 2), rotary_embedding_dim=4),
+    "rotary-3d": lambda: _rotary((2, 4, 3 * 6), (2, 4, 3), num_heads=3),
+    "rotary-3d-partial-interleaved": lambda: _rotary((1, 4, 2 * 8), (1, 4, 2), num_heads=2, rotary_embedding_dim=4,
+                                                     interleaved=1),
+}
+
+
+def feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for vi in model.graph.input:
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        out[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    return out
