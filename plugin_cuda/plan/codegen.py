@@ -463,6 +463,17 @@ def copy_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
                              f"  p1[i] = p0[{' + '.join(terms)}];\n", step)
 
 
+def place_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    in_shape = prog.values[op.inputs[0]].shape
+    _check_size(prog, op.inputs + op.outputs)
+    istr = strides(in_shape)
+    terms = [str(op.attrs["offset"])] + [f"((i / {istr[d]}) % {in_shape[d]}) * {op.attrs['out_strides'][d]}"
+                                         for d in range(len(in_shape)) if in_shape[d] != 1]
+    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(in_shape),
+                             f"  p1[{' + '.join(terms)}] = p0[i];\n", step)
+
+
 def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     """RotaryEmbedding: element d < rot of a head is rotated with its partner (d +- rot/2, or its
     neighbour when interleaved) by the cos/sin of its token; the rest is copied."""
@@ -485,8 +496,48 @@ def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n, body, step, consts=3)
 
 
+def conv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """Direct convolution, one thread per output element: its group's input channels times the
+    kernel window (the small convolutions of batch-1 vision models; no im2col buffer)."""
+    op, a = step.op, step.op.attrs
+    n_, cin, h, w = prog.values[op.inputs[0]].shape
+    cout, cpg, kh, kw = prog.values[op.inputs[1]].shape
+    _, _, oh, ow = prog.values[op.outputs[0]].shape
+    _check_size(prog, op.inputs + op.outputs)
+    (sh, sw), (dh, dw), (ph, pw) = a["strides"], a["dilations"], a["pads"]
+    per_group = cout // a["group"]
+    bias = len(op.inputs) > 2
+    out = f"p{len(op.inputs)}"
+    body = (f"  const int ox = i % {ow}, oy = (i / {ow}) % {oh}, co = (i / {ow * oh}) % {cout}, b = i / {ow * oh * cout};\n"
+            f"  const float* xb = p0 + ((long long)b * {cin} + (co / {per_group}) * {cpg}) * {h * w};\n"
+            f"  const float* wb = p1 + (long long)co * {cpg * kh * kw};\n"
+            f"  float acc = {'p2[co]' if bias else '0.0f'};\n"
+            f"  for (int c = 0; c < {cpg}; ++c) {{\n"
+            f"    for (int ky = 0; ky < {kh}; ++ky) {{\n"
+            f"      const int iy = oy * {sh} - {ph} + ky * {dh};\n"
+            f"      if (iy < 0 || iy >= {h}) continue;\n"
+            f"      for (int kx = 0; kx < {kw}; ++kx) {{\n"
+            f"        const int ix = ox * {sw} - {pw} + kx * {dw};\n"
+            f"        if (ix >= 0 && ix < {w}) acc += xb[(c * {h} + iy) * {w} + ix] * wb[(c * {kh} + ky) * {kw} + kx];\n"
+            "      }\n    }\n  }\n"
+            f"  {out}[i] = acc;\n")
+    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], prog.values[op.outputs[0]].size, body, step,
+                             consts=len(op.inputs))
+
+
+def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    op = step.op
+    inner = op.attrs["inner"]
+    _check_size(prog, op.inputs + op.outputs)
+    body = (f"  const float* xr = p0 + (long long)i * {inner};\n"
+            f"  float s = 0.0f;\n  for (int k = 0; k < {inner}; ++k) s += xr[k];\n"
+            f"  p1[i] = s * {_f32(1.0 / inner)};\n")
+    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
+
+
 GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel,
-              "copy": copy_kernel, "rotary": rotary_kernel}
+              "copy": copy_kernel, "rotary": rotary_kernel, "conv": conv_kernel, "mean": mean_kernel,
+              "place": place_kernel}
 
 
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:

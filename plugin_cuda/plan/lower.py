@@ -9,7 +9,10 @@ Plan ops, each with value ids in and out:
   norm       LayerNorm / RMSNorm over the trailing `cols` elements (attrs kind, eps)
   transpose  attrs["perm"]
   copy       a strided read: out[i] = in[offset + sum(coord_d(i) * in_strides[d])] (Split)
+  place      a strided write: out[offset + sum(coord_d(i) * out_strides[d])] = in[i] (Concat)
   rotary     RotaryEmbedding over (batch, heads, seq, size) or (batch, seq, heads * size)
+  conv       a direct 2-D convolution (groups, pads, strides, dilations; bias fused)
+  mean       the mean over the trailing `inner` elements (ReduceMean, GlobalAveragePool)
   alias      a view with another shape over the same bytes (Reshape, Flatten, Squeeze, ...)
 Lowering rules are registered per (domain, op_type) in one table (`LOWERINGS`).
 """
@@ -619,6 +622,26 @@ def _split(ctx, node):
         start += size
 
 
+@lowers("Concat")
+def _concat(ctx, node):
+    xs = [v for v in node.inputs if v >= 0]
+    shapes = [ctx.shape(v) for v in xs]
+    rank = len(shapes[0])
+    axis = _axis(node, int(node.attrs.get("axis", 0)), rank)
+    for s in shapes:
+        if len(s) != rank or s[:axis] + s[axis + 1:] != shapes[0][:axis] + shapes[0][axis + 1:]:
+            raise PlanError(f"Concat node '{node.name}': input shapes {shapes} differ off axis {axis}")
+    out_shape = shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
+    out = node.outputs[0]
+    ctx.set_shape(node, out, out_shape)
+    out_strides = [int(math.prod(out_shape[d + 1:])) for d in range(rank)]
+    start = 0
+    for v, s in zip(xs, shapes):
+        if s[axis]:
+            ctx.emit("place", node, [v], [out], offset=start * out_strides[axis], out_strides=out_strides)
+        start += s[axis]
+
+
 @lowers("RotaryEmbedding")
 def _rotary(ctx, node):
     if _present(node, 3):
@@ -645,6 +668,83 @@ def _rotary(ctx, node):
              cache_batch=0 if cache[0] == 1 else seq * rot // 2)
 
 
+def _conv_pads(node, size: tuple, kernel: tuple, strides: tuple, dil: tuple) -> list:
+    """[top, left, bottom, right] from pads or auto_pad (SAME_* pad to ceil(size / stride))."""
+    auto = node.attrs.get("auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    if auto in ("NOTSET", ""):
+        return list(node.attrs.get("pads") or [0] * 4)
+    if auto == "VALID":
+        return [0] * 4
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        raise PlanError(f"Conv node '{node.name}': auto_pad {auto!r}; allowed: NOTSET, VALID, SAME_UPPER, SAME_LOWER")
+    begin, end = [], []
+    for n, k, s, d in zip(size, kernel, strides, dil):
+        total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+        small, big = total // 2, total - total // 2
+        begin.append(big if auto == "SAME_LOWER" else small)
+        end.append(small if auto == "SAME_LOWER" else big)
+    return begin + end
+
+
+@lowers("Conv")
+def _conv(ctx, node):
+    x, w = node.inputs[:2]
+    xs, ws = ctx.shape(x), ctx.shape(w)
+    group = int(node.attrs.get("group", 1))
+    if len(xs) != 4 or len(ws) != 4:
+        raise PlanError(f"Conv node '{node.name}': input {xs} and weight {ws}; a compiled plan runs 2-D convolutions "
+                        "(4-D input and weight)")
+    if group < 1 or xs[1] % group or ws[0] % group or ws[1] * group != xs[1]:
+        raise PlanError(f"Conv node '{node.name}': {xs[1]} input channels, weight {ws} and group {group} do not fit")
+    kernel = tuple(ws[2:])
+    strides = tuple(node.attrs.get("strides") or (1, 1))
+    dil = tuple(node.attrs.get("dilations") or (1, 1))
+    pads = _conv_pads(node, xs[2:], kernel, strides, dil)
+    out = [(xs[2 + a] + pads[a] + pads[2 + a] - (kernel[a] - 1) * dil[a] - 1) // strides[a] + 1 for a in range(2)]
+    if min(out) < 1:
+        raise PlanError(f"Conv node '{node.name}': output spatial size {out} for input {xs}, kernel {kernel}, pads {pads}")
+    bias = node.inputs[2] if _present(node, 2) else None
+    if bias is not None and ctx.prog.values[bias].size != ws[0]:
+        raise PlanError(f"Conv node '{node.name}': bias has shape {ctx.shape(bias)}; expected ({ws[0]},)")
+    ctx.set_shape(node, node.outputs[0], (xs[0], ws[0], out[0], out[1]))
+    ctx.emit("conv", node, [x, w] + ([bias] if bias is not None else []), [node.outputs[0]], group=group,
+             strides=strides, dilations=dil, pads=pads[:2])
+
+
+def _mean(ctx, node, axes: list) -> None:
+    shape = ctx.shape(node.inputs[0])
+    axes = sorted({_axis(node, a, len(shape)) for a in axes})
+    first = axes[0] if axes else len(shape)
+    if axes != list(range(first, len(shape))):
+        raise PlanError(f"{node.op_type} node '{node.name}': axes {axes} of rank {len(shape)}; a compiled plan "
+                        "reduces trailing axes only")
+    keep = bool(node.attrs.get("keepdims", 1))
+    out = shape[:first] + ((1,) * (len(shape) - first) if keep else ())
+    ctx.set_shape(node, node.outputs[0], out)
+    ctx.emit("mean", node, [node.inputs[0]], [node.outputs[0]], inner=int(math.prod(shape[first:])))
+
+
+@lowers("ReduceMean")
+def _reduce_mean(ctx, node):
+    if _present(node, 1):
+        axes = list(ctx.host_ints(node, node.inputs[1], "the axes input"))
+    else:
+        axes = list(node.attrs.get("axes") or [])
+    if not axes:
+        if node.attrs.get("noop_with_empty_axes", 0):
+            ctx.set_shape(node, node.outputs[0], ctx.shape(node.inputs[0]))
+            _view(ctx, node, node.inputs[0], node.outputs[0])
+            return
+        axes = list(range(len(ctx.shape(node.inputs[0]))))
+    _mean(ctx, node, axes)
+
+
+@lowers("GlobalAveragePool")
+def _global_average_pool(ctx, node):
+    _mean(ctx, node, list(range(2, len(ctx.shape(node.inputs[0])))))
+
+
 @lowers("Identity")
 def _identity(ctx, node):
     ctx.set_shape(node, node.outputs[0], ctx.shape(node.inputs[0]))
@@ -656,7 +756,7 @@ def _identity(ctx, node):
 
 
 HOST_INPUTS = {("", "Reshape"): (1,), ("", "Squeeze"): (1,), ("", "Unsqueeze"): (1,), ("", "Clip"): (1, 2),
-               ("", "Expand"): (1,), ("", "Split"): (1,)}
+               ("", "Expand"): (1,), ("", "Split"): (1,), ("", "ReduceMean"): (1,)}
 
 
 def _elem_type(v) -> int | None:

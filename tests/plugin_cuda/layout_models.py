@@ -1,5 +1,5 @@
-"""One-node ONNX models of the layout ops a compiled plan lowers to strided copies or its rotary
-kernel (Split, Expand, RotaryEmbedding), with their feeds: shared by the CPU lowering tests and the
+"""One-node ONNX models of the ops a compiled plan lowers to its one-thread-per-element kernels
+(Split, Concat, Expand, RotaryEmbedding, Conv, ReduceMean, GlobalAveragePool), with their feeds: shared by the CPU lowering tests and the
 GPU plan tests, which compare against onnx.reference."""
 
 from __future__ import annotations
@@ -26,8 +26,32 @@ def _rotary(x, cache, **attrs):
     return _model("RotaryEmbedding", {"X": x, "C": cache, "S": cache}, {}, 1, 23, **attrs)
 
 
+def _conv(x, w, bias: bool = False, **attrs):
+    rng = np.random.default_rng(7)
+    consts = {"W": rng.standard_normal(w).astype(np.float32)}
+    if bias:
+        consts["B"] = rng.standard_normal(w[0]).astype(np.float32)
+    return _model("Conv", {"X": x}, consts, 1, 17, **attrs)
+
+
 # name -> model
 CASES = {
+    "concat-axis1-with-constant": lambda: _model("Concat", {"A": (2, 1, 4), "B": (2, 3, 4)},
+                                                 {"C": np.arange(16, dtype=np.float32).reshape(2, 2, 4)}, 1, 13,
+                                                 axis=1),
+    "concat-last-axis": lambda: _model("Concat", {"A": (3, 2), "B": (3, 5)}, {}, 1, 13, axis=-1),
+    "conv-3x3-stride2-pad1": lambda: _conv((1, 3, 9, 9), (8, 3, 3, 3), pads=[1, 1, 1, 1], strides=[2, 2]),
+    "conv-depthwise-5x5-bias": lambda: _conv((2, 6, 7, 7), (6, 1, 5, 5), True, group=6, pads=[2, 2, 2, 2],
+                                             strides=[2, 2]),
+    "conv-grouped-dilated-asym-pads": lambda: _conv((1, 4, 8, 6), (6, 2, 3, 2), True, group=2, dilations=[2, 1],
+                                                    pads=[1, 0, 2, 1]),
+    # odd total padding on both axes: SAME_UPPER puts the extra row/column at the end, SAME_LOWER first
+    "conv-same-upper": lambda: _conv((1, 2, 6, 5), (3, 2, 3, 2), auto_pad="SAME_UPPER", strides=[2, 2]),
+    "conv-same-lower": lambda: _conv((1, 2, 6, 5), (3, 2, 3, 2), auto_pad="SAME_LOWER", strides=[2, 2]),
+    "conv-1x1": lambda: _conv((1, 16, 3, 3), (8, 16, 1, 1), True),
+    "reduce-mean-axes-input": lambda: _model("ReduceMean", {"X": (2, 5, 3, 4)}, {"ax": np.array([2, 3])}, 1, 18),
+    "reduce-mean-no-keepdims": lambda: _model("ReduceMean", {"X": (2, 5, 6)}, {}, 1, 13, axes=[-1], keepdims=0),
+    "global-average-pool": lambda: _model("GlobalAveragePool", {"X": (1, 7, 5, 3)}, {}, 1, 13),
     "split-last-axis-input": lambda: _model("Split", {"X": (2, 5, 12)}, {"sp": np.array([4, 4, 4])}, 3, 13, axis=-1),
     "split-middle-uneven": lambda: _model("Split", {"X": (3, 7, 2)}, {"sp": np.array([2, 5])}, 2, 13, axis=1),
     "split-num-outputs-ragged": lambda: _model("Split", {"X": (10, 3)}, {}, 3, 18, axis=0, num_outputs=3),

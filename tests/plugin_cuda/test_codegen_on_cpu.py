@@ -1,4 +1,5 @@
-"""The generated one-thread-per-element kernels (strided copy, rotary, elementwise, transpose) run on
+"""The generated one-thread-per-element kernels (strided copies, rotary, convolution, mean,
+elementwise, transpose) run on
 the CPU: their CUDA C is compiled by g++ behind a small shim (grid and block loops instead of a
 launch), so the index arithmetic of the compiled plans is checked against onnx.reference in CI,
 which has no GPU. Kernels with shared memory or warp shuffles (softmax, norms, tiled GEMMs) are GPU
@@ -27,7 +28,7 @@ static ep_dim3 blockIdx, threadIdx;
 #define __launch_bounds__(n)
 #define __restrict__
 """
-CPU_KINDS = {"copy", "rotary", "transpose", "ew"}
+CPU_KINDS = {"copy", "place", "rotary", "transpose", "ew", "conv", "mean"}
 
 
 def run_on_cpu(model, inputs: dict, tmp_path) -> list:
