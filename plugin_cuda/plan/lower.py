@@ -789,6 +789,28 @@ def node_supported(graph, node, need_static: bool = True) -> str:
     for vid in node.outputs:
         if vid >= 0 and _elem_type(graph.values[vid]) not in (FLOAT32, 0, None):
             return f"an output has element type {_elem_type(graph.values[vid])}; plans run float32"
+    return _lowering_error(graph, node) if need_static else ""
+
+
+def _value(i: int, v) -> Value:
+    const = None if v.constant is None else np.asarray(v.constant)
+    if const is not None and const.dtype == np.float64:
+        const = const.astype(np.float32)
+    shape = None if v.shape is None else tuple(-1 if d is None else int(d) for d in v.shape)
+    if const is not None:
+        shape = tuple(const.shape)
+    return Value(i, v.name, shape, const)
+
+
+def _lowering_error(graph, node) -> str:
+    """'' when the node's lowering rule accepts it alone (attributes, axes, shapes), else its
+    PlanError: a claimed group then never fails to compile because of one of its nodes."""
+    ids = [v for v in list(node.inputs) + list(node.outputs) if v >= 0]
+    ctx = _Ctx(Program({i: _value(i, graph.values[i]) for i in ids}, [], [], []), graph, set())
+    try:
+        LOWERINGS[(_domain(node), node.op_type)](ctx, node)
+    except PlanError as exc:
+        return str(exc)
     return ""
 
 
@@ -858,15 +880,7 @@ def topo_order(graph) -> list:
 def lower(graph, inputs=None, outputs=None) -> Program:
     """The partition `graph` (a GraphSpec) as a Program; PlanError names the first node it cannot run."""
     ins, outs = partition_io(graph, inputs, outputs)
-    values = {}
-    for i, v in enumerate(graph.values):
-        const = None if v.constant is None else np.asarray(v.constant)
-        if const is not None and const.dtype == np.float64:
-            const = const.astype(np.float32)
-        shape = None if v.shape is None else tuple(-1 if d is None else int(d) for d in v.shape)
-        if const is not None:
-            shape = tuple(const.shape)
-        values[i] = Value(i, v.name, shape, const)
+    values = {i: _value(i, v) for i, v in enumerate(graph.values)}
     for vid in ins:
         shape = values[vid].shape
         if shape is None or any(d < 0 for d in shape):

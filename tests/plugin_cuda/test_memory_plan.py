@@ -7,11 +7,13 @@ source is compiled with `nvcc -ptx` where nvcc exists.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -246,6 +248,25 @@ def test_connected_nodes_form_one_group():
     spec = spec_from_onnx(_zoo().transformer_block())
     groups = fusable_groups(spec)
     assert groups == [list(range(len(spec.nodes)))]
+
+
+@pytest.mark.parametrize("op, inputs, consts, attrs, reason", [
+    ("ReduceMean", {"X": (2, 5, 6)}, {}, {"axes": [0, 2]}, r"axes \[0, 2\] of rank 3; a compiled plan reduces trailing"),
+    ("Softmax", {"X": (4, 8)}, {}, {"axis": 0}, r"axis 0 of rank 2; a compiled plan supports the last axis only"),
+    ("Conv", {"X": (1, 2, 9)}, {"W": np.ones((3, 2, 3), np.float32)}, {}, r"a compiled plan runs 2-D convolutions"),
+])
+def test_a_node_its_lowering_refuses_is_never_claimed(op, inputs, consts, attrs, reason):
+    """Claiming asks the node's lowering rule first, so a claimed group never fails to compile (and
+    falls back whole) because of one node: that node alone stays on the per-node kernels."""
+    from tests.plugin_cuda.layout_models import _model
+
+    first = _model(op, inputs, consts, 1, 13, **attrs)
+    relu = onnx.helper.make_node("Relu", ["Y0"], ["R"], name="relu")
+    first.graph.node.append(relu)
+    first.graph.output.append(onnx.helper.make_tensor_value_info("R", onnx.TensorProto.FLOAT, None))
+    spec = spec_from_onnx(first)
+    assert re.search(reason, lower.node_supported(spec, spec.nodes[0]))
+    assert fusable_groups(spec) == [[1]]
 
 
 def test_masked_attention_reads_its_mask_in_the_softmax():
