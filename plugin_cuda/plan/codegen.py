@@ -452,26 +452,26 @@ def _elementwise_spec(name: str, params: list, n: int, body: str, step: Step, co
     return KernelSpec(name, params, (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1), src, step)
 
 
-def copy_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+def _strided_copy(prog: Program, step: Step, name: str, shape: tuple, other: list, gather: bool) -> KernelSpec:
+    """One thread per element of `shape` (the contiguous side); `other` holds the strided side's
+    stride per dimension, from attrs["offset"]: a read from it (gather) or a write into it."""
     op = step.op
-    out_shape = prog.values[op.outputs[0]].shape
     _check_size(prog, op.inputs + op.outputs)
-    ostr = strides(out_shape)
-    terms = [str(op.attrs["offset"])] + [f"((i / {ostr[d]}) % {out_shape[d]}) * {op.attrs['in_strides'][d]}"
-                                         for d in range(len(out_shape)) if out_shape[d] != 1]
-    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(out_shape),
-                             f"  p1[i] = p0[{' + '.join(terms)}];\n", step)
+    own = strides(shape)
+    index = " + ".join([str(op.attrs["offset"])] + [f"((i / {own[d]}) % {shape[d]}) * {other[d]}"
+                                                    for d in range(len(shape)) if shape[d] != 1])
+    line = f"  p1[i] = p0[{index}];\n" if gather else f"  p1[{index}] = p0[i];\n"
+    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(shape), line, step)
+
+
+def copy_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    out_shape = prog.values[step.op.outputs[0]].shape
+    return _strided_copy(prog, step, name, out_shape, step.op.attrs["in_strides"], gather=True)
 
 
 def place_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
-    op = step.op
-    in_shape = prog.values[op.inputs[0]].shape
-    _check_size(prog, op.inputs + op.outputs)
-    istr = strides(in_shape)
-    terms = [str(op.attrs["offset"])] + [f"((i / {istr[d]}) % {in_shape[d]}) * {op.attrs['out_strides'][d]}"
-                                         for d in range(len(in_shape)) if in_shape[d] != 1]
-    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(in_shape),
-                             f"  p1[{' + '.join(terms)}] = p0[i];\n", step)
+    in_shape = prog.values[step.op.inputs[0]].shape
+    return _strided_copy(prog, step, name, in_shape, step.op.attrs["out_strides"], gather=False)
 
 
 def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
