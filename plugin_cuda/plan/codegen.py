@@ -15,7 +15,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
-from plugin_cuda.plan.lower import Program, _f32
+from plugin_cuda.plan.lower import Program, _f32, strides
 
 EW_BLOCK = 256
 INT32_MAX = 2**31 - 1
@@ -71,14 +71,6 @@ class KernelSpec:
     block: tuple
     source: str
     step: Step
-
-
-def strides(shape: tuple) -> list:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= d
-    return out[::-1]
 
 
 def index_expr(out_shape: tuple, leaf_shape: tuple, i: str = "i") -> str:

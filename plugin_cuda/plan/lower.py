@@ -137,6 +137,15 @@ class _Ctx:
         return self.prog.new_value(f"{node.name}/{suffix}", shape)
 
 
+def strides(shape: tuple) -> list:
+    """Row-major element strides of `shape`."""
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
 def _bcast(node, *shapes) -> tuple:
     try:
         return tuple(np.broadcast_shapes(*shapes))
@@ -581,11 +590,7 @@ def _unsqueeze(ctx, node):
 def _expand(ctx, node):
     x = node.inputs[0]
     target = ctx.host_ints(node, node.inputs[1], "the shape input")
-    _ew_to(ctx, node, x, _bcast(node, ctx.shape(x), target))
-
-
-def _ew_to(ctx, node, x: int, shape: tuple) -> None:
-    ctx.set_shape(node, node.outputs[0], shape)
+    ctx.set_shape(node, node.outputs[0], _bcast(node, ctx.shape(x), target))
     ctx.emit("ew", node, [x], [node.outputs[0]], expr="{0}")
 
 
@@ -613,7 +618,7 @@ def _split(ctx, node):
     x = node.inputs[0]
     shape = ctx.shape(x)
     axis = _axis(node, int(node.attrs.get("axis", 0)), len(shape))
-    in_strides = [int(math.prod(shape[d + 1:])) for d in range(len(shape))]
+    in_strides = strides(shape)
     start = 0
     for out, size in zip(node.outputs, _split_sizes(ctx, node, shape[axis])):
         if out >= 0:
@@ -634,7 +639,7 @@ def _concat(ctx, node):
     out_shape = shapes[0][:axis] + (sum(s[axis] for s in shapes),) + shapes[0][axis + 1:]
     out = node.outputs[0]
     ctx.set_shape(node, out, out_shape)
-    out_strides = [int(math.prod(out_shape[d + 1:])) for d in range(rank)]
+    out_strides = strides(out_shape)
     start = 0
     for v, s in zip(xs, shapes):
         if s[axis]:
