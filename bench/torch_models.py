@@ -574,7 +574,7 @@ def torch_model_for_fixture(name: str, feeds: dict, device: str = "cuda"):
     arch = name.split("_")[0]
     torch.manual_seed(export.SEED)
     rng = np.random.default_rng(export.SEED)
-    build = export.BUILDERS[arch]
+    build = {**export.BUILDERS, **export.GENERATED}[arch]
     with_mask = "attention_mask" in feeds and arch in ("gpt2", "llama")
     model, inputs, _ = build(torch, rng, with_mask=True) if with_mask else build(torch, rng)
     export._randomize_norms(torch, model)
@@ -728,13 +728,13 @@ def main(argv=None) -> int:
         return 0
     import build
     import host
-    from tests.models import available_models
+    from tests.models import available_models, generated_models
 
     plugin = build.build_python_plugin("cuda", max(build.PYTHON_PLUGINS["cuda"].versions))
     env = host.Environment()
     env.register_plugin("cuda", str(plugin))
     results = []
-    for name in args.names or available_models():
+    for name in args.names or available_models() + generated_models():
         try:
             results.append(bench_real_model(name, env, args.iters, args.warmup))
         except Exception as exc:  # noqa: BLE001 - one model failing must not hide the others

@@ -20,7 +20,8 @@ from plugin_cuda.plan.lower import Program, _f32, strides
 EW_BLOCK = 256
 INT32_MAX = 2**31 - 1
 
-PRELUDE = r"""
+# Scalar helpers (plain C: the CPU test shim compiles them with g++ too), then warp and block ones.
+SCALAR_PRELUDE = r"""
 #define EP_INF __int_as_float(0x7f800000)
 __device__ __forceinline__ float ep_relu(float a) { return a < 0.0f ? 0.0f : a; }
 __device__ __forceinline__ float ep_max(float a, float b) { return (a > b || a != a) ? a : b; }
@@ -30,6 +31,8 @@ __device__ __forceinline__ float ep_gelu(float a) { return 0.5f * a * (1.0f + er
 __device__ __forceinline__ float ep_gelu_tanh(float a) {
   return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
 }
+"""
+PRELUDE = SCALAR_PRELUDE + r"""
 __device__ __forceinline__ float ep_warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -130,12 +133,12 @@ class _Body:
 def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: str | None) -> list:
     """Statements computing a group's members at flat index `i` and writing its exports.
 
-    `first`: the C variable already holding the absorbed GEMM's result (None without one).
+    `first`: the C variable already holding the head's result (None without a head).
     """
     lines = []
     var: dict = {}
-    if group.gemm is not None:
-        var[group.gemm.outputs[0]] = first
+    if group.head is not None:
+        var[group.head.outputs[0]] = first
     for k, leaf in enumerate(group.leaves):
         lit = _inline_scalar(prog, leaf)
         if lit is not None:
@@ -156,8 +159,8 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
 
 def ew_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     g = step.group
-    if g.gemm is not None:
-        return gemm_kernel(prog, step, name)
+    if g.head is not None:
+        return gemm_kernel(prog, step, name) if g.head.kind == "gemm" else head_kernel(prog, step, name)
     shape = g.shape
     n = math.prod(shape)
     _check_size(prog, g.leaves + g.exports)
@@ -170,7 +173,7 @@ def ew_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
 
 
 def gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
-    op = step.group.gemm
+    op = step.group.head
     a_shape = prog.values[op.inputs[0]].shape
     rows = math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1
     return gemv_kernel(prog, step, name) if rows <= SMALL_GEMM_MAX_ROWS else tiled_gemm_kernel(prog, step, name)
@@ -191,7 +194,7 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     staged in shared memory (the next one prefetched into registers while this one is used), 256
     threads computing R x R outputs each (R = T / 16; rows ty + 16 r, columns tx + 16 c)."""
     g = step.group
-    op = g.gemm
+    op = g.head
     a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
     k_dim, n_dim = b_shape
     m_dim = math.prod(a_shape[:-1])
@@ -281,7 +284,7 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     """out[m, n] = epilogue(alpha * sum_k A[m, k] B[k, n]) for M <= 8 rows: 32 columns per block,
     `ks` k-slices per column reduced through shared memory, one row finalised per k-slice thread."""
     g = step.group
-    op = g.gemm
+    op = g.head
     a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
     k_dim, n_dim = b_shape
     m_dim = math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1
@@ -488,33 +491,102 @@ def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n, body, step, consts=3)
 
 
-def conv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
-    """Direct convolution, one thread per output element: its group's input channels times the
-    kernel window (the small convolutions of batch-1 vision models; no im2col buffer)."""
-    op, a = step.op, step.op.attrs
-    n_, cin, h, w = prog.values[op.inputs[0]].shape
+def _conv_sum(prog: Program, op, x: str, w: str, i: str, channels: tuple) -> list:
+    """Statements leaving in `acc` the products of output element `i` of convolution `op` over its
+    group's input channels [channels[0], channels[1]) (C expressions) and the whole kernel window."""
+    a = op.attrs
+    n_, cin, h, w_ = prog.values[op.inputs[0]].shape
     cout, cpg, kh, kw = prog.values[op.inputs[1]].shape
-    _, _, oh, ow = prog.values[op.outputs[0]].shape
-    _check_size(prog, op.inputs + op.outputs)
+    oh, ow = prog.values[op.outputs[0]].shape[-2:]
     (sh, sw), (dh, dw), (ph, pw) = a["strides"], a["dilations"], a["pads"]
     per_group = cout // a["group"]
-    bias = len(op.inputs) > 2
-    out = f"p{len(op.inputs)}"
-    body = (f"  const int ox = i % {ow}, oy = (i / {ow}) % {oh}, co = (i / {ow * oh}) % {cout}, b = i / {ow * oh * cout};\n"
-            f"  const float* xb = p0 + ((long long)b * {cin} + (co / {per_group}) * {cpg}) * {h * w};\n"
-            f"  const float* wb = p1 + (long long)co * {cpg * kh * kw};\n"
-            f"  float acc = {'p2[co]' if bias else '0.0f'};\n"
-            f"  for (int c = 0; c < {cpg}; ++c) {{\n"
-            f"    for (int ky = 0; ky < {kh}; ++ky) {{\n"
-            f"      const int iy = oy * {sh} - {ph} + ky * {dh};\n"
-            f"      if (iy < 0 || iy >= {h}) continue;\n"
-            f"      for (int kx = 0; kx < {kw}; ++kx) {{\n"
-            f"        const int ix = ox * {sw} - {pw} + kx * {dw};\n"
-            f"        if (ix >= 0 && ix < {w}) acc += xb[(c * {h} + iy) * {w} + ix] * wb[(c * {kh} + ky) * {kw} + kx];\n"
-            "      }\n    }\n  }\n"
-            f"  {out}[i] = acc;\n")
-    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], prog.values[op.outputs[0]].size, body, step,
-                             consts=len(op.inputs))
+    return [f"const int ox = {i} % {ow}, oy = ({i} / {ow}) % {oh}, co = ({i} / {ow * oh}) % {cout}, "
+            f"b = {i} / {ow * oh * cout};",
+            f"const float* xb = {x} + ((long long)b * {cin} + (co / {per_group}) * {cpg}) * {h * w_};",
+            f"const float* wb = {w} + (long long)co * {cpg * kh * kw};",
+            "float acc = 0.0f;",
+            f"for (int c = {channels[0]}; c < {channels[1]}; ++c) {{",
+            f"  for (int ky = 0; ky < {kh}; ++ky) {{",
+            f"    const int iy = oy * {sh} - {ph} + ky * {dh};",
+            f"    if (iy < 0 || iy >= {h}) continue;",
+            f"    for (int kx = 0; kx < {kw}; ++kx) {{",
+            f"      const int ix = ox * {sw} - {pw} + kx * {dw};",
+            f"      if (ix >= 0 && ix < {w_}) acc += xb[(c * {h} + iy) * {w_} + ix] * wb[(c * {kh} + ky) * {kw} + kx];",
+            "    }", "  }", "}"]
+
+
+def _head_sum(prog: Program, op, ptrs: list) -> list:
+    """Statements leaving a head's value at flat output index i in `acc`: a whole convolution
+    (direct, one thread per output element; no im2col buffer) or the sum of a split one's slices."""
+    shape = prog.values[op.outputs[0]].shape
+    if op.kind == "conv":
+        lines = _conv_sum(prog, op, ptrs[0], ptrs[1], "i", (0, prog.values[op.inputs[1]].shape[1]))
+    else:  # slice_sum: the partial sums of conv_partial, slice-major
+        n = math.prod(shape)
+        lines = [f"const int co = (i / {math.prod(shape[2:])}) % {shape[1]};", "float acc = 0.0f;",
+                 f"for (int s = 0; s < {op.attrs['slices']}; ++s) acc += {ptrs[0]}[s * {n} + i];"]
+    if len(ptrs) > (2 if op.kind == "conv" else 1):
+        lines.append(f"acc += {ptrs[-1]}[co];")  # the bias
+    return lines
+
+
+def head_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """A convolution head then its group's elementwise epilogue (bias, activation, residual add),
+    one thread per output element."""
+    g = step.group
+    n = math.prod(g.shape)
+    _check_size(prog, list(g.head.inputs) + g.leaves + g.exports)
+    body = _Body()
+    ptrs = [body.pointer(v, const=True) for v in g.head.inputs]
+    lines = _head_sum(prog, g.head, ptrs) + _epilogue(prog, body, g, g.shape, "i", "acc")
+    src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(body.decls)}) {{\n'
+           f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
+           f"  if (i >= {n}) return;\n  " + "\n  ".join(lines) + "\n}\n")
+    return KernelSpec(name, body.params, (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1), src, step)
+
+
+def conv_partial_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """Slice s of a split convolution: the products over input channels [s * chunk, (s + 1) * chunk)
+    of its group, for every output element (slice-major output; slice_sum adds them)."""
+    op = step.op
+    slices = op.attrs["slices"]
+    n = prog.values[op.outputs[0]].size // slices
+    cpg = prog.values[op.inputs[1]].shape[1]
+    chunk = -(-cpg // slices)
+    _check_size(prog, op.inputs + op.outputs)
+    lines = [f"const int s = i / {n}, j = i % {n};"]
+    lines += _conv_sum(prog, op, "p0", "p1", "j", (f"s * {chunk}", f"((s + 1) * {chunk} < {cpg} ? (s + 1) * {chunk} : {cpg})"))
+    lines.append("p2[i] = acc;")
+    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n * slices, "  " + "\n  ".join(lines) + "\n",
+                             step, consts=2)
+
+
+def pool_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """MaxPool / AveragePool, one thread per output element; taps on padding are skipped (an
+    average counts them when count_include_pad, up to the end padding), as the per-node kernels do."""
+    op, a = step.op, step.op.attrs
+    _, _, h, w = prog.values[op.inputs[0]].shape
+    oh, ow = prog.values[op.outputs[0]].shape[-2:]
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = a["kernel"], a["strides"], a["dilations"], a["pads"]
+    peh, pew = a["pads_end"]
+    if a["average"]:
+        init, inside = "float acc = 0.0f; int taps = 0;", "{ acc += v; ++taps; }"
+        outside = f"if (iy >= {-ph} && iy < {h + peh} && ix >= {-pw} && ix < {w + pew}) ++taps;" if a["include_pad"] else ""
+        result = "taps > 0 ? acc / (float)taps : 0.0f"
+    else:
+        init, inside, outside, result = "float acc = -3.402823466e+38f;", "{ if (v > acc) acc = v; }", "", "acc"
+    body = (f"  const int ox = i % {ow}, oy = (i / {ow}) % {oh};\n"
+            f"  const float* xb = p0 + (long long)(i / {ow * oh}) * {h * w};\n"
+            f"  {init}\n"
+            f"  for (int ky = 0; ky < {kh}; ++ky) {{\n"
+            f"    const int iy = oy * {sh} - {ph} + ky * {dh};\n"
+            f"    for (int kx = 0; kx < {kw}; ++kx) {{\n"
+            f"      const int ix = ox * {sw} - {pw} + kx * {dw};\n"
+            f"      if (iy >= 0 && iy < {h} && ix >= 0 && ix < {w}) {{ const float v = xb[iy * {w} + ix]; {inside} }}\n"
+            + (f"      else {outside}\n" if outside else "")
+            + "    }\n  }\n"
+            f"  p1[i] = {result};\n")
+    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
 
 
 def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -528,8 +600,8 @@ def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
 
 
 GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel,
-              "copy": copy_kernel, "rotary": rotary_kernel, "conv": conv_kernel, "mean": mean_kernel,
-              "place": place_kernel}
+              "copy": copy_kernel, "rotary": rotary_kernel, "conv_partial": conv_partial_kernel,
+              "mean": mean_kernel, "pool": pool_kernel, "place": place_kernel}
 
 
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:

@@ -3,8 +3,8 @@
 Pure Python (no CuPy). Elementwise ops of one output shape are grouped into one kernel; a group
 is "sealed" once any op outside it reads one of its values, so a group never waits for a value
 that itself needs the group (no cycles), and it runs at the position of its last member. A GEMM
-with few rows whose result only feeds one group of its shape is computed inside that group's
-kernel (the group is its epilogue); every other GEMM goes to cuBLAS.
+with few rows, or a convolution, whose result only feeds one group of its shape is computed inside
+that group's kernel (the group is its epilogue; the group's "head"); every other GEMM goes to cuBLAS.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ TILED_GEMM_MAX_MACS = 1 << 26
 
 @dataclass
 class Group:
-    """Elementwise ops computed in one kernel over `shape` (and optionally a small GEMM first)."""
+    """Elementwise ops computed in one kernel over `shape`, after an optional head: a small GEMM or
+    a convolution (HEAD_KINDS) whose result the members read."""
 
     shape: tuple
     members: list = field(default_factory=list)  # Ops, in program order
-    gemm: Op | None = None
+    head: Op | None = None
     sealed: bool = False
     leaves: list = field(default_factory=list)  # value ids read from memory
     exports: list = field(default_factory=list)  # value ids written to memory
@@ -42,6 +43,11 @@ class Step:
     reads: list
     writes: list
     name: str  # the ONNX node(s) it runs, for errors and reports
+
+
+# Ops computed one thread per output element, so they can open an elementwise kernel: a whole
+# convolution, or the sum of a split convolution's channel slices.
+HEAD_KINDS = ("conv", "slice_sum")
 
 
 def small_gemm(prog: Program, op: Op, tiled: bool = True) -> bool:
@@ -113,26 +119,26 @@ def build_steps(prog: Program, tiled: bool = True) -> list:
     outputs = set(prog.outputs)
     absorbed = set()
     for op in prog.ops:
-        if not small_gemm(prog, op, tiled):
+        if not (small_gemm(prog, op, tiled) or op.kind in HEAD_KINDS):
             continue
         out = op.outputs[0]
         readers = users.get(out, [])
         targets = {id(owner.get(r.outputs[0])) for r in readers if r.kind == "ew"}
         group = owner.get(readers[0].outputs[0]) if readers and readers[0].kind == "ew" else None
         if (group is not None and len(targets) == 1 and all(r.kind == "ew" for r in readers)
-                and out not in outputs and group.gemm is None and group.shape == prog.values[out].shape):
-            group.gemm = op
+                and out not in outputs and group.head is None and group.shape == prog.values[out].shape):
+            group.head = op
             absorbed.add(id(op))
         else:
-            groups.append(Group(prog.values[out].shape, [], op))  # a GEMM kernel with no epilogue
+            groups.append(Group(prog.values[out].shape, [], op))  # a head with no epilogue
             absorbed.add(id(op))
     position = {id(op): i for i, op in enumerate(prog.ops)}
     entries = []  # (position, tie, step)
     for g in groups:
         _finish_group(prog, g, users, outputs)
-        pos = max([position[id(m)] for m in g.members] + ([position[id(g.gemm)]] if g.gemm else []))
-        reads = list(g.leaves) + (list(g.gemm.inputs) if g.gemm else [])
-        names = [m.node for m in ([g.gemm] if g.gemm else []) + g.members]
+        pos = max([position[id(m)] for m in g.members] + ([position[id(g.head)]] if g.head else []))
+        reads = list(g.leaves) + (list(g.head.inputs) if g.head else [])
+        names = [m.node for m in ([g.head] if g.head else []) + g.members]
         entries.append((pos, 1, Step("ew", None, g, reads, list(g.exports), _names(names))))
     for op in prog.ops:
         if op.kind in ("ew", "alias") or id(op) in absorbed:
@@ -150,15 +156,15 @@ def _names(names: list) -> str:
 def _finish_group(prog: Program, g: Group, users: dict, outputs: set) -> None:
     produced = {m.outputs[0] for m in g.members}
     inside = {id(m) for m in g.members}
-    gemm_out = g.gemm.outputs[0] if g.gemm is not None else None
+    head_out = g.head.outputs[0] if g.head is not None else None
     leaves = []
     for m in g.members:
         for v in m.inputs:
-            if v not in produced and v != gemm_out and v not in leaves:
+            if v not in produced and v != head_out and v not in leaves:
                 leaves.append(v)
     g.leaves = leaves
     exports = []
-    for v in ([gemm_out] if gemm_out is not None and not g.members else []) + [m.outputs[0] for m in g.members]:
+    for v in ([head_out] if head_out is not None and not g.members else []) + [m.outputs[0] for m in g.members]:
         if v in outputs or any(id(u) not in inside for u in users.get(v, [])):
             exports.append(v)
     if not exports and g.members:

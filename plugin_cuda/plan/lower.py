@@ -673,23 +673,42 @@ def _rotary(ctx, node):
              cache_batch=0 if cache[0] == 1 else seq * rot // 2)
 
 
-def _conv_pads(node, size: tuple, kernel: tuple, strides: tuple, dil: tuple) -> list:
-    """[top, left, bottom, right] from pads or auto_pad (SAME_* pad to ceil(size / stride))."""
+def _window(node, size: tuple, kernel: tuple, ceil_mode: bool = False) -> tuple:
+    """(out_sizes, strides, dilations, pads_begin, pads_end) of a 2-D windowed op, as the per-node
+    kernels compute them (plugin_cuda/kernels/conv.py:output_geometry: auto_pad, ceil_mode)."""
+    from plugin_cuda.kernels.conv import AUTO_PADS, output_geometry
+
     auto = node.attrs.get("auto_pad", "NOTSET")
     auto = auto.decode() if isinstance(auto, bytes) else auto
-    if auto in ("NOTSET", ""):
-        return list(node.attrs.get("pads") or [0] * 4)
-    if auto == "VALID":
-        return [0] * 4
-    if auto not in ("SAME_UPPER", "SAME_LOWER"):
-        raise PlanError(f"Conv node '{node.name}': auto_pad {auto!r}; allowed: NOTSET, VALID, SAME_UPPER, SAME_LOWER")
-    begin, end = [], []
-    for n, k, s, d in zip(size, kernel, strides, dil):
-        total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
-        small, big = total // 2, total - total // 2
-        begin.append(big if auto == "SAME_LOWER" else small)
-        end.append(small if auto == "SAME_LOWER" else big)
-    return begin + end
+    if auto not in AUTO_PADS:
+        raise PlanError(f"{node.op_type} node '{node.name}': auto_pad {auto!r}; allowed: {', '.join(AUTO_PADS)}")
+    strides = tuple(node.attrs.get("strides") or (1, 1))
+    dil = tuple(node.attrs.get("dilations") or (1, 1))
+    pads = tuple(node.attrs.get("pads") or (0, 0, 0, 0))
+    if len(strides) != 2 or len(dil) != 2 or len(pads) != 4:
+        raise PlanError(f"{node.op_type} node '{node.name}': strides {strides}, dilations {dil}, pads {pads}; "
+                        "a compiled plan runs 2-D windows (2, 2 and 4 values)")
+    try:
+        out, begin, end = output_geometry(node.name, size, kernel, strides, dil, pads, auto, ceil_mode)
+    except ValueError as exc:
+        raise PlanError(f"{node.op_type} {exc}") from None
+    return out, strides, dil, begin, end
+
+
+# A convolution whose outputs alone give fewer threads than this is split over its input channels
+# (partial sums, then one reduction kernel that also runs the epilogue): the deep layers of a
+# batch-1 CNN have a few thousand outputs, each a sum of thousands of products.
+CONV_THREADS_WANTED = 1 << 16
+CONV_MIN_SLICE = 64  # products per thread and slice, at least
+
+
+def conv_slices(outputs: int, channels: int, taps: int) -> int:
+    """How many channel slices a convolution with `outputs` elements is split into (1: not split)."""
+    slices = 1
+    while (outputs * slices < CONV_THREADS_WANTED and slices * 2 <= channels
+           and -(-channels // (slices * 2)) * taps >= CONV_MIN_SLICE):
+        slices *= 2
+    return slices
 
 
 @lowers("Conv")
@@ -702,19 +721,38 @@ def _conv(ctx, node):
                         "(4-D input and weight)")
     if group < 1 or xs[1] % group or ws[0] % group or ws[1] * group != xs[1]:
         raise PlanError(f"Conv node '{node.name}': {xs[1]} input channels, weight {ws} and group {group} do not fit")
-    kernel = tuple(ws[2:])
-    strides = tuple(node.attrs.get("strides") or (1, 1))
-    dil = tuple(node.attrs.get("dilations") or (1, 1))
-    pads = _conv_pads(node, xs[2:], kernel, strides, dil)
-    out = [(xs[2 + a] + pads[a] + pads[2 + a] - (kernel[a] - 1) * dil[a] - 1) // strides[a] + 1 for a in range(2)]
-    if min(out) < 1:
-        raise PlanError(f"Conv node '{node.name}': output spatial size {out} for input {xs}, kernel {kernel}, pads {pads}")
+    out, strides_, dil, begin, _ = _window(node, xs[2:], tuple(ws[2:]))
     bias = node.inputs[2] if _present(node, 2) else None
     if bias is not None and ctx.prog.values[bias].size != ws[0]:
         raise PlanError(f"Conv node '{node.name}': bias has shape {ctx.shape(bias)}; expected ({ws[0]},)")
-    ctx.set_shape(node, node.outputs[0], (xs[0], ws[0], out[0], out[1]))
-    ctx.emit("conv", node, [x, w] + ([bias] if bias is not None else []), [node.outputs[0]], group=group,
-             strides=strides, dilations=dil, pads=pads[:2])
+    out_shape = (xs[0], ws[0], out[0], out[1])
+    ctx.set_shape(node, node.outputs[0], out_shape)
+    geometry = dict(group=group, strides=strides_, dilations=dil, pads=tuple(begin))
+    slices = conv_slices(math.prod(out_shape), ws[1], ws[2] * ws[3])
+    extra = [bias] if bias is not None else []
+    if slices == 1:
+        ctx.emit("conv", node, [x, w] + extra, [node.outputs[0]], **geometry)
+        return
+    partial = ctx.temp(node, (slices,) + out_shape, "partial")
+    ctx.emit("conv_partial", node, [x, w], [partial], slices=slices, **geometry)
+    ctx.emit("slice_sum", node, [partial] + extra, [node.outputs[0]], slices=slices)
+
+
+@lowers("MaxPool", "AveragePool")
+def _pool(ctx, node):
+    x = node.inputs[0]
+    xs = ctx.shape(x)
+    kernel = tuple(node.attrs.get("kernel_shape") or ())
+    if len(xs) != 4 or len(kernel) != 2:
+        raise PlanError(f"{node.op_type} node '{node.name}': input {xs}, kernel_shape {kernel}; a compiled plan "
+                        "runs 2-D pools (4-D input)")
+    if any(v >= 0 for v in node.outputs[1:]):
+        raise PlanError(f"{node.op_type} node '{node.name}': the Indices output is not supported in a compiled plan")
+    out, strides_, dil, begin, end = _window(node, xs[2:], kernel, bool(node.attrs.get("ceil_mode", 0)))
+    ctx.set_shape(node, node.outputs[0], (xs[0], xs[1], out[0], out[1]))
+    ctx.emit("pool", node, [x], [node.outputs[0]], kernel=kernel, strides=strides_, dilations=dil,
+             pads=tuple(begin), pads_end=tuple(end), average=node.op_type == "AveragePool",
+             include_pad=bool(node.attrs.get("count_include_pad", 0)))
 
 
 def _mean(ctx, node, axes: list) -> None:

@@ -114,8 +114,28 @@ def build_mobilenetv3(torch, rng):
     return _wrap(torch, model, 1), {"pixel_values": pixels}, ["logits"]
 
 
+def build_resnet18(torch, rng):
+    """torchvision's ResNet-18 (1000 classes) on a 64x64 image, with batch-norm statistics and
+    affine parameters drawn away from their identity defaults (so folding them is tested)."""
+    import torchvision
+    model = torchvision.models.resnet18(weights=None)
+    gen = torch.Generator().manual_seed(SEED + 2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=gen))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+    pixels = rng.standard_normal((1, 3, 64, 64)).astype(np.float32)
+    return _wrap(torch, model, 1), {"pixel_values": pixels}, ["logits"]
+
+
 BUILDERS = {"bert": build_bert, "gpt2": build_gpt2, "vit": build_vit, "llama": build_llama,
             "mobilenetv3": build_mobilenetv3}
+# Architectures too large to check in (ResNet-18: 11.7 M weights, 47 MB): tests/models exports them on
+# first use where torch and torchvision are installed (tests.models.ensure_generated).
+GENERATED = {"resnet18": build_resnet18}
 
 
 def register_diff_symbolic(torch) -> str:
@@ -174,7 +194,7 @@ def export_one(torch, onnx, arch: str, exporter: str, out_dir: Path, with_mask: 
     dynamo, opset = EXPORTERS[exporter]
     torch.manual_seed(SEED)
     rng = np.random.default_rng(SEED)
-    build = BUILDERS[arch]
+    build = {**BUILDERS, **GENERATED}[arch]
     model, inputs, output_names = build(torch, rng, with_mask=True) if with_mask else build(torch, rng)
     _randomize_norms(torch, model)
     args = tuple(torch.from_numpy(v) for v in inputs.values())

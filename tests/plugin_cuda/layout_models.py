@@ -1,6 +1,7 @@
 """One-node ONNX models of the ops a compiled plan lowers to its one-thread-per-element kernels
-(Split, Concat, Expand, RotaryEmbedding, Conv, ReduceMean, GlobalAveragePool), with their feeds: shared by the CPU lowering tests and the
-GPU plan tests, which compare against onnx.reference."""
+(Split, Concat, Expand, RotaryEmbedding, Conv, MaxPool, AveragePool, ReduceMean, GlobalAveragePool), and a
+residual convolution block, with their feeds: shared by the CPU lowering tests and the GPU plan tests,
+which compare against onnx.reference."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def _conv(x, w, bias: bool = False, **attrs):
     return _model("Conv", {"X": x}, consts, 1, 17, **attrs)
 
 
+def _residual_block(channels: int = 8, size: int = 6) -> onnx.ModelProto:
+    """relu(conv2(relu(conv1(X))) + X), as in a ResNet basic block (convolutions with their
+    epilogues: bias, ReLU, the residual Add)."""
+    rng = np.random.default_rng(11)
+    w = {f"W{k}": rng.standard_normal((channels, channels, 3, 3)).astype(np.float32) * 0.2 for k in (1, 2)}
+    b = {f"B{k}": rng.standard_normal(channels).astype(np.float32) for k in (1, 2)}
+    nodes = [helper.make_node("Conv", ["X", "W1", "B1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "W2", "B2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Add", ["c2", "X"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["Y0"], name="relu2")]
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, channels, size, size])],
+                              [helper.make_tensor_value_info("Y0", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in {**w, **b}.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
 # name -> model
 CASES = {
     "concat-axis1-with-constant": lambda: _model("Concat", {"A": (2, 1, 4), "B": (2, 3, 4)},
@@ -49,6 +69,20 @@ CASES = {
     "conv-same-upper": lambda: _conv((1, 2, 6, 5), (3, 2, 3, 2), auto_pad="SAME_UPPER", strides=[2, 2]),
     "conv-same-lower": lambda: _conv((1, 2, 6, 5), (3, 2, 3, 2), auto_pad="SAME_LOWER", strides=[2, 2]),
     "conv-1x1": lambda: _conv((1, 16, 3, 3), (8, 16, 1, 1), True),
+    # few outputs, long sums: split over input channels (plan/lower.py:conv_slices), 8 even slices
+    "conv-split-deep": lambda: _conv((1, 64, 4, 4), (32, 64, 3, 3), True, pads=[1, 1, 1, 1]),
+    # 7 channels in 2 slices of 4 and 3, grouped
+    "conv-split-ragged-grouped": lambda: _conv((1, 14, 6, 6), (6, 7, 5, 5), True, group=2, pads=[2, 2, 2, 2]),
+    "residual-block": _residual_block,
+    "residual-block-split": lambda: _residual_block(64, 4),
+    "maxpool-3x3-stride2-pad1": lambda: _model("MaxPool", {"X": (1, 3, 9, 8)}, {}, 1, 12, kernel_shape=[3, 3],
+                                               strides=[2, 2], pads=[1, 1, 1, 1]),
+    "maxpool-ceil-dilated": lambda: _model("MaxPool", {"X": (2, 2, 7, 8)}, {}, 1, 12, kernel_shape=[2, 3],
+                                           strides=[2, 2], dilations=[2, 1], ceil_mode=1),
+    "avgpool-include-pad-ceil": lambda: _model("AveragePool", {"X": (1, 3, 7, 6)}, {}, 1, 19, kernel_shape=[3, 3],
+                                               strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1, ceil_mode=1),
+    "avgpool-exclude-pad-same": lambda: _model("AveragePool", {"X": (1, 2, 5, 5)}, {}, 1, 19, kernel_shape=[2, 2],
+                                               auto_pad="SAME_UPPER"),
     "reduce-mean-axes-input": lambda: _model("ReduceMean", {"X": (2, 5, 3, 4)}, {"ax": np.array([2, 3])}, 1, 18),
     "reduce-mean-no-keepdims": lambda: _model("ReduceMean", {"X": (2, 5, 6)}, {}, 1, 13, axes=[-1], keepdims=0),
     "global-average-pool": lambda: _model("GlobalAveragePool", {"X": (1, 7, 5, 3)}, {}, 1, 13),

@@ -122,13 +122,13 @@ def test_mlp_fuses_gemm_bias_relu_into_one_kernel_per_layer():
     spec, prog, steps = _program(_zoo().mlp(layers=8, hidden=256, batch=1))
     assert len(spec.nodes) == 24
     assert [s.kind for s in steps] == ["ew"] * 8
-    assert all(s.group.gemm is not None and len(s.group.members) == 2 for s in steps)
+    assert all(s.group.head is not None and len(s.group.members) == 2 for s in steps)
 
 
 def test_mid_size_gemm_is_a_tiled_kernel_with_its_epilogue():
     spec, prog, steps = _program(_zoo().mlp(layers=2, hidden=64, batch=32))
     assert [s.kind for s in steps] == ["ew", "ew"]
-    assert all(s.group.gemm is not None and len(s.group.members) == 2 for s in steps)
+    assert all(s.group.head is not None and len(s.group.members) == 2 for s in steps)
 
 
 def test_graph_variant_sends_mid_size_gemms_to_cublas():
@@ -182,7 +182,7 @@ def test_sealed_group_is_not_extended_past_an_outside_reader():
                           [helper.make_tensor_value_info("out", TensorProto.FLOAT, [16, 4])], [w])
     spec, prog, steps = _program(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
     assert [[m.node for m in s.group.members] for s in steps] == [["relu"], ["add"]]
-    assert steps[1].group.gemm.node == "mm"  # the GEMM runs in the Add's kernel, after relu's
+    assert steps[1].group.head.node == "mm"  # the GEMM runs in the Add's kernel, after relu's
 
 
 def test_lowering_rejects_an_unsupported_node_by_name():
@@ -254,6 +254,8 @@ def test_connected_nodes_form_one_group():
     ("ReduceMean", {"X": (2, 5, 6)}, {}, {"axes": [0, 2]}, r"axes \[0, 2\] of rank 3; a compiled plan reduces trailing"),
     ("Softmax", {"X": (4, 8)}, {}, {"axis": 0}, r"axis 0 of rank 2; a compiled plan supports the last axis only"),
     ("Conv", {"X": (1, 2, 9)}, {"W": np.ones((3, 2, 3), np.float32)}, {}, r"a compiled plan runs 2-D convolutions"),
+    ("MaxPool", {"X": (1, 2, 9)}, {}, {"kernel_shape": [3]}, r"kernel_shape \(3,\); a compiled plan runs 2-D pools"),
+    ("AveragePool", {"X": (1, 2, 4, 4, 4)}, {}, {"kernel_shape": [2, 2, 2]}, r"a compiled plan runs 2-D pools"),
 ])
 def test_a_node_its_lowering_refuses_is_never_claimed(op, inputs, consts, attrs, reason):
     """Claiming asks the node's lowering rule first, so a claimed group never fails to compile (and
@@ -267,6 +269,32 @@ def test_a_node_its_lowering_refuses_is_never_claimed(op, inputs, consts, attrs,
     spec = spec_from_onnx(first)
     assert re.search(reason, lower.node_supported(spec, spec.nodes[0]))
     assert fusable_groups(spec) == [[1]]
+
+
+def test_maxpool_with_indices_is_not_lowered():
+    from tests.plugin_cuda.layout_models import _model
+
+    spec = spec_from_onnx(_model("MaxPool", {"X": (1, 2, 6, 6)}, {}, 2, 12, kernel_shape=[2, 2]))
+    assert "the Indices output is not supported" in lower.node_supported(spec, spec.nodes[0])
+
+
+def test_convolution_split_and_epilogue():
+    """A convolution with few outputs and long sums is split over input channels (slices of at
+    least CONV_MIN_SLICE products); its bias, ReLU and residual Add run in the kernel that adds the
+    slices, and an unsplit convolution opens its epilogue kernel itself."""
+    from tests.plugin_cuda.layout_models import CASES
+
+    assert lower.conv_slices(1 << 16, 512, 9) == 1  # enough outputs already
+    assert lower.conv_slices(2048, 512, 9) == 32  # 2048 x 32 threads, 16 channels x 9 taps each
+    assert lower.conv_slices(16, 7, 25) == 2  # 7 channels: no slice below 64 products
+    assert lower.conv_slices(16, 3, 1) == 1
+    for name, kinds in (("residual-block", [("ew", "conv", 1), ("ew", "conv", 2)]),
+                        ("residual-block-split", [("conv_partial", None, None), ("ew", "slice_sum", 1),
+                                                  ("conv_partial", None, None), ("ew", "slice_sum", 2)])):
+        prog = lower.lower(spec_from_onnx(CASES[name]()))
+        steps = fuse.build_steps(prog)
+        assert [(s.kind, s.group.head.kind if s.group and s.group.head else None,
+                 len(s.group.members) if s.group else None) for s in steps] == kinds, name
 
 
 def test_masked_attention_reads_its_mask_in_the_softmax():

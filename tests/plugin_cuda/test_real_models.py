@@ -1,4 +1,5 @@
-"""Real exports (tests/models: BERT, GPT-2, ViT, Llama, MobileNetV3 from both torch.onnx exporters) on
+"""Real exports (tests/models: BERT, GPT-2, ViT, Llama, MobileNetV3 from both torch.onnx exporters, and
+ResNet-18 exported on first use) on
 the CUDA EP with the default optimization level (GPU tests; the fixture check runs anywhere).
 
 Per fixture:
@@ -16,6 +17,7 @@ Set EPHOST_REAL_MODELS_REPORT=<file> to append one JSON line per model (node cou
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import warnings
@@ -25,11 +27,16 @@ import onnx
 import pytest
 
 from host.runtime.session import InferenceSession
-from tests.models import available_models, load
+from tests.models import available_models, generated_models, load
 
 CUDA = "CUDAExecutionProvider"
 INT64 = 7  # the host's SHAPE_ELEM_TYPES: what shape arithmetic produces
 MODELS = available_models()
+# ResNet-18 is exported on first use (tests/models: too large to check in), where torchvision is.
+NO_TORCHVISION = importlib.util.find_spec("torch") is None or importlib.util.find_spec("torchvision") is None
+ALL_MODELS = MODELS + [pytest.param(name, marks=pytest.mark.skipif(
+    NO_TORCHVISION, reason="torch and torchvision export this fixture on first use; not installed"))
+    for name in generated_models()]
 
 
 def ort_reference(path, feeds):
@@ -87,7 +94,7 @@ PATHS = {"plans": {}, "kernels": {"compiled_plan": "0"}}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path_kind", list(PATHS))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_real_model_runs_on_cuda_and_matches_onnxruntime(cp, genv, name, path_kind):
     path, feeds, _ = load(name)
     want = ort_reference(path, feeds)
@@ -122,7 +129,7 @@ def bind(cp, session, feeds, specs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path_kind", list(PATHS))
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_real_model_captures_and_replays_like_eager(cp, genv, name, path_kind):
     path, feeds, _ = load(name)
     options = {"use_tf32": "0", **PATHS[path_kind]}
