@@ -98,7 +98,8 @@ def test_attention_plan_matches_onnx_reference(cp, name):
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_CASES))
 def test_layout_plan_matches_onnx_reference(cp, name):
-    """Split (strided copies), Expand (a broadcast), RotaryEmbedding (its own kernel)."""
+    """Split and Concat (strided copies), Expand (a broadcast), RotaryEmbedding, convolutions (whole
+    or split over channels, with their epilogues), pools, means."""
     model = LAYOUT_CASES[name]()
     feeds = layout_feeds(model)
     with build(model) as plan:
@@ -106,7 +107,8 @@ def test_layout_plan_matches_onnx_reference(cp, name):
         want = reference(model, feeds)
         assert len(outs) == len(want)
         for got, exp in zip(outs, want):
-            np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6)
+            # float32 sums of hundreds of products, added in another order: atol scales with the output
+            np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(exp).max())))
 
 
 def test_attention_plan_fully_masked_row_is_zero(cp):
