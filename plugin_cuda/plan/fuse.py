@@ -110,10 +110,67 @@ def group_ops(prog: Program) -> tuple[list, dict]:
     return groups, owner
 
 
-def build_steps(prog: Program, tiled: bool = True) -> list:
+BIAS_ADD = "({0} + {1})"
+RELU = "ep_relu({0})"
+
+
+def _only_ew_reader(prog: Program, users: dict, vid: int, expr: str):
+    """The op reading `vid` when it is the only one, elementwise with `expr`, of the same shape,
+    and `vid` is not a partition output; else None."""
+    readers = users.get(vid, [])
+    if len(readers) != 1 or vid in prog.outputs:
+        return None
+    op = readers[0]
+    if op.kind != "ew" or op.attrs.get("expr") != expr or prog.values[op.outputs[0]].shape != prog.values[vid].shape:
+        return None
+    return op
+
+
+def _bias_of(prog: Program, add: Op, gemm_out: int, n: int) -> int | None:
+    """The other operand of `add` when it is a constant of N values along the last axis."""
+    other = add.inputs[1] if add.inputs[0] == gemm_out else add.inputs[0]
+    v = prog.values[other]
+    if other == gemm_out or v.const is None or v.size != n or (v.shape and v.shape[-1] != n):
+        return None
+    return other
+
+
+def cublaslt_epilogues(prog: Program, tiled: bool) -> Program:
+    """`prog` with each GEMM that runs on cuBLAS (not a generated kernel) and is followed by the
+    addition of a constant bias over its last axis, and optionally a ReLU, as one op: a GEMM with
+    cuBLASLt's BIAS or RELU_BIAS epilogue (plugin_cuda/cublaslt.py). The fused op takes the place of
+    the last op it replaces; `prog` itself is not changed (the values are shared)."""
+    users = _consumers(prog)
+    replace: dict = {}  # id(op) -> the op to put there (None: drop it)
+    for op in prog.ops:
+        if op.kind != "gemm" or small_gemm(prog, op, tiled) or op.attrs["trans_a"] or op.attrs["trans_b"]:
+            continue
+        b_shape = prog.values[op.inputs[1]].shape
+        add = _only_ew_reader(prog, users, op.outputs[0], BIAS_ADD) if len(b_shape) == 2 else None
+        bias = _bias_of(prog, add, op.outputs[0], b_shape[1]) if add is not None else None
+        if bias is None:
+            continue
+        relu = _only_ew_reader(prog, users, add.outputs[0], RELU)
+        last = relu or add
+        replace[id(op)] = None
+        for dropped in (add, relu):
+            if dropped is not None:
+                replace[id(dropped)] = None
+        replace[id(last)] = Op("gemm", op.node, [op.inputs[0], op.inputs[1], bias], [last.outputs[0]],
+                               {**op.attrs, "epilogue": "relu_bias" if relu else "bias"})
+    if not replace:
+        return prog
+    ops = [replace.get(id(op), op) for op in prog.ops]
+    return Program(prog.values, [op for op in ops if op is not None], prog.inputs, prog.outputs)
+
+
+def build_steps(prog: Program, tiled: bool = True, cublaslt: bool = True) -> list:
     """The plan's steps in execution order (aliases make no step). `tiled`: mid-size GEMMs become
     generated tiled kernels (fewest launches, for eager runs); otherwise cuBLAS (fastest kernels,
-    for graph replay, where launches cost nothing)."""
+    for graph replay, where launches cost nothing). `cublaslt`: GEMMs on cuBLAS take their bias
+    (and ReLU) into the call (cublaslt_epilogues)."""
+    if cublaslt:
+        prog = cublaslt_epilogues(prog, tiled)
     groups, owner = group_ops(prog)
     users = _consumers(prog)
     outputs = set(prog.outputs)

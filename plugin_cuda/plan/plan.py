@@ -456,6 +456,10 @@ class _CublasStep:
                         g.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
             return
+        self.lt = None
+        if "epilogue" in op.attrs:  # bias (and ReLU) in the GEMM's epilogue (fuse.cublaslt_epilogues)
+            self._cublaslt(op, a_shape, b_shape, compute, variant)
+            return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
             m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
@@ -485,6 +489,24 @@ class _CublasStep:
                         plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
 
+    def _cublaslt(self, op, a_shape, b_shape, compute, variant) -> None:
+        from plugin_cuda import cublaslt
+
+        inst = self.inst
+        ext_index, bias = inst.address(op.inputs[2], variant)
+        if ext_index is not None:  # fuse folds only constant biases: their address never changes
+            raise PlanError(f"GEMM '{self.name}': its epilogue bias is a call input; expected a constant")
+        k, n = b_shape
+        gemm = cublaslt.EpilogueGemm(inst.plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
+                                     bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'")
+        self.lt = (gemm, [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])])
+
+    def _run_lt(self) -> None:
+        gemm, operands = self.lt
+        ext = self.inst.ext
+        a, b, out = (addr if j is None else ext[j] for j, addr in operands)
+        gemm(a, b, out, self.inst.stream_ptr)
+
     def _add(self, fn, args: list, ptrs: list) -> None:
         """Replace (operand, byte offset) placeholders: fixed addresses now, call inputs/outputs per run."""
         dynamic = []
@@ -500,6 +522,9 @@ class _CublasStep:
         self.calls.append((fn, args, tuple(dynamic)))
 
     def __call__(self) -> None:
+        if self.lt is not None:
+            self._run_lt()
+            return
         ext = self.inst.ext
         vp = self._vp
         for fn, args, dynamic in self.calls:

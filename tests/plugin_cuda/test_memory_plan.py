@@ -142,8 +142,58 @@ def test_graph_variant_sends_mid_size_gemms_to_cublas():
 
 def test_large_gemm_goes_to_cublas_with_fused_epilogue():
     spec, prog, steps = _program(_zoo().mlp(layers=2, hidden=512, batch=512))  # 2**27 multiply-adds each
+    # cuBLASLt takes each layer's bias Add and ReLU into the GEMM (BIAS/RELU_BIAS epilogues) ...
+    assert [s.kind for s in steps] == ["gemm", "gemm"]
+    assert [s.op.attrs["epilogue"] for s in steps] == ["relu_bias", "relu_bias"]
+    assert all(prog.values[s.op.inputs[2]].const is not None for s in steps)
+    assert steps[-1].writes == prog.outputs
+    # ... and without it they are one generated epilogue kernel after each cuBLAS GEMM.
+    steps = fuse.build_steps(prog, cublaslt=False)
     assert [s.kind for s in steps] == ["gemm", "ew", "gemm", "ew"]
     assert [len(s.group.members) for s in steps if s.kind == "ew"] == [2, 2]
+
+
+def _gemm_then(tail: list, out: str = "Y", b_shape=(64, 32), bias=None) -> onnx.ModelProto:
+    """X (64, 64) @ W -> `tail` nodes (reading "mm"); W, and a bias B (32,) unless given."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    consts = [numpy_helper.from_array(rng.standard_normal(b_shape).astype(np.float32), "W"),
+              numpy_helper.from_array(rng.standard_normal(32).astype(np.float32) if bias is None else bias, "B")]
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["mm"], name="mm")] + tail
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [64, 64]),
+                                       helper.make_tensor_value_info("Z", TensorProto.FLOAT, [64, 32])],
+                          [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], consts)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _lt_epilogues(model) -> list:
+    prog = lower.lower(spec_from_onnx(model))
+    return [s.op.attrs.get("epilogue") for s in fuse.build_steps(prog, tiled=False) if s.kind == "gemm"]
+
+
+def test_cublaslt_epilogue_takes_only_a_constant_bias_read_once():
+    from onnx import helper
+
+    add = helper.make_node("Add", ["mm", "B"], ["Y"], name="add")
+    assert _lt_epilogues(_gemm_then([add])) == ["bias"]
+    assert _lt_epilogues(_gemm_then([helper.make_node("Add", ["B", "mm"], ["s"]), helper.make_node("Relu", ["s"], ["Y"])])) == ["relu_bias"]
+    # a Sigmoid after the bias: the bias is folded, the Sigmoid stays a kernel
+    assert _lt_epilogues(_gemm_then([helper.make_node("Add", ["mm", "B"], ["s"]), helper.make_node("Sigmoid", ["s"], ["Y"])])) == ["bias"]
+    refused = {
+        "the addend is a call input": [helper.make_node("Add", ["mm", "Z"], ["Y"])],
+        "the addend is a whole matrix": None,
+        "the GEMM result is read twice": [helper.make_node("Add", ["mm", "B"], ["s"]), helper.make_node("Mul", ["s", "mm"], ["Y"])],
+        "a Sub, not an Add": [helper.make_node("Sub", ["mm", "B"], ["Y"])],
+    }
+    for why, tail in refused.items():
+        model = (_gemm_then([helper.make_node("Add", ["mm", "B"], ["Y"])], bias=np.ones((64, 32), np.float32))
+                 if tail is None else _gemm_then(tail))
+        assert _lt_epilogues(model) == [None], why
+    # the ReLU is not folded when the biased value is read elsewhere too
+    two = [helper.make_node("Add", ["mm", "B"], ["s"]), helper.make_node("Relu", ["s"], ["r"]),
+           helper.make_node("Add", ["r", "s"], ["Y"])]
+    assert _lt_epilogues(_gemm_then(two)) == ["bias"]
 
 
 def test_transformer_steps_and_exports():

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = {
     "mlp-8x256-b1": lambda: zoo.mlp(layers=8, hidden=256, batch=1),  # generated GEMV + epilogue kernels
     "mlp-3x64-b32": lambda: zoo.mlp(layers=3, hidden=64, batch=32),  # generated tiled GEMMs + epilogues
-    "mlp-2x512-b512": lambda: zoo.mlp(layers=2, hidden=512, batch=512),  # cuBLAS GEMMs + fused epilogues
+    "mlp-2x512-b512": lambda: zoo.mlp(layers=2, hidden=512, batch=512),  # cuBLASLt GEMMs, RELU_BIAS epilogues
+    "mlp-gemm-2x512-b512": lambda: zoo.mlp(layers=2, hidden=512, batch=512, use_gemm=True),  # Gemm's C as the bias
     "mlp-odd-b37": lambda: zoo.mlp(layers=2, hidden=70, batch=37, in_features=19),  # ragged 32x32 tile edges
     "mlp-wide-b512": lambda: zoo.mlp(layers=1, hidden=2000, batch=500, in_features=64),  # 64x64 tiles, ragged
     "mlp-gemm-b4": lambda: zoo.mlp(layers=3, hidden=48, batch=4, in_features=20, use_gemm=True),
@@ -83,6 +84,8 @@ def test_plan_matches_onnx_reference(cp, name):
         for got, exp in zip(outs, want):
             np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-4, atol=1e-4)
         assert plan.num_kernels + plan.num_cublas == len(plan.steps) < plan.num_nodes
+        if "b512" in name and "wide" not in name:  # the bias (and ReLU) ran in cuBLASLt's epilogue
+            assert {s.op.attrs.get("epilogue") for s in plan.steps if s.kind == "gemm"} <= {"bias", "relu_bias"}
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION_CASES))

@@ -1,0 +1,177 @@
+"""cuBLASLt through cffi (ABI mode): one GEMM with its bias (and ReLU) applied in the GEMM's own
+epilogue, for the compiled plans (plugin_cuda/plan).
+
+A compiled plan folds `Add(bias)` and `Relu` after a GEMM that runs on cuBLAS into the call
+(CUBLASLT_EPILOGUE_BIAS / RELU_BIAS), so no separate epilogue kernel reads and rewrites the GEMM's
+result. Everything but the stream is fixed when the plan is built: the descriptor (with the bias
+address), the matrix layouts and the algorithm (the first heuristic answer, no workspace, so a
+call never allocates and is capturable). Statuses are cublasStatus_t: cublas.check names them.
+
+Enum values and the heuristic-result layout are those of cublasLt.h (CUDA 11 to 13).
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import threading
+import weakref
+
+import cffi
+
+from plugin_cuda.cublas import CublasError, check
+
+_CDEF = """
+typedef void* cublasLtHandle_t;
+typedef void* cublasLtMatmulDesc_t;
+typedef void* cublasLtMatrixLayout_t;
+typedef void* cublasLtMatmulPreference_t;
+typedef struct { uint64_t data[8]; } cublasLtMatmulAlgo_t;
+typedef struct {
+    cublasLtMatmulAlgo_t algo;
+    size_t workspaceSize;
+    int state;
+    float wavesCount;
+    int reserved[4];
+} cublasLtMatmulHeuristicResult_t;
+int cublasLtCreate(cublasLtHandle_t* handle);
+int cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, int computeType, int scaleType);
+int cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc);
+int cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, int attr, const void* buf, size_t size);
+int cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, int type, uint64_t rows, uint64_t cols, int64_t ld);
+int cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout);
+int cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref);
+int cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref);
+int cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref, int attr, const void* buf, size_t size);
+int cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                   cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                   cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
+                                   cublasLtMatmulHeuristicResult_t* results, int* returned);
+int cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha,
+                   const void* A, cublasLtMatrixLayout_t a, const void* B, cublasLtMatrixLayout_t b,
+                   const void* beta, const void* C, cublasLtMatrixLayout_t c, void* D, cublasLtMatrixLayout_t d,
+                   const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspaceSize, void* stream);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+
+CUDA_R_32F = 0
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+PREF_MAX_WORKSPACE_BYTES = 1
+# The plan's epilogue names -> cublasLtEpilogue_t
+EPILOGUES = {"bias": 4, "relu_bias": 6}
+
+_lib = None
+_lock = threading.Lock()
+_handles: dict = {}  # device id -> cublasLtHandle_t (process lifetime: a handle holds no stream)
+_SONAMES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so.11", "libcublasLt.so")
+
+
+def load_library():
+    """libcublasLt, loaded once (cuda.pathfinder as CuPy finds it, then the usual sonames)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        candidates, tried = [], []
+        try:
+            from cuda import pathfinder
+
+            loaded = pathfinder.load_nvidia_dynamic_lib("cublasLt")
+            path = getattr(loaded, "abs_path", None)
+            if path:
+                candidates.append(str(path))
+        except Exception as exc:  # noqa: BLE001 - the sonames below are the fallback
+            tried.append(f"cuda.pathfinder: {type(exc).__name__}: {exc}")
+        candidates += [c for c in (ctypes.util.find_library("cublasLt"),) if c] + list(_SONAMES)
+        for candidate in candidates:
+            try:
+                lib = ffi.dlopen(candidate)
+                lib.cublasLtMatmul  # noqa: B018 - fail early on a library that is not cuBLASLt
+            except (OSError, AttributeError) as exc:
+                tried.append(f"{candidate}: {exc}")
+                continue
+            _lib = lib
+            return lib
+        raise CublasError("cannot load cuBLASLt (libcublasLt, next to cuBLAS in the CUDA toolkit or the "
+                          "nvidia-cublas wheel); tried: " + "; ".join(tried))
+
+
+def handle(device_id: int):
+    """The process's cuBLASLt handle for a device (created on first use, with that device current)."""
+    with _lock:
+        h = _handles.get(device_id)
+    if h is None:
+        lib = load_library()
+        box = ffi.new("cublasLtHandle_t *")
+        check(lib.cublasLtCreate(box), "cublasLtCreate")
+        with _lock:
+            h = _handles.setdefault(device_id, box[0])
+    return h
+
+
+def _destroy(lib, desc, layouts, pref) -> None:
+    lib.cublasLtMatmulDescDestroy(desc)
+    for layout in layouts:
+        lib.cublasLtMatrixLayoutDestroy(layout)
+    lib.cublasLtMatmulPreferenceDestroy(pref)
+
+
+class EpilogueGemm:
+    """out (M, N) = epilogue(alpha * A (M, K) @ B (K, N) + bias (N)), row-major float32, through one
+    cublasLtMatmul; `epilogue` in EPILOGUES. The bias address is fixed; A, B and out are given per
+    call (see __call__), the stream too."""
+
+    def __init__(self, device_id: int, m: int, n: int, k: int, alpha: float, bias_ptr: int, epilogue: str,
+                 compute_type: int, what: str):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"{what}: epilogue {epilogue!r}; allowed: {sorted(EPILOGUES)}")
+        lib = self.lib = load_library()
+        self.what = what
+        self.handle = handle(device_id)
+        box = ffi.new("cublasLtMatmulDesc_t *")
+        check(lib.cublasLtMatmulDescCreate(box, compute_type, CUDA_R_32F), f"{what}: cublasLtMatmulDescCreate")
+        self.desc = box[0]
+        layouts = []
+        # Row-major C = A @ B is column-major C^T = B^T A^T: the first operand is B (N x K), then A.
+        for rows, cols in ((n, k), (k, m), (n, m)):
+            lbox = ffi.new("cublasLtMatrixLayout_t *")
+            check(lib.cublasLtMatrixLayoutCreate(lbox, CUDA_R_32F, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
+            layouts.append(lbox[0])
+        pbox = ffi.new("cublasLtMatmulPreference_t *")
+        check(lib.cublasLtMatmulPreferenceCreate(pbox), f"{what}: cublasLtMatmulPreferenceCreate")
+        self.pref = pbox[0]
+        self.layouts = layouts
+        self._finalizer = weakref.finalize(self, _destroy, lib, self.desc, layouts, self.pref)
+        self._set(DESC_EPILOGUE, ffi.new("uint32_t *", EPILOGUES[epilogue]), 4)
+        self._set(DESC_BIAS_POINTER, ffi.new("void **", ffi.cast("void *", bias_ptr)), ffi.sizeof("void *"))
+        zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
+        check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, zero, 8),
+              f"{what}: cublasLtMatmulPreferenceSetAttribute")
+        result = ffi.new("cublasLtMatmulHeuristicResult_t *")
+        count = ffi.new("int *")
+        b_layout, a_layout, d_layout = layouts
+        check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, b_layout, a_layout, d_layout, d_layout,
+                                                 self.pref, 1, result, count), f"{what}: cublasLtMatmulAlgoGetHeuristic")
+        if count[0] < 1:
+            raise CublasError(f"{what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} float32 GEMM with "
+                              f"epilogue {epilogue!r} and no workspace")
+        self.algo = ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
+        self.alpha = ffi.new("float *", float(alpha))
+        self.beta = ffi.new("float *", 0.0)
+
+    def _set(self, attr: int, value, size: int) -> None:
+        check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, value, size),
+              f"{self.what}: cublasLtMatmulDescSetAttribute({attr})")
+
+    def __call__(self, a_ptr: int, b_ptr: int, out_ptr: int, stream_ptr: int) -> None:
+        b_layout, a_layout, d_layout = self.layouts
+        out = ffi.cast("void *", out_ptr)
+        status = self.lib.cublasLtMatmul(self.handle, self.desc, self.alpha, ffi.cast("void *", b_ptr), b_layout,
+                                         ffi.cast("void *", a_ptr), a_layout, self.beta, out, d_layout, out, d_layout,
+                                         self.algo, ffi.NULL, 0, ffi.cast("void *", stream_ptr))
+        if status:
+            check(status, f"cublasLtMatmul ({self.what})")
+
+    def close(self) -> None:
+        self._finalizer()
