@@ -446,6 +446,7 @@ class _CublasStep:
         zero = cublas._ZERO
         ptrs = [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
         self.calls = []  # (function, args template, [(arg position, ext index, byte offset)])
+        self.lt = None  # (cublaslt.EpilogueGemm, operand addresses) instead of calls
         if op.kind == "bgemm":  # a batched layout computed at lowering (Attention)
             g = op.attrs["gemm"]
             for oa, ob, oc in g.calls:
@@ -456,7 +457,6 @@ class _CublasStep:
                         g.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
             return
-        self.lt = None
         if "epilogue" in op.attrs:  # bias (and ReLU) in the GEMM's epilogue (fuse.cublaslt_epilogues)
             self._cublaslt(op, a_shape, b_shape, compute, variant)
             return
