@@ -104,6 +104,10 @@ class StreamState:
         if not self.owned:
             return
         rt = self.ep.cupy.cuda.runtime
+        # The steady state: nothing left on the default stream, so no event and no cross-stream
+        # wait (which also delays the graph's start on the GPU). 0 is cudaSuccess: all its work is done.
+        if rt.streamQuery(0) == 0:
+            return
         if self._event is None:
             self._event = self.ep.cupy.cuda.Event(disable_timing=True)
         # Raw runtime calls: Event.record/Stream.wait_event cost µs of Python each on the replay path.
