@@ -54,6 +54,15 @@ def _residual_block(channels: int = 8, size: int = 6) -> onnx.ModelProto:
     return model
 
 
+def _conv_and_relu_outputs() -> onnx.ModelProto:
+    """A convolution whose result is a graph output and also read by a ReLU (also an output): the
+    convolution cannot hide in the ReLU's kernel without writing its own result."""
+    model = _conv((1, 3, 5, 5), (4, 3, 3, 3), True, pads=[1, 1, 1, 1])
+    model.graph.node.append(helper.make_node("Relu", ["Y0"], ["Y1"], name="relu"))
+    model.graph.output.append(helper.make_tensor_value_info("Y1", TensorProto.FLOAT, None))
+    return model
+
+
 # name -> model
 CASES = {
     "concat-axis1-with-constant": lambda: _model("Concat", {"A": (2, 1, 4), "B": (2, 3, 4)},
@@ -74,6 +83,7 @@ CASES = {
     # 7 channels in 2 slices of 4 and 3, grouped
     "conv-split-ragged-grouped": lambda: _conv((1, 14, 6, 6), (6, 7, 5, 5), True, group=2, pads=[2, 2, 2, 2]),
     "residual-block": _residual_block,
+    "conv-output-and-relu": _conv_and_relu_outputs,
     "residual-block-split": lambda: _residual_block(64, 4),
     "maxpool-3x3-stride2-pad1": lambda: _model("MaxPool", {"X": (1, 3, 9, 8)}, {}, 1, 12, kernel_shape=[3, 3],
                                                strides=[2, 2], pads=[1, 1, 1, 1]),

@@ -154,7 +154,8 @@ def test_large_gemm_goes_to_cublas_with_fused_epilogue():
 
 
 def _gemm_then(tail: list, out: str = "Y", b_shape=(64, 32), bias=None) -> onnx.ModelProto:
-    """X (64, 64) @ W -> `tail` nodes (reading "mm"); W, and a bias B (32,) unless given."""
+    """X (64, 64) @ W -> `tail` nodes (reading "mm"); inputs X, Z (64, 32), V (32,); constants W and
+    a bias B (32,) unless given."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(3)
@@ -162,7 +163,8 @@ def _gemm_then(tail: list, out: str = "Y", b_shape=(64, 32), bias=None) -> onnx.
               numpy_helper.from_array(rng.standard_normal(32).astype(np.float32) if bias is None else bias, "B")]
     nodes = [helper.make_node("MatMul", ["X", "W"], ["mm"], name="mm")] + tail
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [64, 64]),
-                                       helper.make_tensor_value_info("Z", TensorProto.FLOAT, [64, 32])],
+                                       helper.make_tensor_value_info("Z", TensorProto.FLOAT, [64, 32]),
+                                       helper.make_tensor_value_info("V", TensorProto.FLOAT, [32])],
                           [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], consts)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -181,7 +183,8 @@ def test_cublaslt_epilogue_takes_only_a_constant_bias_read_once():
     # a Sigmoid after the bias: the bias is folded, the Sigmoid stays a kernel
     assert _lt_epilogues(_gemm_then([helper.make_node("Add", ["mm", "B"], ["s"]), helper.make_node("Sigmoid", ["s"], ["Y"])])) == ["bias"]
     refused = {
-        "the addend is a call input": [helper.make_node("Add", ["mm", "Z"], ["Y"])],
+        "the addend is a call input": [helper.make_node("Add", ["mm", "V"], ["Y"])],
+        "the addend is a call input matrix": [helper.make_node("Add", ["mm", "Z"], ["Y"])],
         "the addend is a whole matrix": None,
         "the GEMM result is read twice": [helper.make_node("Add", ["mm", "B"], ["s"]), helper.make_node("Mul", ["s", "mm"], ["Y"])],
         "a Sub, not an Add": [helper.make_node("Sub", ["mm", "B"], ["Y"])],
