@@ -174,6 +174,20 @@ def _find_library_candidate():
     return ctypes.util.find_library("cublas")
 
 
+def open_first(lib_ffi, candidates, symbol: str, tried: list):
+    """(library, candidate) for the first candidate that dlopens and has `symbol` (a library that
+    is not the one asked for fails early); None when none does, each failure added to `tried`."""
+    for candidate in candidates:
+        try:
+            lib = lib_ffi.dlopen(candidate)
+            getattr(lib, symbol)
+        except (OSError, AttributeError) as e:
+            tried.append(f"{candidate}: {e}")
+            continue
+        return lib, candidate
+    return None
+
+
 def load_library():
     """Load libcublas once per process and keep it alive; raise CublasError when it cannot be found."""
     global _lib, _lib_path
@@ -198,14 +212,9 @@ def load_library():
         else:
             tried.append("ctypes.util.find_library('cublas'): not found")
         candidates.extend(_SONAMES)
-        for candidate in candidates:
-            try:
-                lib = ffi.dlopen(candidate)
-                lib.cublasCreate_v2  # noqa: B018 - fail early on a library that is not cuBLAS
-            except (OSError, AttributeError) as e:
-                tried.append(f"{candidate}: {e}")
-                continue
-            _lib = lib
+        found = open_first(ffi, candidates, "cublasCreate_v2", tried)
+        if found is not None:
+            _lib, candidate = found
             _lib_path = candidate if isinstance(candidate, str) else "<handle from cuda.pathfinder>"
             return _lib
         raise CublasError(

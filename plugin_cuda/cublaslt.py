@@ -18,7 +18,7 @@ import weakref
 
 import cffi
 
-from plugin_cuda.cublas import CublasError, check
+from plugin_cuda.cublas import CublasError, check, open_first
 
 _CDEF = """
 typedef void* cublasLtHandle_t;
@@ -84,15 +84,10 @@ def load_library():
         except Exception as exc:  # noqa: BLE001 - the sonames below are the fallback
             tried.append(f"cuda.pathfinder: {type(exc).__name__}: {exc}")
         candidates += [c for c in (ctypes.util.find_library("cublasLt"),) if c] + list(_SONAMES)
-        for candidate in candidates:
-            try:
-                lib = ffi.dlopen(candidate)
-                lib.cublasLtMatmul  # noqa: B018 - fail early on a library that is not cuBLASLt
-            except (OSError, AttributeError) as exc:
-                tried.append(f"{candidate}: {exc}")
-                continue
-            _lib = lib
-            return lib
+        found = open_first(ffi, candidates, "cublasLtMatmul", tried)
+        if found is not None:
+            _lib = found[0]
+            return _lib
         raise CublasError("cannot load cuBLASLt (libcublasLt, next to cuBLAS in the CUDA toolkit or the "
                           "nvidia-cublas wheel); tried: " + "; ".join(tried))
 
