@@ -125,6 +125,47 @@ def _should_fold(node: ir.Node) -> bool | None:
     return int(np.prod(shape.numpy())) <= SMALL_CONSTANT_OF_SHAPE
 
 
+def _gather_elements(data: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray | None:
+    """ONNX GatherElements in NumPy; None for inputs the op refuses (the run reports those)."""
+    if data.ndim != indices.ndim or data.ndim == 0 or not -data.ndim <= axis < data.ndim:
+        return None
+    axis %= data.ndim
+    if any(i > d for a, (i, d) in enumerate(zip(indices.shape, data.shape)) if a != axis):
+        return None
+    size = data.shape[axis]
+    if indices.size and (indices.min() < -size or indices.max() >= size):
+        return None
+    window = tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))
+    return np.take_along_axis(data[window], np.where(indices < 0, indices + size, indices), axis)
+
+
+def _fold_gather_elements(model: ir.Model) -> bool:
+    """GatherElements of two constants, computed here. onnxscript's folding evaluates it with onnx's
+    reference kernel, which fails when the indices are shorter than the data along the axis
+    ("cannot reshape array of size 1 into shape (1,16)": BERT's token-type ids, sliced by position
+    ids, in the dynamo export), so the node and the Gather after it used to stay in the model."""
+    graph = model.graph
+    changed = False
+    for node in list(graph):
+        if node.op_type != "GatherElements" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        consts = [None if v is None else ir.convenience.get_const_tensor(v) for v in node.inputs]
+        out = node.outputs[0]
+        if None in consts or out in graph.outputs:
+            continue
+        axis = node.attributes.get_int("axis", 0)
+        value = _gather_elements(consts[0].numpy(), consts[1].numpy(), axis)
+        if value is None or value.size > constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT:
+            continue
+        folded = ir.Value(name=f"{out.name}_folded", shape=ir.Shape(value.shape), type=out.type,
+                          const_value=ir.tensor(value))
+        graph.register_initializer(folded)
+        ir.convenience.replace_all_uses_with(out, folded)
+        graph.remove(node, safe=True)
+        changed = True
+    return changed
+
+
 def _fold(model: ir.Model) -> bool:
     result = constant_folding.FoldConstantsPass(
         shape_inference=True, input_size_limit=constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
@@ -153,7 +194,8 @@ def _basic(rec: _Recorder) -> None:
         rec.run("inline functions", lambda m: ir_passes.InlinePass()(m).modified)
     rules = _basic_rules()
     for _ in range(2):  # a second round folds what the rewrites exposed
-        changed = rec.run("constant folding", _fold)
+        changed = rec.run("GatherElements of constants", _fold_gather_elements)
+        changed |= rec.run("constant folding", _fold)
         changed |= rec.run("redundant nodes", _apply(rules), note="rewrites: ")
         changed |= rec.run("identity elimination", lambda m: ir_passes.IdentityEliminationPass()(m).modified)
         changed |= rec.run("dead nodes", _dead_code)

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 from onnx import helper
 
 from host.errors import InvalidArgument
@@ -242,3 +243,65 @@ def test_single_cast_is_removed_only_when_it_is_a_no_op(to, removed):
                               [helper.make_tensor_value_info("y", to, [2])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert ("Cast" not in ops(optimize(model, L.ORT_ENABLE_ALL).model)) == removed
+
+
+# ---- onnx's reference GatherElements, which onnxscript's folding calls ------------------------------
+def _gather_elements_model(data: np.ndarray, indices: np.ndarray, axis: int) -> onnx.ModelProto:
+    """y = x + GatherElements(data, indices) with both operands initializers (x: the output's shape)."""
+    nodes = [helper.make_node("GatherElements", ["d", "i"], ["g"], axis=axis),
+             helper.make_node("Cast", ["g"], ["gf"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "gf"], ["y"])]
+    return make_model(nodes, [("x", list(indices.shape))], [("y", list(indices.shape))], {"d": data, "i": indices})
+
+
+def test_gather_elements_of_constants_is_folded_where_onnx_reference_fails():
+    """BERT's dynamo export gathers its token-type ids (1, 64) by position ids (1, 16): onnx's reference
+    kernel cannot (indices shorter than the data along the axis), so onnxscript left the node; ephost
+    folds it in NumPy, and onnxruntime agrees with the result."""
+    import onnxruntime as ort
+
+    from host.optimizer.pipeline import _gather_elements
+
+    data = np.arange(64, dtype=np.int64).reshape(1, 64) * 3
+    indices = np.arange(16, dtype=np.int64).reshape(1, 16)[:, ::-1].copy()
+    indices[0, 0] = -1  # wraps to the last element
+    model = _gather_elements_model(data, indices, 1)
+    optimized = optimize(model, L.ORT_ENABLE_BASIC).model
+    assert "GatherElements" not in ops(optimized)
+    feeds = {"x": np.ones((1, 16), np.float32)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(optimized.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0] == 1 + 63 * 3
+    assert _gather_elements(data, indices, -1) is not None and _gather_elements(data, indices, 2) is None
+
+
+@given(st.data())
+def test_gather_elements_fold_matches_onnxruntime(draw):
+    import onnxruntime as ort
+
+    from host.optimizer.pipeline import _gather_elements
+
+    rank = draw.draw(st.integers(1, 3))
+    shape = draw.draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    axis = draw.draw(st.integers(-rank, rank - 1))
+    ishape = [draw.draw(st.integers(1, n)) if a != axis % rank else draw.draw(st.integers(1, 5))
+              for a, n in enumerate(shape)]
+    size = shape[axis]
+    rng = np.random.default_rng(draw.draw(st.integers(0, 2**16)))
+    data = rng.integers(-50, 50, shape).astype(np.int64)
+    indices = rng.integers(-size, size, ishape).astype(np.int64)
+    want = ort.InferenceSession(_gather_elements_model(data, indices, axis).SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": np.zeros(ishape, np.float32)})[0]
+    np.testing.assert_array_equal(_gather_elements(data, indices, axis).astype(np.float32), want)
+
+
+def test_gather_elements_fold_refuses_what_the_op_refuses():
+    from host.optimizer.pipeline import _gather_elements
+
+    data = np.arange(8, dtype=np.int64).reshape(2, 4)
+    assert _gather_elements(data, np.array([[1, 4]], np.int64), 1) is None  # out of range
+    assert _gather_elements(data, np.array([[1, -5]], np.int64), 1) is None
+    assert _gather_elements(data, np.zeros((3, 1), np.int64), 1) is None  # longer than the data off the axis
+    assert _gather_elements(data, np.zeros((2,), np.int64), 0) is None  # another rank
+    np.testing.assert_array_equal(_gather_elements(data, np.array([[3], [0]], np.int64), 1), [[3], [4]])
