@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import constant_column
 from host.cpu_ep.ops_elementwise import sigmoid_inplace
 from host.errors import EphostError
@@ -106,6 +107,32 @@ def _add(kernel, y, other):
 
 _EPILOGUES = {("", "Relu"): _relu, ("", "HardSigmoid"): _hard_sigmoid, ("", "HardSwish"): _hard_swish,
               ("", "Sigmoid"): _sigmoid, ("", "Add"): _add}
+# The same steps in the compiled kernels' epilogues (host/cpu_ep/native).
+_NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: native.HARD_SWISH,
+           _sigmoid: native.SIGMOID, _add: native.ADD}
+
+
+def _native_steps(producer, epilogues, others):
+    """(steps, residual value id or -1, alpha, beta) running the chain's epilogues in the compiled
+    kernels after `producer`'s own steps, or None: a producer without `fused_native`, more than one
+    residual Add or HardSigmoid, or more steps than a program holds."""
+    if not hasattr(producer, "fused_native"):
+        return None
+    steps, res, alpha, beta = [], -1, 0.0, 0.0
+    for (kernel, fn), other in zip(epilogues, others):
+        code = _NATIVE[fn]
+        if code == native.ADD:
+            if res >= 0:
+                return None
+            res = other
+        elif code == native.HARD_SIGMOID:
+            if code in steps:
+                return None
+            alpha, beta = kernel.alpha, kernel.beta
+        steps.append(code)
+    if len(producer.native_steps) + len(steps) > native.MAX_STEPS:
+        return None
+    return tuple(steps), res, alpha, beta
 
 
 class _EpilogueChain:
@@ -117,11 +144,22 @@ class _EpilogueChain:
         self.epilogues = epilogues  # (kernel, function)
         self.others = others        # per epilogue: the value id of Add's other operand, or -1
         self.name, self.op_type = producer.name, producer.op_type
+        self.native = _native_steps(producer, epilogues, others)
 
     def failure(self, exc):
         return self.producer.failure(exc)
 
     def _run(self, values, args):
+        if self.native is not None and native.LIB is not None:
+            steps, res, alpha, beta = self.native
+            try:
+                y = self.producer.fused_native(args, steps, values[res] if res >= 0 else None, alpha, beta)
+            except EphostError:
+                raise
+            except Exception as exc:
+                raise self.producer.failure(exc) from exc
+            if y is not None:
+                return (y,)
         y = _call(self.producer, *args)[0]
         for (kernel, fn), other in zip(self.epilogues, self.others):
             y = fn(kernel, y, values[other] if other >= 0 else None)
@@ -212,6 +250,9 @@ class _SqueezeExcite:
         self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2
         self.gate = nodes[4].kernel
         self.gate_fn = _EPILOGUES[_op(nodes[4])]
+        gate = _NATIVE[self.gate_fn]
+        alpha, beta = (self.gate.alpha, self.gate.beta) if gate == native.HARD_SIGMOID else (0.0, 0.0)
+        self.native = (gate, alpha, beta) if w1.dtype == native.F32 else None
         self.name, self.op_type = nodes[0].name, nodes[0].op_type
 
     def failure(self, exc):
@@ -242,6 +283,16 @@ class _SqueezeExcite:
     def _fast(self, x):
         n, c = x.shape[:2]
         hw = math.prod(x.shape[2:])
+        lib = native.LIB
+        if lib is not None and self.native is not None:
+            # One call: pooling, both GEMVs with bias and ReLU, the gate and the product.
+            y = np.empty(x.shape, dtype=x.dtype)
+            ptr, null = native.ptr, native.NULL
+            b1 = null if self.b1 is None else ptr(self.b1)
+            b2 = null if self.b2 is None else ptr(self.b2)
+            if not lib.ep_squeeze_excite(ptr(x), ptr(y), n, c, hw, ptr(self.w1), b1, ptr(self.w2), b2,
+                                         self.w1.shape[0], *self.native):
+                return y
         flat = x.reshape(n * c, hw)
         pooled = np.dot(flat, constant_column(hw, 1 / hw, x.dtype))  # (n*c, 1): the pool's GEMV
         cols = pooled if n == 1 else pooled.reshape(n, c).T  # channels x images

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, scalar
 from host.cpu_ep.ops_reduce import trailing_sum
 from host.cpu_ep.registry import register
 
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+F32 = native.F32
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,71 @@ class Conv(_Spatial):
         # or None where neither applies.
         self._prepared: dict[tuple, tuple | None] = {}
         self._fast: dict[tuple, tuple] = {}
+        self._native_geoms: dict[tuple, tuple | None] = {}
+
+    native_steps = ()
+
+    def fused_native(self, args, steps, res, alpha, beta):
+        """The output followed by epilogue steps (fusion.py's chains) from the compiled kernels, or None."""
+        return self._native(*args, prog=native.program(steps), res=res, alpha=alpha, beta=beta)
+
+    def _native(self, x, w, b=None, prog=0, res=None, alpha=0.0, beta=0.0):
+        """A float32 2-D convolution of one image by the compiled kernels: pointwise as one GEMM, depthwise
+        (one channel per group) as a direct loop, one group as a window copy and a GEMM; the bias and the
+        epilogue applied as each output is stored. None where they do not serve (the NumPy paths then
+        decide, errors included)."""
+        lib = native.LIB
+        if (lib is None or x.dtype != F32 or w.dtype != F32 or x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1
+                or not x.flags.c_contiguous or not w.flags.c_contiguous):
+            return None
+        if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
+            return None
+        key = (x.shape, w.shape)
+        entry = self._native_geoms.get(key, False)
+        if entry is False:
+            entry = self._native_geom(x, w)
+            if len(self._native_geoms) < 16:
+                self._native_geoms[key] = entry
+        if entry is None:
+            return None
+        kind, geom, out_shape = entry
+        if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
+            return None
+        y = np.empty(out_shape, dtype=F32)
+        ptr, null = native.ptr, native.NULL
+        bp, rp = null if b is None else ptr(b), null if res is None else ptr(res)
+        if kind == "pointwise":
+            m, c = w.shape[:2]
+            lib.ep_gemm(ptr(w), ptr(x), bp, 0 if b is None else 2, ptr(y), m, c, x.shape[2] * x.shape[3], prog,
+                        rp, alpha, beta)
+        elif kind == "depthwise":
+            lib.ep_depthwise2d(ptr(x), ptr(w), bp, ptr(y), geom, prog, rp, alpha, beta)
+        elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), geom, prog, rp, alpha, beta):
+            return None
+        return y
+
+    def _native_geom(self, x, w):
+        """(kind, ConvGeom, output shape) for the compiled kernels, or None."""
+        plan = self._plans.get((x.shape, w.shape))
+        if plan is None:
+            plan = self._plans[(x.shape, w.shape)] = self._plan(x, w)  # raises on shapes that do not fit
+        g = plan.g
+        c, m = x.shape[1], w.shape[0]
+        if 0 in g.out:
+            return None
+        if plan.kind == "pointwise":
+            kind = "pointwise"
+        elif self.group == c == m and w.shape[1] == 1:
+            kind = "depthwise"
+        elif self.group == 1:
+            kind = "im2col"
+        else:
+            return None
+        geom = native.ffi.new("ConvGeom *", dict(
+            C=c, H=x.shape[2], W=x.shape[3], M=m, KH=w.shape[2], KW=w.shape[3], SH=plan.strides[0],
+            SW=plan.strides[1], PH=g.begin[0], PW=g.begin[1], DH=plan.dilations[0], DW=plan.dilations[1],
+            OH=g.out[0], OW=g.out[1]))
+        return kind, geom, (1, m, *g.out)
 
     def bind_constants(self, constants):
         self._bound_w, self._bound_b = constants.get(1), constants.get(2)
@@ -322,6 +389,10 @@ class Conv(_Spatial):
         return _ConvPlan(g, strides, dilations, kind)
 
     def _run(self, x, w, b=None):
+        if native.LIB is not None:
+            y = self._native(x, w, b)
+            if y is not None:
+                return (y,)
         if w is self._bound_w and b is self._bound_b:
             fast = self._fast.get(x.shape)
             if fast is not None and fast[0] == x.dtype:
@@ -564,6 +635,19 @@ class LayerNormalization(OpKernel):
     def _run(self, x, scale, bias=None):
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        lib = native.LIB
+        if (lib is not None and st is np.float32 and x.dtype == F32 and fast_rows(x, axis) and _vector(scale, x.shape[-1])
+                and (bias is None or _vector(bias, x.shape[-1]))):
+            # One pass per row in C (statistics in double).
+            n = x.shape[-1]
+            rows = x.size // n
+            y = np.empty(x.shape, dtype=F32)
+            stats = np.empty((2, *x.shape[:-1], 1), dtype=F32) if self.n_outputs > 1 else None
+            ptr, null = native.ptr, native.NULL
+            lib.ep_layernorm(ptr(x), null, ptr(scale), null if bias is None else ptr(bias), ptr(y), null,
+                             null if stats is None else ptr(stats[0]), null if stats is None else ptr(stats[1]),
+                             rows, n, self.epsilon)
+            return (y,) if stats is None else (y, stats[0], stats[1])
         if x.dtype == st and fast_rows(x, axis):
             y, mean, std = standardize_rows(x.reshape(-1, x.shape[-1]), self.epsilon)
             rows = y.shape[0]
@@ -580,6 +664,11 @@ class LayerNormalization(OpKernel):
         if bias is not None:
             y += bias
         return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+def _vector(v: np.ndarray, n: int) -> bool:
+    """v is a contiguous float32 vector of n elements (a scale or bias the compiled kernels take)."""
+    return v.dtype == F32 and v.shape == (n,) and v.flags.c_contiguous
 
 
 def fast_rows(x: np.ndarray, axis: int) -> bool:

@@ -8,13 +8,15 @@ import math
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_elementwise import gelu
-from host.cpu_ep.ops_math import matmul
+from host.cpu_ep.ops_math import matmul, native_matmul
 from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"
+F32 = native.F32
 
 
 def _float_type(elem: int) -> np.dtype:
@@ -46,6 +48,7 @@ class Attention(OpKernel):
         self._causal_cache: dict[tuple, np.ndarray] = {}
         # What _run_plain serves: one output, no softcap or softmax precision of its own.
         self._plain = self.n_outputs == 1 and self.softcap == 0 and self.softmax_dtype is None
+        self._native_layouts: dict[tuple, tuple | None] = {}
 
     def _heads_first(self, x: np.ndarray, heads: int, what: str) -> np.ndarray:
         if x.ndim == 4:
@@ -61,7 +64,10 @@ class Attention(OpKernel):
     def _run(self, q, k, v, attn_mask=None, past_key=None, past_value=None):
         if (past_key is None and self._plain and q.dtype in _FAST_SOFTMAX and k.dtype == q.dtype
                 and v.dtype == q.dtype):
-            y = self._run_plain(q, k, v, attn_mask)
+            lib = native.LIB
+            y = None if lib is None or q.dtype != F32 else self._run_native(lib, q, k, v, attn_mask)
+            if y is None:
+                y = self._run_plain(q, k, v, attn_mask)
             if y is not None:
                 return (y,)
         if not q.ndim == k.ndim == v.ndim:
@@ -121,6 +127,77 @@ class Attention(OpKernel):
         if want_qk:
             outs.append(qk_out.astype(dtype, copy=False))
         return tuple(outs[:self.n_outputs])
+
+    def _run_native(self, lib, q, k, v, mask):
+        """_run_plain's cases for float32 in one call of the compiled kernel (scores, mask, causal part,
+        softmax with each row's own maximum, weighted sum; a row with no attendable key gives zeros);
+        None where it does not serve (the NumPy paths then decide)."""
+        if mask is not None and not (mask.flags.c_contiguous and (mask.dtype == F32 or mask.dtype == np.bool_)):
+            return None
+        qp, kp, vp = native.first_element(q), native.first_element(k), native.first_element(v)
+        if qp is None or kp is None or vp is None:
+            return None
+        key = (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides,
+               None if mask is None else (mask.shape, mask.dtype))
+        layout = self._native_layouts.get(key, False)
+        if layout is False:
+            layout = self._native_layout(q, k, v, mask)
+            if len(self._native_layouts) < 16:
+                self._native_layouts[key] = layout
+        if layout is None:
+            return None
+        dims, strides, out_shape, mask_kind, scale = layout
+        y = np.empty(out_shape, dtype=F32)
+        mptr = native.NULL if mask is None else native.ptr(mask)
+        if lib.ep_attention(qp, kp, vp, mptr, mask_kind, native.ptr(y), *dims,
+                            *strides, scale, self.is_causal):
+            return None
+        return y
+
+    def _native_layout(self, q, k, v, mask):
+        """(B, H, S, T, D, DV), the element strides of q, k, v, y and the mask over (batch, head, seq, key
+        or feature), the output shape, the mask kind (0 none, 1 additive, 2 boolean) and the scale, for
+        these shapes; None where the compiled kernel does not serve them."""
+        if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:
+            h = self.q_heads
+            if h < 1 or self.kv_heads != h or q.shape[2] % h or k.shape[2] % h or v.shape[2] % h:
+                return None
+            b, s, t = q.shape[0], q.shape[1], k.shape[1]
+            d, dv = q.shape[2] // h, v.shape[2] // h
+            if k.shape[0] != b or v.shape[0] != b or v.shape[1] != t or k.shape[2] // h != d:
+                return None
+            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+                return None
+            qs, ks, vs = (s * h * d, d, h * d), (t * h * d, d, h * d), (t * h * dv, dv, h * dv)
+            ys, out_shape = (s * h * dv, dv, h * dv), (b, s, h * dv)
+        elif q.ndim == 4 and k.ndim == 4 and v.ndim == 4:
+            b, h, s, d = q.shape
+            t, dv = k.shape[2], v.shape[3]
+            if k.shape != (b, h, t, d) or v.shape[:3] != (b, h, t):
+                return None
+            if q.strides[3] != 4 or k.strides[3] != 4 or v.strides[3] != 4:
+                return None
+            # Element strides: the 4-D inputs may be a Transpose's views of (batch, seq, heads, size).
+            qs, ks, vs = (tuple(st // 4 for st in a.strides[:3]) for a in (q, k, v))
+            ys, out_shape = (h * s * dv, s * dv, dv), (b, h, s, dv)
+        else:
+            return None
+        if min(b, h, s, t, d, dv) < 1:
+            return None
+        ms, mask_kind = (0, 0, 0, 0), 0
+        if mask is not None:
+            if mask.ndim > 4 or mask.shape[-1] != t:
+                return None
+            shape = (1,) * (4 - mask.ndim) + mask.shape
+            dense = np.empty(shape, dtype=np.uint8).strides  # element strides of a contiguous mask
+            if any(m not in (1, want) for m, want in zip(shape, (b, h, s, t))):
+                return None
+            ms = tuple(0 if m == 1 else st for m, st in zip(shape, dense))
+            mask_kind = 1 if mask.dtype == F32 else 2
+        scale = float(np.float32(self.scale if self.scale is not None else 1 / math.sqrt(d)))
+        new = native.ffi.new
+        strides = tuple(new("int64_t[4]", [*st, 0][:4]) for st in (qs, ks, vs, ys)) + (new("int64_t[4]", ms),)
+        return (b, h, s, t, d, dv), strides, out_shape, mask_kind, scale
 
     def _run_plain(self, q, k, v, mask):
         """The common case in few NumPy calls: one output, no cache, no softcap, float32/float64, as
@@ -250,6 +327,14 @@ class RMSNormalization(OpKernel):
     def _run(self, x, scale):
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        lib = native.LIB
+        if (lib is not None and st is np.float32 and x.dtype == F32 and fast_rows(x, axis) and scale.dtype == F32
+                and scale.shape == x.shape[-1:] and scale.flags.c_contiguous):
+            # One pass per row in C (the sum of squares accumulates in double).
+            y = np.empty(x.shape, dtype=F32)
+            lib.ep_rmsnorm(native.ptr(x), native.ptr(scale), native.ptr(y), x.size // x.shape[-1], x.shape[-1],
+                           self.epsilon)
+            return (y,)
         if x.dtype == st and fast_rows(x, axis):
             # The mean of squares as one GEMV against a 1/n column; y = x / sqrt(ms + eps) * scale.
             x2 = x.reshape(-1, x.shape[-1])
@@ -284,6 +369,7 @@ class RotaryEmbedding(OpKernel):
         self.num_heads = self.attr_int("num_heads", 0, lo=0)
         self._bound_cos = self._bound_sin = None
         self._full: tuple | None = None  # (cos, sin, C, S) for the bound caches
+        self._strides: dict[tuple, object] = {}  # x's strides -> the compiled kernel's int64_t[3] of them
 
     def bind_constants(self, constants):
         self._bound_cos, self._bound_sin, self._full = constants.get(1), constants.get(2), None
@@ -293,6 +379,22 @@ class RotaryEmbedding(OpKernel):
                 and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
                 and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
                 and 2 * cos_cache.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])):
+            lib = native.LIB
+            xp = None
+            if (lib is not None and x.dtype == F32 and x.strides[3] == 4 and cos_cache.flags.c_contiguous
+                    and sin_cache.flags.c_contiguous and cos_cache.shape[0] in (1, x.shape[0])):
+                xp = native.first_element(x)  # also a Transpose's (batch, heads, seq, size) view
+            if xp is not None:
+                y = np.empty(x.shape, dtype=F32)
+                b, h, s, d = x.shape
+                strides = self._strides.get(x.strides)
+                if strides is None:
+                    strides = native.ffi.new("int64_t[3]", [st // 4 for st in x.strides[:3]])
+                    if len(self._strides) < 8:
+                        self._strides[x.strides] = strides
+                lib.ep_rotary_halves(xp, strides, native.ptr(cos_cache), native.ptr(sin_cache), native.ptr(y),
+                                     b, h, s, d, 0 if cos_cache.shape[0] == 1 else s * (d // 2))
+                return (y,)
             return (self._rotate_whole(x, cos_cache, sin_cache),)
         if x.ndim == 4:
             xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)
@@ -367,6 +469,18 @@ class SkipLayerNormalization(OpKernel):
         self._bound, self._tiles = constants, ({}, {})
 
     def _run(self, x, skip, scale, bias=None):
+        lib = native.LIB
+        if (lib is not None and x.dtype == F32 and skip.dtype == F32 and x.shape == skip.shape and x.ndim
+                and self.axis in (-1, x.ndim - 1) and x.size and x.flags.c_contiguous and skip.flags.c_contiguous
+                and _vector(scale, x.shape[-1]) and (bias is None or _vector(bias, x.shape[-1]))):
+            # One call: the sum, its statistics (in double), the normalized rows, scale and bias.
+            n = x.shape[-1]
+            y = np.empty(x.shape, dtype=F32)
+            total = np.empty(x.shape, dtype=F32) if self.n_outputs > 1 else None
+            ptr, null = native.ptr, native.NULL
+            lib.ep_layernorm(ptr(x), ptr(skip), ptr(scale), null if bias is None else ptr(bias), ptr(y),
+                             null if total is None else ptr(total), null, null, x.size // n, n, self.epsilon)
+            return (y, total)[:self.n_outputs]
         s = x + skip
         axis = normalize_axis(self.axis, s.ndim)
         st = np.float64 if s.dtype == np.float64 else np.float32
@@ -386,7 +500,13 @@ class SkipLayerNormalization(OpKernel):
         return outs[:self.n_outputs]
 
 
+def _vector(v: np.ndarray, n: int) -> bool:
+    """v is a contiguous float32 vector of n elements (a scale or bias the compiled kernels take)."""
+    return v.dtype == F32 and v.shape == (n,) and v.flags.c_contiguous
+
+
 _ACTIVATIONS = ("", "Relu", "Gelu", "GeluTanh")
+_NATIVE_STEPS = {"": (), "Relu": (native.RELU,), "Gelu": (native.GELU,), "GeluTanh": (native.GELU_TANH,)}
 
 
 @register("FusedMatMul", domain=EPHOST_DOMAIN, since=1)
@@ -396,13 +516,26 @@ class FusedMatMul(OpKernel):
     def __init__(self, node):
         super().__init__(node)
         self.activation = self.attr_str("activation", "", choices=_ACTIVATIONS)
+        self.native_steps = _NATIVE_STEPS[self.activation]  # the activation as compiled epilogue steps
+        self._prog = native.program(self.native_steps)
         self._bound_bias = None
         self._tiles: dict[int, np.ndarray] = {}
 
     def bind_constants(self, constants):
         self._bound_bias, self._tiles = constants.get(2), {}
 
+    def fused_native(self, args, steps, res, alpha, beta):
+        """The output with more epilogue steps after the activation (fusion.py's chains), computed by
+        the compiled GEMM; None where it does not serve."""
+        a, b, *rest = args
+        return native_matmul(a, b, rest[0] if rest else None, native.program(self.native_steps + steps), res,
+                             alpha, beta)
+
     def _run(self, a, b, bias=None):
+        if native.LIB is not None:
+            y = native_matmul(a, b, bias, self._prog)
+            if y is not None:
+                return (y,)
         if (b.ndim == 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _FAST_SOFTMAX
                 and a.flags.c_contiguous and (bias is None or (bias.ndim <= 1 and bias.dtype == a.dtype))):
             # The common case (an activation times a weight matrix, a bias vector): one 2-D GEMM, the
@@ -435,4 +568,10 @@ class BiasGelu(OpKernel):
         self.tanh = self.attr_str("approximate", "none", choices=("none", "tanh")) == "tanh"
 
     def _run(self, x, bias):
+        lib = native.LIB
+        if lib is not None and x.dtype == F32 and x.ndim and x.size and x.flags.c_contiguous and _vector(bias, x.shape[-1]):
+            y = np.empty(x.shape, dtype=F32)
+            lib.ep_bias_act(native.ptr(x), native.ptr(bias), native.ptr(y), x.size // x.shape[-1], x.shape[-1],
+                            native.GELU_TANH if self.tanh else native.GELU, native.NULL, 0.0, 0.0)
+            return (y,)
         return (gelu(x + bias, self.tanh).astype(x.dtype, copy=False),)

@@ -1,0 +1,487 @@
+/* Compiled float32 kernels of ephost's CPU EP (docs/cpu_ep.md, "Third pass").
+ *
+ * Built by build.py into build/lib/libephost_cpu_kernels.so and opened by host/cpu_ep/native in cffi
+ * ABI mode. Every function takes plain pointers to C-contiguous float32 buffers the caller checked;
+ * nothing here allocates the outputs or raises: a return value other than 0 (only where a scratch
+ * buffer must be allocated) makes the caller run its NumPy path.
+ *
+ * No -ffast-math: NaN and Inf propagate as NumPy's ufuncs propagate them (clamps are written as
+ * comparisons that a NaN fails). exp and erf are polynomial approximations written so that the
+ * compiler can vectorize them (libm's are scalar calls): within a few ulp of float32 libm.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef EPHOST_CPU_SOURCE_HASH
+#define EPHOST_CPU_SOURCE_HASH "unknown"
+#endif
+
+/* The hot loops get an AVX-512 and an AVX2+FMA clone, picked at load time (GCC's ifunc); other
+ * compilers and targets build the one portable version. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+const char *ep_source_hash(void) { return EPHOST_CPU_SOURCE_HASH; }
+
+/* -- elementwise math --------------------------------------------------------------------------- */
+
+/* exp(x): Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^n from the exponent bits).
+ * Overflow gives inf, x below -87.3 gives 0, NaN gives NaN. Written for GCC's vectorizer: n is rounded
+ * with the 1.5 * 2^23 trick, whose bits also hold n as an integer (conversions between float and int
+ * after a select keep GCC's loop scalar, and floorf is a call without -ffast-math). */
+INLINE float ep_exp(float x) {
+    float xc = x > 88.7228391116729996f ? 88.7228391116729996f : x;
+    xc = xc < -87.3365447505531f ? -87.3365447505531f : xc;
+    union { float f; int32_t i; } k, scale;
+    k.f = xc * 1.44269504088896341f + 12582912.0f; /* round(xc / ln 2) in the low mantissa bits */
+    float n = k.f - 12582912.0f;
+    int32_t ni = k.i - 0x4B400000;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    /* 2^n as 2^(n-1) * 2 when n > 0: n reaches 128 just below the overflow threshold. */
+    int32_t dec = ni > 0 ? 1 : 0;
+    float up = ni > 0 ? 2.0f : 1.0f;
+    scale.i = (ni - dec + 127) << 23;
+    float y = p * scale.f * up;
+    y = x > 88.7228391116729996f ? INFINITY : y;
+    return x < -87.3365447505531f ? 0.0f : y;
+}
+
+/* erf(x): Eigen's float32 rational approximation on [-4, 4] (erf(+-4) rounds to +-1 in float32). */
+INLINE float ep_erf(float x) {
+    float xc = x > 4.0f ? 4.0f : x;
+    xc = xc < -4.0f ? -4.0f : xc;
+    float x2 = xc * xc;
+    float p = -2.72614225801306e-10f;
+    p = p * x2 + 2.77068142495902e-08f;
+    p = p * x2 + -2.10102402082508e-06f;
+    p = p * x2 + -5.69250639462346e-05f;
+    p = p * x2 + -7.34990630326855e-04f;
+    p = p * x2 + -2.95459980854025e-03f;
+    p = p * x2 + -1.60960333262415e-02f;
+    p = p * xc;
+    float q = -1.45660718464996e-05f;
+    q = q * x2 + -2.13374055278905e-04f;
+    q = q * x2 + -1.68282697438203e-03f;
+    q = q * x2 + -7.37332916720468e-03f;
+    q = q * x2 + -1.42647390514189e-02f;
+    return p / q;
+}
+
+/* Epilogue programs: up to 6 steps, 4 bits each, lowest first; applied in order after the bias. */
+enum {
+    EP_END = 0, EP_RELU = 1, EP_GELU = 2, EP_GELU_TANH = 3, EP_HARD_SWISH = 4, EP_HARD_SIGMOID = 5,
+    EP_SIGMOID = 6, EP_ADD = 7
+};
+
+typedef struct {
+    unsigned prog;      /* steps */
+    const float *res;   /* EP_ADD's operand, laid out as the output */
+    size_t res_ld;      /* its row stride */
+    float alpha, beta;  /* EP_HARD_SIGMOID's parameters */
+} Epilogue;
+
+/* One step over v[0..n); `res` is EP_ADD's row. Branch-free bodies so the loops vectorize. */
+INLINE void step(float *v, int n, unsigned code, const float *res, float alpha, float beta) {
+    switch (code) {
+    case EP_RELU:
+        for (int j = 0; j < n; j++) v[j] = v[j] < 0.0f ? 0.0f : v[j];  /* NaN stays NaN, as np.maximum */
+        break;
+    case EP_GELU:
+        for (int j = 0; j < n; j++) {
+            float x = v[j];
+            float t = ep_erf(x * 0.70710678118654752f) + 1.0f;
+            v[j] = t * x * 0.5f;
+        }
+        break;
+    case EP_GELU_TANH:  /* 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)) */
+        for (int j = 0; j < n; j++) {
+            float x = v[j];
+            float t = (x * x * (-2.0f * 0.7978845608028654f * 0.044715f) + -2.0f * 0.7978845608028654f) * x;
+            v[j] = x / (ep_exp(t) + 1.0f);
+        }
+        break;
+    case EP_HARD_SWISH:
+        for (int j = 0; j < n; j++) {
+            float g = v[j] * (1.0f / 6.0f) + 0.5f;
+            g = g < 0.0f ? 0.0f : g;
+            g = g > 1.0f ? 1.0f : g;
+            v[j] = v[j] * g;
+        }
+        break;
+    case EP_HARD_SIGMOID:
+        for (int j = 0; j < n; j++) {
+            float g = v[j] * alpha + beta;
+            g = g < 0.0f ? 0.0f : g;
+            v[j] = g > 1.0f ? 1.0f : g;
+        }
+        break;
+    case EP_SIGMOID:
+        for (int j = 0; j < n; j++) v[j] = 1.0f / (ep_exp(-v[j]) + 1.0f);
+        break;
+    case EP_ADD:
+        for (int j = 0; j < n; j++) v[j] += res[j];
+        break;
+    default:
+        break;
+    }
+}
+
+INLINE void epilogue(float *v, int n, const Epilogue *e, size_t row) {
+    for (unsigned prog = e->prog; prog; prog >>= 4)
+        step(v, n, prog & 15u, e->res ? e->res + row * e->res_ld : NULL, e->alpha, e->beta);
+}
+
+/* y[i] = prog(x[i] + bias[i % n]) over rows x n (bias may be NULL); y may be x. */
+HOT void ep_bias_act(const float *x, const float *bias, float *y, int rows, int n, unsigned prog,
+                     const float *res, float alpha, float beta) {
+    Epilogue e = {prog, res, (size_t)n, alpha, beta};
+    for (int i = 0; i < rows; i++) {
+        const float *xi = x + (size_t)i * n;
+        float *yi = y + (size_t)i * n;
+        if (bias)
+            for (int j = 0; j < n; j++) yi[j] = xi[j] + bias[j];
+        else if (yi != xi)
+            memcpy(yi, xi, sizeof(float) * (size_t)n);
+        epilogue(yi, n, &e, (size_t)i);
+    }
+}
+
+/* -- GEMM ------------------------------------------------------------------------------------------ */
+
+#define NR 32 /* output columns per tile: two AVX-512 or four AVX2 registers per row */
+
+/* C[R x NR] tile at (i0, j0) = A[i0.., :] B[:, j0..]; R is a constant where inlined. */
+INLINE void tile_full(const float *A, const float *B, float *acc, int R, int K, int N, int i0, int j0) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NR; j++) acc[r * NR + j] = 0.0f;
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * N + j0;
+        for (int r = 0; r < R; r++) {
+            float a = A[(size_t)(i0 + r) * K + k];
+            for (int j = 0; j < NR; j++) acc[r * NR + j] += a * b[j];
+        }
+    }
+}
+
+/* The right-edge tile: `cols` < NR columns, one row at a time. */
+INLINE void tile_edge(const float *A, const float *B, float *acc, int K, int N, int i, int j0, int cols) {
+    for (int j = 0; j < cols; j++) acc[j] = 0.0f;
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * N + j0;
+        float a = A[(size_t)i * K + k];
+        for (int j = 0; j < cols; j++) acc[j] += a * b[j];
+    }
+}
+
+INLINE void store(float *C, const float *acc, int rows, int cols, int ld_acc, int N, int i0, int j0,
+                  const float *bias, int bias_kind, const Epilogue *e) {
+    for (int r = 0; r < rows; r++) {
+        float *c = C + (size_t)(i0 + r) * N + j0;
+        const float *a = acc + r * ld_acc;
+        if (bias_kind == 1)
+            for (int j = 0; j < cols; j++) c[j] = a[j] + bias[j0 + j];
+        else if (bias_kind == 2) {
+            float b = bias[i0 + r];
+            for (int j = 0; j < cols; j++) c[j] = a[j] + b;
+        } else
+            for (int j = 0; j < cols; j++) c[j] = a[j];
+        if (e->prog) {
+            Epilogue er = *e;
+            if (er.res) er.res += j0;
+            epilogue(c, cols, &er, (size_t)(i0 + r));
+        }
+    }
+}
+
+/* C (M x N) = prog(A (M x K) @ B (K x N) + bias), all row-major and contiguous. bias_kind: 0 none,
+ * 1 a vector over columns (length N), 2 a vector over rows (length M: a convolution's bias). The sum
+ * over k runs in order, as a plain dot product. */
+HOT void ep_gemm(const float *A, const float *B, const float *bias, int bias_kind, float *C, int M, int K, int N,
+                 unsigned prog, const float *res, float alpha, float beta) {
+    Epilogue e = {prog, res, (size_t)N, alpha, beta};
+    float acc[4 * NR];
+    int jfull = N - N % NR;
+    for (int j0 = 0; j0 < jfull; j0 += NR) {
+        int i0 = 0;
+        for (; i0 + 4 <= M; i0 += 4) {
+            tile_full(A, B, acc, 4, K, N, i0, j0);
+            store(C, acc, 4, NR, NR, N, i0, j0, bias, bias_kind, &e);
+        }
+        for (; i0 < M; i0++) {
+            tile_full(A, B, acc, 1, K, N, i0, j0);
+            store(C, acc, 1, NR, NR, N, i0, j0, bias, bias_kind, &e);
+        }
+    }
+    if (jfull < N)
+        for (int i = 0; i < M; i++) {
+            tile_edge(A, B, acc, K, N, i, jfull, N - jfull);
+            store(C, acc, 1, N - jfull, NR, N, i, jfull, bias, bias_kind, &e);
+        }
+}
+
+/* -- normalization --------------------------------------------------------------------------------- */
+
+/* LayerNormalization over rows x n (x + skip when skip is given; that sum goes to `sum` when given):
+ * y = (s - mean) / sqrt(var + eps) * scale + bias (bias may be NULL). mean and inv_std (per row) are
+ * written when given. Statistics accumulate in double. */
+HOT void ep_layernorm(const float *x, const float *skip, const float *scale, const float *bias, float *y,
+                      float *sum, float *mean_out, float *inv_std_out, int rows, int n, float eps) {
+    for (int i = 0; i < rows; i++) {
+        const float *xi = x + (size_t)i * n;
+        float *yi = y + (size_t)i * n;
+        if (skip) {
+            const float *si = skip + (size_t)i * n;
+            for (int j = 0; j < n; j++) yi[j] = xi[j] + si[j];
+            if (sum) memcpy(sum + (size_t)i * n, yi, sizeof(float) * (size_t)n);
+            xi = yi;
+        }
+        double total = 0.0;
+        for (int j = 0; j < n; j++) total += xi[j];
+        float mean = (float)(total / n);
+        double sq = 0.0;
+        for (int j = 0; j < n; j++) {
+            float d = xi[j] - mean;
+            sq += (double)d * d;
+        }
+        float std = sqrtf((float)(sq / n) + eps);
+        for (int j = 0; j < n; j++) yi[j] = (xi[j] - mean) / std * scale[j];
+        if (bias)
+            for (int j = 0; j < n; j++) yi[j] += bias[j];
+        if (mean_out) mean_out[i] = mean;
+        if (inv_std_out) inv_std_out[i] = 1.0f / std;
+    }
+}
+
+/* RMSNormalization over rows x n: y = x / sqrt(mean(x^2) + eps) * scale. */
+HOT void ep_rmsnorm(const float *x, const float *scale, float *y, int rows, int n, float eps) {
+    for (int i = 0; i < rows; i++) {
+        const float *xi = x + (size_t)i * n;
+        float *yi = y + (size_t)i * n;
+        double sq = 0.0;
+        for (int j = 0; j < n; j++) sq += (double)xi[j] * xi[j];
+        float rms = sqrtf((float)(sq / n) + eps);
+        for (int j = 0; j < n; j++) yi[j] = xi[j] / rms * scale[j];
+    }
+}
+
+/* -- attention ------------------------------------------------------------------------------------- */
+
+#define EP_MAX_KEYS 4096
+
+/* softmax(q k^T * scale + mask [+ causal]) v for every (batch, head), one query row at a time.
+ * Element (b, h, s, d) of q is q[b*qs[0] + h*qs[1] + s*qs[2] + d] (likewise k, v, y with their strides;
+ * the feature axis is contiguous). mask: NULL, additive float (mask_kind 1) or boolean bytes
+ * (mask_kind 2: true attends), element (b, h, s, t) at b*ms[0] + h*ms[1] + s*ms[2] + t*ms[3] (0 where it
+ * broadcasts). causal: key t > query s is masked. A row with no attendable key gives zeros.
+ * Returns 1 (nothing written) when there are more than EP_MAX_KEYS keys. */
+HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
+                     int B, int H, int S, int T, int D, int DV, const int64_t *qs, const int64_t *ks,
+                     const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal) {
+    if (T > EP_MAX_KEYS) return 1;
+    float p[EP_MAX_KEYS];
+    float *kt = malloc(sizeof(float) * (size_t)D * T); /* one head's keys transposed: (D, T) */
+    if (!kt) return 1;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            for (int t = 0; t < T; t++) {
+                const float *kr = k + b * ks[0] + h * ks[1] + t * ks[2];
+                for (int d = 0; d < D; d++) kt[(size_t)d * T + t] = kr[d];
+            }
+            for (int s = 0; s < S; s++) {
+                const float *qr = q + b * qs[0] + h * qs[1] + s * qs[2];
+                float *yr = y + b * ys[0] + h * ys[1] + s * ys[2];
+                int64_t mo = b * ms[0] + h * ms[1] + s * ms[2];
+                for (int t = 0; t < T; t++) p[t] = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    float qd = qr[d];
+                    const float *kd = kt + (size_t)d * T;
+                    for (int t = 0; t < T; t++) p[t] += qd * kd[t];
+                }
+                float top = -INFINITY;
+                for (int t = 0; t < T; t++) {
+                    float sc = p[t] * scale;
+                    if (mask_kind == 1)
+                        sc += ((const float *)mask)[mo + t * ms[3]];
+                    else if (mask_kind == 2 && !((const uint8_t *)mask)[mo + t * ms[3]])
+                        sc = -INFINITY;
+                    if (causal && t > s) sc = -INFINITY;
+                    p[t] = sc;
+                    top = sc > top ? sc : top;
+                }
+                for (int d = 0; d < DV; d++) yr[d] = 0.0f;
+                if (top == -INFINITY) continue; /* nothing to attend to */
+                float total = 0.0f;
+                for (int t = 0; t < T; t++) {
+                    p[t] = ep_exp(p[t] - top);
+                    total += p[t];
+                }
+                for (int t = 0; t < T; t++) {
+                    const float *vr = v + b * vs[0] + h * vs[1] + t * vs[2];
+                    float w = p[t] / total;
+                    for (int d = 0; d < DV; d++) yr[d] += w * vr[d];
+                }
+            }
+        }
+    free(kt);
+    return 0;
+}
+
+/* -- rotary embedding ------------------------------------------------------------------------------ */
+
+/* Halves layout over whole heads: x (B, H, S, D), element (b, h, s, d) at b*xs[0] + h*xs[1] + s*xs[2] + d;
+ * cos/sin (B or 1, S, D/2) (cs_batch = 0 when shared); y (B, H, S, D) contiguous:
+ * y[:half] = x1 cos - x2 sin, y[half:] = x1 sin + x2 cos. */
+HOT void ep_rotary_halves(const float *x, const int64_t *xs, const float *cos_c, const float *sin_c, float *y,
+                          int B, int H, int S, int D, int64_t cs_batch) {
+    int half = D / 2;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int s = 0; s < S; s++) {
+                const float *x1 = x + b * xs[0] + h * xs[1] + s * xs[2], *x2 = x1 + half;
+                float *y1 = y + (((size_t)b * H + h) * S + s) * D, *y2 = y1 + half;
+                const float *c = cos_c + b * cs_batch + (size_t)s * half;
+                const float *sn = sin_c + b * cs_batch + (size_t)s * half;
+                for (int j = 0; j < half; j++) {
+                    y1[j] = x1[j] * c[j] - x2[j] * sn[j];
+                    y2[j] = x1[j] * sn[j] + x2[j] * c[j];
+                }
+            }
+}
+
+/* -- convolution ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    int C, H, W;        /* input channels and size of one image */
+    int M, KH, KW;      /* output channels, kernel */
+    int SH, SW, PH, PW, DH, DW;  /* strides, padding before, dilations */
+    int OH, OW;         /* output size */
+} ConvGeom;
+
+/* Depthwise 2-D convolution of one image (group = C = M): per channel and kernel tap, a run along each
+ * output row over the columns whose tap lies inside the image; then bias and the epilogue. */
+HOT void ep_depthwise2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g,
+                        unsigned prog, const float *res, float alpha, float beta) {
+    Epilogue e = {prog, res, (size_t)g->OH * g->OW, alpha, beta};
+    for (int c = 0; c < g->C; c++) {
+        const float *xc = x + (size_t)c * g->H * g->W;
+        const float *wc = w + (size_t)c * g->KH * g->KW;
+        float *yc = y + (size_t)c * g->OH * g->OW;
+        float b0 = bias ? bias[c] : 0.0f;
+        for (int oh = 0; oh < g->OH; oh++) {
+            float *yr = yc + (size_t)oh * g->OW;
+            for (int ow = 0; ow < g->OW; ow++) yr[ow] = 0.0f;
+            for (int i = 0; i < g->KH; i++) {
+                int ih = oh * g->SH - g->PH + i * g->DH;
+                if (ih < 0 || ih >= g->H) continue;
+                const float *xr = xc + (size_t)ih * g->W;
+                for (int j = 0; j < g->KW; j++) {
+                    float wv = wc[i * g->KW + j];
+                    int off = j * g->DW - g->PW;  /* input column = ow * SW + off */
+                    int lo = off < 0 ? (-off + g->SW - 1) / g->SW : 0;
+                    int hi = (g->W - 1 - off) < 0 ? 0 : (g->W - 1 - off) / g->SW + 1;
+                    if (hi > g->OW) hi = g->OW;
+                    if (g->SW == 1)
+                        for (int ow = lo; ow < hi; ow++) yr[ow] += wv * xr[ow + off];
+                    else
+                        for (int ow = lo; ow < hi; ow++) yr[ow] += wv * xr[ow * g->SW + off];
+                }
+            }
+            for (int ow = 0; ow < g->OW; ow++) yr[ow] += b0;
+        }
+        if (prog) {
+            Epilogue ec = e;
+            if (ec.res) ec.res += (size_t)c * g->OH * g->OW;
+            epilogue(yc, g->OH * g->OW, &ec, 0);
+        }
+    }
+}
+
+/* One-group 2-D convolution of one image: the window copy (C*KH*KW, OH*OW) into a scratch buffer
+ * (zeros on padding), then W (M, C*KH*KW) times it with the bias per output channel and the epilogue.
+ * Returns 1 when the scratch buffer cannot be allocated. */
+HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g, unsigned prog,
+                  const float *res, float alpha, float beta) {
+    int taps = g->C * g->KH * g->KW, pixels = g->OH * g->OW;
+    float *cols = malloc(sizeof(float) * (size_t)taps * pixels);
+    if (!cols) return 1;
+    for (int c = 0; c < g->C; c++)
+        for (int i = 0; i < g->KH; i++)
+            for (int j = 0; j < g->KW; j++) {
+                float *row = cols + ((size_t)(c * g->KH + i) * g->KW + j) * pixels;
+                for (int oh = 0; oh < g->OH; oh++) {
+                    int ih = oh * g->SH - g->PH + i * g->DH;
+                    float *out = row + (size_t)oh * g->OW;
+                    if (ih < 0 || ih >= g->H) {
+                        for (int ow = 0; ow < g->OW; ow++) out[ow] = 0.0f;
+                        continue;
+                    }
+                    const float *xr = x + ((size_t)c * g->H + ih) * g->W;
+                    for (int ow = 0; ow < g->OW; ow++) {
+                        int iw = ow * g->SW - g->PW + j * g->DW;
+                        out[ow] = (iw >= 0 && iw < g->W) ? xr[iw] : 0.0f;
+                    }
+                }
+            }
+    ep_gemm(w, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
+    free(cols);
+    return 0;
+}
+
+/* Squeeze-and-excitation over N images of C channels x HW pixels:
+ * y = x * gate(W2 relu(W1 mean(x) + b1) + b2) per channel; W1 (R, C), W2 (C, R); b1, b2 may be NULL;
+ * gate is EP_HARD_SIGMOID (alpha, beta) or EP_SIGMOID. Returns 1 when scratch cannot be allocated. */
+HOT int ep_squeeze_excite(const float *x, float *y, int N, int C, int HW, const float *w1, const float *b1,
+                          const float *w2, const float *b2, int R, unsigned gate, float alpha, float beta) {
+    float *pooled = malloc(sizeof(float) * ((size_t)C * 2 + R));
+    if (!pooled) return 1;
+    float *g = pooled + C, *hid = g + C;
+    for (int n = 0; n < N; n++) {
+        const float *xn = x + (size_t)n * C * HW;
+        float *yn = y + (size_t)n * C * HW;
+        for (int c = 0; c < C; c++) {
+            const float *xc = xn + (size_t)c * HW;
+            float s = 0.0f;
+            for (int i = 0; i < HW; i++) s += xc[i];
+            pooled[c] = s / (float)HW;
+        }
+        for (int r = 0; r < R; r++) {
+            float s = 0.0f;
+            const float *wr = w1 + (size_t)r * C;
+            for (int c = 0; c < C; c++) s += wr[c] * pooled[c];
+            s += b1 ? b1[r] : 0.0f;
+            hid[r] = s < 0.0f ? 0.0f : s;
+        }
+        for (int c = 0; c < C; c++) {
+            float s = 0.0f;
+            const float *wr = w2 + (size_t)c * R;
+            for (int r = 0; r < R; r++) s += wr[r] * hid[r];
+            g[c] = s + (b2 ? b2[c] : 0.0f);
+        }
+        step(g, C, gate, NULL, alpha, beta);
+        for (int c = 0; c < C; c++) {
+            const float *xc = xn + (size_t)c * HW;
+            float *yc = yn + (size_t)c * HW;
+            float gc = g[c];
+            for (int i = 0; i < HW; i++) yc[i] = xc[i] * gc;
+        }
+    }
+    free(pooled);
+    return 0;
+}
