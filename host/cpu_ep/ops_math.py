@@ -58,7 +58,7 @@ def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, 
         return None
     y = np.empty(out_shape, dtype=F32)
     ptr, null = native.ptr, native.NULL
-    lib.ep_gemm(ptr(a), ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1, ptr(y), a.size // k,
+    lib.ep_gemm(ptr(a), null, ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1, ptr(y), a.size // k,
                 k, n, prog, null if res is None else ptr(res), alpha, beta)
     return y
 

@@ -189,7 +189,7 @@ class Conv(_Spatial):
                 self._native_geoms[key] = entry
         if entry is None:
             return None
-        kind, geom, out_shape = entry
+        kind, handle, out_shape = entry
         if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
             return None
         y = np.empty(out_shape, dtype=F32)
@@ -197,16 +197,20 @@ class Conv(_Spatial):
         bp, rp = null if b is None else ptr(b), null if res is None else ptr(res)
         if kind == "pointwise":
             m, c = w.shape[:2]
-            lib.ep_gemm(ptr(w), ptr(x), bp, 0 if b is None else 2, ptr(y), m, c, x.shape[2] * x.shape[3], prog,
+            # handle: the bound weights transposed, for the GEMM's narrow-output scheme (few pixels)
+            lib.ep_gemm(ptr(w), handle if w is self._bound_w else null, ptr(x), bp, 0 if b is None else 2, ptr(y), m, c, x.shape[2] * x.shape[3], prog,
                         rp, alpha, beta)
         elif kind == "depthwise":
-            lib.ep_depthwise2d(ptr(x), ptr(w), bp, ptr(y), geom, prog, rp, alpha, beta)
-        elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), geom, prog, rp, alpha, beta):
+            if lib.ep_depthwise2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
+                return None
+        elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
             return None
         return y
 
     def _native_geom(self, x, w):
-        """(kind, ConvGeom, output shape) for the compiled kernels, or None."""
+        """(kind, handle, output shape) for the compiled kernels, or None. The handle is the ConvGeom of a
+        depthwise or one-group convolution; for a pointwise one, a pointer to the bound weights transposed
+        (C, M) when `w` is them (NULL else)."""
         plan = self._plans.get((x.shape, w.shape))
         if plan is None:
             plan = self._plans[(x.shape, w.shape)] = self._plan(x, w)  # raises on shapes that do not fit
@@ -215,7 +219,8 @@ class Conv(_Spatial):
         if 0 in g.out:
             return None
         if plan.kind == "pointwise":
-            kind = "pointwise"
+            wt = np.ascontiguousarray(w.reshape(m, c).T) if w is self._bound_w else None
+            return "pointwise", (native.NULL if wt is None else native.ptr(wt)), (1, m, *g.out)
         elif self.group == c == m and w.shape[1] == 1:
             kind = "depthwise"
         elif self.group == 1:
@@ -230,6 +235,7 @@ class Conv(_Spatial):
 
     def bind_constants(self, constants):
         self._bound_w, self._bound_b = constants.get(1), constants.get(2)
+        self._native_geoms = {}  # may hold the bound weights transposed
         self._prepared = {}
         self._fast: dict[tuple, tuple] = {}  # input shape -> (dtype, closure) for the bound weights and bias
 

@@ -33,7 +33,7 @@ typedef struct {
 const char *ep_source_hash(void);
 void ep_bias_act(const void *x, const void *bias, void *y, int rows, int n, unsigned prog, const void *res,
                  float alpha, float beta);
-void ep_gemm(const void *A, const void *B, const void *bias, int bias_kind, void *C, int M, int K, int N,
+void ep_gemm(const void *A, const void *AT, const void *B, const void *bias, int bias_kind, void *C, int M, int K, int N,
              unsigned prog, const void *res, float alpha, float beta);
 void ep_layernorm(const void *x, const void *skip, const void *scale, const void *bias, void *y, void *sum,
                   void *mean_out, void *inv_std_out, int rows, int n, float eps);
@@ -43,7 +43,7 @@ int ep_attention(const void *q, const void *k, const void *v, const void *mask, 
                  const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal);
 void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y, int B, int H,
                       int S, int D, int64_t cs_batch);
-void ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
+int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
                     const void *res, float alpha, float beta);
 int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
               const void *res, float alpha, float beta);

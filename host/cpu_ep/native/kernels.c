@@ -191,7 +191,7 @@ INLINE void tile_edge(const float *A, const float *B, float *acc, int K, int N, 
 }
 
 INLINE void store(float *C, const float *acc, int rows, int cols, int ld_acc, int N, int i0, int j0,
-                  const float *bias, int bias_kind, const Epilogue *e) {
+                  const float *bias, int bias_kind) {
     for (int r = 0; r < rows; r++) {
         float *c = C + (size_t)(i0 + r) * N + j0;
         const float *a = acc + r * ld_acc;
@@ -202,38 +202,63 @@ INLINE void store(float *C, const float *acc, int rows, int cols, int ld_acc, in
             for (int j = 0; j < cols; j++) c[j] = a[j] + b;
         } else
             for (int j = 0; j < cols; j++) c[j] = a[j];
-        if (e->prog) {
-            Epilogue er = *e;
-            if (er.res) er.res += j0;
-            epilogue(c, cols, &er, (size_t)(i0 + r));
-        }
     }
 }
 
-/* C (M x N) = prog(A (M x K) @ B (K x N) + bias), all row-major and contiguous. bias_kind: 0 none,
- * 1 a vector over columns (length N), 2 a vector over rows (length M: a convolution's bias). The sum
- * over k runs in order, as a plain dot product. */
-HOT void ep_gemm(const float *A, const float *B, const float *bias, int bias_kind, float *C, int M, int K, int N,
-                 unsigned prog, const float *res, float alpha, float beta) {
-    Epilogue e = {prog, res, (size_t)N, alpha, beta};
+/* C = A B + bias; the caller runs the epilogue over the whole of C afterwards (once over M*N elements
+ * costs less than once per tile row on these small outputs). */
+INLINE void gemm_core(const float *A, const float *B, const float *bias, int bias_kind, float *C, int M, int K,
+                      int N) {
     float acc[4 * NR];
     int jfull = N - N % NR;
     for (int j0 = 0; j0 < jfull; j0 += NR) {
         int i0 = 0;
         for (; i0 + 4 <= M; i0 += 4) {
             tile_full(A, B, acc, 4, K, N, i0, j0);
-            store(C, acc, 4, NR, NR, N, i0, j0, bias, bias_kind, &e);
+            store(C, acc, 4, NR, NR, N, i0, j0, bias, bias_kind);
         }
         for (; i0 < M; i0++) {
             tile_full(A, B, acc, 1, K, N, i0, j0);
-            store(C, acc, 1, NR, NR, N, i0, j0, bias, bias_kind, &e);
+            store(C, acc, 1, NR, NR, N, i0, j0, bias, bias_kind);
         }
     }
     if (jfull < N)
         for (int i = 0; i < M; i++) {
             tile_edge(A, B, acc, K, N, i, jfull, N - jfull);
-            store(C, acc, 1, N - jfull, NR, N, i, jfull, bias, bias_kind, &e);
+            store(C, acc, 1, N - jfull, NR, N, i, jfull, bias, bias_kind);
         }
+}
+
+/* C (M x N) = prog(A (M x K) @ B (K x N) + bias), all row-major and contiguous. bias_kind: 0 none,
+ * 1 a vector over columns (length N), 2 a vector over rows (length M: a convolution's bias). Each
+ * output is a plain in-order dot product over k.
+ * AT, when given, is A transposed (K x M): a narrow output (N < NR columns: a pointwise convolution
+ * over a few pixels) with more rows is then computed as C^T = B^T A^T and transposed back. */
+HOT void ep_gemm(const float *A, const float *AT, const float *B, const float *bias, int bias_kind, float *C, int M,
+                 int K, int N, unsigned prog, const float *res, float alpha, float beta) {
+    Epilogue e = {prog, res, 0, alpha, beta}; /* over C as one row: res is laid out as C */
+    if (AT && N < NR && M > N) {
+        float *bt = malloc(sizeof(float) * (size_t)N * ((size_t)K + M));
+        if (bt) {
+            float *ct = bt + (size_t)N * K;
+            for (int k = 0; k < K; k++)
+                for (int j = 0; j < N; j++) bt[(size_t)j * K + k] = B[(size_t)k * N + j];
+            gemm_core(bt, AT, NULL, 0, ct, N, K, M);
+            for (int i = 0; i < M; i++) {
+                float *c = C + (size_t)i * N;
+                for (int j = 0; j < N; j++) c[j] = ct[(size_t)j * M + i];
+                if (bias_kind == 1)
+                    for (int j = 0; j < N; j++) c[j] += bias[j];
+                else if (bias_kind == 2)
+                    for (int j = 0; j < N; j++) c[j] += bias[i];
+            }
+            free(bt);
+            epilogue(C, M * N, &e, 0);
+            return;
+        }
+    }
+    gemm_core(A, B, bias, bias_kind, C, M, K, N);
+    epilogue(C, M * N, &e, 0);
 }
 
 /* -- normalization --------------------------------------------------------------------------------- */
@@ -374,43 +399,91 @@ typedef struct {
     int OH, OW;         /* output size */
 } ConvGeom;
 
-/* Depthwise 2-D convolution of one image (group = C = M): per channel and kernel tap, a run along each
- * output row over the columns whose tap lies inside the image; then bias and the epilogue. */
-HOT void ep_depthwise2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g,
-                        unsigned prog, const float *res, float alpha, float beta) {
-    Epilogue e = {prog, res, (size_t)g->OH * g->OW, alpha, beta};
-    for (int c = 0; c < g->C; c++) {
-        const float *xc = x + (size_t)c * g->H * g->W;
-        const float *wc = w + (size_t)c * g->KH * g->KW;
-        float *yc = y + (size_t)c * g->OH * g->OW;
-        float b0 = bias ? bias[c] : 0.0f;
-        for (int oh = 0; oh < g->OH; oh++) {
-            float *yr = yc + (size_t)oh * g->OW;
-            for (int ow = 0; ow < g->OW; ow++) yr[ow] = 0.0f;
-            for (int i = 0; i < g->KH; i++) {
-                int ih = oh * g->SH - g->PH + i * g->DH;
-                if (ih < 0 || ih >= g->H) continue;
-                const float *xr = xc + (size_t)ih * g->W;
-                for (int j = 0; j < g->KW; j++) {
-                    float wv = wc[i * g->KW + j];
-                    int off = j * g->DW - g->PW;  /* input column = ow * SW + off */
-                    int lo = off < 0 ? (-off + g->SW - 1) / g->SW : 0;
-                    int hi = (g->W - 1 - off) < 0 ? 0 : (g->W - 1 - off) / g->SW + 1;
-                    if (hi > g->OW) hi = g->OW;
-                    if (g->SW == 1)
-                        for (int ow = lo; ow < hi; ow++) yr[ow] += wv * xr[ow + off];
-                    else
-                        for (int ow = lo; ow < hi; ow++) yr[ow] += wv * xr[ow * g->SW + off];
-                }
+/* Depthwise over a small output (few columns): channels last, so the innermost loop runs over channels,
+ * not over a handful of output columns. The input is copied padded as (Hp, Wp, C), the taps as (KH*KW, C);
+ * the (pixels, C) result is transposed back. Returns 1 when scratch cannot be allocated. */
+INLINE int depthwise_channels_last(const float *x, const float *w, float *y, const ConvGeom *g) {
+    int C = g->C;
+    int hp = (g->OH - 1) * g->SH + (g->KH - 1) * g->DH + 1, wp = (g->OW - 1) * g->SW + (g->KW - 1) * g->DW + 1;
+    size_t n_in = (size_t)hp * wp * C, n_w = (size_t)g->KH * g->KW * C, n_out = (size_t)g->OH * g->OW * C;
+    float *xp = calloc(n_in + n_w + n_out, sizeof(float));
+    if (!xp) return 1;
+    float *wt = xp + n_in, *out = wt + n_w;
+    for (int c = 0; c < C; c++) {
+        for (int t = 0; t < g->KH * g->KW; t++) wt[(size_t)t * C + c] = w[(size_t)c * g->KH * g->KW + t];
+        for (int ih = 0; ih < g->H; ih++) {
+            int r = ih + g->PH;
+            if (r >= hp) break;
+            for (int iw = 0; iw < g->W; iw++) {
+                int col = iw + g->PW;
+                if (col >= wp) break;
+                xp[((size_t)r * wp + col) * C + c] = x[((size_t)c * g->H + ih) * g->W + iw];
             }
-            for (int ow = 0; ow < g->OW; ow++) yr[ow] += b0;
-        }
-        if (prog) {
-            Epilogue ec = e;
-            if (ec.res) ec.res += (size_t)c * g->OH * g->OW;
-            epilogue(yc, g->OH * g->OW, &ec, 0);
         }
     }
+    for (int oh = 0; oh < g->OH; oh++)
+        for (int ow = 0; ow < g->OW; ow++) {
+            float *o = out + ((size_t)oh * g->OW + ow) * C;
+            for (int i = 0; i < g->KH; i++)
+                for (int j = 0; j < g->KW; j++) {
+                    const float *xr = xp + ((size_t)(oh * g->SH + i * g->DH) * wp + ow * g->SW + j * g->DW) * C;
+                    const float *wr = wt + (size_t)(i * g->KW + j) * C;
+                    for (int c = 0; c < C; c++) o[c] += wr[c] * xr[c];
+                }
+        }
+    for (int c = 0; c < C; c++)
+        for (int p = 0; p < g->OH * g->OW; p++) y[(size_t)c * g->OH * g->OW + p] = out[(size_t)p * C + c];
+    free(xp);
+    return 0;
+}
+
+/* Depthwise 2-D convolution of one image (group = C = M): per channel and kernel tap, a run along each
+ * output row over the columns whose tap lies inside the image (or, for outputs narrower than 16
+ * columns, channels last); then bias and the epilogue. Returns 1 when scratch cannot be allocated. */
+HOT int ep_depthwise2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g,
+                       unsigned prog, const float *res, float alpha, float beta) {
+    Epilogue e = {prog, res, 0, alpha, beta};
+    size_t plane = (size_t)g->OH * g->OW;
+    if (g->OW < 16) {
+        if (depthwise_channels_last(x, w, y, g)) return 1;
+    } else {
+        int lo[64], hi[64], off[64];  /* per kernel column: the output columns it reads inside the image */
+        if (g->KW > 64) return 1;
+        for (int j = 0; j < g->KW; j++) {
+            off[j] = j * g->DW - g->PW;  /* input column = ow * SW + off */
+            lo[j] = off[j] < 0 ? (-off[j] + g->SW - 1) / g->SW : 0;
+            hi[j] = (g->W - 1 - off[j]) < 0 ? 0 : (g->W - 1 - off[j]) / g->SW + 1;
+            if (hi[j] > g->OW) hi[j] = g->OW;
+        }
+        for (int c = 0; c < g->C; c++) {
+            const float *xc = x + (size_t)c * g->H * g->W;
+            const float *wc = w + (size_t)c * g->KH * g->KW;
+            float *yc = y + (size_t)c * plane;
+            for (int oh = 0; oh < g->OH; oh++) {
+                float *yr = yc + (size_t)oh * g->OW;
+                for (int ow = 0; ow < g->OW; ow++) yr[ow] = 0.0f;
+                for (int i = 0; i < g->KH; i++) {
+                    int ih = oh * g->SH - g->PH + i * g->DH;
+                    if (ih < 0 || ih >= g->H) continue;
+                    const float *xr = xc + (size_t)ih * g->W;
+                    for (int j = 0; j < g->KW; j++) {
+                        float wv = wc[i * g->KW + j];
+                        if (g->SW == 1)
+                            for (int ow = lo[j]; ow < hi[j]; ow++) yr[ow] += wv * xr[ow + off[j]];
+                        else
+                            for (int ow = lo[j]; ow < hi[j]; ow++) yr[ow] += wv * xr[ow * g->SW + off[j]];
+                    }
+                }
+            }
+        }
+    }
+    if (bias)
+        for (int c = 0; c < g->C; c++) {
+            float *yc = y + (size_t)c * plane;
+            for (size_t p = 0; p < plane; p++) yc[p] += bias[c];
+        }
+    epilogue(y, (int)(plane * g->C), &e, 0); /* res is laid out as y */
+    return 0;
 }
 
 /* One-group 2-D convolution of one image: the window copy (C*KH*KW, OH*OW) into a scratch buffer
@@ -439,7 +512,7 @@ HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, c
                     }
                 }
             }
-    ep_gemm(w, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
+    ep_gemm(w, NULL, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
     free(cols);
     return 0;
 }
