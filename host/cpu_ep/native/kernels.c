@@ -81,7 +81,9 @@ INLINE float ep_erf(float x) {
     q = q * x2 + -1.68282697438203e-03f;
     q = q * x2 + -7.37332916720468e-03f;
     q = q * x2 + -1.42647390514189e-02f;
-    return p / q;
+    float r = p / q; /* can overshoot +-1 by an ulp: 1 + erf(x) must not go negative in GELU */
+    r = r > 1.0f ? 1.0f : r;
+    return r < -1.0f ? -1.0f : r;
 }
 
 /* Epilogue programs: up to 6 steps, 4 bits each, lowest first; applied in order after the bias. */
