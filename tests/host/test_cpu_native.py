@@ -235,7 +235,8 @@ def test_skip_layer_normalization(spy, with_bias):
 
 def test_rms_normalization(spy):
     rng = np.random.default_rng(6)
-    x, scale = rng.standard_normal((2, 9, 32)).astype(F32), rng.standard_normal(32).astype(F32)
+    # Small values: epsilon is a tenth of the mean square, so a kernel that drops it fails.
+    x, scale = (rng.standard_normal((2, 9, 32)) * 0.03).astype(F32), rng.standard_normal(32).astype(F32)
     node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], epsilon=1e-4)
     model = _model([node], {"x": x}, ["y"], {"scale": scale}, opset=23)
     (got,) = _both(model, {"x": x}, spy, "ep_rmsnorm")
@@ -376,6 +377,20 @@ def test_conv_and_its_epilogue_chain_match_onnxruntime(case):
         fn = "ep_conv2d"
     assert spy.calls[fn] == 1, dict(spy.calls)
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+
+
+@pytest.mark.parametrize("stride,pad,dilation", [(1, 1, 1), (2, 2, 1), (1, 2, 2), (2, 0, 1)])
+def test_depthwise_over_wide_rows(spy, stride, pad, dilation):
+    """Outputs of 16 columns or more take the row loop (narrower ones go channels last: the hypothesis test)."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((1, 6, 35, 37)).astype(F32)
+    consts = {"w": rng.standard_normal((6, 1, 3, 5)).astype(F32), "b": rng.standard_normal(6).astype(F32)}
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], group=6, strides=[stride, stride], pads=[pad, 2 * pad] * 2,
+                            dilations=[dilation, dilation])
+    model = _model([node], {"x": x}, ["y"], consts)
+    (got,) = _both(model, {"x": x}, spy, "ep_depthwise2d")
+    assert got.shape[3] >= 16
+    np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL)
 
 
 @pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
