@@ -150,6 +150,47 @@ INLINE void epilogue(float *v, int n, const Epilogue *e, size_t row) {
         step(v, n, prog & 15u, e->res ? e->res + row * e->res_ld : NULL, e->alpha, e->beta);
 }
 
+/* Sums in 16 lanes, added up at the end: the lanes are independent, so the loop vectorizes without
+ * reassociating (no -ffast-math); as accurate as NumPy's pairwise float32 sums at these lengths. */
+#define LANES 16
+
+INLINE float lane_total(const float *lane) {
+    float t = 0.0f;
+    for (int l = 0; l < LANES; l++) t += lane[l];
+    return t;
+}
+
+INLINE float lane_sum(const float *x, int n) {
+    float lane[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += x[j + l];
+    for (; j < n; j++) lane[0] += x[j];
+    return lane_total(lane);
+}
+
+INLINE float lane_dot(const float *a, const float *b, int n) {
+    float lane[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[j + l] * b[j + l];
+    for (; j < n; j++) lane[0] += a[j] * b[j];
+    return lane_total(lane);
+}
+
+/* sum((x - c)^2) */
+INLINE float sum_sq_dev(const float *x, float c, int n) {
+    float lane[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float d = x[j + l] - c;
+            lane[l] += d * d;
+        }
+    for (; j < n; j++) lane[0] += (x[j] - c) * (x[j] - c);
+    return lane_total(lane);
+}
+
 /* y[i] = prog(x[i] + bias[i % n]) over rows x n (bias may be NULL); y may be x. */
 HOT void ep_bias_act(const float *x, const float *bias, float *y, int rows, int n, unsigned prog,
                      const float *res, float alpha, float beta) {
@@ -167,22 +208,32 @@ HOT void ep_bias_act(const float *x, const float *bias, float *y, int rows, int 
 
 /* -- GEMM ------------------------------------------------------------------------------------------ */
 
-#define NR 32 /* output columns per tile: two AVX-512 or four AVX2 registers per row */
+#define NR 32 /* output columns per tile: two 16-float vectors per row (tile_full) */
 
 /* C[R x NR] tile at (i0, j0) = A[i0.., :] B[:, j0..]; R is a constant where inlined. */
+/* GCC vector extensions: the tile's sums stay in registers whatever the auto-vectorizer would pick (it
+ * vectorizes these loops across k with shuffles for some row counts); lowered to what the clone has. */
+typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
+
 INLINE void tile_full(const float *A, const float *B, float *acc, int R, int K, int N, int i0, int j0) {
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NR; j++) acc[r * NR + j] = 0.0f;
+    vf c[4][2];
+    for (int r = 0; r < R; r++) c[r][0] = c[r][1] = (vf){0};
     for (int k = 0; k < K; k++) {
         const float *b = B + (size_t)k * N + j0;
+        vf b0 = *(const vf *)b, b1 = *(const vf *)(b + 16);
         for (int r = 0; r < R; r++) {
             float a = A[(size_t)(i0 + r) * K + k];
-            for (int j = 0; j < NR; j++) acc[r * NR + j] += a * b[j];
+            c[r][0] += a * b0;
+            c[r][1] += a * b1;
         }
+    }
+    for (int r = 0; r < R; r++) {
+        *(vf *)(acc + r * NR) = c[r][0];
+        *(vf *)(acc + r * NR + 16) = c[r][1];
     }
 }
 
-/* The right-edge tile: `cols` < NR columns, one row at a time. */
+/* The right-edge tile: `cols` < NR columns, one row at a time (when no scratch can be had). */
 INLINE void tile_edge(const float *A, const float *B, float *acc, int K, int N, int i, int j0, int cols) {
     for (int j = 0; j < cols; j++) acc[j] = 0.0f;
     for (int k = 0; k < K; k++) {
@@ -224,11 +275,31 @@ INLINE void gemm_core(const float *A, const float *B, const float *bias, int bia
             store(C, acc, 1, NR, NR, N, i0, j0, bias, bias_kind);
         }
     }
-    if (jfull < N)
+    if (jfull == N) return;
+    int cols = N - jfull;
+    /* The last columns copied into a zero-padded (K, NR) block, so that they take the full tiles too. */
+    float *bp = malloc(sizeof(float) * (size_t)K * NR);
+    if (!bp) {
         for (int i = 0; i < M; i++) {
-            tile_edge(A, B, acc, K, N, i, jfull, N - jfull);
-            store(C, acc, 1, N - jfull, NR, N, i, jfull, bias, bias_kind);
+            tile_edge(A, B, acc, K, N, i, jfull, cols);
+            store(C, acc, 1, cols, NR, N, i, jfull, bias, bias_kind);
         }
+        return;
+    }
+    for (int k = 0; k < K; k++) {
+        float *row = bp + (size_t)k * NR;
+        for (int j = 0; j < NR; j++) row[j] = j < cols ? B[(size_t)k * N + jfull + j] : 0.0f;
+    }
+    int i0 = 0;
+    for (; i0 + 4 <= M; i0 += 4) {
+        tile_full(A, bp, acc, 4, K, NR, i0, 0);
+        store(C, acc, 4, cols, NR, N, i0, jfull, bias, bias_kind);
+    }
+    for (; i0 < M; i0++) {
+        tile_full(A, bp, acc, 1, K, NR, i0, 0);
+        store(C, acc, 1, cols, NR, N, i0, jfull, bias, bias_kind);
+    }
+    free(bp);
 }
 
 /* C (M x N) = prog(A (M x K) @ B (K x N) + bias), all row-major and contiguous. bias_kind: 0 none,
@@ -267,7 +338,7 @@ HOT void ep_gemm(const float *A, const float *AT, const float *B, const float *b
 
 /* LayerNormalization over rows x n (x + skip when skip is given; that sum goes to `sum` when given):
  * y = (s - mean) / sqrt(var + eps) * scale + bias (bias may be NULL). mean and inv_std (per row) are
- * written when given. Statistics accumulate in double. */
+ * written when given. */
 HOT void ep_layernorm(const float *x, const float *skip, const float *scale, const float *bias, float *y,
                       float *sum, float *mean_out, float *inv_std_out, int rows, int n, float eps) {
     for (int i = 0; i < rows; i++) {
@@ -279,15 +350,8 @@ HOT void ep_layernorm(const float *x, const float *skip, const float *scale, con
             if (sum) memcpy(sum + (size_t)i * n, yi, sizeof(float) * (size_t)n);
             xi = yi;
         }
-        double total = 0.0;
-        for (int j = 0; j < n; j++) total += xi[j];
-        float mean = (float)(total / n);
-        double sq = 0.0;
-        for (int j = 0; j < n; j++) {
-            float d = xi[j] - mean;
-            sq += (double)d * d;
-        }
-        float std = sqrtf((float)(sq / n) + eps);
+        float mean = lane_sum(xi, n) / (float)n;
+        float std = sqrtf(sum_sq_dev(xi, mean, n) / (float)n + eps);
         for (int j = 0; j < n; j++) yi[j] = (xi[j] - mean) / std * scale[j];
         if (bias)
             for (int j = 0; j < n; j++) yi[j] += bias[j];
@@ -301,72 +365,76 @@ HOT void ep_rmsnorm(const float *x, const float *scale, float *y, int rows, int 
     for (int i = 0; i < rows; i++) {
         const float *xi = x + (size_t)i * n;
         float *yi = y + (size_t)i * n;
-        double sq = 0.0;
-        for (int j = 0; j < n; j++) sq += (double)xi[j] * xi[j];
-        float rms = sqrtf((float)(sq / n) + eps);
+        float rms = sqrtf(lane_dot(xi, xi, n) / (float)n + eps);
         for (int j = 0; j < n; j++) yi[j] = xi[j] / rms * scale[j];
     }
 }
 
 /* -- attention ------------------------------------------------------------------------------------- */
 
-#define EP_MAX_KEYS 4096
-
-/* softmax(q k^T * scale + mask [+ causal]) v for every (batch, head), one query row at a time.
+/* softmax(q k^T * scale + mask [+ causal]) v for every (batch, head): per head, the scores as one small
+ * GEMM, the softmax row by row, the weighted sum as a second GEMM (the GEMM tiles keep their sums in
+ * registers; row-at-a-time loops were bound by stores).
  * Element (b, h, s, d) of q is q[b*qs[0] + h*qs[1] + s*qs[2] + d] (likewise k, v, y with their strides;
  * the feature axis is contiguous). mask: NULL, additive float (mask_kind 1) or boolean bytes
  * (mask_kind 2: true attends), element (b, h, s, t) at b*ms[0] + h*ms[1] + s*ms[2] + t*ms[3] (0 where it
  * broadcasts). causal: key t > query s is masked. A row with no attendable key gives zeros.
- * Returns 1 (nothing written) when there are more than EP_MAX_KEYS keys. */
+ * Returns 1 (nothing written) when scratch cannot be allocated. */
 HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
                      int B, int H, int S, int T, int D, int DV, const int64_t *qs, const int64_t *ks,
                      const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal) {
-    if (T > EP_MAX_KEYS) return 1;
-    float p[EP_MAX_KEYS];
-    float *kt = malloc(sizeof(float) * (size_t)D * T); /* one head's keys transposed: (D, T) */
-    if (!kt) return 1;
+    size_t n = (size_t)S * D + (size_t)D * T + (size_t)T * DV + (size_t)S * T + (size_t)S * DV;
+    float *qh = malloc(sizeof(float) * n);
+    if (!qh) return 1;
+    float *kt = qh + (size_t)S * D, *vh = kt + (size_t)D * T, *sc = vh + (size_t)T * DV, *yh = sc + (size_t)S * T;
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++) {
+            for (int s = 0; s < S; s++)
+                memcpy(qh + (size_t)s * D, q + b * qs[0] + h * qs[1] + s * qs[2], sizeof(float) * (size_t)D);
             for (int t = 0; t < T; t++) {
                 const float *kr = k + b * ks[0] + h * ks[1] + t * ks[2];
                 for (int d = 0; d < D; d++) kt[(size_t)d * T + t] = kr[d];
+                memcpy(vh + (size_t)t * DV, v + b * vs[0] + h * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
             }
+            gemm_core(qh, kt, NULL, 0, sc, S, D, T);
             for (int s = 0; s < S; s++) {
-                const float *qr = q + b * qs[0] + h * qs[1] + s * qs[2];
-                float *yr = y + b * ys[0] + h * ys[1] + s * ys[2];
+                float *p = sc + (size_t)s * T;
                 int64_t mo = b * ms[0] + h * ms[1] + s * ms[2];
-                for (int t = 0; t < T; t++) p[t] = 0.0f;
-                for (int d = 0; d < D; d++) {
-                    float qd = qr[d];
-                    const float *kd = kt + (size_t)d * T;
-                    for (int t = 0; t < T; t++) p[t] += qd * kd[t];
+                /* Scale, mask and causal part as whole-row loops (each vectorizes), the maximum in lanes. */
+                for (int t = 0; t < T; t++) p[t] *= scale;
+                if (mask_kind == 1) {
+                    const float *mr = (const float *)mask + mo;
+                    if (ms[3] == 1)
+                        for (int t = 0; t < T; t++) p[t] += mr[t];
+                    else
+                        for (int t = 0; t < T; t++) p[t] += mr[0];
+                } else if (mask_kind == 2) {
+                    const uint8_t *mr = (const uint8_t *)mask + mo;
+                    for (int t = 0; t < T; t++) p[t] = mr[t * ms[3]] ? p[t] : -INFINITY;
                 }
+                if (causal)
+                    for (int t = s + 1; t < T; t++) p[t] = -INFINITY;
+                float lane[LANES];
+                for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
+                int t0 = 0;
+                for (; t0 + LANES <= T; t0 += LANES)
+                    for (int l = 0; l < LANES; l++) lane[l] = p[t0 + l] > lane[l] ? p[t0 + l] : lane[l];
+                for (; t0 < T; t0++) lane[0] = p[t0] > lane[0] ? p[t0] : lane[0];
                 float top = -INFINITY;
-                for (int t = 0; t < T; t++) {
-                    float sc = p[t] * scale;
-                    if (mask_kind == 1)
-                        sc += ((const float *)mask)[mo + t * ms[3]];
-                    else if (mask_kind == 2 && !((const uint8_t *)mask)[mo + t * ms[3]])
-                        sc = -INFINITY;
-                    if (causal && t > s) sc = -INFINITY;
-                    p[t] = sc;
-                    top = sc > top ? sc : top;
+                for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
+                if (top == -INFINITY) { /* nothing to attend to: zeros */
+                    for (int t = 0; t < T; t++) p[t] = 0.0f;
+                    continue;
                 }
-                for (int d = 0; d < DV; d++) yr[d] = 0.0f;
-                if (top == -INFINITY) continue; /* nothing to attend to */
-                float total = 0.0f;
-                for (int t = 0; t < T; t++) {
-                    p[t] = ep_exp(p[t] - top);
-                    total += p[t];
-                }
-                for (int t = 0; t < T; t++) {
-                    const float *vr = v + b * vs[0] + h * vs[1] + t * vs[2];
-                    float w = p[t] / total;
-                    for (int d = 0; d < DV; d++) yr[d] += w * vr[d];
-                }
+                for (int t = 0; t < T; t++) p[t] = ep_exp(p[t] - top); /* apart from the sum: it vectorizes */
+                float total = lane_sum(p, T);
+                for (int t = 0; t < T; t++) p[t] /= total;
             }
+            gemm_core(sc, vh, NULL, 0, yh, S, T, DV);
+            for (int s = 0; s < S; s++)
+                memcpy(y + b * ys[0] + h * ys[1] + s * ys[2], yh + (size_t)s * DV, sizeof(float) * (size_t)DV);
         }
-    free(kt);
+    free(qh);
     return 0;
 }
 
@@ -514,7 +582,13 @@ HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, c
                     }
                 }
             }
-    ep_gemm(w, NULL, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
+    /* A narrow output (few pixels, more channels) goes through ep_gemm's transposed scheme. */
+    float *wt = pixels < NR && g->M > pixels ? malloc(sizeof(float) * (size_t)taps * g->M) : NULL;
+    if (wt)
+        for (int m = 0; m < g->M; m++)
+            for (int t = 0; t < taps; t++) wt[(size_t)t * g->M + m] = w[(size_t)m * taps + t];
+    ep_gemm(w, wt, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
+    free(wt);
     free(cols);
     return 0;
 }
@@ -532,22 +606,15 @@ HOT int ep_squeeze_excite(const float *x, float *y, int N, int C, int HW, const 
         float *yn = y + (size_t)n * C * HW;
         for (int c = 0; c < C; c++) {
             const float *xc = xn + (size_t)c * HW;
-            float s = 0.0f;
-            for (int i = 0; i < HW; i++) s += xc[i];
-            pooled[c] = s / (float)HW;
+            pooled[c] = lane_sum(xc, HW) / (float)HW;
         }
         for (int r = 0; r < R; r++) {
-            float s = 0.0f;
-            const float *wr = w1 + (size_t)r * C;
-            for (int c = 0; c < C; c++) s += wr[c] * pooled[c];
+            float s = lane_dot(w1 + (size_t)r * C, pooled, C);
             s += b1 ? b1[r] : 0.0f;
             hid[r] = s < 0.0f ? 0.0f : s;
         }
         for (int c = 0; c < C; c++) {
-            float s = 0.0f;
-            const float *wr = w2 + (size_t)c * R;
-            for (int r = 0; r < R; r++) s += wr[r] * hid[r];
-            g[c] = s + (b2 ? b2[c] : 0.0f);
+            g[c] = lane_dot(w2 + (size_t)c * R, hid, R) + (b2 ? b2[c] : 0.0f);
         }
         step(g, C, gate, NULL, alpha, beta);
         for (int c = 0; c < C; c++) {
