@@ -134,9 +134,18 @@ class Attention(OpKernel):
         None where it does not serve (the NumPy paths then decide)."""
         if mask is not None and not (mask.flags.c_contiguous and (mask.dtype == F32 or mask.dtype == np.bool_)):
             return None
+        # Views the kernel reads through strides (a Transpose's permutations); other views (Split's column
+        # blocks of a fused QKV projection) are copied: one small copy costs less than the NumPy path.
         qp, kp, vp = native.first_element(q), native.first_element(k), native.first_element(v)
-        if qp is None or kp is None or vp is None:
-            return None
+        if qp is None:
+            q = np.ascontiguousarray(q)
+            qp = native.ptr(q)
+        if kp is None:
+            k = np.ascontiguousarray(k)
+            kp = native.ptr(k)
+        if vp is None:
+            v = np.ascontiguousarray(v)
+            vp = native.ptr(v)
         key = (q.shape, k.shape, v.shape, q.strides, k.strides, v.strides,
                None if mask is None else (mask.shape, mask.dtype))
         layout = self._native_layouts.get(key, False)
@@ -166,9 +175,10 @@ class Attention(OpKernel):
             d, dv = q.shape[2] // h, v.shape[2] // h
             if k.shape[0] != b or v.shape[0] != b or v.shape[1] != t or k.shape[2] // h != d:
                 return None
-            if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
+            if q.strides[2] != 4 or k.strides[2] != 4 or v.strides[2] != 4:
                 return None
-            qs, ks, vs = (s * h * d, d, h * d), (t * h * d, d, h * d), (t * h * dv, dv, h * dv)
+            # Element strides over (batch, head, seq): a head is a block of the feature axis.
+            qs, ks, vs = ((a.strides[0] // 4, hd, a.strides[1] // 4) for a, hd in ((q, d), (k, d), (v, dv)))
             ys, out_shape = (s * h * dv, dv, h * dv), (b, s, h * dv)
         elif q.ndim == 4 and k.ndim == 4 and v.ndim == 4:
             b, h, s, d = q.shape

@@ -278,7 +278,7 @@ def _masks(rng, b, h, s, t):
 
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("mask_kind", ["none", "float", "bool", "dead-row"])
-@pytest.mark.parametrize("layout", ["3d", "4d-transposed"])
+@pytest.mark.parametrize("layout", ["3d", "3d-split", "4d-transposed"])
 def test_attention(spy, causal, mask_kind, layout):
     rng = np.random.default_rng(9)
     b, h, s, d = 2, 3, 7, 8
@@ -287,13 +287,17 @@ def test_attention(spy, causal, mask_kind, layout):
     names = ["q", "k", "v"] + ([] if mask is None else ["mask"])
     if layout == "3d":
         nodes = [helper.make_node("Attention", names, ["y"], q_num_heads=h, kv_num_heads=h, is_causal=causal)]
+    elif layout == "3d-split":  # column blocks of one fused projection (GPT-2): views the kernel copies
+        qkv = {"qkv": np.concatenate([qkv["q"], qkv["k"], qkv["v"]], axis=2)}
+        nodes = [helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=2, num_outputs=3),
+                 helper.make_node("Attention", names, ["y"], q_num_heads=h, kv_num_heads=h, is_causal=causal)]
     else:  # Reshape + Transpose to (b, h, s, d): the kernel reads the Transpose's strided view
         nodes = [n for x in "qkv" for n in (helper.make_node("Reshape", [x, "shape"], [x + "r"]),
                                             helper.make_node("Transpose", [x + "r"], [x + "t"], perm=[0, 2, 1, 3]))]
         names = ["qt", "kt", "vt"] + names[3:]
         nodes.append(helper.make_node("Attention", names, ["y"], is_causal=causal, scale=0.3))
     feeds = qkv | ({} if mask is None else {"mask": mask})
-    consts = {"shape": np.array([b, s, h, d], np.int64)} if layout != "3d" else {}
+    consts = {"shape": np.array([b, s, h, d], np.int64)} if layout == "4d-transposed" else {}
     model = _model(nodes, feeds, ["y"], consts, opset=23)
     (got,) = _both(model, feeds, spy, "ep_attention")
     want = ReferenceEvaluator(model).run(None, feeds)[0]
