@@ -113,8 +113,8 @@ _NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: 
 
 
 def _native_steps(producer, epilogues, others):
-    """(steps, residual value id or -1, alpha, beta) running the chain's epilogues in the compiled
-    kernels after `producer`'s own steps, or None: a producer without `fused_native`, more than one
+    """(program, residual value id or -1, alpha, beta) running `producer`'s own epilogue steps and then
+    the chain's epilogues in the compiled kernels, or None: a producer without `fused_native`, more than one
     residual Add or HardSigmoid, or more steps than a program holds."""
     if not hasattr(producer, "fused_native"):
         return None
@@ -132,7 +132,7 @@ def _native_steps(producer, epilogues, others):
         steps.append(code)
     if len(producer.native_steps) + len(steps) > native.MAX_STEPS:
         return None
-    return tuple(steps), res, alpha, beta
+    return native.program(producer.native_steps + tuple(steps)), res, alpha, beta
 
 
 class _EpilogueChain:
@@ -151,9 +151,9 @@ class _EpilogueChain:
 
     def _run(self, values, args):
         if self.native is not None and native.LIB is not None:
-            steps, res, alpha, beta = self.native
+            prog, res, alpha, beta = self.native
             try:
-                y = self.producer.fused_native(args, steps, values[res] if res >= 0 else None, alpha, beta)
+                y = self.producer.fused_native(args, prog, values[res] if res >= 0 else None, alpha, beta)
             except EphostError:
                 raise
             except Exception as exc:

@@ -17,12 +17,25 @@ class MatMul(OpKernel):
 
     native_steps = ()
 
-    def fused_native(self, args, steps, res, alpha, beta):
-        """The output followed by epilogue steps (fusion.py's chains) from the compiled GEMM, or None."""
-        return native_matmul(*args, None, native.program(steps), res, alpha, beta)
+    def __init__(self, node):
+        super().__init__(node)
+        self._bound_b = None
+        self._runs: dict[tuple, tuple | bool] = {}
+
+    def bind_constants(self, constants):
+        self._bound_b, self._runs = constants.get(1), {}
+
+    def fused_native(self, args, prog, res, alpha, beta):
+        """The output followed by an epilogue program (fusion.py's chains) from the compiled GEMM, or None."""
+        return native_matmul(*args, None, prog, res, alpha, beta)
 
     def _run(self, a, b):
-        if native.LIB is not None:
+        lib = native.LIB
+        if lib is not None:
+            if b is self._bound_b and a.dtype == F32 and a.flags.c_contiguous:
+                run = bound_gemm(self._runs, lib, a, b, None, 0)
+                if run:
+                    return (run(a),)
             y = native_matmul(a, b)
             if y is not None:
                 return (y,)
@@ -39,6 +52,37 @@ class MatMul(OpKernel):
 
 _WIDE = (np.dtype(np.float32), np.dtype(np.float64))
 F32 = native.F32
+
+
+def bound_gemm(runs: dict, lib, a, b, bias, prog: int):
+    """For a float32 C-contiguous `a` times an initializer `b` (+ an initializer `bias`): a function of
+    such an `a` of this shape doing prog(a @ b + bias) in one compiled call, kept in `runs` per shape
+    (native_matmul's checks done once); False where native_matmul would not serve."""
+    entry = runs.get(a.shape)
+    if entry is None or (entry and entry[0] is not lib):
+        if len(runs) >= 16:
+            runs.clear()
+        entry = runs[a.shape] = _gemm_runner(lib, a, b, bias, prog)
+    return entry and entry[1]
+
+
+def _gemm_runner(lib, a, b, bias, prog):
+    if (b.ndim != 2 or a.ndim < 2 or b.dtype != F32 or not b.flags.c_contiguous or a.shape[-1] != b.shape[0]
+            or not a.size or not b.size):
+        return False
+    k, n = b.shape
+    if bias is not None and (bias.dtype != F32 or bias.shape != (n,) or not bias.flags.c_contiguous):
+        return False
+    out_shape, rows = (*a.shape[:-1], n), a.size // k
+    ptr, null, empty, gemm = native.ptr, native.NULL, np.empty, lib.ep_gemm
+    bp, biasp, kind = ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1
+
+    def run(a):
+        y = empty(out_shape, dtype=F32)
+        gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null, 0.0, 0.0)
+        return y
+
+    return lib, run
 
 
 def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, beta: float = 0.0):
@@ -92,9 +136,9 @@ class Gemm(OpKernel):
 
     native_steps = ()
 
-    def fused_native(self, args, steps, res, alpha, beta):
-        """The output followed by epilogue steps (fusion.py's chains) from the compiled GEMM, or None."""
-        return self._native(*args, prog=native.program(steps), res=res, alpha=alpha, beta=beta)
+    def fused_native(self, args, prog, res, alpha, beta):
+        """The output followed by an epilogue program (fusion.py's chains) from the compiled GEMM, or None."""
+        return self._native(*args, prog=prog, res=res, alpha=alpha, beta=beta)
 
     def _native(self, a, b, c=None, prog=0, res=None, alpha=0.0, beta=0.0):
         """A @ B (+ C as a bias vector) by the compiled GEMM when alpha and beta are 1, A is not transposed

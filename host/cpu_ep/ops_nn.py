@@ -163,12 +163,13 @@ class Conv(_Spatial):
         self._prepared: dict[tuple, tuple | None] = {}
         self._fast: dict[tuple, tuple] = {}
         self._native_geoms: dict[tuple, tuple | None] = {}
+        self._native_runs: dict[tuple, tuple | bool] = {}
 
     native_steps = ()
 
-    def fused_native(self, args, steps, res, alpha, beta):
-        """The output followed by epilogue steps (fusion.py's chains) from the compiled kernels, or None."""
-        return self._native(*args, prog=native.program(steps), res=res, alpha=alpha, beta=beta)
+    def fused_native(self, args, prog, res, alpha, beta):
+        """The output followed by an epilogue program (fusion.py's chains) from the compiled kernels, or None."""
+        return self._native(*args, prog=prog, res=res, alpha=alpha, beta=beta)
 
     def _native(self, x, w, b=None, prog=0, res=None, alpha=0.0, beta=0.0):
         """A float32 2-D convolution of one image by the compiled kernels: pointwise as one GEMM, depthwise
@@ -176,8 +177,19 @@ class Conv(_Spatial):
         epilogue applied as each output is stored. None where they do not serve (the NumPy paths then
         decide, errors included)."""
         lib = native.LIB
-        if (lib is None or x.dtype != F32 or w.dtype != F32 or x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1
-                or not x.flags.c_contiguous or not w.flags.c_contiguous):
+        if lib is None or x.dtype != F32 or not x.flags.c_contiguous:
+            return None
+        if w is self._bound_w and b is self._bound_b:
+            # Bound weights: per input shape and program, a closure doing just the call (checks done once).
+            key = (x.shape, prog, alpha, beta)
+            entry = self._native_runs.get(key)
+            if entry is None or (entry and entry[0] is not lib):
+                if len(self._native_runs) >= 16:
+                    self._native_runs.clear()
+                entry = self._native_runs[key] = self._native_runner(lib, x, w, b, prog, alpha, beta)
+            if entry:
+                return entry[1](x, res)
+        if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
             return None
         if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
             return None
@@ -206,6 +218,39 @@ class Conv(_Spatial):
         elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
             return None
         return y
+
+    def _native_runner(self, lib, x, w, b, prog, alpha, beta):
+        """(lib, function of (x, res)) computing what _native computes for this input shape, program and the
+        bound weights and bias, or False where _native would not serve."""
+        if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
+            return False
+        if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
+            return False
+        entry = self._native_geom(x, w)
+        if entry is None:
+            return False
+        kind, handle, out_shape = entry
+        ptr, null, empty = native.ptr, native.NULL, np.empty
+        wp, bp = ptr(w), null if b is None else ptr(b)
+        if kind == "pointwise":
+            gemm, (m, c), pixels = lib.ep_gemm, w.shape[:2], x.shape[2] * x.shape[3]
+
+            def call(xp, yp, rp):
+                gemm(wp, handle, xp, bp, 0 if b is None else 2, yp, m, c, pixels, prog, rp, alpha, beta)
+                return 0
+        else:
+            fn = lib.ep_depthwise2d if kind == "depthwise" else lib.ep_conv2d
+
+            def call(xp, yp, rp):
+                return fn(xp, wp, bp, yp, handle, prog, rp, alpha, beta)
+
+        def run(x, res):
+            if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
+                return None
+            y = empty(out_shape, dtype=F32)
+            return None if call(ptr(x), ptr(y), null if res is None else ptr(res)) else y
+
+        return lib, run
 
     def _native_geom(self, x, w):
         """(kind, handle, output shape) for the compiled kernels, or None. The handle is the ConvGeom of a
@@ -236,6 +281,7 @@ class Conv(_Spatial):
     def bind_constants(self, constants):
         self._bound_w, self._bound_b = constants.get(1), constants.get(2)
         self._native_geoms = {}  # may hold the bound weights transposed
+        self._native_runs = {}
         self._prepared = {}
         self._fast: dict[tuple, tuple] = {}  # input shape -> (dtype, closure) for the bound weights and bias
 

@@ -11,7 +11,7 @@ import numpy as np
 from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_elementwise import gelu
-from host.cpu_ep.ops_math import matmul, native_matmul
+from host.cpu_ep.ops_math import bound_gemm, matmul, native_matmul
 from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
@@ -528,21 +528,26 @@ class FusedMatMul(OpKernel):
         self.activation = self.attr_str("activation", "", choices=_ACTIVATIONS)
         self.native_steps = _NATIVE_STEPS[self.activation]  # the activation as compiled epilogue steps
         self._prog = native.program(self.native_steps)
-        self._bound_bias = None
+        self._bound_b = self._bound_bias = None
         self._tiles: dict[int, np.ndarray] = {}
+        self._runs: dict[tuple, tuple | bool] = {}
 
     def bind_constants(self, constants):
-        self._bound_bias, self._tiles = constants.get(2), {}
+        self._bound_b, self._bound_bias, self._tiles, self._runs = constants.get(1), constants.get(2), {}, {}
 
-    def fused_native(self, args, steps, res, alpha, beta):
-        """The output with more epilogue steps after the activation (fusion.py's chains), computed by
-        the compiled GEMM; None where it does not serve."""
+    def fused_native(self, args, prog, res, alpha, beta):
+        """The output with an epilogue program (fusion.py's chains; it starts with this node's activation)
+        computed by the compiled GEMM; None where it does not serve."""
         a, b, *rest = args
-        return native_matmul(a, b, rest[0] if rest else None, native.program(self.native_steps + steps), res,
-                             alpha, beta)
+        return native_matmul(a, b, rest[0] if rest else None, prog, res, alpha, beta)
 
     def _run(self, a, b, bias=None):
-        if native.LIB is not None:
+        lib = native.LIB
+        if lib is not None:
+            if b is self._bound_b and bias is self._bound_bias and a.dtype == F32 and a.flags.c_contiguous:
+                run = bound_gemm(self._runs, lib, a, b, bias, self._prog)
+                if run:
+                    return (run(a),)
             y = native_matmul(a, b, bias, self._prog)
             if y is not None:
                 return (y,)
