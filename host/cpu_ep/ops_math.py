@@ -58,12 +58,7 @@ def bound_gemm(runs: dict, lib, a, b, bias, prog: int):
     """For a float32 C-contiguous `a` times an initializer `b` (+ an initializer `bias`): a function of
     such an `a` of this shape doing prog(a @ b + bias) in one compiled call, kept in `runs` per shape
     (native_matmul's checks done once); False where native_matmul would not serve."""
-    entry = runs.get(a.shape)
-    if entry is None or (entry and entry[0] is not lib):
-        if len(runs) >= 16:
-            runs.clear()
-        entry = runs[a.shape] = _gemm_runner(lib, a, b, bias, prog)
-    return entry and entry[1]
+    return native.cached(runs, a.shape, lib, lambda: _gemm_runner(lib, a, b, bias, prog))
 
 
 def _gemm_runner(lib, a, b, bias, prog):
@@ -82,7 +77,7 @@ def _gemm_runner(lib, a, b, bias, prog):
         gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null, 0.0, 0.0)
         return y
 
-    return lib, run
+    return run
 
 
 def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, beta: float = 0.0):

@@ -181,14 +181,10 @@ class Conv(_Spatial):
             return None
         if w is self._bound_w and b is self._bound_b:
             # Bound weights: per input shape and program, a closure doing just the call (checks done once).
-            key = (x.shape, prog, alpha, beta)
-            entry = self._native_runs.get(key)
-            if entry is None or (entry and entry[0] is not lib):
-                if len(self._native_runs) >= 16:
-                    self._native_runs.clear()
-                entry = self._native_runs[key] = self._native_runner(lib, x, w, b, prog, alpha, beta)
-            if entry:
-                return entry[1](x, res)
+            run = native.cached(self._native_runs, (x.shape, prog, alpha, beta), lib,
+                                lambda: self._native_runner(lib, x, w, b, prog, alpha, beta))
+            if run:
+                return run(x, res)
         if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
             return None
         if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
@@ -220,7 +216,7 @@ class Conv(_Spatial):
         return y
 
     def _native_runner(self, lib, x, w, b, prog, alpha, beta):
-        """(lib, function of (x, res)) computing what _native computes for this input shape, program and the
+        """A function of (x, res) computing what _native computes for this input shape, program and the
         bound weights and bias, or False where _native would not serve."""
         if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
             return False
@@ -250,7 +246,7 @@ class Conv(_Spatial):
             y = empty(out_shape, dtype=F32)
             return None if call(ptr(x), ptr(y), null if res is None else ptr(res)) else y
 
-        return lib, run
+        return run
 
     def _native_geom(self, x, w):
         """(kind, handle, output shape) for the compiled kernels, or None. The handle is the ConvGeom of a

@@ -80,6 +80,19 @@ def first_element(x: np.ndarray):
     return ptr(base) if span == x.nbytes - x.itemsize else None
 
 
+def cached(runs: dict, key, lib, make):
+    """The function `make()` built for `key` (a kernel's per-shape closure over its bound initializers,
+    doing just the compiled call), kept in `runs`; False where `make()` found the case not served. Rebuilt
+    when `lib` changed (tests switch it); at most 16 kept per kernel."""
+    entry = runs.get(key)
+    if entry is None or (entry and entry[0] is not lib):
+        if len(runs) >= 16:
+            runs.clear()
+        made = make()
+        entry = runs[key] = (lib, made) if made else False
+    return entry and entry[1]
+
+
 def program(steps) -> int:
     """The epilogue program running `steps` in order."""
     steps = list(steps)
