@@ -253,17 +253,45 @@ class _SqueezeExcite:
         gate = _NATIVE[self.gate_fn]
         alpha, beta = (self.gate.alpha, self.gate.beta) if gate == native.HARD_SIGMOID else (0.0, 0.0)
         self.native = (gate, alpha, beta) if w1.dtype == native.F32 else None
+        self.x_id = nodes[0].inputs[0]
+        self._runs: dict[tuple, tuple | bool] = {}
         self.name, self.op_type = nodes[0].name, nodes[0].op_type
 
     def failure(self, exc):
         return self.nodes[0].kernel.failure(exc)
 
     def _run(self, values, args):
-        x = values[self.nodes[0].inputs[0]]
+        x = values[self.x_id]
+        lib = native.LIB
+        if lib is not None and self.native is not None and x.dtype == native.F32 and x.flags.c_contiguous:
+            run = native.cached(self._runs, x.shape, lib, lambda: self._native_runner(lib, x, values))
+            if run:
+                return (run(x),)
         if (x.dtype == self.w1.dtype and x.ndim >= 3 and x.flags.c_contiguous and x.size
                 and x.shape[1] == self.w1.shape[1] and self._pool_ok(x, values)):
             return (self._fast(x),)
         return self._one_by_one(values)
+
+    def _native_runner(self, lib, x, values):
+        """For float32 input of x's shape: a function of x doing the whole block in one compiled call, or
+        False (the NumPy paths then decide)."""
+        if x.ndim < 3 or not x.size or x.shape[1] != self.w1.shape[1] or not self._pool_ok(x, values):
+            return False
+        n, c, hw, r = x.shape[0], x.shape[1], math.prod(x.shape[2:]), self.w1.shape[0]
+        ptr, null, empty, se = native.ptr, native.NULL, np.empty, lib.ep_squeeze_excite
+        w1, w2 = ptr(self.w1), ptr(self.w2)
+        b1 = null if self.b1 is None else ptr(self.b1)
+        b2 = null if self.b2 is None else ptr(self.b2)
+        gate, alpha, beta = self.native
+        shape = x.shape
+
+        def run(x):
+            y = empty(shape, dtype=native.F32)
+            if se(ptr(x), ptr(y), n, c, hw, w1, b1, w2, b2, r, gate, alpha, beta):
+                return self._fast(x)  # no scratch memory: the NumPy path
+            return y
+
+        return run
 
     def _pool_ok(self, x, values) -> bool:
         """Whether the pool averages exactly the spatial axes, keeping them (decided once per rank: the
@@ -283,16 +311,6 @@ class _SqueezeExcite:
     def _fast(self, x):
         n, c = x.shape[:2]
         hw = math.prod(x.shape[2:])
-        lib = native.LIB
-        if lib is not None and self.native is not None:
-            # One call: pooling, both GEMVs with bias and ReLU, the gate and the product.
-            y = np.empty(x.shape, dtype=x.dtype)
-            ptr, null = native.ptr, native.NULL
-            b1 = null if self.b1 is None else ptr(self.b1)
-            b2 = null if self.b2 is None else ptr(self.b2)
-            if not lib.ep_squeeze_excite(ptr(x), ptr(y), n, c, hw, ptr(self.w1), b1, ptr(self.w2), b2,
-                                         self.w1.shape[0], *self.native):
-                return y
         flat = x.reshape(n * c, hw)
         pooled = np.dot(flat, constant_column(hw, 1 / hw, x.dtype))  # (n*c, 1): the pool's GEMV
         cols = pooled if n == 1 else pooled.reshape(n, c).T  # channels x images

@@ -507,45 +507,83 @@ INLINE int depthwise_channels_last(const float *x, const float *w, float *y, con
     return 0;
 }
 
-/* Depthwise 2-D convolution of one image (group = C = M): per channel and kernel tap, a run along each
- * output row over the columns whose tap lies inside the image (or, for outputs narrower than 16
- * columns, channels last); then bias and the epilogue. Returns 1 when scratch cannot be allocated. */
+/* Phase planes of one zero-padded channel: plane q holds the padded image's columns q, q + SW, q + 2 SW,
+ * ..., so that the input columns ow * SW + col (col = j * DW) of the output columns ow are the contiguous
+ * run plane[col % SW][row][ow + col / SW ...]. Each plane row is `wq` long (zeros past the image: vector
+ * loads may read up to 16 floats beyond the last output). Rows are the padded image's rows [0, hp). */
+typedef struct {
+    int hp, wq;
+} Phases;
+
+INLINE Phases phase_shape(const ConvGeom *g) {
+    int wp = (g->OW - 1) * g->SW + (g->KW - 1) * g->DW + 1;
+    Phases ph = {(g->OH - 1) * g->SH + (g->KH - 1) * g->DH + 1, (wp + g->SW - 1) / g->SW + 16};
+    return ph;
+}
+
+INLINE void fill_phases(const float *xc, const ConvGeom *g, Phases ph, float *planes) {
+    memset(planes, 0, sizeof(float) * (size_t)g->SW * ph.hp * ph.wq);
+    const int sw = g->SW, pw = g->PW, w = g->W;
+    for (int q = 0; q < sw; q++) {
+        /* padded column u * SW + q is input column u * SW + q - PW: the u inside the image, no branch */
+        int lo = pw - q > 0 ? (pw - q + sw - 1) / sw : 0;
+        int hi = (w - 1 + pw - q) / sw + 1;
+        if (hi > ph.wq - 16) hi = ph.wq - 16;
+        for (int ih = 0; ih < g->H && ih + g->PH < ph.hp; ih++) {
+            const float *xr = xc + (size_t)ih * w;
+            float *dst = planes + ((size_t)q * ph.hp + ih + g->PH) * ph.wq;
+            if (sw == 1)
+                memcpy(dst + lo, xr + lo - pw, sizeof(float) * (size_t)(hi > lo ? hi - lo : 0));
+            else
+                for (int u = lo; u < hi; u++) dst[u] = xr[u * sw + q - pw];
+        }
+    }
+}
+
+/* Depthwise 2-D convolution of one image (group = C = M). Outputs of 8 columns or more: per channel, its
+ * phase planes, then 16 output columns at a time summed over the taps in one vector (contiguous loads,
+ * no bounds); narrower outputs: channels last. Then bias and the epilogue. Returns 1 when scratch cannot
+ * be allocated. */
 HOT int ep_depthwise2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g,
                        unsigned prog, const float *res, float alpha, float beta) {
     Epilogue e = {prog, res, 0, alpha, beta};
     size_t plane = (size_t)g->OH * g->OW;
-    if (g->OW < 16) {
+    if (g->OW < 8) {
         if (depthwise_channels_last(x, w, y, g)) return 1;
     } else {
-        int lo[64], hi[64], off[64];  /* per kernel column: the output columns it reads inside the image */
-        if (g->KW > 64) return 1;
-        for (int j = 0; j < g->KW; j++) {
-            off[j] = j * g->DW - g->PW;  /* input column = ow * SW + off */
-            lo[j] = off[j] < 0 ? (-off[j] + g->SW - 1) / g->SW : 0;
-            hi[j] = (g->W - 1 - off[j]) < 0 ? 0 : (g->W - 1 - off[j]) / g->SW + 1;
-            if (hi[j] > g->OW) hi[j] = g->OW;
+        Phases ph = phase_shape(g);
+        float *planes = malloc(sizeof(float) * (size_t)g->SW * ph.hp * ph.wq);
+        if (!planes) return 1;
+        int tap_off[64]; /* per kernel column j: its phase plane and offset, (j DW % SW) * hp * wq + j DW / SW */
+        if (g->KW > 64) {
+            free(planes);
+            return 1;
         }
+        for (int j = 0; j < g->KW; j++) tap_off[j] = (j * g->DW % g->SW) * ph.hp * ph.wq + j * g->DW / g->SW;
+        /* the geometry in locals: stores through y could alias *g, which the loops would then reload */
+        const int kh = g->KH, kw = g->KW, sh = g->SH, dh = g->DH, oh_n = g->OH, ow_n = g->OW;
         for (int c = 0; c < g->C; c++) {
-            const float *xc = x + (size_t)c * g->H * g->W;
-            const float *wc = w + (size_t)c * g->KH * g->KW;
+            fill_phases(x + (size_t)c * g->H * g->W, g, ph, planes);
+            const float *wc = w + (size_t)c * kh * kw;
             float *yc = y + (size_t)c * plane;
-            for (int oh = 0; oh < g->OH; oh++) {
-                float *yr = yc + (size_t)oh * g->OW;
-                for (int ow = 0; ow < g->OW; ow++) yr[ow] = 0.0f;
-                for (int i = 0; i < g->KH; i++) {
-                    int ih = oh * g->SH - g->PH + i * g->DH;
-                    if (ih < 0 || ih >= g->H) continue;
-                    const float *xr = xc + (size_t)ih * g->W;
-                    for (int j = 0; j < g->KW; j++) {
-                        float wv = wc[i * g->KW + j];
-                        if (g->SW == 1)
-                            for (int ow = lo[j]; ow < hi[j]; ow++) yr[ow] += wv * xr[ow + off[j]];
-                        else
-                            for (int ow = lo[j]; ow < hi[j]; ow++) yr[ow] += wv * xr[ow * g->SW + off[j]];
+            for (int oh = 0; oh < oh_n; oh++)
+                for (int ow0 = 0; ow0 < ow_n; ow0 += 16) {
+                    vf acc = {0};
+                    for (int i = 0; i < kh; i++) {
+                        const float *rowp = planes + (size_t)(oh * sh + i * dh) * ph.wq + ow0;
+                        for (int j = 0; j < kw; j++) acc += wc[i * kw + j] * *(const vf *)(rowp + tap_off[j]);
+                    }
+                    float *dst = yc + (size_t)oh * ow_n + ow0;
+                    if (ow_n - ow0 >= 16) {
+                        *(vf *)dst = acc;
+                    } else {
+                        float out[16];
+                        *(vf *)out = acc;
+                        memcpy(dst, out, sizeof(float) * (size_t)(ow_n - ow0));
                     }
                 }
-            }
         }
+        free(planes);
     }
     if (bias)
         for (int c = 0; c < g->C; c++) {
@@ -556,32 +594,30 @@ HOT int ep_depthwise2d(const float *x, const float *w, const float *bias, float 
     return 0;
 }
 
-/* One-group 2-D convolution of one image: the window copy (C*KH*KW, OH*OW) into a scratch buffer
- * (zeros on padding), then W (M, C*KH*KW) times it with the bias per output channel and the epilogue.
- * Returns 1 when the scratch buffer cannot be allocated. */
+/* One-group 2-D convolution of one image: the window copy (C*KH*KW, OH*OW) into a scratch buffer (rows of
+ * the channel's phase planes: zeros on padding), then W (M, C*KH*KW) times it with the bias per output
+ * channel and the epilogue. Returns 1 when scratch cannot be allocated. */
 HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g, unsigned prog,
                   const float *res, float alpha, float beta) {
     int taps = g->C * g->KH * g->KW, pixels = g->OH * g->OW;
-    float *cols = malloc(sizeof(float) * (size_t)taps * pixels);
+    Phases ph = phase_shape(g);
+    size_t n_planes = (size_t)g->SW * ph.hp * ph.wq;
+    float *cols = malloc(sizeof(float) * ((size_t)taps * pixels + n_planes));
     if (!cols) return 1;
-    for (int c = 0; c < g->C; c++)
+    float *planes = cols + (size_t)taps * pixels;
+    for (int c = 0; c < g->C; c++) {
+        fill_phases(x + (size_t)c * g->H * g->W, g, ph, planes);
         for (int i = 0; i < g->KH; i++)
             for (int j = 0; j < g->KW; j++) {
                 float *row = cols + ((size_t)(c * g->KH + i) * g->KW + j) * pixels;
+                int col = j * g->DW;
                 for (int oh = 0; oh < g->OH; oh++) {
-                    int ih = oh * g->SH - g->PH + i * g->DH;
-                    float *out = row + (size_t)oh * g->OW;
-                    if (ih < 0 || ih >= g->H) {
-                        for (int ow = 0; ow < g->OW; ow++) out[ow] = 0.0f;
-                        continue;
-                    }
-                    const float *xr = x + ((size_t)c * g->H + ih) * g->W;
-                    for (int ow = 0; ow < g->OW; ow++) {
-                        int iw = ow * g->SW - g->PW + j * g->DW;
-                        out[ow] = (iw >= 0 && iw < g->W) ? xr[iw] : 0.0f;
-                    }
+                    const float *src = planes + ((size_t)(col % g->SW) * ph.hp + oh * g->SH + i * g->DH) * ph.wq
+                                       + col / g->SW;
+                    memcpy(row + (size_t)oh * g->OW, src, sizeof(float) * (size_t)g->OW);
                 }
             }
+    }
     /* A narrow output (few pixels, more channels) goes through ep_gemm's transposed scheme. */
     float *wt = pixels < NR && g->M > pixels ? malloc(sizeof(float) * (size_t)taps * g->M) : NULL;
     if (wt)
