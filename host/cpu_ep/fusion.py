@@ -145,12 +145,39 @@ class _EpilogueChain:
         self.others = others        # per epilogue: the value id of Add's other operand, or -1
         self.name, self.op_type = producer.name, producer.op_type
         self.native = _native_steps(producer, epilogues, others)
+        # Per input shape: (lib, closure of (x, res) or False, the bound operands it was made for).
+        self._runs: dict[tuple, tuple] = {}
 
     def failure(self, exc):
         return self.producer.failure(exc)
 
+    def _native_run(self, lib, args):
+        """The producer's closure for bound operands (native_runner), kept per input shape; None where it
+        does not serve (fed operands, no closure for this producer or shape)."""
+        x = args[0]
+        entry = self._runs.get(x.shape)
+        if entry is None or entry[0] is not lib:
+            if len(self._runs) >= 16:
+                self._runs.clear()
+            maker = getattr(self.producer, "native_runner", None)
+            prog, _, alpha, beta = self.native
+            entry = self._runs[x.shape] = (lib, maker and maker(lib, args, prog, alpha, beta), args[1:])
+        run, bound = entry[1], entry[2]
+        if run and len(args) == len(bound) + 1 and args[1] is bound[0] and (len(bound) < 2 or args[2] is bound[1]):
+            return run
+        return None
+
     def _run(self, values, args):
-        if self.native is not None and native.LIB is not None:
+        lib = native.LIB
+        if self.native is not None and lib is not None:
+            x = args[0]
+            if x.dtype == native.F32 and x.flags.c_contiguous:
+                run = self._native_run(lib, args)
+                if run is not None:
+                    res = self.native[1]
+                    y = run(x, values[res] if res >= 0 else None)
+                    if y is not None:
+                        return (y,)
             prog, res, alpha, beta = self.native
             try:
                 y = self.producer.fused_native(args, prog, values[res] if res >= 0 else None, alpha, beta)

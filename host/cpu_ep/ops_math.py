@@ -29,6 +29,11 @@ class MatMul(OpKernel):
         """The output followed by an epilogue program (fusion.py's chains) from the compiled GEMM, or None."""
         return native_matmul(*args, None, prog, res, alpha, beta)
 
+    def native_runner(self, lib, args, prog, alpha, beta):
+        """For a chain over a bound weight: a function of (a, res) for float32 contiguous a, or False."""
+        a, b = args
+        return b is self._bound_b and chain_gemm_runner(lib, a, b, None, prog, alpha, beta)
+
     def _run(self, a, b):
         lib = native.LIB
         if lib is not None:
@@ -75,6 +80,26 @@ def _gemm_runner(lib, a, b, bias, prog):
     def run(a):
         y = empty(out_shape, dtype=F32)
         gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null, 0.0, 0.0)
+        return y
+
+    return run
+
+
+def chain_gemm_runner(lib, a, b, bias, prog, alpha, beta):
+    """_gemm_runner's function for a chain (fusion.py): of (a, res), res being the residual operand or None;
+    it returns None for a residual it cannot take (another shape, dtype or layout)."""
+    if not _gemm_runner(lib, a, b, bias, prog):
+        return False
+    k, n = b.shape
+    out_shape, rows = (*a.shape[:-1], n), a.size // k
+    ptr, null, empty, gemm = native.ptr, native.NULL, np.empty, lib.ep_gemm
+    bp, biasp, kind = ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1
+
+    def run(a, res):
+        if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
+            return None
+        y = empty(out_shape, dtype=F32)
+        gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null if res is None else ptr(res), alpha, beta)
         return y
 
     return run

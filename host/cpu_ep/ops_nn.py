@@ -171,6 +171,15 @@ class Conv(_Spatial):
         """The output followed by an epilogue program (fusion.py's chains) from the compiled kernels, or None."""
         return self._native(*args, prog=prog, res=res, alpha=alpha, beta=beta)
 
+    def native_runner(self, lib, args, prog, alpha, beta):
+        """For a chain (fusion.py) over bound weights and bias: a function of (x, res) for float32 contiguous
+        input of args[0]'s shape, or False."""
+        x, w, *rest = args
+        b = rest[0] if rest else None
+        if w is not self._bound_w or b is not self._bound_b:
+            return False
+        return self._native_runner(lib, x, w, b, prog, alpha, beta)
+
     def _native(self, x, w, b=None, prog=0, res=None, alpha=0.0, beta=0.0):
         """A float32 2-D convolution of one image by the compiled kernels: pointwise as one GEMM, depthwise
         (one channel per group) as a direct loop, one group as a window copy and a GEMM; the bias and the

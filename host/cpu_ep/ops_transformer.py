@@ -11,7 +11,7 @@ import numpy as np
 from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_elementwise import gelu
-from host.cpu_ep.ops_math import bound_gemm, matmul, native_matmul
+from host.cpu_ep.ops_math import bound_gemm, chain_gemm_runner, matmul, native_matmul
 from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
@@ -569,6 +569,14 @@ class FusedMatMul(OpKernel):
         computed by the compiled GEMM; None where it does not serve."""
         a, b, *rest = args
         return native_matmul(a, b, rest[0] if rest else None, prog, res, alpha, beta)
+
+    def native_runner(self, lib, args, prog, alpha, beta):
+        """For a chain over bound weights and bias: a function of (a, res) for float32 contiguous a, or False."""
+        a, b, *rest = args
+        bias = rest[0] if rest else None
+        if b is not self._bound_b or bias is not self._bound_bias:
+            return False
+        return chain_gemm_runner(lib, a, b, bias, prog, alpha, beta)
 
     def _run(self, a, b, bias=None):
         lib = native.LIB

@@ -383,6 +383,30 @@ def test_conv_and_its_epilogue_chain_match_onnxruntime(case):
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
 
 
+@pytest.mark.parametrize("case", ["bound", "weights-fed", "residual-broadcasts", "matmul-residual"])
+def test_chains_with_operands_their_closures_do_not_take(spy, case):
+    """A chain's per-shape closure serves bound weights and a same-shape residual; anything else takes the
+    general compiled call or the kernels one by one, with the same result."""
+    rng = np.random.default_rng(14)
+    if case == "matmul-residual":
+        x, w, r = (rng.standard_normal(s).astype(F32) for s in ((6, 16), (16, 16), (6, 16)))
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "r"], ["y"])]
+        feeds, consts = {"x": x, "r": r}, {"w": w}
+    else:
+        x, w = rng.standard_normal((1, 8, 5, 5)).astype(F32), rng.standard_normal((12, 8, 1, 1)).astype(F32)
+        r = rng.standard_normal((1, 12, 1, 1) if case == "residual-broadcasts" else (1, 12, 5, 5)).astype(F32)
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("HardSwish", ["c"], ["h"]),
+                 helper.make_node("Add", ["h", "r"], ["y"])]
+        feeds, consts = {"x": x, "r": r}, {"w": w}
+        if case == "weights-fed":
+            feeds, consts = feeds | consts, {}
+    model = _model(nodes, feeds, ["y"], consts)
+    sess = _ephost(model)
+    for _ in range(2):  # the second run goes through the kept closure where there is one
+        np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    assert spy.calls["ep_gemm"] == 2  # the producer is compiled in every case (a broadcast Add then runs apart)
+
+
 @pytest.mark.parametrize("stride,pad,dilation", [(1, 1, 1), (2, 2, 1), (1, 2, 2), (2, 0, 1)])
 def test_depthwise_over_wide_rows(spy, stride, pad, dilation):
     """Outputs of 16 columns or more take the row loop (narrower ones go channels last: the hypothesis test)."""
