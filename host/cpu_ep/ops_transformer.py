@@ -380,11 +380,45 @@ class RotaryEmbedding(OpKernel):
         self._bound_cos = self._bound_sin = None
         self._full: tuple | None = None  # (cos, sin, C, S) for the bound caches
         self._strides: dict[tuple, object] = {}  # x's strides -> the compiled kernel's int64_t[3] of them
+        self._runs: dict[tuple, tuple | bool] = {}
 
     def bind_constants(self, constants):
         self._bound_cos, self._bound_sin, self._full = constants.get(1), constants.get(2), None
+        self._runs = {}
+
+    def _native_runner(self, lib, x, cos, sin):
+        """For bound caches: a function of a float32 x with x's shape and strides (a Transpose's view too)
+        rotating it in one compiled call (None for a view it cannot read), or False where the whole-head
+        path does not apply."""
+        if not (x.ndim == 4 and not self.interleaved and x.strides[3] == 4 and cos.dtype == F32 and sin.dtype == F32
+                and cos.ndim == 3 and cos.shape == sin.shape and cos.shape[1] == x.shape[2]
+                and 2 * cos.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])
+                and cos.flags.c_contiguous and sin.flags.c_contiguous and cos.shape[0] in (1, x.shape[0])):
+            return False
+        b, h, s, d = x.shape
+        shape, strides = x.shape, native.ffi.new("int64_t[3]", [st // 4 for st in x.strides[:3]])
+        cp, sp, batch = native.ptr(cos), native.ptr(sin), 0 if cos.shape[0] == 1 else s * (d // 2)
+        first, ptr, empty, rotate = native.first_element, native.ptr, np.empty, lib.ep_rotary_halves
+
+        def run(x):
+            xp = first(x)
+            if xp is None:
+                return None
+            y = empty(shape, dtype=F32)
+            rotate(xp, strides, cp, sp, ptr(y), b, h, s, d, batch)
+            return y
+
+        return run
 
     def _run(self, x, cos_cache, sin_cache, position_ids=None):
+        lib = native.LIB
+        if (lib is not None and position_ids is None and cos_cache is self._bound_cos and sin_cache is self._bound_sin
+                and x.dtype == F32):
+            run = native.cached(self._runs, (x.shape, x.strides), lib,
+                                lambda: self._native_runner(lib, x, cos_cache, sin_cache))
+            y = run and run(x)
+            if y is not None and y is not False:
+                return (y,)
         if (x.ndim == 4 and position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
                 and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
                 and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
