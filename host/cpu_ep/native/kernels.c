@@ -383,22 +383,25 @@ HOT void ep_rmsnorm(const float *x, const float *scale, float *y, int rows, int 
 HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
                      int B, int H, int S, int T, int D, int DV, const int64_t *qs, const int64_t *ks,
                      const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal) {
-    size_t n = (size_t)S * D + (size_t)D * T + (size_t)T * DV + (size_t)S * T + (size_t)S * DV;
-    float *qh = malloc(sizeof(float) * n);
+    /* Keys and value features padded with zeros to whole tiles (TP, DP columns): both GEMMs then run full
+     * tiles only; the padding scores are 0 and meet zero value rows, so they add nothing. */
+    int TP = (T + NR - 1) / NR * NR, DP = (DV + NR - 1) / NR * NR;
+    size_t n = (size_t)S * D + (size_t)D * TP + (size_t)TP * DP + (size_t)S * TP + (size_t)S * DP;
+    float *qh = calloc(n, sizeof(float));
     if (!qh) return 1;
-    float *kt = qh + (size_t)S * D, *vh = kt + (size_t)D * T, *sc = vh + (size_t)T * DV, *yh = sc + (size_t)S * T;
+    float *kt = qh + (size_t)S * D, *vh = kt + (size_t)D * TP, *sc = vh + (size_t)TP * DP, *yh = sc + (size_t)S * TP;
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++) {
             for (int s = 0; s < S; s++)
                 memcpy(qh + (size_t)s * D, q + b * qs[0] + h * qs[1] + s * qs[2], sizeof(float) * (size_t)D);
             for (int t = 0; t < T; t++) {
                 const float *kr = k + b * ks[0] + h * ks[1] + t * ks[2];
-                for (int d = 0; d < D; d++) kt[(size_t)d * T + t] = kr[d];
-                memcpy(vh + (size_t)t * DV, v + b * vs[0] + h * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
+                for (int d = 0; d < D; d++) kt[(size_t)d * TP + t] = kr[d];
+                memcpy(vh + (size_t)t * DP, v + b * vs[0] + h * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
             }
-            gemm_core(qh, kt, NULL, 0, sc, S, D, T);
+            gemm_core(qh, kt, NULL, 0, sc, S, D, TP);
             for (int s = 0; s < S; s++) {
-                float *p = sc + (size_t)s * T;
+                float *p = sc + (size_t)s * TP;
                 int64_t mo = b * ms[0] + h * ms[1] + s * ms[2];
                 /* Scale, mask and causal part as whole-row loops (each vectorizes), the maximum in lanes. */
                 for (int t = 0; t < T; t++) p[t] *= scale;
@@ -430,9 +433,9 @@ HOT int ep_attention(const float *q, const float *k, const float *v, const void 
                 float total = lane_sum(p, T);
                 for (int t = 0; t < T; t++) p[t] /= total;
             }
-            gemm_core(sc, vh, NULL, 0, yh, S, T, DV);
+            gemm_core(sc, vh, NULL, 0, yh, S, TP, DP);
             for (int s = 0; s < S; s++)
-                memcpy(y + b * ys[0] + h * ys[1] + s * ys[2], yh + (size_t)s * DV, sizeof(float) * (size_t)DV);
+                memcpy(y + b * ys[0] + h * ys[1] + s * ys[2], yh + (size_t)s * DP, sizeof(float) * (size_t)DV);
         }
     free(qh);
     return 0;
