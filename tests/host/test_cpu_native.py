@@ -117,6 +117,8 @@ def test_epilogue_steps_over_their_whole_range(spy, step):
     # exp and erf are float32 polynomials: a few ulp of float32 (tanh-GELU's own formula rounds u in float32);
     # erf-GELU for x below -4 is 0.5 x (1 + erf) with erf within an ulp of -1: an absolute error of x * 6e-8.
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6 if code == native.GELU else 2e-7)
+    if code == native.GELU:  # 1 + erf(x) never goes negative: GELU keeps the sign of x
+        assert (got[_X < 0] <= 0).all() and (got[_X > 0] > 0).all()
     # NaN stays NaN, infinities go where the float64 formulas (NumPy's ufuncs) take them.
     np.testing.assert_array_equal(_act(code, _SPECIAL), special.astype(F32))
 
@@ -278,7 +280,7 @@ def _masks(rng, b, h, s, t):
 
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("mask_kind", ["none", "float", "bool", "dead-row"])
-@pytest.mark.parametrize("layout", ["3d", "3d-split", "4d-transposed"])
+@pytest.mark.parametrize("layout", ["3d", "3d-split", "4d-transposed", "4d-mixed"])
 def test_attention(spy, causal, mask_kind, layout):
     rng = np.random.default_rng(9)
     b, h, s, d = 2, 3, 7, 8
@@ -291,13 +293,19 @@ def test_attention(spy, causal, mask_kind, layout):
         qkv = {"qkv": np.concatenate([qkv["q"], qkv["k"], qkv["v"]], axis=2)}
         nodes = [helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=2, num_outputs=3),
                  helper.make_node("Attention", names, ["y"], q_num_heads=h, kv_num_heads=h, is_causal=causal)]
+    elif layout == "4d-mixed":  # a contiguous query, keys and values through a Transpose: strides differ
+        qkv["q"] = qkv["q"].reshape(b, s, h, d).transpose(0, 2, 1, 3).copy()
+        nodes = [n for x in "kv" for n in (helper.make_node("Reshape", [x, "shape"], [x + "r"]),
+                                           helper.make_node("Transpose", [x + "r"], [x + "t"], perm=[0, 2, 1, 3]))]
+        names = ["q", "kt", "vt"] + names[3:]
+        nodes.append(helper.make_node("Attention", names, ["y"], is_causal=causal, scale=0.3))
     else:  # Reshape + Transpose to (b, h, s, d): the kernel reads the Transpose's strided view
         nodes = [n for x in "qkv" for n in (helper.make_node("Reshape", [x, "shape"], [x + "r"]),
                                             helper.make_node("Transpose", [x + "r"], [x + "t"], perm=[0, 2, 1, 3]))]
         names = ["qt", "kt", "vt"] + names[3:]
         nodes.append(helper.make_node("Attention", names, ["y"], is_causal=causal, scale=0.3))
     feeds = qkv | ({} if mask is None else {"mask": mask})
-    consts = {"shape": np.array([b, s, h, d], np.int64)} if layout == "4d-transposed" else {}
+    consts = {"shape": np.array([b, s, h, d], np.int64)} if layout.startswith("4d") else {}
     model = _model(nodes, feeds, ["y"], consts, opset=23)
     (got,) = _both(model, feeds, spy, "ep_attention")
     want = ReferenceEvaluator(model).run(None, feeds)[0]
@@ -419,6 +427,26 @@ def test_depthwise_over_wide_rows(spy, stride, pad, dilation):
     (got,) = _both(model, {"x": x}, spy, "ep_depthwise2d")
     assert got.shape[3] >= 16
     np.testing.assert_allclose(got, _ort(model, {"x": x})[0], **TOL)
+
+
+@pytest.mark.parametrize("stride,size", [(1, 21), (2, 40), (1, 5)])
+def test_depthwise_writes_only_its_output(stride, size):
+    """Called directly on an output buffer with a tail of sentinels: partial 16-column blocks (and the
+    channels-last path) must store exactly the output's elements."""
+    rng = np.random.default_rng(15)
+    c, k, pad = 3, 3, 1
+    out = (size + 2 * pad - k) // stride + 1
+    x, w = rng.standard_normal((c, size, size)).astype(F32), rng.standard_normal((c, 1, k, k)).astype(F32)
+    n = c * out * out
+    y = np.full(n + 32, 7.0, F32)
+    geom = native.ffi.new("ConvGeom *", dict(C=c, H=size, W=size, M=c, KH=k, KW=k, SH=stride, SW=stride, PH=pad,
+                                             PW=pad, DH=1, DW=1, OH=out, OW=out))
+    assert LIB.ep_depthwise2d(native.ptr(x), native.ptr(w), native.NULL, native.ptr(y), geom, 0, native.NULL, 0.0,
+                              0.0) == 0
+    np.testing.assert_array_equal(y[n:], 7.0)
+    model = _model([helper.make_node("Conv", ["x", "w"], ["y"], group=c, strides=[stride] * 2, pads=[pad] * 4)],
+                   {"x": x[None]}, ["y"], {"w": w})
+    np.testing.assert_allclose(y[:n].reshape(1, c, out, out), _ort(model, {"x": x[None]})[0], **TOL)
 
 
 @pytest.mark.parametrize("gate", ["HardSigmoid", "Sigmoid"])
