@@ -400,7 +400,6 @@ class RotaryEmbedding(OpKernel):
         self.num_heads = self.attr_int("num_heads", 0, lo=0)
         self._bound_cos = self._bound_sin = None
         self._full: tuple | None = None  # (cos, sin, C, S) for the bound caches
-        self._strides: dict[tuple, object] = {}  # x's strides -> the compiled kernel's int64_t[3] of them
         self._runs: dict[tuple, tuple | bool] = {}
 
     def bind_constants(self, constants):
@@ -408,9 +407,9 @@ class RotaryEmbedding(OpKernel):
         self._runs = {}
 
     def _native_runner(self, lib, x, cos, sin):
-        """For bound caches: a function of a float32 x with x's shape and strides (a Transpose's view too)
-        rotating it in one compiled call (None for a view it cannot read), or False where the whole-head
-        path does not apply."""
+        """A function of (x, cos, sin) for float32 x with x's shape and strides (a Transpose's view too) and
+        float32 contiguous caches of cos's shape, rotating x in one compiled call (None for a view it cannot
+        read), or False where the whole-head path does not apply."""
         if not (x.ndim == 4 and not self.interleaved and x.strides[3] == 4 and cos.dtype == F32 and sin.dtype == F32
                 and cos.ndim == 3 and cos.shape == sin.shape and cos.shape[1] == x.shape[2]
                 and 2 * cos.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])
@@ -418,48 +417,34 @@ class RotaryEmbedding(OpKernel):
             return False
         b, h, s, d = x.shape
         shape, strides = x.shape, native.ffi.new("int64_t[3]", [st // 4 for st in x.strides[:3]])
-        cp, sp, batch = native.ptr(cos), native.ptr(sin), 0 if cos.shape[0] == 1 else s * (d // 2)
+        batch = 0 if cos.shape[0] == 1 else s * (d // 2)
         first, ptr, empty, rotate = native.first_element, native.ptr, np.empty, lib.ep_rotary_halves
 
-        def run(x):
+        def run(x, cos, sin):
             xp = first(x)
             if xp is None:
                 return None
             y = empty(shape, dtype=F32)
-            rotate(xp, strides, cp, sp, ptr(y), b, h, s, d, batch)
+            rotate(xp, strides, ptr(cos), ptr(sin), ptr(y), b, h, s, d, batch)
             return y
 
         return run
 
     def _run(self, x, cos_cache, sin_cache, position_ids=None):
         lib = native.LIB
-        if (lib is not None and position_ids is None and cos_cache is self._bound_cos and sin_cache is self._bound_sin
-                and x.dtype == F32):
-            run = native.cached(self._runs, (x.shape, x.strides), lib,
+        if (lib is not None and position_ids is None and x.dtype == F32 and cos_cache.dtype == F32
+                and sin_cache.dtype == F32 and cos_cache.flags.c_contiguous and sin_cache.flags.c_contiguous
+                and cos_cache.shape == sin_cache.shape):
+            # Per (x's shape and strides, the caches' shape): the checks once, then one compiled call.
+            run = native.cached(self._runs, (x.shape, x.strides, cos_cache.shape), lib,
                                 lambda: self._native_runner(lib, x, cos_cache, sin_cache))
-            y = run and run(x)
+            y = run and run(x, cos_cache, sin_cache)
             if y is not None and y is not False:
                 return (y,)
         if (x.ndim == 4 and position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
                 and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
                 and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
                 and 2 * cos_cache.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])):
-            lib = native.LIB
-            xp = None
-            if (lib is not None and x.dtype == F32 and x.strides[3] == 4 and cos_cache.flags.c_contiguous
-                    and sin_cache.flags.c_contiguous and cos_cache.shape[0] in (1, x.shape[0])):
-                xp = native.first_element(x)  # also a Transpose's (batch, heads, seq, size) view
-            if xp is not None:
-                y = np.empty(x.shape, dtype=F32)
-                b, h, s, d = x.shape
-                strides = self._strides.get(x.strides)
-                if strides is None:
-                    strides = native.ffi.new("int64_t[3]", [st // 4 for st in x.strides[:3]])
-                    if len(self._strides) < 8:
-                        self._strides[x.strides] = strides
-                lib.ep_rotary_halves(xp, strides, native.ptr(cos_cache), native.ptr(sin_cache), native.ptr(y),
-                                     b, h, s, d, 0 if cos_cache.shape[0] == 1 else s * (d // 2))
-                return (y,)
             return (self._rotate_whole(x, cos_cache, sin_cache),)
         if x.ndim == 4:
             xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)

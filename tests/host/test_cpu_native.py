@@ -312,8 +312,9 @@ def test_attention(spy, causal, mask_kind, layout):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.parametrize("caches_fed", [False, True])
 @pytest.mark.parametrize("shared_caches", [True, False])
-def test_rotary_on_a_transposed_view(spy, shared_caches):
+def test_rotary_on_a_transposed_view(spy, shared_caches, caches_fed):
     rng = np.random.default_rng(10)
     b, s, h, d = 2, 5, 3, 8
     x = rng.standard_normal((b, s, h, d)).astype(F32)
@@ -321,8 +322,10 @@ def test_rotary_on_a_transposed_view(spy, shared_caches):
     cos, sin = np.cos(angles).astype(F32), np.sin(angles).astype(F32)
     nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1, 3]),
              helper.make_node("RotaryEmbedding", ["xt", "cos", "sin"], ["y"])]
-    model = _model(nodes, {"x": x}, ["y"], {"cos": cos, "sin": sin}, opset=23)
-    (got,) = _both(model, {"x": x}, spy, "ep_rotary_halves")
+    caches = {"cos": cos, "sin": sin}
+    feeds = {"x": x} | (caches if caches_fed else {})
+    model = _model(nodes, feeds, ["y"], {} if caches_fed else caches, opset=23)
+    (got,) = _both(model, feeds, spy, "ep_rotary_halves")
     if shared_caches:
         cos, sin = np.repeat(cos, b, 0), np.repeat(sin, b, 0)  # the reference wants the batch spelled out
     want = ReferenceEvaluator(nodes[1]).run(None, {"xt": np.ascontiguousarray(x.transpose(0, 2, 1, 3)),
