@@ -489,6 +489,10 @@ def test_a_missing_or_stale_library_is_not_opened(tmp_path, monkeypatch):
     assert native.load() is None
     assert "was built from another kernels.c" in native.LOAD_ERROR
     monkeypatch.undo()
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "kernels.c")  # an install without the C source
+    assert native.load() is None
+    assert native.LOAD_ERROR.startswith(f"{tmp_path / 'kernels.c'} cannot be read")
+    monkeypatch.undo()
     assert native.load() is not None and native.LOAD_ERROR is None
 
 

@@ -126,8 +126,13 @@ def load(path: str | os.PathLike | None = None):
     except (OSError, AttributeError) as exc:
         LOAD_ERROR = f"{path} could not be opened: {exc}"
         return None
-    if built_from != source_hash():
-        LOAD_ERROR = f"{path} was built from another kernels.c ({built_from}; now {source_hash()}): rebuild it"
+    try:
+        want = source_hash()
+    except OSError as exc:  # an install without the C source: nothing to check a build against
+        LOAD_ERROR = f"{SOURCE} cannot be read ({exc}); the compiled kernels stay off"
+        return None
+    if built_from != want:
+        LOAD_ERROR = f"{path} was built from another kernels.c ({built_from}; now {want}): rebuild it"
         return None
     LOAD_ERROR = None
     return lib
