@@ -2,6 +2,7 @@
 
     python build.py                       # all plugins, every ABI version of the example plugin
     python build.py --plugin example --abi-version 3 --out-dir /tmp/x
+    python build.py --plugin cpu_kernels               # only the CPU EP's compiled kernels
 
 Python plugins are cffi embedding-mode libraries: the .so carries a small C shim whose
 exported CreateEpFactories/ReleaseEpFactory run the plugin's Python code in the interpreter
@@ -78,6 +79,32 @@ def build_hostile(out_dir: Path = DEFAULT_OUT) -> list[Path]:
                                    ("-DHOSTILE_DATA_ENTRY",))]
 
 
+CPU_KERNELS_SOURCE = ROOT / "host" / "cpu_ep" / "native" / "kernels.c"
+
+
+def build_cpu_kernels(out_dir: Path = DEFAULT_OUT) -> Path:
+    """The CPU EP's compiled kernels (host/cpu_ep/native), tagged with the hash of the source they
+    were built from: the host opens the library only when that hash matches its kernels.c."""
+    import os
+    import subprocess
+
+    from host.cpu_ep import native
+
+    builder.check_toolchain("cpu_kernels", python_plugin=False)
+    target = out_dir / native.LIB_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
+    cmd = [*builder.compiler(), "-O3", "-fPIC", "-shared", "-Wall", "-Werror",
+           f'-DEPHOST_CPU_SOURCE_HASH="{native.source_hash()}"', str(CPU_KERNELS_SOURCE), "-o", str(tmp), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise builder.BuildError(f"building the CPU kernels from {CPU_KERNELS_SOURCE} failed "
+                                 f"(exit {done.returncode}): {done.stderr.strip()}")
+    os.replace(tmp, target)
+    return target
+
+
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:
     built = []
     for name, spec in PYTHON_PLUGINS.items():
@@ -90,12 +117,14 @@ def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: i
             built.append(build_c_plugin(name, out_dir, version))
     if plugin in (None, "hostile"):
         built += build_hostile(out_dir)
+    if plugin in (None, "cpu_kernels"):
+        built.append(build_cpu_kernels(out_dir))
     return built
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plugin", choices=sorted([*PYTHON_PLUGINS, *C_PLUGINS, "hostile"]), help="build only this plugin")
+    p.add_argument("--plugin", choices=sorted([*PYTHON_PLUGINS, *C_PLUGINS, "hostile", "cpu_kernels"]), help="build only this plugin")
     p.add_argument("--abi-version", type=int, choices=list(abi.SUPPORTED_VERSIONS),
                    help="target ABI version of a plugin (default: every version a Python plugin supports, the "
                         "current one for a C plugin)")

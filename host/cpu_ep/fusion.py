@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import constant_column
 from host.cpu_ep.ops_elementwise import sigmoid_inplace
 from host.errors import EphostError
@@ -106,6 +107,32 @@ def _add(kernel, y, other):
 
 _EPILOGUES = {("", "Relu"): _relu, ("", "HardSigmoid"): _hard_sigmoid, ("", "HardSwish"): _hard_swish,
               ("", "Sigmoid"): _sigmoid, ("", "Add"): _add}
+# The same steps in the compiled kernels' epilogues (host/cpu_ep/native).
+_NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: native.HARD_SWISH,
+           _sigmoid: native.SIGMOID, _add: native.ADD}
+
+
+def _native_steps(producer, epilogues, others):
+    """(program, residual value id or -1, alpha, beta) running `producer`'s own epilogue steps and then
+    the chain's epilogues in the compiled kernels, or None: a producer without `fused_native`, more than one
+    residual Add or HardSigmoid, or more steps than a program holds."""
+    if not hasattr(producer, "fused_native"):
+        return None
+    steps, res, alpha, beta = [], -1, 0.0, 0.0
+    for (kernel, fn), other in zip(epilogues, others):
+        code = _NATIVE[fn]
+        if code == native.ADD:
+            if res >= 0:
+                return None
+            res = other
+        elif code == native.HARD_SIGMOID:
+            if code in steps:
+                return None
+            alpha, beta = kernel.alpha, kernel.beta
+        steps.append(code)
+    if len(producer.native_steps) + len(steps) > native.MAX_STEPS:
+        return None
+    return native.program(producer.native_steps + tuple(steps)), res, alpha, beta
 
 
 class _EpilogueChain:
@@ -117,11 +144,49 @@ class _EpilogueChain:
         self.epilogues = epilogues  # (kernel, function)
         self.others = others        # per epilogue: the value id of Add's other operand, or -1
         self.name, self.op_type = producer.name, producer.op_type
+        self.native = _native_steps(producer, epilogues, others)
+        # Per input shape: (lib, closure of (x, res) or False, the bound operands it was made for).
+        self._runs: dict[tuple, tuple] = {}
 
     def failure(self, exc):
         return self.producer.failure(exc)
 
+    def _native_run(self, lib, args):
+        """The producer's closure for bound operands (native_runner), kept per input shape; None where it
+        does not serve (fed operands, no closure for this producer or shape)."""
+        x = args[0]
+        entry = self._runs.get(x.shape)
+        if entry is None or entry[0] is not lib:
+            if len(self._runs) >= 16:
+                self._runs.clear()
+            maker = getattr(self.producer, "native_runner", None)
+            prog, _, alpha, beta = self.native
+            entry = self._runs[x.shape] = (lib, maker and maker(lib, args, prog, alpha, beta), args[1:])
+        run, bound = entry[1], entry[2]
+        if run and len(args) == len(bound) + 1 and args[1] is bound[0] and (len(bound) < 2 or args[2] is bound[1]):
+            return run
+        return None
+
     def _run(self, values, args):
+        lib = native.LIB
+        if self.native is not None and lib is not None:
+            x = args[0]
+            if x.dtype == native.F32 and x.flags.c_contiguous:
+                run = self._native_run(lib, args)
+                if run is not None:
+                    res = self.native[1]
+                    y = run(x, values[res] if res >= 0 else None)
+                    if y is not None:
+                        return (y,)
+            prog, res, alpha, beta = self.native
+            try:
+                y = self.producer.fused_native(args, prog, values[res] if res >= 0 else None, alpha, beta)
+            except EphostError:
+                raise
+            except Exception as exc:
+                raise self.producer.failure(exc) from exc
+            if y is not None:
+                return (y,)
         y = _call(self.producer, *args)[0]
         for (kernel, fn), other in zip(self.epilogues, self.others):
             y = fn(kernel, y, values[other] if other >= 0 else None)
@@ -212,17 +277,48 @@ class _SqueezeExcite:
         self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2
         self.gate = nodes[4].kernel
         self.gate_fn = _EPILOGUES[_op(nodes[4])]
+        gate = _NATIVE[self.gate_fn]
+        alpha, beta = (self.gate.alpha, self.gate.beta) if gate == native.HARD_SIGMOID else (0.0, 0.0)
+        self.native = (gate, alpha, beta) if w1.dtype == native.F32 else None
+        self.x_id = nodes[0].inputs[0]
+        self._runs: dict[tuple, tuple | bool] = {}
         self.name, self.op_type = nodes[0].name, nodes[0].op_type
 
     def failure(self, exc):
         return self.nodes[0].kernel.failure(exc)
 
     def _run(self, values, args):
-        x = values[self.nodes[0].inputs[0]]
+        x = values[self.x_id]
+        lib = native.LIB
+        if lib is not None and self.native is not None and x.dtype == native.F32 and x.flags.c_contiguous:
+            run = native.cached(self._runs, x.shape, lib, lambda: self._native_runner(lib, x, values))
+            if run:
+                return (run(x),)
         if (x.dtype == self.w1.dtype and x.ndim >= 3 and x.flags.c_contiguous and x.size
                 and x.shape[1] == self.w1.shape[1] and self._pool_ok(x, values)):
             return (self._fast(x),)
         return self._one_by_one(values)
+
+    def _native_runner(self, lib, x, values):
+        """For float32 input of x's shape: a function of x doing the whole block in one compiled call, or
+        False (the NumPy paths then decide)."""
+        if x.ndim < 3 or not x.size or x.shape[1] != self.w1.shape[1] or not self._pool_ok(x, values):
+            return False
+        n, c, hw, r = x.shape[0], x.shape[1], math.prod(x.shape[2:]), self.w1.shape[0]
+        ptr, null, empty, se = native.ptr, native.NULL, np.empty, lib.ep_squeeze_excite
+        w1, w2 = ptr(self.w1), ptr(self.w2)
+        b1 = null if self.b1 is None else ptr(self.b1)
+        b2 = null if self.b2 is None else ptr(self.b2)
+        gate, alpha, beta = self.native
+        shape = x.shape
+
+        def run(x):
+            y = empty(shape, dtype=native.F32)
+            if se(ptr(x), ptr(y), n, c, hw, w1, b1, w2, b2, r, gate, alpha, beta):
+                return self._fast(x)  # no scratch memory: the NumPy path
+            return y
+
+        return run
 
     def _pool_ok(self, x, values) -> bool:
         """Whether the pool averages exactly the spatial axes, keeping them (decided once per rank: the

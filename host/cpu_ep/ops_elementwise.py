@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.registry import register
 
@@ -54,6 +55,17 @@ class Unary(OpKernel):
 _WIDE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def native_act(x: np.ndarray, step: int, alpha: float = 0.0, beta: float = 0.0) -> np.ndarray | None:
+    """One compiled epilogue step over a float32 C-contiguous x into a new array, or None (library off,
+    another dtype or layout, empty)."""
+    lib = native.LIB
+    if lib is None or x.dtype != native.F32 or not x.flags.c_contiguous or not x.size:
+        return None
+    y = np.empty(x.shape, dtype=native.F32)
+    lib.ep_bias_act(native.ptr(x), native.NULL, native.ptr(y), 1, x.size, step, native.NULL, alpha, beta)
+    return y
+
+
 def sigmoid_inplace(y: np.ndarray) -> np.ndarray:
     """1 / (1 + exp(-y)) in place on a float32/float64 array: four SIMD ufuncs, twice as fast as scipy's
     expit on small tensors, within 2 ulp of it. exp(-y) overflowing to inf gives 0, the limit."""
@@ -64,6 +76,9 @@ def sigmoid_inplace(y: np.ndarray) -> np.ndarray:
 
 
 def _sigmoid(x):
+    y = native_act(x, native.SIGMOID)
+    if y is not None:
+        return y
     if x.dtype in _WIDE_FLOATS:
         return sigmoid_inplace(x.copy())
     if _scipy_expit is not None and x.dtype.kind == "f":
@@ -234,6 +249,9 @@ class HardSigmoid(OpKernel):
         self.beta = self.attr_float("beta", 0.5)
 
     def _run(self, x):
+        y = native_act(x, native.HARD_SIGMOID, self.alpha, self.beta)
+        if y is not None:
+            return (y,)
         y = x * self.alpha
         y += self.beta
         np.maximum(y, 0, out=y)
@@ -246,6 +264,9 @@ class HardSwish(OpKernel):
     """x * HardSigmoid(x) with alpha 1/6, beta 0.5."""
 
     def _run(self, x):
+        y = native_act(x, native.HARD_SWISH)
+        if y is not None:
+            return (y,)
         gate = x * x.dtype.type(1 / 6) if x.dtype.kind == "f" else x * (1 / 6)
         gate += 0.5
         np.maximum(gate, 0, out=gate)
@@ -261,7 +282,8 @@ class Gelu(OpKernel):
         self.tanh = self.attr_str("approximate", "none", choices=("none", "tanh")) == "tanh"
 
     def _run(self, x):
-        return (gelu(x, self.tanh),)
+        y = native_act(x, native.GELU_TANH if self.tanh else native.GELU)
+        return (gelu(x, self.tanh) if y is None else y,)
 
 
 def gelu(x: np.ndarray, tanh: bool) -> np.ndarray:

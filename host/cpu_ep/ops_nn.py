@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, scalar
 from host.cpu_ep.ops_reduce import trailing_sum
 from host.cpu_ep.registry import register
 
 _AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+F32 = native.F32
 
 
 @dataclass(frozen=True)
@@ -160,9 +162,131 @@ class Conv(_Spatial):
         # or None where neither applies.
         self._prepared: dict[tuple, tuple | None] = {}
         self._fast: dict[tuple, tuple] = {}
+        self._native_geoms: dict[tuple, tuple | None] = {}
+        self._native_runs: dict[tuple, tuple | bool] = {}
+
+    native_steps = ()
+
+    def fused_native(self, args, prog, res, alpha, beta):
+        """The output followed by an epilogue program (fusion.py's chains) from the compiled kernels, or None."""
+        return self._native(*args, prog=prog, res=res, alpha=alpha, beta=beta)
+
+    def native_runner(self, lib, args, prog, alpha, beta):
+        """For a chain (fusion.py) over bound weights and bias: a function of (x, res) for float32 contiguous
+        input of args[0]'s shape, or False."""
+        x, w, *rest = args
+        b = rest[0] if rest else None
+        if w is not self._bound_w or b is not self._bound_b:
+            return False
+        return self._native_runner(lib, x, w, b, prog, alpha, beta)
+
+    def _native(self, x, w, b=None, prog=0, res=None, alpha=0.0, beta=0.0):
+        """A float32 2-D convolution of one image by the compiled kernels: pointwise as one GEMM, depthwise
+        (one channel per group) as a direct loop, one group as a window copy and a GEMM; the bias and the
+        epilogue applied as each output is stored. None where they do not serve (the NumPy paths then
+        decide, errors included)."""
+        lib = native.LIB
+        if lib is None or x.dtype != F32 or not x.flags.c_contiguous:
+            return None
+        if w is self._bound_w and b is self._bound_b:
+            # Bound weights: per input shape and program, a closure doing just the call (checks done once).
+            run = native.cached(self._native_runs, (x.shape, prog, alpha, beta), lib,
+                                lambda: self._native_runner(lib, x, w, b, prog, alpha, beta))
+            if run:
+                return run(x, res)
+        if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
+            return None
+        if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
+            return None
+        key = (x.shape, w.shape)
+        entry = self._native_geoms.get(key, False)
+        if entry is False:
+            entry = self._native_geom(x, w)
+            if len(self._native_geoms) < 16:
+                self._native_geoms[key] = entry
+        if entry is None:
+            return None
+        kind, handle, out_shape = entry
+        if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
+            return None
+        y = np.empty(out_shape, dtype=F32)
+        ptr, null = native.ptr, native.NULL
+        bp, rp = null if b is None else ptr(b), null if res is None else ptr(res)
+        if kind == "pointwise":
+            m, c = w.shape[:2]
+            # handle: the bound weights transposed, for the GEMM's narrow-output scheme (few pixels)
+            lib.ep_gemm(ptr(w), handle if w is self._bound_w else null, ptr(x), bp, 0 if b is None else 2, ptr(y), m, c, x.shape[2] * x.shape[3], prog,
+                        rp, alpha, beta)
+        elif kind == "depthwise":
+            if lib.ep_depthwise2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
+                return None
+        elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
+            return None
+        return y
+
+    def _native_runner(self, lib, x, w, b, prog, alpha, beta):
+        """A function of (x, res) computing what _native computes for this input shape, program and the
+        bound weights and bias, or False where _native would not serve."""
+        if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
+            return False
+        if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
+            return False
+        entry = self._native_geom(x, w)
+        if entry is None:
+            return False
+        kind, handle, out_shape = entry
+        ptr, null, empty = native.ptr, native.NULL, np.empty
+        wp, bp = ptr(w), null if b is None else ptr(b)
+        if kind == "pointwise":
+            gemm, (m, c), pixels = lib.ep_gemm, w.shape[:2], x.shape[2] * x.shape[3]
+
+            def call(xp, yp, rp):
+                gemm(wp, handle, xp, bp, 0 if b is None else 2, yp, m, c, pixels, prog, rp, alpha, beta)
+                return 0
+        else:
+            fn = lib.ep_depthwise2d if kind == "depthwise" else lib.ep_conv2d
+
+            def call(xp, yp, rp):
+                return fn(xp, wp, bp, yp, handle, prog, rp, alpha, beta)
+
+        def run(x, res):
+            if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
+                return None
+            y = empty(out_shape, dtype=F32)
+            return None if call(ptr(x), ptr(y), null if res is None else ptr(res)) else y
+
+        return run
+
+    def _native_geom(self, x, w):
+        """(kind, handle, output shape) for the compiled kernels, or None. The handle is the ConvGeom of a
+        depthwise or one-group convolution; for a pointwise one, a pointer to the bound weights transposed
+        (C, M) when `w` is them (NULL else)."""
+        plan = self._plans.get((x.shape, w.shape))
+        if plan is None:
+            plan = self._plans[(x.shape, w.shape)] = self._plan(x, w)  # raises on shapes that do not fit
+        g = plan.g
+        c, m = x.shape[1], w.shape[0]
+        if 0 in g.out:
+            return None
+        if plan.kind == "pointwise":
+            wt = np.ascontiguousarray(w.reshape(m, c).T) if w is self._bound_w else None
+            return "pointwise", (native.NULL if wt is None else native.ptr(wt)), (1, m, *g.out)
+        elif self.group == c == m and w.shape[1] == 1:
+            kind = "depthwise"
+        elif self.group == 1:
+            kind = "im2col"
+        else:
+            return None
+        geom = native.ffi.new("ConvGeom *", dict(
+            C=c, H=x.shape[2], W=x.shape[3], M=m, KH=w.shape[2], KW=w.shape[3], SH=plan.strides[0],
+            SW=plan.strides[1], PH=g.begin[0], PW=g.begin[1], DH=plan.dilations[0], DW=plan.dilations[1],
+            OH=g.out[0], OW=g.out[1]))
+        return kind, geom, (1, m, *g.out)
 
     def bind_constants(self, constants):
         self._bound_w, self._bound_b = constants.get(1), constants.get(2)
+        self._native_geoms = {}  # may hold the bound weights transposed
+        self._native_runs = {}
         self._prepared = {}
         self._fast: dict[tuple, tuple] = {}  # input shape -> (dtype, closure) for the bound weights and bias
 
@@ -322,6 +446,10 @@ class Conv(_Spatial):
         return _ConvPlan(g, strides, dilations, kind)
 
     def _run(self, x, w, b=None):
+        if native.LIB is not None:
+            y = self._native(x, w, b)
+            if y is not None:
+                return (y,)
         if w is self._bound_w and b is self._bound_b:
             fast = self._fast.get(x.shape)
             if fast is not None and fast[0] == x.dtype:
@@ -564,6 +692,19 @@ class LayerNormalization(OpKernel):
     def _run(self, x, scale, bias=None):
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
+        lib = native.LIB
+        if (lib is not None and st is np.float32 and x.dtype == F32 and fast_rows(x, axis) and _vector(scale, x.shape[-1])
+                and (bias is None or _vector(bias, x.shape[-1]))):
+            # One pass per row in C (statistics in double).
+            n = x.shape[-1]
+            rows = x.size // n
+            y = np.empty(x.shape, dtype=F32)
+            stats = np.empty((2, *x.shape[:-1], 1), dtype=F32) if self.n_outputs > 1 else None
+            ptr, null = native.ptr, native.NULL
+            lib.ep_layernorm(ptr(x), null, ptr(scale), null if bias is None else ptr(bias), ptr(y), null,
+                             null if stats is None else ptr(stats[0]), null if stats is None else ptr(stats[1]),
+                             rows, n, self.epsilon)
+            return (y,) if stats is None else (y, stats[0], stats[1])
         if x.dtype == st and fast_rows(x, axis):
             y, mean, std = standardize_rows(x.reshape(-1, x.shape[-1]), self.epsilon)
             rows = y.shape[0]
@@ -580,6 +721,11 @@ class LayerNormalization(OpKernel):
         if bias is not None:
             y += bias
         return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+def _vector(v: np.ndarray, n: int) -> bool:
+    """v is a contiguous float32 vector of n elements (a scale or bias the compiled kernels take)."""
+    return v.dtype == F32 and v.shape == (n,) and v.flags.c_contiguous
 
 
 def fast_rows(x: np.ndarray, axis: int) -> bool:

@@ -47,8 +47,9 @@ def _through_identities(nodes, constants: dict) -> dict:
 
 
 def _steps(nodes, keep: set[int], constants: dict) -> tuple[list[tuple], tuple]:
-    """Per node (or joined chain, fusion.py), built once per plan: (node, argument getter, output ids,
-    values to free), and the prelude: (value id, initializer) for each Identity over an initializer,
+    """Per node (or joined chain, fusion.py), built once per plan: (node, the kernel's instance dict, its
+    `_run`, argument getter, the one output's id (-1: not kept; -2: several outputs), output ids, values
+    to free), and the prelude: (value id, initializer) for each Identity over an initializer,
     which a run stores up front instead of running the node (unless it is a graph output or profiled).
     Each kernel is told first which of its inputs are initializers (`OpKernel.bind_constants`)."""
     constants = _through_identities(nodes, constants)
@@ -66,7 +67,10 @@ def _steps(nodes, keep: set[int], constants: dict) -> tuple[list[tuple], tuple]:
     steps = []
     for node in fuse(rest, keep, constants):
         gather = _fused_gather(node) if isinstance(node, FusedNode) else _gather(node.inputs)
-        steps.append((node, gather, tuple(node.outputs), tuple(v for v in node.frees if v not in keep)))
+        outputs = tuple(node.outputs)
+        single = outputs[0] if len(outputs) == 1 else -2
+        steps.append((node, node.kernel.__dict__, node.kernel._run, gather, single, outputs,
+                      tuple(v for v in node.frees if v not in keep)))
     return steps, tuple(prelude)
 
 
@@ -84,11 +88,10 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
         values[vid] = arr
     ndarray = np.ndarray
     with np.errstate(all="ignore"):
-        for node, gather, outputs, frees in cached[2]:
-            kernel = node.kernel
+        for node, kdict, run, gather, single, outputs, frees in cached[2]:
             # A profiler (host/runtime/profiling.py) times a kernel by wrapping its `run` on the
             # instance: call that wrapper when it is there.
-            fn = kernel.__dict__.get("run") or kernel._run
+            fn = kdict.get("run") or run
             try:
                 outs = fn(*gather(values))
             except EphostError:
@@ -97,9 +100,13 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
                 missing = [value_names[v] for v in node.inputs if v >= 0 and values[v] is None]
                 if missing:
                     raise EpError(f"value '{missing[0]}' was not produced") from exc
-                raise kernel.failure(exc) from exc
-            for vid, out in zip(outputs, outs):
-                if vid >= 0:
-                    values[vid] = out if type(out) is ndarray else np.asarray(out)
+                raise node.kernel.failure(exc) from exc
+            if single >= 0:  # one output (most nodes)
+                out = outs[0]
+                values[single] = out if type(out) is ndarray else np.asarray(out)
+            elif single == -2:
+                for vid, out in zip(outputs, outs):
+                    if vid >= 0:
+                        values[vid] = out if type(out) is ndarray else np.asarray(out)
             for v in frees:
                 values[v] = None

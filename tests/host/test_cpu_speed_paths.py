@@ -5,6 +5,9 @@ contiguous, normalized over the last axis...); every test here runs a whole sess
 chosen the way a real model chooses it, checks that the fast path was really taken (so a test cannot
 pass on the general path alone), and compares with independent references. Hypothesis draws the
 shapes where the geometry matters (convolutions).
+
+These are the NumPy paths: the compiled kernels (host/cpu_ep/native, tested in test_cpu_native.py) are
+switched off for this module, as when the library is not built.
 """
 
 from __future__ import annotations
@@ -18,11 +21,21 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from host.cpu_ep import native
 from host.optimizer import GraphOptimizationLevel
 from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _numpy_paths():
+    """Every test here runs the NumPy paths (the library off, as when it is not built)."""
+    lib = native.LIB
+    native.use(None)
+    yield
+    native.use(lib)
 
 
 def _model(nodes, inputs: dict, outputs, initializers: dict, opset=18, domains=()):
