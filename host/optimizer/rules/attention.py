@@ -129,6 +129,39 @@ class Attention3D(pattern.RewriteRuleClassBase):
         return y
 
 
+class GroupedKV(pattern.RewriteRuleClassBase):
+    """K and V heads repeated for grouped-query attention before a 4-D Attention -> K and V as they
+    were: Unsqueeze(axis 2) + Expand([B, G, R, S, D]) + Reshape([B, G*R, S, D]) (Llama's repeat_kv) is
+    what Attention-23 does itself when K and V have fewer heads than Q (query head h reads kv head
+    h // R), without the copies."""
+
+    def pattern(self, op, query, key, value, k_axes, v_axes, k_target, v_target, k_shape, v_shape):
+        k4 = op.Reshape(op.Expand(op.Unsqueeze(key, k_axes), k_target, _outputs=["k5"]), k_shape)
+        v4 = op.Reshape(op.Expand(op.Unsqueeze(value, v_axes), v_target, _outputs=["v5"]), v_shape)
+        return op.Attention(query, k4, v4, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["y"])
+
+    def check(self, context, query, key, value, k_axes, v_axes, k5, v5, y, **_):
+        result = pattern.MatchResult()
+        node = y.producer()
+        if len(node.inputs) > 4 or any(o.uses() for o in node.outputs[1:]):
+            return result.fail("Attention has past key / value inputs or uses its extra outputs", node)
+        dims: dict = {}
+        _fusion_utils.check_shape(dims, query, ["B", "Hq", "S", "Dh"])
+        for name, x, axes, x5 in (("k", key, k_axes, k5), ("v", value, v_axes, v5)):
+            _fusion_utils.check_shape(dims, x, ["B", "G", f"{name}_len", f"{name}_head"])
+            _fusion_utils.check_shape(dims, x5, ["B", "G", "R", f"{name}_len", f"{name}_head"])
+            if [int(a) for a in (_ir_utils.get_numpy_value(axes) if axes is not None else [])] not in ([2], [-3]):
+                return result.fail(f"{name}: the Unsqueeze does not add axis 2", axes)
+        if not all(isinstance(dims[d], int) for d in ("Hq", "G", "R")) or dims["G"] * dims["R"] != dims["Hq"]:
+            return result.fail("the repeated K/V heads do not give the query's heads", query)
+        return result
+
+    def rewrite(self, op, query, key, value, y, **_):
+        node = y.producer()
+        attrs = {k: v for k, v in node.attributes.items()}
+        return op.Attention(query, key, value, *node.inputs[3:4], **attrs)
+
+
 def _flattened(dims: dict, y2) -> list[int] | None:
     """[B*S, H*Dv] when the 2-D value y2 is the 3-D output with batch and sequence flattened, else None."""
     batch, seq, heads, head = dims["B"], dims["S"], dims["Hq"], dims["v_head"]
@@ -152,7 +185,7 @@ def attention_rules() -> list:
 
 
 def attention_3d_rules() -> list:
-    return [Attention3D.rule()]
+    return [GroupedKV.rule(), Attention3D.rule()]
 
 
 ATTENTION = Family("Attention", attention_rules, min_opset=23, triggers=frozenset({"Softmax"}),

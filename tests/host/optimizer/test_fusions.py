@@ -380,3 +380,34 @@ def test_reshape_gemm_reshape_becomes_an_nd_matmul(bias, expected, x):
     original, optimized, fused = flattened_gemm(bias)
     assert ops(optimized) == {expected: 1}
     assert_same(original, fused, {"x": x})
+
+
+# ---- grouped K/V heads -------------------------------------------------------------------------------
+def _repeat_kv_model(axis: int) -> tuple:
+    """Attention (opset 23) of Q with 4 heads over K and V of 2 heads repeated to 4 (Llama's repeat_kv
+    when `axis` is 2: query head h reads kv head h // 2; axis 1 tiles them instead: h % 2), with a
+    float mask."""
+    target = [1, 2, 2, 5, 8]
+    nodes = []
+    for name in ("k", "v"):
+        nodes += [helper.make_node("Unsqueeze", [name, "axes"], [f"{name}5"]),
+                  helper.make_node("Expand", [f"{name}5", "target"], [f"{name}x"]),
+                  helper.make_node("Reshape", [f"{name}x", "heads"], [f"{name}4"])]
+    nodes.append(helper.make_node("Attention", ["q", "k4", "v4", "m"], ["y"], scale=0.3))
+    inputs = [("q", [1, 4, 5, 8]), ("k", [1, 2, 5, 8]), ("v", [1, 2, 5, 8]), ("m", [1, 1, 5, 5])]
+    consts = {"axes": np.array([axis], np.int64), "target": np.array(target, np.int64),
+              "heads": np.array([1, 4, 5, 8], np.int64)}
+    return make_model(nodes, inputs, [("y", [1, 4, 5, 8])], consts, opset=23), inputs
+
+
+@pytest.mark.parametrize("axis, folded", [(2, True), (-3, True), (1, False)])
+def test_repeated_kv_heads_are_left_to_attention(axis, folded):
+    model, inputs = _repeat_kv_model(axis)
+    optimized = optimize(model, EXTENDED).model
+    assert ("Expand" not in ops(optimized)) == folded
+    if folded:
+        (node,) = [n for n in optimized.graph.node if n.op_type == "Attention"]
+        assert list(node.input[1:3]) == ["k", "v"]
+    rng = np.random.default_rng(axis + 5)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs}
+    assert_same(References(model), References(optimized), feeds)
