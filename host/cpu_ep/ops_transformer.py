@@ -164,16 +164,17 @@ class Attention(OpKernel):
         return y
 
     def _native_layout(self, q, k, v, mask):
-        """(B, H, S, T, D, DV), the element strides of q, k, v, y and the mask over (batch, head, seq, key
-        or feature), the output shape, the mask kind (0 none, 1 additive, 2 boolean) and the scale, for
-        these shapes; None where the compiled kernel does not serve them."""
+        """(B, H, S, T, D, DV, R), the element strides of q, k, v, y and the mask over (batch, head, seq,
+        key or feature), the output shape, the mask kind (0 none, 1 additive, 2 boolean) and the scale,
+        for these shapes; None where the compiled kernel does not serve them. R: query heads per key/value
+        head (grouped-query attention; query head h reads kv head h // R)."""
         if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:
-            h = self.q_heads
-            if h < 1 or self.kv_heads != h or q.shape[2] % h or k.shape[2] % h or v.shape[2] % h:
+            h, g = self.q_heads, self.kv_heads
+            if h < 1 or g < 1 or h % g or q.shape[2] % h or k.shape[2] % g or v.shape[2] % g:
                 return None
             b, s, t = q.shape[0], q.shape[1], k.shape[1]
-            d, dv = q.shape[2] // h, v.shape[2] // h
-            if k.shape[0] != b or v.shape[0] != b or v.shape[1] != t or k.shape[2] // h != d:
+            d, dv = q.shape[2] // h, v.shape[2] // g
+            if k.shape[0] != b or v.shape[0] != b or v.shape[1] != t or k.shape[2] // g != d:
                 return None
             if q.strides[2] != 4 or k.strides[2] != 4 or v.strides[2] != 4:
                 return None
@@ -182,8 +183,8 @@ class Attention(OpKernel):
             ys, out_shape = (s * h * dv, dv, h * dv), (b, s, h * dv)
         elif q.ndim == 4 and k.ndim == 4 and v.ndim == 4:
             b, h, s, d = q.shape
-            t, dv = k.shape[2], v.shape[3]
-            if k.shape != (b, h, t, d) or v.shape[:3] != (b, h, t):
+            g, t, dv = k.shape[1], k.shape[2], v.shape[3]
+            if g < 1 or h % g or k.shape != (b, g, t, d) or v.shape[:3] != (b, g, t):
                 return None
             if q.strides[3] != 4 or k.strides[3] != 4 or v.strides[3] != 4:
                 return None
@@ -207,7 +208,7 @@ class Attention(OpKernel):
         scale = float(np.float32(self.scale if self.scale is not None else 1 / math.sqrt(d)))
         new = native.ffi.new
         strides = tuple(new("int64_t[4]", [*st, 0][:4]) for st in (qs, ks, vs, ys)) + (new("int64_t[4]", ms),)
-        return (b, h, s, t, d, dv), strides, out_shape, mask_kind, scale
+        return (b, h, s, t, d, dv, h // g), strides, out_shape, mask_kind, scale
 
     def _run_plain(self, q, k, v, mask):
         """The common case in few NumPy calls: one output, no cache, no softcap, float32/float64, as

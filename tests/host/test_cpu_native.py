@@ -312,6 +312,30 @@ def test_attention(spy, causal, mask_kind, layout):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.parametrize("causal", [0, 1])
+@pytest.mark.parametrize("layout", ["3d", "4d"])
+def test_attention_grouped_heads(spy, causal, layout):
+    """Grouped-query attention (6 query heads over 2 key/value heads, as the optimizer leaves Llama's
+    repeated K/V): query head h reads kv head h // 3."""
+    rng = np.random.default_rng(12)
+    b, h, g, s, d = 2, 6, 2, 5, 8
+    mask = _masks(rng, b, h, s, s)["float"]
+    if layout == "3d":
+        feeds = {"q": rng.standard_normal((b, s, h * d)), "k": rng.standard_normal((b, s, g * d)),
+                 "v": rng.standard_normal((b, s, g * d))}
+        attrs = {"q_num_heads": h, "kv_num_heads": g}
+    else:
+        feeds = {"q": rng.standard_normal((b, h, s, d)), "k": rng.standard_normal((b, g, s, d)),
+                 "v": rng.standard_normal((b, g, s, d))}
+        attrs = {}
+    feeds = {k: v.astype(F32) for k, v in feeds.items()} | {"mask": mask}
+    nodes = [helper.make_node("Attention", ["q", "k", "v", "mask"], ["y"], is_causal=causal, scale=0.3, **attrs)]
+    model = _model(nodes, feeds, ["y"], {}, opset=23)
+    (got,) = _both(model, feeds, spy, "ep_attention")
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 @pytest.mark.parametrize("caches_fed", [False, True])
 @pytest.mark.parametrize("shared_caches", [True, False])
 def test_rotary_on_a_transposed_view(spy, shared_caches, caches_fed):

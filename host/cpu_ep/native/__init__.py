@@ -39,7 +39,7 @@ void ep_layernorm(const void *x, const void *skip, const void *scale, const void
                   void *mean_out, void *inv_std_out, int rows, int n, float eps);
 void ep_rmsnorm(const void *x, const void *scale, void *y, int rows, int n, float eps);
 int ep_attention(const void *q, const void *k, const void *v, const void *mask, int mask_kind, void *y,
-                 int B, int H, int S, int T, int D, int DV, const int64_t *qs, const int64_t *ks,
+                 int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
                  const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal);
 void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y, int B, int H,
                       int S, int D, int64_t cs_batch);

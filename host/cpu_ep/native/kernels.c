@@ -381,8 +381,9 @@ HOT void ep_rmsnorm(const float *x, const float *scale, float *y, int rows, int 
  * broadcasts). causal: key t > query s is masked. A row with no attendable key gives zeros.
  * Returns 1 (nothing written) when scratch cannot be allocated. */
 HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
-                     int B, int H, int S, int T, int D, int DV, const int64_t *qs, const int64_t *ks,
+                     int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
                      const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal) {
+    /* R: query heads per key/value head (grouped-query attention): query head h reads kv head h / R. */
     /* Keys and value features padded with zeros to whole tiles (TP, DP columns): both GEMMs then run full
      * tiles only; the padding scores are 0 and meet zero value rows, so they add nothing. */
     int TP = (T + NR - 1) / NR * NR, DP = (DV + NR - 1) / NR * NR;
@@ -395,9 +396,9 @@ HOT int ep_attention(const float *q, const float *k, const float *v, const void 
             for (int s = 0; s < S; s++)
                 memcpy(qh + (size_t)s * D, q + b * qs[0] + h * qs[1] + s * qs[2], sizeof(float) * (size_t)D);
             for (int t = 0; t < T; t++) {
-                const float *kr = k + b * ks[0] + h * ks[1] + t * ks[2];
+                const float *kr = k + b * ks[0] + (h / R) * ks[1] + t * ks[2];
                 for (int d = 0; d < D; d++) kt[(size_t)d * TP + t] = kr[d];
-                memcpy(vh + (size_t)t * DP, v + b * vs[0] + h * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
+                memcpy(vh + (size_t)t * DP, v + b * vs[0] + (h / R) * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
             }
             gemm_core(qh, kt, NULL, 0, sc, S, D, TP);
             for (int s = 0; s < S; s++) {
