@@ -5,8 +5,9 @@ calls on tiny arrays), so the run loop joins, when it builds a plan's steps, cha
 nothing else reads:
 
 - **epilogues**: a node that always returns a fresh array (Conv, Gemm, MatMul, ai.ephost.FusedMatMul)
-  followed by Relu / HardSwish / HardSigmoid / Sigmoid / Add(that output, another value): the
-  activations and the residual add run in place on the producer's output;
+  followed by Relu / HardSwish / HardSigmoid / Sigmoid / SiLU (Sigmoid(x) -> Mul(x, that)) /
+  Add or Mul(that output, another value of the same shape): the activations, the residual add and the
+  gating product (SwiGLU's `silu(gate) * up`) run in place on the producer's output;
 - **squeeze-and-excitation** (MobileNetV3, EfficientNet): GlobalAveragePool or ReduceMean over the
   spatial axes -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid or Sigmoid -> Mul with the pooled input,
   both convolutions' weights initializers: a few GEMVs on the pooled channels.
@@ -105,23 +106,39 @@ def _add(kernel, y, other):
     return _call(kernel, y, other)[0]
 
 
+def _mul(kernel, y, other):
+    if other.dtype == y.dtype and other.shape == y.shape:
+        y *= other
+        return y
+    return _call(kernel, y, other)[0]
+
+
+def _silu(kernels, y, _other=None):
+    """Sigmoid(y) then Mul(y, that): `kernels` is the pair of nodes' kernels."""
+    if y.dtype not in _FLOATS:
+        return _call(kernels[1], y, _call(kernels[0], y)[0])[0]
+    y *= sigmoid_inplace(y.copy())
+    return y
+
+
 _EPILOGUES = {("", "Relu"): _relu, ("", "HardSigmoid"): _hard_sigmoid, ("", "HardSwish"): _hard_swish,
-              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add}
+              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add, ("", "Mul"): _mul}
 # The same steps in the compiled kernels' epilogues (host/cpu_ep/native).
 _NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: native.HARD_SWISH,
-           _sigmoid: native.SIGMOID, _add: native.ADD}
+           _sigmoid: native.SIGMOID, _add: native.ADD, _mul: native.MUL, _silu: native.SILU}
+_BINARY = (_add, _mul)  # epilogues with a second operand, read from outside the chain
 
 
 def _native_steps(producer, epilogues, others):
     """(program, residual value id or -1, alpha, beta) running `producer`'s own epilogue steps and then
     the chain's epilogues in the compiled kernels, or None: a producer without `fused_native`, more than one
-    residual Add or HardSigmoid, or more steps than a program holds."""
+    Add or Mul by another value, more than one HardSigmoid, or more steps than a program holds."""
     if not hasattr(producer, "fused_native"):
         return None
     steps, res, alpha, beta = [], -1, 0.0, 0.0
     for (kernel, fn), other in zip(epilogues, others):
         code = _NATIVE[fn]
-        if code == native.ADD:
+        if fn in _BINARY:  # the compiled epilogue takes one such operand
             if res >= 0:
                 return None
             res = other
@@ -142,7 +159,7 @@ class _EpilogueChain:
         self.producer = producer
         self.arg_ids = arg_ids      # the producer's input value ids (the run loop gathers them)
         self.epilogues = epilogues  # (kernel, function)
-        self.others = others        # per epilogue: the value id of Add's other operand, or -1
+        self.others = others        # per epilogue: the value id of Add's or Mul's other operand, or -1
         self.name, self.op_type = producer.name, producer.op_type
         self.native = _native_steps(producer, epilogues, others)
         # Per input shape: (lib, closure of (x, res) or False, the bound operands it was made for).
@@ -218,12 +235,18 @@ def match_epilogues(nodes, i: int, consumers, keep):
         return None
     chain, others, j, y = [], [], i + 1, first.outputs[0]
     while j < len(nodes):
+        silu = _match_silu(nodes, j, y, consumers, keep)
+        if silu is not None:
+            chain.append(((nodes[j].kernel, nodes[j + 1].kernel), _silu))
+            others.append(-1)
+            y, j = silu, j + 2
+            continue
         node = nodes[j]
         fn = _EPILOGUES.get(_op(node))
         if fn is None or _wrapped(node) or not _private(y, consumers, keep) or len(node.outputs) != 1:
             break
         ins = node.inputs
-        if fn is _add:
+        if fn in _BINARY:
             if len(ins) != 2 or ins.count(y) != 1 or min(ins) < 0:
                 break
             others.append(ins[1] if ins[0] == y else ins[0])
@@ -240,6 +263,22 @@ def match_epilogues(nodes, i: int, consumers, keep):
     kernel = _EpilogueChain(first.kernel, first.inputs, chain, others)
     inputs = first.inputs + tuple(o for o in others if o >= 0)
     return _fused(kernel, used, inputs, (y,)), j - i
+
+
+def _match_silu(nodes, j: int, y: int, consumers, keep) -> int | None:
+    """The output of Sigmoid(y) -> Mul(y, that) at nodes[j:j+2] (SiLU, as exporters write it), when those
+    two nodes are y's only readers and the sigmoid's value is the Mul's alone; else None."""
+    if j + 1 >= len(nodes) or y < 0 or y in keep or consumers.get(y, 0) != 2:
+        return None
+    sig, mul = nodes[j], nodes[j + 1]
+    if _op(sig) != ("", "Sigmoid") or _op(mul) != ("", "Mul") or _wrapped(sig) or _wrapped(mul):
+        return None
+    if sig.inputs != (y,) or len(sig.outputs) != 1 or len(mul.outputs) != 1:
+        return None
+    s = sig.outputs[0]
+    if not _private(s, consumers, keep) or sorted(mul.inputs) != sorted((y, s)):
+        return None
+    return mul.outputs[0]
 
 
 def _fused(kernel, used, inputs, outputs) -> FusedNode:

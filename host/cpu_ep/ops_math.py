@@ -68,7 +68,7 @@ def bound_gemm(runs: dict, lib, a, b, bias, prog: int):
 
 def _gemm_runner(lib, a, b, bias, prog):
     if (b.ndim != 2 or a.ndim < 2 or b.dtype != F32 or not b.flags.c_contiguous or a.shape[-1] != b.shape[0]
-            or not a.size or not b.size):
+            or not a.size or not b.size or not native.gemm_fits(a.size // b.shape[0], *b.shape)):
         return False
     k, n = b.shape
     if bias is not None and (bias.dtype != F32 or bias.shape != (n,) or not bias.flags.c_contiguous):
@@ -109,10 +109,12 @@ def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, 
     """prog(a @ b + bias) for a float32 a (..., K) and b (K, N), bias (N,) or None, by the compiled GEMM
     (a plain loop beats OpenBLAS's call overhead at these sizes: 2.3 against 2.7 us for 16x64x64);
     `res` is the epilogue's residual operand, shaped as the output. None when the library is off or
-    the operands are not what it takes (other dtypes, layouts, broadcasting, empty)."""
+    the operands are not what it takes (other dtypes, layouts, broadcasting, empty, too large:
+    native.gemm_fits)."""
     lib = native.LIB
     if (lib is None or b.ndim != 2 or a.ndim < 2 or a.dtype != F32 or b.dtype != F32 or not a.flags.c_contiguous
-            or not b.flags.c_contiguous or a.shape[-1] != b.shape[0] or not a.size or not b.size):
+            or not b.flags.c_contiguous or a.shape[-1] != b.shape[0] or not a.size or not b.size
+            or not native.gemm_fits(a.size // b.shape[0], *b.shape)):
         return None
     k, n = b.shape
     if bias is not None and (bias.dtype != F32 or bias.shape != (n,) or not bias.flags.c_contiguous):

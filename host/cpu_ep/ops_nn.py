@@ -268,7 +268,11 @@ class Conv(_Spatial):
         c, m = x.shape[1], w.shape[0]
         if 0 in g.out:
             return None
-        if plan.kind == "pointwise":
+        pointwise = plan.kind == "pointwise"
+        if pointwise or self.group == 1:
+            if not native.conv_gemm_fits(m, c * w.shape[2] * w.shape[3], g.out[0] * g.out[1]):
+                return None  # a large GEMM: the NumPy path's BLAS takes it
+        if pointwise:
             wt = np.ascontiguousarray(w.reshape(m, c).T) if w is self._bound_w else None
             return "pointwise", (native.NULL if wt is None else native.ptr(wt)), (1, m, *g.out)
         elif self.group == c == m and w.shape[1] == 1:

@@ -407,17 +407,23 @@ class RotaryEmbedding(OpKernel):
         self._bound_cos, self._bound_sin, self._full = constants.get(1), constants.get(2), None
         self._runs = {}
 
-    def _native_runner(self, lib, x, cos, sin):
-        """A function of (x, cos, sin) for float32 x with x's shape and strides (a Transpose's view too) and
-        float32 contiguous caches of cos's shape, rotating x in one compiled call (None for a view it cannot
-        read), or False where the whole-head path does not apply."""
+    def _native_runner(self, lib, x, cos, sin, split: bool):
+        """A function of (x, cos, sin) for float32 x (B, H, S, D) with x's shape and strides (a Transpose's
+        view too) and float32 contiguous caches of cos's shape, rotating x in one compiled call (None for a
+        view it cannot read), or False where the whole-head path does not apply. `split`: x is the head
+        split of a contiguous 3-D input, and the output is written in that 3-D layout."""
         if not (x.ndim == 4 and not self.interleaved and x.strides[3] == 4 and cos.dtype == F32 and sin.dtype == F32
                 and cos.ndim == 3 and cos.shape == sin.shape and cos.shape[1] == x.shape[2]
                 and 2 * cos.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])
                 and cos.flags.c_contiguous and sin.flags.c_contiguous and cos.shape[0] in (1, x.shape[0])):
             return False
         b, h, s, d = x.shape
-        shape, strides = x.shape, native.ffi.new("int64_t[3]", [st // 4 for st in x.strides[:3]])
+        new = native.ffi.new
+        strides = new("int64_t[3]", [st // 4 for st in x.strides[:3]])
+        # The output: (B, S, H, D) memory for a split 3-D input (its 3-D reshape is then a view), else
+        # contiguous (B, H, S, D).
+        shape, out_strides = ((b, s, h, d), (s * h * d, d, h * d)) if split else (x.shape, (h * s * d, s * d, d))
+        y_strides = new("int64_t[3]", out_strides)
         batch = 0 if cos.shape[0] == 1 else s * (d // 2)
         first, ptr, empty, rotate = native.first_element, native.ptr, np.empty, lib.ep_rotary_halves
 
@@ -426,36 +432,43 @@ class RotaryEmbedding(OpKernel):
             if xp is None:
                 return None
             y = empty(shape, dtype=F32)
-            rotate(xp, strides, ptr(cos), ptr(sin), ptr(y), b, h, s, d, batch)
-            return y
+            rotate(xp, strides, ptr(cos), ptr(sin), ptr(y), y_strides, b, h, s, d, batch)
+            return y.transpose(0, 2, 1, 3) if split else y
 
         return run
 
     def _run(self, x, cos_cache, sin_cache, position_ids=None):
+        if x.ndim == 3:
+            # The 3-D form is the 4-D one on the head split (batch, heads, seq, size) of x.
+            if self.num_heads < 1 or x.shape[2] % self.num_heads:
+                raise ValueError(f"3-D input of shape {x.shape} needs num_heads dividing its last dimension; "
+                                 f"got {self.num_heads}")
+            b, s, hidden = x.shape
+            heads = x.reshape(b, s, self.num_heads, hidden // self.num_heads).transpose(0, 2, 1, 3)
+            y = self._rotate(heads, cos_cache, sin_cache, position_ids, split=x.flags.c_contiguous)
+            return (y.transpose(0, 2, 1, 3).reshape(x.shape),)
+        if x.ndim != 4:
+            raise ValueError(f"input must be 3-D or 4-D, got shape {x.shape}")
+        return (self._rotate(x, cos_cache, sin_cache, position_ids, split=False),)
+
+    def _rotate(self, x, cos_cache, sin_cache, position_ids, split: bool):
+        """x (batch, heads, seq, size) rotated."""
         lib = native.LIB
         if (lib is not None and position_ids is None and x.dtype == F32 and cos_cache.dtype == F32
                 and sin_cache.dtype == F32 and cos_cache.flags.c_contiguous and sin_cache.flags.c_contiguous
                 and cos_cache.shape == sin_cache.shape):
             # Per (x's shape and strides, the caches' shape): the checks once, then one compiled call.
-            run = native.cached(self._runs, (x.shape, x.strides, cos_cache.shape), lib,
-                                lambda: self._native_runner(lib, x, cos_cache, sin_cache))
+            run = native.cached(self._runs, (x.shape, x.strides, cos_cache.shape, split), lib,
+                                lambda: self._native_runner(lib, x, cos_cache, sin_cache, split))
             y = run and run(x, cos_cache, sin_cache)
             if y is not None and y is not False:
-                return (y,)
-        if (x.ndim == 4 and position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
+                return y
+        if (position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
                 and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
                 and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
                 and 2 * cos_cache.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])):
-            return (self._rotate_whole(x, cos_cache, sin_cache),)
-        if x.ndim == 4:
-            xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)
-        elif x.ndim == 3:
-            if self.num_heads < 1 or x.shape[2] % self.num_heads:
-                raise ValueError(f"3-D input of shape {x.shape} needs num_heads dividing its last dimension; "
-                                 f"got {self.num_heads}")
-            xs = x.reshape(x.shape[0], x.shape[1], self.num_heads, -1)
-        else:
-            raise ValueError(f"input must be 3-D or 4-D, got shape {x.shape}")
+            return self._rotate_whole(x, cos_cache, sin_cache)
+        xs = x.transpose(0, 2, 1, 3)  # (batch, seq, heads, size)
         size = xs.shape[3]
         rd = self.rotary_dim or size
         if rd > size or rd % 2:
@@ -479,8 +492,7 @@ class RotaryEmbedding(OpKernel):
         else:
             out[..., :half], out[..., half:rd] = real, imag
         out[..., rd:] = xs[..., rd:]
-        out = out.astype(x.dtype, copy=False)
-        return (out.reshape(x.shape) if x.ndim == 3 else out.transpose(0, 2, 1, 3),)
+        return out.astype(x.dtype, copy=False).transpose(0, 2, 1, 3)
 
     def _rotate_whole(self, x, cos, sin):
         """(batch, heads, seq, size) input rotated over all of each head, halves layout: with

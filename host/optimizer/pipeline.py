@@ -24,6 +24,7 @@ from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
+from host.optimizer.rules.views import view_rules
 
 _LOCK = threading.Lock()
 
@@ -71,7 +72,7 @@ class OptimizeResult:
 @functools.cache
 def _basic_rules() -> RewriteRuleSet:
     r = onnxscript_rules
-    return RewriteRuleSet(root_filtered([*cast_rules(),
+    return RewriteRuleSet(root_filtered([*cast_rules(), *view_rules(),
         r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
         r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
         r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
@@ -300,12 +301,13 @@ def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 # fusion trigger, no pass can change the graph.
 _BASIC_CANDIDATES = frozenset({
     "Identity", "Dropout", "Cast", "CastLike", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Flatten",
-    "Shape", "Size", "ConstantOfShape", "Constant", "Slice", "Split", "Concat",
+    "Shape", "Size", "ConstantOfShape", "Constant", "Slice", "Split", "Concat", "Gather",
 })
 _CONSTANT_SENSITIVE = frozenset({"Add", "Sub", "Mul", "Div", "Min", "Max", "Clip"})
 
 
-# What one node alone can lose: removal, a no-op, or folding from the declared input shape.
+# What one node alone can lose: removal, a no-op, or folding from the declared input shape. (A lone
+# Flatten or identity Gather would become a Reshape (rules/views.py); that buys nothing on its own.)
 _SINGLE_NODE_CANDIDATES = frozenset({"Identity", "Dropout", "Shape", "Size", "Transpose", "Expand", "Constant"})
 
 

@@ -104,10 +104,11 @@ def _references(x):
         native.SIGMOID: expit(x),
         native.HARD_SWISH: x * np.clip(x / 6 + 0.5, 0, 1),
         native.HARD_SIGMOID: np.clip(0.2 * x + 0.5, 0, 1),
+        native.SILU: x * expit(x),
     }
 
 
-@pytest.mark.parametrize("step", ["RELU", "GELU", "GELU_TANH", "SIGMOID", "HARD_SWISH", "HARD_SIGMOID"])
+@pytest.mark.parametrize("step", ["RELU", "GELU", "GELU_TANH", "SIGMOID", "HARD_SWISH", "HARD_SIGMOID", "SILU"])
 def test_epilogue_steps_over_their_whole_range(spy, step):
     code = getattr(native, step)
     with np.errstate(all="ignore"):
@@ -131,6 +132,9 @@ def test_bias_and_residual_steps():
     LIB.ep_bias_act(native.ptr(x), native.ptr(bias), native.ptr(y), 5, 7, native.program([native.RELU, native.ADD]),
                     native.ptr(res), 0.0, 0.0)
     np.testing.assert_allclose(y, np.maximum(x + bias, 0) + res, rtol=1e-6)
+    LIB.ep_bias_act(native.ptr(x), native.NULL, native.ptr(y), 5, 7, native.program([native.MUL, native.ADD]),
+                    native.ptr(res), 0.0, 0.0)
+    np.testing.assert_allclose(y, x * res + res, rtol=1e-6)
 
 
 def test_program_holds_at_most_six_steps():
@@ -142,13 +146,15 @@ def test_program_holds_at_most_six_steps():
 # -- GEMM ---------------------------------------------------------------------------------------------------
 
 _STEPS = [native.RELU, native.GELU, native.GELU_TANH, native.HARD_SWISH, native.HARD_SIGMOID, native.SIGMOID,
-          native.ADD]
+          native.ADD, native.SILU, native.MUL]
 
 
 def _apply(z, steps, res, alpha, beta):
     for s in steps:
         if s == native.ADD:
             z = z + res
+        elif s == native.MUL:
+            z = z * res
         elif s == native.HARD_SIGMOID:
             z = np.clip(alpha * z + beta, 0, 1)
         else:
@@ -172,6 +178,40 @@ def test_gemm_with_bias_and_epilogue(m, k, n, bias_kind, transposed, steps):
     z = a.astype(np.float64) @ b
     z += {0: 0, 1: bias[None, :], 2: bias[:, None]}[bias_kind]
     np.testing.assert_allclose(c, _apply(z, steps, res, 0.3, 0.4), rtol=1e-4, atol=2e-5)
+
+
+def test_large_products_are_left_to_blas():
+    """The compiled GEMM is a single-threaded loop: products past GEMM_MAX_MACS, or whose walked operand is
+    wider than GEMM_MAX_PANEL, go to np.dot (a 4096-wide MLP took minutes per run on the compiled loop)."""
+    assert native.gemm_fits(16, 64, 64) and native.gemm_fits(16, 512, 512)
+    assert not native.gemm_fits(1024, 1024, 1024)            # too many multiply-adds
+    assert not native.gemm_fits(1, 1024, 1024)               # few, but a 4 MiB panel walked by columns
+    assert native.conv_gemm_fits(64, 64, 1024) and not native.conv_gemm_fits(1024, 1024, 4)  # narrow: taps x m
+
+
+@pytest.mark.parametrize("case", ["matmul", "fused-matmul", "pointwise-conv", "conv3x3"])
+def test_large_products_run_outside_the_library_with_the_same_result(spy, case):
+    rng = np.random.default_rng(15)
+    if case in ("matmul", "fused-matmul"):
+        a, w, bias = (rng.standard_normal(s).astype(F32) for s in ((2, 1024), (1024, 1024), (1024,)))
+        if case == "matmul":
+            node, consts = helper.make_node("MatMul", ["a", "w"], ["y"]), {"w": w}
+        else:
+            node = helper.make_node("FusedMatMul", ["a", "w", "bias"], ["y"], domain="ai.ephost", activation="Relu")
+            consts = {"w": w, "bias": bias}
+        model = _model([node], {"a": a}, ["y"], consts, domains=("ai.ephost",) if case != "matmul" else ())
+        want = a.astype(np.float64) @ w + (bias if case != "matmul" else 0)
+        want = np.maximum(want, 0) if case != "matmul" else want
+        feeds = {"a": a}
+    else:
+        k = 1 if case == "pointwise-conv" else 3
+        x, w = rng.standard_normal((1, 256, 40, 40)).astype(F32), rng.standard_normal((256, 256, k, k)).astype(F32)
+        model = _model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[k // 2] * 4)], {"x": x}, ["y"], {"w": w})
+        feeds = {"x": x}
+        want = _ort(model, feeds)[0]
+    (got,) = _ephost(model).run(None, feeds)
+    assert not (spy.calls["ep_gemm"] or spy.calls["ep_conv2d"]), dict(spy.calls)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
 # -- ops in a session ---------------------------------------------------------------------------------------
@@ -355,6 +395,71 @@ def test_rotary_on_a_transposed_view(spy, shared_caches, caches_fed):
     want = ReferenceEvaluator(nodes[1]).run(None, {"xt": np.ascontiguousarray(x.transpose(0, 2, 1, 3)),
                                                    "cos": cos, "sin": sin})[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("shared_caches", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rotary_3d_with_num_heads(spy, shared_caches, layout, compiled):
+    """The 3-D form (batch, seq, heads*size) that the optimizer's Rotary3D writes, compiled in one call: for a
+    contiguous input the output is written in the 3-D layout (no copy); a view's heads are read in place."""
+    rng = np.random.default_rng(12)
+    b, s, h, d = 2, 5, 3, 8
+    angles = rng.standard_normal((1 if shared_caches else b, s, d // 2))
+    caches = {"cos": np.cos(angles).astype(F32), "sin": np.sin(angles).astype(F32)}
+    if layout == "contiguous":
+        feeds = {"x": rng.standard_normal((b, s, h * d)).astype(F32)}
+        nodes = [helper.make_node("Identity", ["x"], ["x3"])]
+    else:  # a Transpose's view: (seq, batch, hidden) -> (batch, seq, hidden)
+        feeds = {"x": rng.standard_normal((s, b, h * d)).astype(F32)}
+        nodes = [helper.make_node("Transpose", ["x"], ["x3"], perm=[1, 0, 2])]
+    nodes.append(helper.make_node("RotaryEmbedding", ["x3", "cos", "sin"], ["y"], num_heads=h))
+    model = _model(nodes, feeds, ["y"], caches, opset=23)
+    if not compiled:
+        native.use(None)
+    try:
+        (got,) = _ephost(model).run(None, feeds)
+    finally:
+        native.use(spy)
+    assert spy.calls["ep_rotary_halves"] == (1 if compiled else 0), dict(spy.calls)
+    x3 = feeds["x"] if layout == "contiguous" else np.ascontiguousarray(feeds["x"].transpose(1, 0, 2))
+    cos, sin = (np.repeat(c, b, 0) if shared_caches else c for c in (caches["cos"], caches["sin"]))
+    want = ReferenceEvaluator(nodes[1]).run(None, {"x3": x3, "cos": cos, "sin": sin})[0]
+    assert got.shape == (b, s, h * d)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _swiglu(mul_order: tuple[bool, bool], sigmoid_output: bool):
+    """y = silu(x Wg) * (x Wu) as exporters write it: MatMul, Sigmoid, Mul(g, sigmoid), MatMul, Mul; the
+    operand orders of both Muls drawn; with `sigmoid_output` the sigmoid's value is a graph output too."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((1, 16, 24)).astype(F32)
+    weights = {"wg": rng.standard_normal((24, 40)).astype(F32), "wu": rng.standard_normal((24, 40)).astype(F32)}
+    silu_in = ["g", "sg"] if mul_order[0] else ["sg", "g"]
+    gate_in = ["a", "u"] if mul_order[1] else ["u", "a"]
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["sg"]),
+             helper.make_node("Mul", silu_in, ["a"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Mul", gate_in, ["y"])]
+    return _model(nodes, {"x": x}, ["y"] + (["sg"] if sigmoid_output else []), weights), {"x": x}
+
+
+@pytest.mark.parametrize("mul_order", [(True, True), (False, False)])
+@pytest.mark.parametrize("sigmoid_output", [False, True])
+def test_swiglu_runs_as_two_gemms_with_epilogues(spy, mul_order, sigmoid_output):
+    """Llama's MLP: MatMul -> SiLU joins as one compiled GEMM with a SILU step; the up projection's MatMul
+    takes the gating Mul as a MUL step. A sigmoid value that is a graph output keeps its own node."""
+    model, feeds = _swiglu(mul_order, sigmoid_output)
+    got = _ephost(model).run(None, feeds)
+    assert spy.calls["ep_gemm"] == 2, dict(spy.calls)
+    assert spy.calls["ep_bias_act"] == (1 if sigmoid_output else 0), dict(spy.calls)  # Sigmoid on its own
+    for g, w in zip(got, _ort(model, feeds)):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+@pytest.mark.parametrize("mul_order", [(True, False), (False, True)])
+def test_swiglu_chain_without_the_library(numpy_only, mul_order):
+    model, feeds = _swiglu(mul_order, False)
+    np.testing.assert_allclose(_ephost(model).run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
 
 
 def test_first_element_of_views():

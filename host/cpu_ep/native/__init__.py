@@ -41,8 +41,8 @@ void ep_rmsnorm(const void *x, const void *scale, void *y, int rows, int n, floa
 int ep_attention(const void *q, const void *k, const void *v, const void *mask, int mask_kind, void *y,
                  int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
                  const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal);
-void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y, int B, int H,
-                      int S, int D, int64_t cs_batch);
+void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y,
+                      const int64_t *ys, int B, int H, int S, int D, int64_t cs_batch);
 int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
                     const void *res, float alpha, float beta);
 int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
@@ -57,9 +57,29 @@ NULL = ffi.NULL
 ptr = ffi.from_buffer  # a C-contiguous array's data pointer (the caller checked layout and dtype)
 
 # Epilogue steps (kernels.c): a program is up to 6 steps, 4 bits each, lowest first.
-RELU, GELU, GELU_TANH, HARD_SWISH, HARD_SIGMOID, SIGMOID, ADD = 1, 2, 3, 4, 5, 6, 7
+RELU, GELU, GELU_TANH, HARD_SWISH, HARD_SIGMOID, SIGMOID, ADD, SILU, MUL = 1, 2, 3, 4, 5, 6, 7, 8, 9
 MAX_STEPS = 6
 F32 = np.dtype(np.float32)
+
+
+# The compiled GEMM is a plain single-threaded tiled loop: it beats OpenBLAS's call overhead on the small
+# products of small models (2-3 us at 16x64x64) and stays level up to a few million multiply-adds, but a
+# large product runs 3-5x slower than multithreaded BLAS on 2 cores (worse on more), and a weight panel
+# wider than L2 makes its column tiles miss the cache (1x1024x1024: 7x). Beyond these bounds the NumPy
+# paths (np.dot) take the product.
+GEMM_MAX_MACS = 1 << 23   # m * k * n
+GEMM_MAX_PANEL = 1 << 19  # k * n floats (2 MiB) of the operand walked in column tiles
+
+
+def gemm_fits(m: int, k: int, n: int) -> bool:
+    """Whether the compiled GEMM should take an (m x k) @ (k x n) product (see GEMM_MAX_MACS)."""
+    return m * k * n <= GEMM_MAX_MACS and k * n <= GEMM_MAX_PANEL
+
+
+def conv_gemm_fits(m: int, taps: int, pixels: int) -> bool:
+    """gemm_fits for a convolution's (m x taps) @ (taps x pixels) GEMM; with fewer pixels than a tile's
+    columns the kernel computes the transposed product, walking the (taps x m) weights instead."""
+    return gemm_fits(m, taps, pixels) and (pixels >= 32 or taps * m <= GEMM_MAX_PANEL)
 
 
 def first_element(x: np.ndarray):

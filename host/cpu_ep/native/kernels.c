@@ -89,17 +89,17 @@ INLINE float ep_erf(float x) {
 /* Epilogue programs: up to 6 steps, 4 bits each, lowest first; applied in order after the bias. */
 enum {
     EP_END = 0, EP_RELU = 1, EP_GELU = 2, EP_GELU_TANH = 3, EP_HARD_SWISH = 4, EP_HARD_SIGMOID = 5,
-    EP_SIGMOID = 6, EP_ADD = 7
+    EP_SIGMOID = 6, EP_ADD = 7, EP_SILU = 8, EP_MUL = 9
 };
 
 typedef struct {
     unsigned prog;      /* steps */
-    const float *res;   /* EP_ADD's operand, laid out as the output */
+    const float *res;   /* EP_ADD's or EP_MUL's operand, laid out as the output */
     size_t res_ld;      /* its row stride */
     float alpha, beta;  /* EP_HARD_SIGMOID's parameters */
 } Epilogue;
 
-/* One step over v[0..n); `res` is EP_ADD's row. Branch-free bodies so the loops vectorize. */
+/* One step over v[0..n); `res` is EP_ADD's or EP_MUL's row. Branch-free bodies so the loops vectorize. */
 INLINE void step(float *v, int n, unsigned code, const float *res, float alpha, float beta) {
     switch (code) {
     case EP_RELU:
@@ -139,6 +139,12 @@ INLINE void step(float *v, int n, unsigned code, const float *res, float alpha, 
         break;
     case EP_ADD:
         for (int j = 0; j < n; j++) v[j] += res[j];
+        break;
+    case EP_SILU:  /* x * sigmoid(x), the sigmoid rounded first as the two nodes round it */
+        for (int j = 0; j < n; j++) v[j] = v[j] * (1.0f / (ep_exp(-v[j]) + 1.0f));
+        break;
+    case EP_MUL:
+        for (int j = 0; j < n; j++) v[j] *= res[j];
         break;
     default:
         break;
@@ -445,16 +451,16 @@ HOT int ep_attention(const float *q, const float *k, const float *v, const void 
 /* -- rotary embedding ------------------------------------------------------------------------------ */
 
 /* Halves layout over whole heads: x (B, H, S, D), element (b, h, s, d) at b*xs[0] + h*xs[1] + s*xs[2] + d;
- * cos/sin (B or 1, S, D/2) (cs_batch = 0 when shared); y (B, H, S, D) contiguous:
- * y[:half] = x1 cos - x2 sin, y[half:] = x1 sin + x2 cos. */
+ * y likewise by ys (contiguous (B, H, S, D), or (B, S, H*D) for the 3-D form); cos/sin (B or 1, S, D/2)
+ * (cs_batch = 0 when shared): y[:half] = x1 cos - x2 sin, y[half:] = x1 sin + x2 cos. */
 HOT void ep_rotary_halves(const float *x, const int64_t *xs, const float *cos_c, const float *sin_c, float *y,
-                          int B, int H, int S, int D, int64_t cs_batch) {
+                          const int64_t *ys, int B, int H, int S, int D, int64_t cs_batch) {
     int half = D / 2;
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++)
             for (int s = 0; s < S; s++) {
                 const float *x1 = x + b * xs[0] + h * xs[1] + s * xs[2], *x2 = x1 + half;
-                float *y1 = y + (((size_t)b * H + h) * S + s) * D, *y2 = y1 + half;
+                float *y1 = y + b * ys[0] + h * ys[1] + s * ys[2], *y2 = y1 + half;
                 const float *c = cos_c + b * cs_batch + (size_t)s * half;
                 const float *sn = sin_c + b * cs_batch + (size_t)s * half;
                 for (int j = 0; j < half; j++) {

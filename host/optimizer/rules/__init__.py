@@ -1,7 +1,8 @@
 """ephost's fusion families, in the order the EXTENDED level applies them.
 
 Order matters: norms and GELU first (they turn arithmetic into ops the later rules match),
-attention before MatMul + Add (its MatMuls must still be plain), FusedMatMul before its
+attention before MatMul + Add (its MatMuls must still be plain), the rotary fusion before the
+3-D attention forms (Rotary3D moves the head split behind a RotaryEmbedding for Attention3D), FusedMatMul before its
 activation and before BiasGelu (a MatMul's bias belongs to the MatMul), the residual Add
 last (SkipLayerNormalization consumes whatever Add is left in front of a LayerNormalization).
 """
@@ -20,7 +21,7 @@ from host.optimizer.rules.rotary import ROTARY
 from host.optimizer.rules.skip_layer_norm import SKIP_LAYER_NORM
 
 FAMILIES: tuple[Family, ...] = (
-    CONV_BN, HARDSWISH, LAYER_NORM, RMS_NORM, GELU, ATTENTION, ATTENTION_3D, ROTARY, GEMM, FUSED_MATMUL, BIAS_GELU,
+    CONV_BN, HARDSWISH, LAYER_NORM, RMS_NORM, GELU, ATTENTION, ROTARY, ATTENTION_3D, GEMM, FUSED_MATMUL, BIAS_GELU,
     SKIP_LAYER_NORM,
 )
 

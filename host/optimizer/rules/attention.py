@@ -129,6 +129,44 @@ class Attention3D(pattern.RewriteRuleClassBase):
         return y
 
 
+class Rotary3D(pattern.RewriteRuleClassBase):
+    """The head split in front of a 4-D RotaryEmbedding -> the 3-D form (num_heads), the split after it.
+
+    RotaryEmbedding(Transpose(Reshape(x3 [B, S, H*D] -> [B, S, H, D]), [0, 2, 1, 3])) equals
+    Transpose(Reshape(RotaryEmbedding(x3, num_heads=H))): a 3-D input is split into heads the same way.
+    Moved behind the rotation, the split meets Attention3D's pattern, which then takes it with the
+    Attention (Llama's Q and K: the eight Reshape / Transpose nodes around each attention go)."""
+
+    def pattern(self, op, x3, shape):
+        x4 = op.Transpose(op.Reshape(x3, shape, _outputs=["split"]), perm=[0, 2, 1, 3])
+        return op.RotaryEmbedding(x4, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["y4"])
+
+    def check(self, context, x3, split, y4, **_):
+        result = pattern.MatchResult()
+        dims: dict = {}
+        _fusion_utils.check_shape(dims, x3, ["B", "S", "hidden"])
+        _fusion_utils.check_shape(dims, split, ["B", "S", "H", "D"])
+        if not all(isinstance(dims[d], int) for d in ("hidden", "H", "D")) or dims["hidden"] != dims["H"] * dims["D"]:
+            return result.fail("the Reshape does not split the last dim into heads", split)
+        if any(o.uses() for o in y4.producer().outputs[1:]):
+            return result.fail("RotaryEmbedding has more outputs in use", y4)
+        self._heads = dims["H"]
+        return result
+
+    def rewrite(self, op, x3, shape, split, y4, **_):
+        node = y4.producer()
+        attrs = {k: v for k, v in node.attributes.items() if k != "num_heads"}
+        extra = list(node.inputs[1:])
+        while extra and extra[-1] is None:
+            extra.pop()
+        y3 = op.RotaryEmbedding(x3, *extra, num_heads=self._heads, **attrs)
+        # New values carry no type (onnxscript types replaced outputs only); Attention3D reads these.
+        y3.dtype, y3.shape = x3.dtype, ir.Shape(list(x3.shape))
+        heads = op.Reshape(y3, shape)
+        heads.dtype, heads.shape = split.dtype, ir.Shape(list(split.shape))
+        return op.Transpose(heads, perm=[0, 2, 1, 3])
+
+
 class GroupedKV(pattern.RewriteRuleClassBase):
     """K and V heads repeated for grouped-query attention before a 4-D Attention -> K and V as they
     were: Unsqueeze(axis 2) + Expand([B, G, R, S, D]) + Reshape([B, G*R, S, D]) (Llama's repeat_kv) is
@@ -185,7 +223,9 @@ def attention_rules() -> list:
 
 
 def attention_3d_rules() -> list:
-    return [GroupedKV.rule(), Attention3D.rule()]
+    # In one pass over the graph: the rotations come before the Attention, the Attention before its
+    # output Reshape (Attention3D's root), so each rule sees what the ones before it rewrote.
+    return [Rotary3D.rule(), GroupedKV.rule(), Attention3D.rule()]
 
 
 ATTENTION = Family("Attention", attention_rules, min_opset=23, triggers=frozenset({"Softmax"}),

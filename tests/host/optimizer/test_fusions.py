@@ -411,3 +411,53 @@ def test_repeated_kv_heads_are_left_to_attention(axis, folded):
     rng = np.random.default_rng(axis + 5)
     feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs}
     assert_same(References(model), References(optimized), feeds)
+
+
+# ---- rotary between the head split and a 4-D Attention (Llama) -----------------------------------------
+def _rotary_attention_model(position_ids: bool, v_split: bool = True):
+    """Q (1, 5, 32) in 4 heads and K, V (1, 5, 16) in 2, each split by Reshape + Transpose; Q and K rotated
+    by a 4-D RotaryEmbedding; a 4-D grouped Attention with a float mask; its heads merged back."""
+    b, s, d = 1, 5, 8
+    nodes, inits = [], {"cos": np.cos(RNG.standard_normal((b, s, d // 2))).astype(np.float32),
+                        "sin": np.sin(RNG.standard_normal((b, s, d // 2))).astype(np.float32),
+                        "merge": np.array([b, s, 32], np.int64)}
+    if position_ids:
+        inits["cos"], inits["sin"] = (np.cos(RNG.standard_normal((9, d // 2))).astype(np.float32),
+                                      np.sin(RNG.standard_normal((9, d // 2))).astype(np.float32))
+        inits["pos"] = np.array([[3, 1, 4, 1, 5]], np.int64)
+    for name, heads in (("q", 4), ("k", 2), ("v", 2)):
+        inits[f"{name}_split"] = np.array([b, s, heads, d], np.int64)
+        if name != "v" or v_split:
+            nodes += [helper.make_node("Reshape", [name, f"{name}_split"], [f"{name}4"]),
+                      helper.make_node("Transpose", [f"{name}4"], [f"{name}t"], perm=[0, 2, 1, 3])]
+        if name != "v":
+            rope_in = [f"{name}t", "cos", "sin"] + (["pos"] if position_ids else [])
+            nodes.append(helper.make_node("RotaryEmbedding", rope_in, [f"{name}r"]))
+    v4 = "vt" if v_split else "v"
+    nodes += [helper.make_node("Attention", ["qr", "kr", v4, "m"], ["a"], scale=0.3),
+              helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["at", "merge"], ["y"])]
+    inputs = [("q", [b, s, 32]), ("k", [b, s, 16]), ("v", [b, s, 16] if v_split else [b, 2, s, d]),
+              ("m", [b, 1, s, s])]
+    return make_model(nodes, inputs, [("y", [b, s, 32])], inits, opset=23), inputs
+
+
+@pytest.mark.parametrize("position_ids", [False, True])
+@pytest.mark.parametrize("v_split", [True, False])
+def test_rotary_moves_behind_the_head_split_for_3d_attention(position_ids, v_split):
+    model, inputs = _rotary_attention_model(position_ids, v_split)
+    optimized = optimize(model, EXTENDED).model
+    got = ops(optimized)
+    if v_split:  # every split and merge goes: the 3-D forms take them
+        assert got == {"RotaryEmbedding": 2, "Attention": 1}, got
+        attention = next(n for n in optimized.graph.node if n.op_type == "Attention")
+        attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
+        assert (attrs["q_num_heads"], attrs["kv_num_heads"]) == (4, 2)
+        heads = sorted(helper.get_attribute_value(a) for n in optimized.graph.node if n.op_type == "RotaryEmbedding"
+                       for a in n.attribute if a.name == "num_heads")
+        assert heads == [2, 4]
+    else:  # V is 4-D already: the rotations go 3-D, Attention keeps its 4-D inputs
+        assert got["Attention"] == 1 and got["Transpose"] >= 2, got
+    rng = np.random.default_rng(11)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs}
+    assert_same(References(model), References(optimized), feeds)

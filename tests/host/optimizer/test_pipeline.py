@@ -305,3 +305,49 @@ def test_gather_elements_fold_refuses_what_the_op_refuses():
     assert _gather_elements(data, np.zeros((3, 1), np.int64), 1) is None  # longer than the data off the axis
     assert _gather_elements(data, np.zeros((2,), np.int64), 0) is None  # another rank
     np.testing.assert_array_equal(_gather_elements(data, np.array([[3], [0]], np.int64), 1), [[3], [4]])
+
+
+# ---- re-viewing nodes -> Reshape (rules/views.py) -----------------------------------------------------
+def _view_model(gather_indices: np.ndarray, axis: int, flatten: bool) -> onnx.ModelProto:
+    """x (4, 3) -> [Flatten(axis=1) of x * 1 ->] Gather(indices, axis) -> Add 0 -> y: the Gather reads a
+    computed value (not foldable), and its output feeds an op (not a graph output)."""
+    nodes = [helper.make_node("Mul", ["x", "two"], ["xx"])]
+    data = "xx"
+    if flatten:
+        nodes.append(helper.make_node("Flatten", ["xx"], ["f"], axis=1))
+        data = "f"
+    nodes += [helper.make_node("Gather", [data, "i"], ["g"], axis=axis), helper.make_node("Neg", ["g"], ["y"])]
+    shape = [4, 3]
+    out = shape[:axis] + list(gather_indices.shape) + shape[axis + 1:]
+    return make_model(nodes, [("x", shape)], [("y", out)], {"two": np.float32(2), "i": gather_indices})
+
+
+@pytest.mark.parametrize("indices,axis,becomes_reshape", [
+    (np.arange(4, dtype=np.int64).reshape(1, 1, 4), 0, True),   # Llama's mask[:, None, None, :]
+    (np.arange(3, dtype=np.int64).reshape(3, 1), 1, True),
+    (np.arange(3, dtype=np.int64).reshape(3, 1), -1, True),
+    (np.array([0, 1, 2], np.int64), 0, False),                  # not the whole axis
+    (np.array([0, 2, 1], np.int64), 1, False),                  # another order
+    (np.array([0, 1, -1], np.int64), 1, False),                 # -1 is 2, but not as written
+])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_an_identity_gather_becomes_a_reshape(indices, axis, becomes_reshape, flatten):
+    model = _view_model(indices, axis, flatten)
+    optimized = optimize(model, L.ORT_ENABLE_BASIC).model
+    got = ops(optimized)
+    assert ("Gather" not in got) == becomes_reshape, got
+    # A static Flatten is a Reshape (here to the shape it has: a no-op, removed); Reshapes in a row join.
+    assert "Flatten" not in got
+    assert got.get("Reshape", 0) == (1 if becomes_reshape else 0), got
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    assert_same(References(model), References(optimized), {"x": x})
+
+
+def test_a_flatten_of_a_dynamic_shape_stays():
+    nodes = [helper.make_node("Flatten", ["x"], ["y"], axis=2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 2, 3])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.graph.node.append(helper.make_node("Neg", ["y"], ["z"]))
+    model.graph.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None))
+    assert ops(optimize(model, L.ORT_ENABLE_BASIC).model)["Flatten"] == 1
