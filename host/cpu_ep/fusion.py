@@ -228,8 +228,10 @@ def _wrapped(node) -> bool:
     return "run" in node.kernel.__dict__  # a profiler's timing wrapper
 
 
-def match_epilogues(nodes, i: int, consumers, keep):
-    """(FusedNode, nodes used) for an epilogue chain starting at nodes[i], or None."""
+def match_epilogues(nodes, i: int, consumers, keep, constants=()):
+    """(FusedNode, nodes used) for an epilogue chain starting at nodes[i], or None. An Add or Mul by an
+    initializer ends the chain: that is a bias or a scale, not a same-shape operand, so the compiled
+    epilogue would refuse it at every run before the nodes ran one by one."""
     first = nodes[i]
     if _op(first) not in _FRESH or len(first.outputs) != 1 or _wrapped(first):
         return None
@@ -249,7 +251,10 @@ def match_epilogues(nodes, i: int, consumers, keep):
         if fn in _BINARY:
             if len(ins) != 2 or ins.count(y) != 1 or min(ins) < 0:
                 break
-            others.append(ins[1] if ins[0] == y else ins[0])
+            other = ins[1] if ins[0] == y else ins[0]
+            if other in constants:
+                break
+            others.append(other)
         elif ins != (y,):
             break
         else:
@@ -435,7 +440,7 @@ def fuse(nodes, keep, constants) -> list:
     out, i = [], 0
     while i < len(nodes):
         found = match_squeeze_excite(nodes, i, consumers, keep, constants) or match_epilogues(nodes, i, consumers,
-                                                                                                keep)
+                                                                                                keep, constants)
         if found is None:
             out.append(nodes[i])
             i += 1

@@ -505,6 +505,21 @@ def test_a_chain_value_with_two_readers_is_not_joined():
     assert ("dw", "relu") not in [c[1] for c in _chains(sess)]
 
 
+@pytest.mark.parametrize("op", ["Mul", "Add"])
+def test_an_add_or_mul_by_an_initializer_is_not_joined(op):
+    """A scale or bias initializer is not the same-shape operand the compiled epilogue takes: the MatMul
+    joins the Mul / Add by a value, but not the one by the initializer."""
+    rng = np.random.default_rng(16)
+    x, w, r = (rng.standard_normal(s).astype(np.float32) for s in ((4, 8), (8, 8), (4, 8)))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             helper.make_node(op, ["m", "r"], ["g"], name="by_value"),
+             helper.make_node(op, ["g", "scale"], ["y"], name="by_initializer")]
+    model = _model(nodes, {"x": x, "r": r}, ["y"], {"w": w, "scale": np.float32(0.5)})
+    sess = _ephost(model)
+    np.testing.assert_allclose(sess.run(None, {"x": x, "r": r})[0], _ort(model, {"x": x, "r": r})[0], **TOL)
+    assert [c[1] for c in _chains(sess)] == [("mm", "by_value")]
+
+
 def test_profiled_nodes_are_never_joined(tmp_path):
     model, feeds = _conv_chain_model()
     so = SessionOptions()
