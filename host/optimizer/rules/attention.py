@@ -148,8 +148,6 @@ class Rotary3D(pattern.RewriteRuleClassBase):
         _fusion_utils.check_shape(dims, split, ["B", "S", "H", "D"])
         if not all(isinstance(dims[d], int) for d in ("hidden", "H", "D")) or dims["hidden"] != dims["H"] * dims["D"]:
             return result.fail("the Reshape does not split the last dim into heads", split)
-        if any(o.uses() for o in y4.producer().outputs[1:]):
-            return result.fail("RotaryEmbedding has more outputs in use", y4)
         self._heads = dims["H"]
         return result
 
