@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import sysconfig
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +29,23 @@ _ENTRY_FFI = abi.ffi_for(abi.ABI_VERSION)
 
 
 # ---- the one gate ------------------------------------------------------------------------
+
+def unlock_cffi_embedding() -> None:
+    """Let a cffi-embedded plugin start in this process on Python 3.8 to 3.11.
+
+    cffi's embedding start-up (cffi/_embedding.h, `_cffi_carefully_make_gil`) uses
+    `PyCapsule_Type.tp_version_tag` as a process-wide spin lock that is free while it is 0; but
+    CPython gives the capsule type a version tag the first time an attribute is looked up on it
+    through the type cache (anyio's pytest plugin does, for one), and then the plugin's first call
+    spins forever. `PyType_Modified` puts the tag back to 0 (it only invalidates that type's
+    method cache). Python 3.12 and later use another field, which nothing writes."""
+    if sys.version_info >= (3, 12) or sys.implementation.name != "cpython":
+        return
+    import ctypes
+    import datetime
+
+    ctypes.pythonapi.PyType_Modified(ctypes.py_object(type(datetime.datetime_CAPI)))
+
 class Slots:
     """The callable slots of one plugin table, resolved once: each attribute is the C function,
     or None where the version, the struct_size or a NULL pointer says it must not be called."""
@@ -270,6 +288,7 @@ class PluginRegistration:
     def _create_factories(self) -> None:
         out = ffi.new("EpFactory*[]", MAX_FACTORIES)
         count = ffi.new("size_t*", 0)
+        unlock_cffi_embedding()  # the first call into a cffi-embedded plugin starts its Python side
         status = self.library.CreateEpFactories(
             ffi.new("char[]", self.name.encode()), self.env.api.base, self.logger, out, MAX_FACTORIES, count)
         hostapi.check(status, f"{self._owner()}: CreateEpFactories", PluginLoadError)
