@@ -52,6 +52,25 @@ class ThreadGraphs:
         self.failed: set[int] = set()
         self.pending: int | None = None
         self.capturing: Capturing | None = None
+        self.state = None  # the stream state this thread's kernels last ran on
+        self.listed = False  # in GraphManager._threads (close() releases it)
+
+
+def _release_thread(t: ThreadGraphs) -> None:
+    """Synchronise a thread's graphs' streams, then drop its graphs and free its private pools."""
+    for cap in t.graphs.values():
+        try:
+            cap.state.stream.synchronize()  # a graph may still be running on its stream
+        except Exception:  # noqa: BLE001 - releasing goes on
+            pass
+        cap.keep.clear()
+    t.graphs.clear()
+    t.runs.clear()
+    t.failed.clear()
+    for pool in t.pools.values():
+        pool.free_all_blocks()
+    t.pools.clear()
+    t.active_pool = None
 
 
 class GraphManager:
@@ -63,10 +82,12 @@ class GraphManager:
 
     def _t(self) -> ThreadGraphs:
         t = getattr(self._tls, "v", None)
-        if t is None:
-            t = self._tls.v = ThreadGraphs()
+        if t is None or not t.listed:
+            if t is None:
+                t = self._tls.v = ThreadGraphs()
             with self._lock:
                 self._threads.append(t)
+            t.listed = True
         return t
 
     # -- warm-up and capture --------------------------------------------------------------
@@ -104,7 +125,10 @@ class GraphManager:
 
     def before_kernel(self, state) -> None:
         t = self._tls.__dict__.get("v")
-        if t is None or t.pending is None:
+        if t is None:
+            return
+        t.state = state
+        if t.pending is None:
             return
         gid, t.pending = t.pending, None
         state.cublas  # noqa: B018 - create the handle and its workspace before capture
@@ -199,16 +223,20 @@ class GraphManager:
         if pool is not None:
             pool.free_all_blocks()
 
+    def forget_state(self, state) -> None:
+        """Release the graphs and pools of the threads whose stream `state` is being destroyed
+        (their thread ended): without it every thread that ever captured keeps its graphs and
+        their memory for the session's life."""
+        with self._lock:
+            gone = [t for t in self._threads if t.state is state
+                    or any(cap.state is state for cap in t.graphs.values())]
+            self._threads = [t for t in self._threads if t not in gone]
+        for t in gone:
+            _release_thread(t)
+            t.state, t.listed = None, False
+
     def close(self) -> None:
         with self._lock:
             threads, self._threads = self._threads, []
         for t in threads:
-            for cap in t.graphs.values():
-                try:
-                    cap.state.stream.synchronize()
-                except Exception:  # noqa: BLE001 - closing goes on
-                    pass
-            t.graphs.clear()
-            for pool in t.pools.values():
-                pool.free_all_blocks()
-            t.pools.clear()
+            _release_thread(t)

@@ -117,16 +117,22 @@ class StreamState:
     @property
     def cublas(self):
         if self._cublas is None:
-            from plugin_cuda.cublas import CublasHandle
-
             with self.ep.using_memory():
-                self._cublas = CublasHandle(self.ptr, use_tf32=self.ep.opts.use_tf32)
+                self._cublas = self.ep.take_cublas(self.ptr)
         return self._cublas
 
     def close(self) -> None:
+        """The stream's work is done (its thread ended, or the EP closes): its cuBLAS handle goes
+        back to the EP for the next stream. Destroying it here would synchronise the device,
+        which invalidates a capture another thread may have under way."""
         if self._cublas is not None:
-            self._cublas.close()
-            self._cublas = None
+            handle, self._cublas = self._cublas, None
+            try:
+                self.stream.synchronize()  # no GEMM of ours still reads the handle's workspace
+            except Exception:  # noqa: BLE001 - a broken stream: its handle is not reused
+                handle.close()
+                return
+            self.ep.give_back_cublas(handle)
 
 
 class CudaEp(sdk.EpBase):
@@ -156,9 +162,31 @@ class CudaEp(sdk.EpBase):
                           if opts.has_user_compute_stream else cp.cuda.Stream(non_blocking=True))
             self.unified = StreamState(self, stream, owned=not opts.has_user_compute_stream)
             self.streams[self.unified.ptr] = self.unified
+        self._spare_cublas: list = []  # handles of released streams, for the next streams
+        self._closed = False
         self.graphs = GraphManager(self)
         self.run_streams = threading.local()  # .state: the stream this thread's run computed on
         self._set_alloc, self._get_alloc = _thread_allocator_functions(cp)
+
+    # -- cuBLAS handles ----------------------------------------------------------------------
+    def take_cublas(self, stream_ptr: int):
+        """A cuBLAS handle bound to `stream_ptr`: a released stream's handle when one is spare,
+        else a new one. Handles are not thread-safe; each is bound to one stream at a time."""
+        from plugin_cuda.cublas import CublasHandle
+
+        with self._lock:
+            handle = self._spare_cublas.pop() if self._spare_cublas else None
+        if handle is None:
+            return CublasHandle(stream_ptr, use_tf32=self.opts.use_tf32)
+        handle.set_stream(stream_ptr)
+        return handle
+
+    def give_back_cublas(self, handle) -> None:
+        with self._lock:
+            if not self._closed:
+                self._spare_cublas.append(handle)
+                return
+        handle.close()
 
     # -- memory ------------------------------------------------------------------------------
     def using_memory(self):
@@ -207,6 +235,14 @@ class CudaEp(sdk.EpBase):
                 state = StreamState(self, self.cupy.cuda.Stream(non_blocking=True), owned=True)
             self.streams[state.ptr] = state
         out[0] = self.runtime.expose("EpSyncStream", CudaSyncStream(self.runtime, self, state))
+
+    def forget_stream(self, state: StreamState) -> None:
+        """Drop what plans and graphs keep for a stream about to be destroyed (its thread ended):
+        CUDA reuses a destroyed stream's address, and the next stream at that address must not
+        find a dead stream's cuBLAS handle, arena or graphs."""
+        for fn in self.__dict__.get("plan_functions", ()):
+            fn.plan.forget_stream(state.ptr)
+        self.graphs.forget_state(state)
 
     def stream_state(self, handle) -> StreamState | None:
         return self.streams.get(int(self.ffi.cast("uintptr_t", handle)))
@@ -347,6 +383,11 @@ class CudaEp(sdk.EpBase):
         for s in list(self.streams.values()):
             s.close()
         self.streams.clear()
+        with self._lock:
+            self._closed = True
+            spare, self._spare_cublas = self._spare_cublas, []
+        for handle in spare:
+            handle.close()
         self.blocks.clear()
         self.memory.close()
 
@@ -537,6 +578,7 @@ class CudaSyncStream(sdk.SyncStreamBase):
 
     def close(self):
         if self.state.owned and self.state is not self.ep.unified:
+            self.ep.forget_stream(self.state)
             self.ep.streams.pop(self.state.ptr, None)
             self.state.close()
 

@@ -24,8 +24,11 @@ class PlanFunction:
         # capturing itself as well would nest captures, so auto-graph is off then.
         auto = bool(getattr(opts, "plan_auto_graph", False)) and not opts.enable_cuda_graph
         try:
+            # One variant for every run of the session (capture or not), so one input gives one
+            # result whatever the run, thread or stream.
             self.plan = Plan.build(fused.graph, ep, auto_graph=auto,
-                                   warmup=max(1, opts.min_num_runs_before_cuda_graph_capture))
+                                   warmup=max(1, opts.min_num_runs_before_cuda_graph_capture),
+                                   capture=bool(auto or opts.enable_cuda_graph))
         except PlanError as exc:
             raise PluginError(f"fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
         self._shapes = self.plan.output_shapes

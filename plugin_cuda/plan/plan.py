@@ -46,14 +46,25 @@ class Plan:
         self._instances: dict = {}
         self._lock = threading.Lock()
         self.stats = {"allocations": 0, "allocated_bytes": 0, "runs": 0, "replays": 0, "captures": 0}
+        # cuBLASLt epilogue GEMMs by (variant, step): their algorithm is chosen once per plan, not
+        # per stream, so every stream (thread) of a session computes with the same kernels.
+        self._lt_gemms: dict = {}
 
     # -- build -------------------------------------------------------------------------------------
     @classmethod
     def build(cls, graph, ep=None, *, inputs=None, outputs=None, cupy=None, device_id: int | None = None,
-              use_tf32: bool | None = None, auto_graph: bool = False, warmup: int = 2) -> Plan:
+              use_tf32: bool | None = None, auto_graph: bool = False, warmup: int = 2,
+              capture: bool | None = None) -> Plan:
         """Compile `graph` (a GraphSpec; `inputs`/`outputs` name the partition's values when the
         graph does not carry them). `ep`: the CudaEp whose memory, device and cuBLAS handles to use
-        (None: CuPy's defaults, for tests and benchmarks)."""
+        (None: CuPy's defaults, for tests and benchmarks).
+
+        `capture` says which variant every run uses, so that one input gives one result on every
+        run: True (the plan's launches will be captured: auto_graph, or the host's CUDA graphs) the
+        graph variant only, False the eager variant only; None (direct use: tests, benchmarks)
+        keeps both, eager runs computing with the eager one and captures recording the graph one.
+        The two compute the same function with different GEMM kernels, so their results differ in
+        rounding (TF32 cuBLAS against float32 generated kernels)."""
         t0 = time.perf_counter()
         self = cls()
         self.ep = ep
@@ -68,8 +79,10 @@ class Plan:
         self.prog = prog = lower(graph, inputs, outputs)
         # Two ways to run: eager (mid-size GEMMs as generated kernels: fewest launches) and graph
         # (those GEMMs on cuBLAS: fastest kernels, launches being free in a graph). Often the same.
-        eager_steps = build_steps(prog, tiled=True)
-        graph_steps = build_steps(prog, tiled=False)
+        if auto_graph:
+            capture = True
+        eager_steps = build_steps(prog, tiled=capture is not True)
+        graph_steps = build_steps(prog, tiled=capture is False)
         source, eager_specs = codegen.generate(prog, eager_steps, "ep_k")
         graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_k")
         self._resolve_locations()
@@ -205,17 +218,42 @@ class Plan:
             inst.replay(input_ptrs, output_ptrs)
             return
         inst.set_io(input_ptrs, output_ptrs)
-        if capturing or not inst.graph_warm:
-            # The graph variant runs once eagerly before any capture, so that its cuBLAS calls
-            # have run (and loaded their kernels) before they are recorded.
+        if capturing:
             inst.graph_warm = True
             inst.launch_all(inst.graph_seq)
         else:
+            if not inst.graph_warm:
+                # The graph variant runs once eagerly before any capture, so that its cuBLAS calls
+                # have run (and loaded their kernels) before they are recorded. The eager variant
+                # then overwrites its results: every eager run answers with the same kernels.
+                inst.graph_warm = True
+                inst.launch_all(inst.graph_seq)
             inst.launch_all(inst.eager_seq)
         if self.auto_graph and not capturing:
             inst.runs += 1
             if inst.runs >= self.warmup:
                 inst.capture()
+
+    def forget_stream(self, stream: int) -> None:
+        """Release what the plan keeps for `stream` (its arena, graph and packed launches, which
+        hold that stream's cuBLAS handle). The EP calls it before it destroys a stream: CUDA hands
+        a destroyed stream's address to the next stream created, and a plan must not run that
+        new stream with a dead one's handle."""
+        with self._lock:
+            inst = self._instances.pop(stream, None)
+        if inst is not None:
+            inst.close()
+
+    def epilogue_gemm(self, key, make):
+        """The cuBLASLt GEMM of `key` (a variant's step), made once by `make()` and shared by
+        every stream's instance: the descriptor and algorithm are read-only at call time."""
+        gemm = self._lt_gemms.get(key)
+        if gemm is None:
+            with self._lock:
+                gemm = self._lt_gemms.get(key)
+                if gemm is None:
+                    gemm = self._lt_gemms[key] = make()
+        return gemm
 
     def _instance(self, stream: int):
         if self.closed:
@@ -241,6 +279,9 @@ class Plan:
         for inst in list(self._instances.values()):
             inst.close()
         self._instances.clear()
+        for gemm in self._lt_gemms.values():
+            gemm.close()
+        self._lt_gemms.clear()
         self._const_mem = None
 
     def __enter__(self) -> Plan:
@@ -458,7 +499,7 @@ class _CublasStep:
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
             return
         if "epilogue" in op.attrs:  # bias (and ReLU) in the GEMM's epilogue (fuse.cublaslt_epilogues)
-            self._cublaslt(op, a_shape, b_shape, compute, variant)
+            self._cublaslt(step, a_shape, b_shape, compute, variant)
             return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
@@ -489,16 +530,20 @@ class _CublasStep:
                         plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
 
-    def _cublaslt(self, op, a_shape, b_shape, compute, variant) -> None:
+    def _cublaslt(self, step, a_shape, b_shape, compute, variant) -> None:
         from plugin_cuda import cublaslt
 
         inst = self.inst
+        op = step.op
         ext_index, bias = inst.address(op.inputs[2], variant)
         if ext_index is not None:  # fuse folds only constant biases: their address never changes
             raise PlanError(f"GEMM '{self.name}': its epilogue bias is a call input; expected a constant")
         k, n = b_shape
-        gemm = cublaslt.EpilogueGemm(inst.plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
-                                     bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'")
+        plan = inst.plan
+        gemm = plan.epilogue_gemm(
+            (variant.name, id(step)),
+            lambda: cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
+                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'"))
         self.lt = (gemm, [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])])
 
     def _run_lt(self) -> None:
