@@ -219,7 +219,7 @@ def _model_spec(model_path, providers, provider_options, plugins, backend, name)
     name = path.stem if name is None else name
     if not name or not set(name) <= _NAME_CHARS:
         raise InvalidArgument(f"model name {name!r} cannot be a URL path segment; use letters, digits, '_', '.', '-'")
-    plugin_items = tuple((str(k), str(v)) for k, v in (plugins or {}).items())
+    plugin_items = tuple((str(k), str(Path(v).resolve())) for k, v in (plugins or {}).items())
     return ModelSpec(str(path), tuple(providers or ()), tuple(provider_options or ()), plugin_items, backend), name
 
 

@@ -301,3 +301,26 @@ def test_a_replica_killed_mid_load_is_replaced_and_only_its_requests_fail(url, r
             break
         time.sleep(1)
     assert victim not in now and len(now) == 2, now
+
+
+def test_ephost_serve_redeploys_the_application_with_its_options(url, model_path, reference, capsys):
+    """Last in the module: `ephost serve --detach` in this process (Ray already up) replaces the app."""
+    from host.cli import app as cli
+
+    port = url.rsplit(":", 1)[1]
+    assert cli.main(["serve", str(model_path), "--replicas", "1", "--max-batch-size", "1", "--buckets", "off",
+                     "--num-cpus", "0.5", "--port", port, "--detach"]) == 0
+    assert f"serving {NAME}: POST http://127.0.0.1:{port}/v2/models/{NAME}/infer" in capsys.readouterr().out
+    deadline, seen = time.monotonic() + 120, set()
+    while time.monotonic() < deadline:  # the old replicas drain away; one new one remains
+        seen = _replicas_seen(url, 6)
+        stats = requests.get(f"{url}/v2/models/{NAME}/stats", timeout=TIMEOUT_S).json()
+        if len(seen) == 1 and stats["buckets"] == []:
+            break
+        time.sleep(1)
+    assert len(seen) == 1 and stats["buckets"] == [], (seen, stats)
+    with requests.Session() as http:
+        x = np.ones((3, FEATURES), np.float32)
+        status, _, value, meta = infer(http, url, "cli", x, binary=False)
+    assert status == 200 and meta["run_rows"] == 3  # no bucket: 3 rows run as 3
+    np.testing.assert_allclose(value, reference(x), rtol=1e-4, atol=1e-5)

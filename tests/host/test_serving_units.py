@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -237,3 +238,44 @@ def test_deployment_options_are_checked_before_ray_starts(tmp_path):
         ephost_deployment(path, backend="tvm")
     app = ephost_deployment(path, num_replicas=3)  # binding starts nothing
     assert app is not None
+
+
+# ---- ephost serve (what it would deploy; the Ray tests run it for real) ---------------------------------
+def _serve_args(*argv):
+    from host.cli import app as cli
+
+    return cli.build_parser().parse_args(["serve", "m.onnx", *argv])
+
+
+def test_serve_options_map_to_the_deployment():
+    from host.cli.serve import deployment_options
+
+    opts = deployment_options(_serve_args("--ep", "cuda", "--ep-option", "use_tf32=1", "--replicas", "3",
+                                          "--max-batch-size", "16", "--batch-wait-ms", "2", "--buckets", "1,4,16",
+                                          "--num-cpus", "2", "--plugin", "x=/lib/x.so", "--name", "net"))
+    assert opts == {"providers": ["CUDAExecutionProvider"], "provider_options": [{"use_tf32": "1"}],
+                    "plugins": {"x": "/lib/x.so"}, "max_batch_size": 16, "batch_wait_timeout_s": 0.002,
+                    "buckets": [1, 4, 16], "num_replicas": 3, "name": "net", "num_gpus": None,
+                    "ray_actor_options": {"num_cpus": 2.0}}
+    assert deployment_options(_serve_args("--buckets", "off"))["buckets"] is False
+    with pytest.raises(InvalidArgument, match=r"^--buckets 'x2': expected auto, on, off or a comma-separated list"):
+        deployment_options(_serve_args("--buckets", "x2"))
+
+
+def test_serve_refuses_a_missing_model_before_starting_ray(tmp_path, capsys):
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[serve]')")
+    from host.cli import app as cli
+
+    assert cli.main(["serve", str(tmp_path / "none.onnx")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model '{tmp_path / 'none.onnx'}' is not a file; ")
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_serve_without_ray_says_how_to_install_it(monkeypatch, capsys):
+    from host.cli import app as cli
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert cli.main(["serve", "m.onnx"]) == 2
+    assert capsys.readouterr().err.startswith("error: serving needs Ray Serve, which cannot be imported (")
