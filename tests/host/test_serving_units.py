@@ -279,3 +279,19 @@ def test_serve_without_ray_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     assert cli.main(["serve", "m.onnx"]) == 2
     assert capsys.readouterr().err.startswith("error: serving needs Ray Serve, which cannot be imported (")
+
+
+def test_the_config_builder_converts_and_checks_its_args(tmp_path):
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[serve]')")
+    import pydantic
+
+    from host.serving.builder import ServeArgs, app
+
+    path = tmp_path / "m.onnx"
+    onnx.save(zoo.mlp(layers=1, hidden=4, dynamic_batch=True), path)
+    args = ServeArgs.model_validate({"model_path": str(path), "max_batch_size": "16", "buckets": [1, 2],
+                                     "num_gpus": "0"})  # strings, as `serve run ... key=value` passes them
+    assert (args.max_batch_size, args.buckets, args.num_replicas, args.num_gpus) == (16, [1, 2], 1, 0.0)
+    assert app(args) is not None  # binds; starts nothing
+    with pytest.raises(pydantic.ValidationError, match="max_batch_sise"):
+        ServeArgs.model_validate({"model_path": "m.onnx", "max_batch_sise": 4})
