@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 from pathlib import Path
 
@@ -90,9 +91,14 @@ def cmd_serve(args) -> int:
           f"(metadata: GET /v2/models/{name}, readiness: GET /v2/health/ready)", flush=True)
     if args.detach:
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` and container stops end it as Ctrl-C does
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.delete(name)  # ours to remove; a local Ray instance ends with this process
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
