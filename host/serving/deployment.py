@@ -144,29 +144,38 @@ class ServedModel:
 
     def _run_batch(self, pieces: list[Piece]) -> list[Outcome]:
         outcomes: list[Outcome | None] = [None] * len(pieces)
-        runs = self.policy.plan(pieces)
-        for run in runs:
-            try:
-                outputs = self.session.run(None, run.feeds)
-                parts = self.policy.split(pieces, run, outputs)
-            except Exception as exc:  # noqa: BLE001 - the run's requests get the error; the replica lives on
-                error = exc if isinstance(exc, EphostError) else EphostError(f"{type(exc).__name__}: {exc}")
-                parts = [None] * len(run.members)
-                with self._lock:
-                    self.stats["failed_runs"] += 1
-            else:
-                error = None
+        for run in self.policy.plan(pieces):
+            parts, error = self._execute(pieces, run)
+            if error is not None and len(run.members) > 1:
+                # A request's values (an index out of range, say) can fail a joined run: rerun each
+                # request alone, so only the ones that fail by themselves get the error.
+                for i in run.members:
+                    (alone,) = self.policy.plan([pieces[i]])
+                    (values,), own_error = self._execute([pieces[i]], alone)
+                    outcomes[i] = Outcome(values, own_error, len(pieces), alone.padded_rows)
+                continue
             for member, values in zip(run.members, parts):
                 outcomes[member] = Outcome(values, error, len(pieces), run.padded_rows)
-            with self._lock:
-                self.stats["runs"] += 1
-                self.stats["padded_rows"] += run.padded_rows - run.rows
-                self.run_rows[run.padded_rows] += 1
         with self._lock:
             self.stats["requests"] += len(pieces)
             self.stats["batches"] += 1
             self.batch_sizes[len(pieces)] += 1
         return outcomes
+
+    def _execute(self, pieces: list[Piece], run) -> tuple[list, EphostError | None]:
+        """One session run: each member's outputs, or Nones and the run's error (as an EphostError)."""
+        with self._lock:
+            self.stats["runs"] += 1
+            self.stats["padded_rows"] += run.padded_rows - run.rows
+            self.run_rows[run.padded_rows] += 1
+        try:
+            outputs = self.session.run(None, run.feeds)
+            return self.policy.split(pieces, run, outputs), None
+        except Exception as exc:  # noqa: BLE001 - the run's requests get the error; the replica lives on
+            with self._lock:
+                self.stats["failed_runs"] += 1
+            error = exc if isinstance(exc, EphostError) else EphostError(f"{type(exc).__name__}: {exc}")
+            return [None] * len(run.members), error
 
 
 def _path(request: Request) -> str:

@@ -295,3 +295,29 @@ def test_the_config_builder_converts_and_checks_its_args(tmp_path):
     assert app(args) is not None  # binds; starts nothing
     with pytest.raises(pydantic.ValidationError, match="max_batch_sise"):
         ServeArgs.model_validate({"model_path": "m.onnx", "max_batch_sise": 4})
+
+
+def test_a_request_that_fails_a_joined_run_fails_alone(tmp_path):
+    """One request's values break the joined run (a Gather index out of range): its neighbours are
+    rerun alone and answered; only it gets the error. The replica class runs here without Ray."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[serve]')")
+    from host.serving.backend import ModelSpec
+    from host.serving.deployment import ServedModel
+
+    table = np.arange(15, dtype=np.float32).reshape(5, 3)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "index"], ["row"], axis=0)], "g",
+        [helper.make_tensor_value_info("index", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("row", TensorProto.FLOAT, ["n", 3])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    path = tmp_path / "gather.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    replica = ServedModel(ModelSpec(str(path)), "gather", max_batch_size=8, batch_wait_timeout_s=0.0, buckets=False)
+    indexes = [np.array([1, 4]), np.array([9]), np.array([2])]
+    pieces = [Piece({"index": i}, replica.signature.check({"index": i}, pad_static=False)) for i in indexes]
+    outcomes = replica._run_batch(pieces)
+    assert outcomes[1].values is None and isinstance(outcomes[1].error, Exception)
+    for i in (0, 2):
+        assert outcomes[i].error is None
+        np.testing.assert_array_equal(outcomes[i].values[0], table[indexes[i]])
+    assert (replica.stats["runs"], replica.stats["failed_runs"], replica.stats["batches"]) == (4, 2, 1)
