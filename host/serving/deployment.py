@@ -200,15 +200,20 @@ def ephost_deployment(model_path, *, providers=None, provider_options=None, plug
     spec, name = _model_spec(model_path, providers, provider_options, plugins, backend, name)
     _check_batching(max_batch_size, batch_wait_timeout_s, num_replicas)
     resolve_buckets(buckets, max_batch_size, spec.uses_gpu)  # refuse a bad list here, not in every replica
+    deployment = serve.deployment(ServedModel).options(
+        name=name, **replica_options(spec, max_batch_size, num_replicas, num_gpus, ray_actor_options))
+    return deployment.bind(spec, name, max_batch_size, batch_wait_timeout_s, buckets)
+
+
+def replica_options(spec: ModelSpec, max_batch_size: int, num_replicas: int, num_gpus, ray_actor_options) -> dict:
+    """Ray Serve's deployment options: replica count, resources per replica, requests per replica."""
     actor_options = dict(ray_actor_options or {})
     gpus = num_gpus if num_gpus is not None else (1 if spec.uses_gpu else 0)
-    if gpus:
-        actor_options.setdefault("num_gpus", gpus)
-    deployment = serve.deployment(ServedModel).options(
-        name=name, num_replicas=num_replicas, ray_actor_options=actor_options,
-        # Room for one batch running and the next one forming (Ray warns below max_batch_size).
-        max_ongoing_requests=max(2 * max_batch_size, 5))
-    return deployment.bind(spec, name, max_batch_size, batch_wait_timeout_s, buckets)
+    if gpus:  # a CUDA deployment's replicas each get a GPU (Ray sets CUDA_VISIBLE_DEVICES for it)
+        actor_options["num_gpus"] = gpus
+    # Room for one batch running and the next one forming (Ray warns below max_batch_size).
+    return {"num_replicas": num_replicas, "ray_actor_options": actor_options,
+            "max_ongoing_requests": max(2 * max_batch_size, 5)}
 
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -321,3 +321,17 @@ def test_a_request_that_fails_a_joined_run_fails_alone(tmp_path):
         assert outcomes[i].error is None
         np.testing.assert_array_equal(outcomes[i].values[0], table[indexes[i]])
     assert (replica.stats["runs"], replica.stats["failed_runs"], replica.stats["batches"]) == (4, 2, 1)
+
+
+def test_cuda_replicas_ask_ray_for_a_gpu_each():
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[serve]')")
+    from host.serving.backend import ModelSpec
+    from host.serving.deployment import replica_options
+
+    cuda = ModelSpec("m.onnx", providers=("CUDAExecutionProvider",))
+    cpu = ModelSpec("m.onnx")
+    assert replica_options(cuda, 8, 2, None, None) == {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1},
+                                                       "max_ongoing_requests": 16}
+    assert replica_options(cuda, 8, 1, 0.5, {"num_cpus": 2})["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
+    assert replica_options(cpu, 1, 1, None, None)["ray_actor_options"] == {}
+    assert ModelSpec("m.onnx", providers=(("CUDAExecutionProvider", {"device_id": "0"}),)).uses_gpu
