@@ -522,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     from host.cli import ops as ops_cli  # `ephost ops` (host/cli/ops.py)
 
     ops_cli.add_parser(sub)
+    from host.cli import serve as serve_cli  # `ephost serve` (host/cli/serve.py)
+
+    serve_cli.add_parser(sub)
     for p in sub.choices.values():  # `ephost run ... --debug` as well as `ephost --debug run ...`
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
