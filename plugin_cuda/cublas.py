@@ -365,6 +365,14 @@ class CublasHandle:
         self._state.workspace = workspace
         self._stream_ptr = ptr
 
+    def release_workspace(self) -> None:
+        """Unbind the handle from its stream and return its workspace to the pool (the stream's
+        work must be done); set_stream binds it again, with a new workspace on the new stream."""
+        handle = self.raw
+        check(self._lib.cublasSetWorkspace_v2(handle, _NULL, 0), "cublasSetWorkspace_v2")
+        self._state.workspace = None
+        self._stream_ptr = None
+
     def close(self) -> None:
         """Destroy the handle and return its workspace to the pool; safe to call twice."""
         self._finalizer()

@@ -75,6 +75,15 @@ class DeviceMemory:
     def total_bytes(self) -> int:
         return int(self.pool.total_bytes()) if self.pool is not None else 0
 
+    def free_stream_blocks(self, stream) -> None:
+        """Return to the device the pool's free blocks kept for `stream` (being released)."""
+        if self.pool is None:
+            return
+        try:
+            self.pool.free_all_blocks(stream=stream)
+        except TypeError:  # a pool without per-stream arenas
+            pass
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.free_all_blocks()

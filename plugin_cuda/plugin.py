@@ -129,6 +129,7 @@ class StreamState:
             handle, self._cublas = self._cublas, None
             try:
                 self.stream.synchronize()  # no GEMM of ours still reads the handle's workspace
+                handle.release_workspace()
             except Exception:  # noqa: BLE001 - a broken stream: its handle is not reused
                 handle.close()
                 return
@@ -581,6 +582,8 @@ class CudaSyncStream(sdk.SyncStreamBase):
             self.ep.forget_stream(self.state)
             self.ep.streams.pop(self.state.ptr, None)
             self.state.close()
+            # The pool keeps freed blocks per stream: a released stream's would never be reused.
+            self.ep.memory.free_stream_blocks(self.state.stream)
 
 
 class CudaNotification(sdk.NotificationBase):
