@@ -5,7 +5,11 @@ An `activations` attribute names one function per gate function and direction; `
 ThresholdedRelu, ScaledTanh, HardSigmoid, Elu). A function left without a value takes onnxruntime's
 default: LeakyRelu alpha 0.01, HardSigmoid 0.2 / 0.5, Elu 1.0, and 0 for every other parameter
 (onnxruntime's rnn_helpers; ONNX leaves them unspecified). Names match without regard to case, as in
-onnxruntime. Each function works in place on an array the recurrence owns (a fresh gate block).
+onnxruntime.
+
+Each function returns a new array and never writes into its argument, a strided view of the gate
+block: NumPy 2.4's in-place unary loops (np.negative(v, out=v), np.exp...) can read the wrong elements
+of a view such as gates[..., 0:1] (one hidden unit), so in-place work happens only on fresh arrays.
 """
 
 from __future__ import annotations
@@ -19,59 +23,55 @@ from host.cpu_ep.ops_elementwise import sigmoid_inplace
 
 
 def _relu(x, a, b):
-    return np.maximum(x, 0, out=x)
+    return np.maximum(x, 0)
 
 
 def _tanh(x, a, b):
-    return np.tanh(x, out=x)
+    return np.tanh(x)
 
 
 def _sigmoid(x, a, b):
-    return sigmoid_inplace(x)
+    return sigmoid_inplace(np.array(x))  # np.array: a fresh C-contiguous copy to work in
 
 
 def _affine(x, a, b):
-    x *= a
-    x += b
-    return x
+    y = x * a
+    y += b
+    return y
 
 
 def _leaky_relu(x, a, b):
-    return np.multiply(x, a, out=x, where=x < 0)
+    return np.where(x < 0, x * a, x)
 
 
 def _thresholded_relu(x, a, b):
     # onnxruntime keeps x where x > alpha (ONNX writes >=; they differ only at x == alpha).
-    np.copyto(x, 0, where=x <= a)
-    return x
+    return np.where(x > a, x, 0)
 
 
 def _scaled_tanh(x, a, b):
-    x *= b
-    np.tanh(x, out=x)
-    x *= a
-    return x
+    y = x * b
+    np.tanh(y, out=y)
+    y *= a
+    return y
 
 
 def _hard_sigmoid(x, a, b):
-    x *= a
-    x += b
-    return np.clip(x, 0, 1, out=x)
+    y = x * a
+    y += b
+    return np.clip(y, 0, 1, out=y)
 
 
 def _elu(x, a, b):
-    neg = np.expm1(x)
-    neg *= a
-    np.copyto(x, neg, where=x < 0)
-    return x
+    return np.where(x < 0, np.expm1(x) * a, x)
 
 
 def _softsign(x, a, b):
-    return np.divide(x, np.abs(x) + 1, out=x)
+    return x / (np.abs(x) + 1)
 
 
 def _softplus(x, a, b):
-    return np.logaddexp(0, x, out=x)  # log(1 + e^x) without overflow
+    return np.logaddexp(0, x)  # log(1 + e^x) without overflow
 
 
 # lower-case name -> (function, takes alpha, takes beta, default alpha, default beta)
@@ -94,7 +94,7 @@ NAMES = ("Relu", "Tanh", "Sigmoid", "Affine", "LeakyRelu", "ThresholdedRelu", "S
 
 @dataclass(frozen=True)
 class Activation:
-    """One activation function with its parameters; calling it overwrites its argument."""
+    """One activation function with its parameters; calling it returns a new array."""
 
     name: str  # lower case
     alpha: float = 0.0
@@ -122,11 +122,10 @@ def parse_activations(names: list[str], alphas: list[float], betas: list[float])
 
 
 def apply(fns: tuple[Activation, ...], x: np.ndarray) -> np.ndarray:
-    """Applies per direction the functions `fns` (one, or one per direction along x's first axis) to x in
-    place; returns x."""
+    """The functions `fns` (one, or one per direction along x's first axis) applied to x, as a new array."""
     if len(fns) == 1:
-        fns[0](x)
-    else:
-        for d, fn in enumerate(fns):
-            fn(x[d])
-    return x
+        return fns[0](x)
+    out = np.empty(x.shape, dtype=x.dtype)
+    for d, fn in enumerate(fns):
+        out[d] = fn(x[d])
+    return out

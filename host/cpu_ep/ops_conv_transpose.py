@@ -8,8 +8,10 @@ kernel, no dilation: the usual 2x upsampling) the scatter is a plain transpose i
 Output geometry as onnxruntime computes it (conv_transpose_attributes.h): the full result has
 (in - 1) * stride + (kernel - 1) * dilation + 1 + output_padding cells per axis, cropped by the pads;
 auto_pad SAME_* pads to in * stride; an output_shape attribute replaces the pads by the total padding
-it implies (never negative: a larger output_shape extends the result with zeros, then the bias).
-SAME_UPPER puts the odd padding cell at the end, every other mode at the start.
+it implies (never negative: an output_shape up to stride - 1 cells larger extends the result with
+zeros, then the bias). SAME_UPPER puts the odd padding cell at the end, every other mode at the start.
+As in onnxruntime, an output that the matching Conv would not map back onto the input (output_padding
+at or past the stride, an output_shape too large) is an error.
 """
 
 from __future__ import annotations
@@ -76,16 +78,15 @@ class ConvTranspose(OpKernel):
         adj = self._attr_list("output_padding", self.output_padding, nd, 0)
         pads = self._attr_list("pads", self.pads, 2 * nd, 0)
         wanted = self.output_shape
-        if wanted is not None:
-            if len(wanted) not in (nd, nd + 2):
-                raise self.bad_attr("output_shape", wanted, f"a list of {nd} or {nd + 2} ints")
-            wanted = wanted[-nd:]
+        if wanted is not None and len(wanted) != nd:
+            raise self.bad_attr("output_shape", wanted, f"a list of {nd} ints (the spatial axes)")
         begin, out, full = [], [], []
         for i in range(nd):
             if adj[i] >= max(strides[i], dilations[i]):
                 raise ValueError(f"output_padding[{i}] = {adj[i]} must be less than max(stride, dilation) = "
                                  f"{max(strides[i], dilations[i])}")
-            span = (x_shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1
+            taps = (kernel[i] - 1) * dilations[i] + 1
+            span = (x_shape[2 + i] - 1) * strides[i] + taps
             if wanted is not None or self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
                 target = wanted[i] if wanted is not None else x_shape[2 + i] * strides[i]
                 total = max(0, span + adj[i] - target)
@@ -93,10 +94,15 @@ class ConvTranspose(OpKernel):
                 size = wanted[i] if wanted is not None else span + adj[i] - total
             else:
                 head, tail = (0, 0) if self.auto_pad == "VALID" else (pads[i], pads[i + nd])
-                size = span + adj[i] - head - tail
-            if size <= 0:
-                raise ValueError(f"spatial axis {i} of the output would have {size} cells (input {x_shape}, "
-                                 f"kernel {kernel}, strides {strides}, pads {pads})")
+                total, size = head + tail, span + adj[i] - head - tail
+            # onnxruntime refuses an output that the matching Conv would not map back onto the input.
+            implied = (size + total - taps) // strides[i] + 1
+            if size <= 0 or implied != x_shape[2 + i]:
+                raise ValueError(f"spatial axis {i}: an output of {size} cells does not fit the input's "
+                                 f"{x_shape[2 + i]} (a Conv of it gives {implied}; kernel {kernel[i]}, stride "
+                                 f"{strides[i]}, dilation {dilations[i]}, padding {total}, output_padding "
+                                 f"{adj[i]}); output_padding must stay below the stride and output_shape "
+                                 f"within a stride of the natural size")
             begin.append(head)
             out.append(size)
             full.append(max(span, head + size))
@@ -125,8 +131,10 @@ class ConvTranspose(OpKernel):
         ct = compute_dtype(x.dtype)
         pixels, taps = math.prod(x.shape[2:]), math.prod(geo.kernel)
         # (G, Mg*taps, Cg) @ (N, G, Cg, pixels) -> (N, G, Mg*taps, pixels): every output patch
-        wt = w.astype(ct, copy=False).reshape(G, c // G, mg * taps).transpose(0, 2, 1)
-        cols = np.matmul(wt, x.astype(ct, copy=False).reshape(n, G, c // G, pixels))
+        # Contiguous operands: numpy's batched matmul takes a slow non-BLAS loop over a transposed view.
+        wt = np.ascontiguousarray(w.astype(ct, copy=False).reshape(G, c // G, mg * taps).transpose(0, 2, 1))
+        xg = np.ascontiguousarray(x.astype(ct, copy=False)).reshape(n, G, c // G, pixels)
+        cols = np.dot(wt[0], xg[0, 0])[None, None] if n == 1 and G == 1 else np.matmul(wt, xg)
         cols = cols.reshape(n, G * mg, *geo.kernel, *x.shape[2:])
         y = _col2im(cols, geo, nd)
         if b is not None:

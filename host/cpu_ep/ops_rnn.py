@@ -2,9 +2,10 @@
 
 How: the input projection of every time step and direction is one GEMM before the recurrence
 (X @ W^T plus both biases, for all steps at once); the recurrence is one Python loop over time whose
-step makes one small batched GEMM (H @ R^T for both directions at once: the directions are stacked on
-a leading axis) and a handful of in-place ufuncs on the gate blocks. GRU without linear_before_reset
-needs a second product per step, (r * H) @ Rh^T, as its equation says.
+step makes one small GEMM per direction (H @ R^T, by the compiled single-threaded GEMM of
+host/cpu_ep/native where it takes the product: no BLAS call overhead) and a handful of ufuncs on the
+gate blocks, the directions stacked on a leading axis so each ufunc serves both. GRU without
+linear_before_reset needs a second product per step, (r * H) @ Rh^T, as its equation says.
 
 The reverse direction runs forward over a time-reversed copy of its projected input: with
 sequence_lens, each batch entry is reversed within its own length (an index gather), and the outputs
@@ -18,11 +19,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.cpu_ep.activations_rnn import NAMES as ACTIVATION_NAMES
 from host.cpu_ep.activations_rnn import Activation, apply, parse_activations
 from host.cpu_ep.base import OpKernel, compute_dtype
+from host.cpu_ep.ops_math import native_matmul
 from host.cpu_ep.registry import register
 
 _DIRECTIONS = ("forward", "reverse", "bidirectional")
+
+
+def gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for 2-D operands: the compiled single-threaded GEMM (host/cpu_ep/native) where it takes the
+    product, else np.dot. A recurrence makes many small products: OpenBLAS's call and threading overhead
+    would dominate them."""
+    a = np.ascontiguousarray(a)
+    y = native_matmul(a, b)
+    return np.dot(a, b) if y is None else y
+
+
+def per_direction(h: np.ndarray, rt: np.ndarray) -> np.ndarray:
+    """h (D, B, H) @ rt (D, H, N) -> (D, B, N): one GEMM per direction."""
+    if h.shape[0] == 1:
+        return gemm(h[0], rt[0])[None]
+    return np.stack([gemm(h[d], rt[d]) for d in range(h.shape[0])])
 
 
 @dataclass
@@ -71,7 +90,7 @@ class _Recurrent(OpKernel):
         try:
             acts = parse_activations(names, alphas, betas)
         except ValueError as exc:
-            raise self.bad_attr("activations", names, str(exc).split(" is not ")[-1]) from exc
+            raise self.bad_attr("activations", names, "names among " + ", ".join(ACTIVATION_NAMES)) from exc
         per_fn = []
         for k in range(n):
             fns = tuple(acts[d * n + k] for d in range(self.dirs))
@@ -105,8 +124,8 @@ class _Recurrent(OpKernel):
             x = x.transpose(1, 0, 2)
         s, batch, _ = x.shape
         d, gh = self.dirs, w.shape[1]
-        wt = w.astype(ct, copy=False).transpose(2, 0, 1).reshape(x.shape[2], d * gh)  # (I, D*gh)
-        xw = x.reshape(s * batch, -1).astype(ct, copy=False) @ wt
+        wt = np.ascontiguousarray(w.astype(ct, copy=False).transpose(2, 0, 1).reshape(x.shape[2], d * gh))
+        xw = gemm(x.reshape(s * batch, -1).astype(ct, copy=False), wt)  # (S*B, D*gh)
         xw = xw.reshape(s, batch, d, gh).transpose(0, 2, 1, 3)
         if b_in is not None:
             xw = xw + b_in[None, :, None, :]
@@ -177,9 +196,9 @@ class _Recurrent(OpKernel):
         return tuple(outs[: self.n_outputs])
 
     def _clip(self, x: np.ndarray) -> np.ndarray:
-        if self.clip is not None:
-            np.clip(x, -self.clip, self.clip, out=x)
-        return x
+        """x bounded to [-clip, clip] (a new array), or x itself without clip. Never in place: x is often a
+        strided view of a gate block (see activations_rnn)."""
+        return x if self.clip is None else np.clip(x, -self.clip, self.clip)
 
     def _recurrent_weights(self, r, ct) -> np.ndarray:
         """R^T per direction: (D, H, gates * H), C-contiguous."""
@@ -202,7 +221,7 @@ class RNN(_Recurrent):
         (f,) = self.acts
 
         def step(xw, state):
-            g = np.matmul(state[0], rt)
+            g = per_direction(state[0], rt)
             g += xw
             return (apply(f, self._clip(g)),)
 
@@ -250,18 +269,14 @@ class GRU(_Recurrent):
 
         def step(xw, state):
             h = state[0]
-            zr = np.matmul(h, rt_zr)
+            zr = per_direction(h, rt_zr)
             zr += xw[..., : 2 * hidden]
-            apply(f, self._clip(zr))
+            zr = apply(f, self._clip(zr))
             z, r = zr[..., :hidden], zr[..., hidden:]
-            hh = np.matmul(r * h, rt_h)
+            hh = per_direction(r * h, rt_h)
             hh += xw[..., 2 * hidden:]
-            apply(g, self._clip(hh))
-            # (1 - z) * hh + z * h
-            out = h - hh
-            out *= z
-            out += hh
-            return (out,)
+            hh = apply(g, self._clip(hh))
+            return (hh + z * (h - hh),)  # (1 - z) * hh + z * h
 
         return step
 
@@ -271,21 +286,12 @@ class GRU(_Recurrent):
 
         def step(xw, state):
             h = state[0]
-            gates = np.matmul(h, rt)
-            zr = gates[..., : 2 * hidden]
-            zr += xw[..., : 2 * hidden]
-            apply(f, self._clip(zr))
+            gates = per_direction(h, rt)
+            zr = apply(f, self._clip(gates[..., : 2 * hidden] + xw[..., : 2 * hidden]))
             z, r = zr[..., :hidden], zr[..., hidden:]
-            hh = gates[..., 2 * hidden:]
-            if rbh is not None:
-                hh += rbh
-            hh *= r
-            hh += xw[..., 2 * hidden:]
-            apply(g, self._clip(hh))
-            out = h - hh
-            out *= z
-            out += hh
-            return (out,)
+            recurrent = gates[..., 2 * hidden:] if rbh is None else gates[..., 2 * hidden:] + rbh
+            hh = apply(g, self._clip(r * recurrent + xw[..., 2 * hidden:]))
+            return (hh + z * (h - hh),)
 
         return step
 
@@ -326,29 +332,23 @@ class LSTM(_Recurrent):
 
         def step(xw, state):
             h, c = state
-            gates = np.matmul(h, rt)
+            gates = per_direction(h, rt)
             gates += xw
-            i, o, fg, cc = (gates[..., k * hid: (k + 1) * hid] for k in range(4))
             if peep is None:
-                self._clip(gates)  # o has no peephole term: it can be clipped with the others
+                # i, o and f are adjacent in the gate order: one activation call for the three.
+                iof = apply(f, self._clip(gates[..., : 3 * hid]))
+                i, o, fg = iof[..., :hid], iof[..., hid: 2 * hid], iof[..., 2 * hid:]
             else:
-                i += peep[:, 0] * c
-                fg += peep[:, 2] * c
-                for block in (i, fg, cc):
-                    self._clip(block)
-            apply(f, i)
+                i = apply(f, self._clip(gates[..., :hid] + peep[:, 0] * c))
+                fg = apply(f, self._clip(gates[..., 2 * hid: 3 * hid] + peep[:, 2] * c))
             if self.input_forget:
                 fg = 1 - i
-            else:
-                apply(f, fg)
-            apply(g, cc)
             c_new = fg * c
-            c_new += i * cc
+            c_new += i * apply(g, self._clip(gates[..., 3 * hid:]))
             if peep is not None:
-                o += peep[:, 1] * c_new
-                self._clip(o)
-            apply(f, o)
-            h_new = apply(h_act, c_new.copy())
+                # o's peephole reads the new cell state.
+                o = apply(f, self._clip(gates[..., hid: 2 * hid] + peep[:, 1] * c_new))
+            h_new = apply(h_act, c_new)
             h_new *= o
             return h_new, c_new
 
