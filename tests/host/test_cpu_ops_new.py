@@ -196,7 +196,21 @@ CONV_PATHS = [
          tol=SUM_TOL, id="Conv-im2col-same-upper"),
 ]
 
-NEW_CASES = INDEXING + ELEMENTWISE + RESIZE + TRANSFORMER + CONV_PATHS
+# Recurrent layers and ConvTranspose (ops_rnn.py, ops_conv_transpose.py); the attribute-by-attribute checks
+# against onnxruntime are in test_cpu_rnn.py and test_cpu_conv_transpose.py.
+RECURRENT = [
+    case("RNN", {"X": f32(3, 2, 4), "W": f32(1, 5, 4), "R": f32(1, 5, 5), "B": f32(1, 10)}, n_out=2, hidden_size=5,
+         tol=SUM_TOL),
+    case("GRU", {"X": f32(3, 2, 4), "W": f32(2, 9, 4), "R": f32(2, 9, 3), "B": f32(2, 18)}, n_out=2, hidden_size=3,
+         direction="bidirectional", tol=SUM_TOL),
+    case("LSTM", {"X": f32(3, 2, 4), "W": f32(1, 12, 4), "R": f32(1, 12, 3), "B": f32(1, 24)}, n_out=3,
+         hidden_size=3, tol=SUM_TOL),
+    # group 1: onnx's reference ConvTranspose fails on groups (test_cpu_conv_transpose.py checks them)
+    case("ConvTranspose", {"x": f32(2, 4, 5, 6), "w": f32(4, 3, 3, 2), "b": f32(3)}, strides=[2, 1],
+         pads=[1, 0, 0, 1], tol=SUM_TOL),
+]
+
+NEW_CASES = INDEXING + ELEMENTWISE + RESIZE + TRANSFORMER + CONV_PATHS + RECURRENT
 
 
 @pytest.mark.parametrize(("node", "feeds", "opset", "tol"), NEW_CASES)
