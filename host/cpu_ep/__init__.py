@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
     ops_elementwise,
+    ops_gridsample,
     ops_index,
     ops_math,
     ops_nn,
     ops_reduce,
     ops_resize,
     ops_shape,
+    ops_string,
     ops_transformer,
 )
 from host.cpu_ep.base import EP_NAME, OpKernel

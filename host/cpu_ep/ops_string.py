@@ -1,0 +1,107 @@
+"""String ops on string tensors (NumPy object arrays of Python str, as onnxruntime returns them):
+StringNormalizer, StringConcat, StringSplit, RegexFullMatch."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from host.cpu_ep.base import OpKernel
+from host.cpu_ep.registry import register
+from host.errors import InvalidArgument
+
+
+def _strings(x: np.ndarray, what: str) -> np.ndarray:
+    if x.dtype != object:
+        raise InvalidArgument(f"{what} must be a tensor(string) (object array of str); got dtype {x.dtype}")
+    return x
+
+
+def _object_array(values, shape) -> np.ndarray:
+    """An object array of `shape` from a flat list (np.array would make a '<U' array, or nest lists)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out.reshape(shape)
+
+
+@register("StringNormalizer", since=10)
+class StringNormalizer(OpKernel):
+    """Drops stop words (case-sensitive or not), then lower- or upper-cases what is left. X is [C] or
+    [1, C]; when every word is dropped the output is one empty string ([1] or [1, 1]), as onnxruntime does."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.action = self.attr_str("case_change_action", "NONE", ("LOWER", "UPPER", "NONE"))
+        self.case_sensitive = self.attr_bool("is_case_sensitive", 0)
+        stopwords = self.attr("stopwords", [], "a list of strings")
+        words = [w.decode() if isinstance(w, bytes) else str(w) for w in stopwords]
+        self.stopwords = set(words) if self.case_sensitive else {w.lower() for w in words}
+
+    def _keep(self, word: str) -> bool:
+        return (word if self.case_sensitive else word.lower()) not in self.stopwords
+
+    def _change(self, word: str) -> str:
+        return word.lower() if self.action == "LOWER" else word.upper() if self.action == "UPPER" else word
+
+    def _run(self, x):
+        _strings(x, "StringNormalizer's input X")
+        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == 1)):
+            raise InvalidArgument(f"StringNormalizer's input X must have shape [C] or [1, C]; got {list(x.shape)}")
+        words = [self._change(w) for w in x.reshape(-1) if self._keep(w)]
+        if not words:
+            return (_object_array([""], (1,) * x.ndim),)
+        return (_object_array(words, (1, len(words)) if x.ndim == 2 else (len(words),)),)
+
+
+@register("StringConcat", since=20)
+class StringConcat(OpKernel):
+    """Element-wise X + Y with NumPy broadcasting."""
+
+    def _run(self, x, y):
+        _strings(x, "StringConcat's input X")
+        _strings(y, "StringConcat's input Y")
+        out = np.add(x, y, dtype=object)
+        return (out if isinstance(out, np.ndarray) else _object_array([out], ()),)
+
+
+@register("StringSplit", since=20)
+class StringSplit(OpKernel):
+    """Splits each string at `delimiter` (unset or empty: runs of whitespace, Python's str.split()) at most
+    `maxsplit` times. Y: X's shape plus one axis as long as the longest split, padded with ""; Z: the
+    number of pieces of each string."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        delimiter = self.attr("delimiter", "", "a string")
+        self.delimiter = (delimiter.decode() if isinstance(delimiter, bytes) else delimiter) or None
+        self.maxsplit = self.attr_int("maxsplit", -1)
+
+    def _run(self, x):
+        _strings(x, "StringSplit's input X")
+        pieces = [s.split(self.delimiter, self.maxsplit) for s in x.reshape(-1)]
+        width = max((len(p) for p in pieces), default=0)
+        flat = [w for p in pieces for w in (*p, *([""] * (width - len(p))))]
+        y = _object_array(flat, (*x.shape, width))
+        z = np.array([len(p) for p in pieces], dtype=np.int64).reshape(x.shape)
+        return y, z
+
+
+@register("RegexFullMatch", since=20)
+class RegexFullMatch(OpKernel):
+    """Whether each string matches `pattern` entirely (RE2 syntax; Python's re agrees on the common
+    subset: classes, repetition, alternation, anchors)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        pattern = self.attr_str("pattern")
+        try:
+            self.regex = re.compile(pattern)
+        except re.error as exc:
+            raise self.bad_attr("pattern", pattern, f"a regular expression ({exc})") from None
+
+    def _run(self, x):
+        _strings(x, "RegexFullMatch's input X")
+        match = self.regex.fullmatch
+        flat = np.fromiter((match(s) is not None for s in x.reshape(-1)), dtype=np.bool_, count=x.size)
+        return (flat.reshape(x.shape),)
