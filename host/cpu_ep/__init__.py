@@ -11,6 +11,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_index,
     ops_math,
     ops_nn,
+    ops_recent,
     ops_reduce,
     ops_resize,
     ops_shape,
