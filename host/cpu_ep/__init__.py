@@ -6,6 +6,7 @@ Importing the package imports every op module, which fills the registry table.
 from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_detection,
     ops_elementwise,
     ops_gridsample,
     ops_index,
@@ -17,6 +18,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_shape,
     ops_string,
     ops_transformer,
+    ops_unique,
 )
 from host.cpu_ep.base import EP_NAME, OpKernel
 from host.cpu_ep.registry import CPU_KERNELS, lookup, register, supported_ops
