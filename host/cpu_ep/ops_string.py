@@ -1,5 +1,5 @@
-"""String ops on string tensors (NumPy object arrays of Python str, as onnxruntime returns them):
-StringNormalizer, StringConcat, StringSplit, RegexFullMatch."""
+"""String and text ops on string tensors (NumPy object arrays of Python str, as onnxruntime returns them):
+StringNormalizer, StringConcat, StringSplit, RegexFullMatch, and TfIdfVectorizer (int or string tokens)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,67 @@ class RegexFullMatch(OpKernel):
         match = self.regex.fullmatch
         flat = np.fromiter((match(s) is not None for s in x.reshape(-1)), dtype=np.bool_, count=x.size)
         return (flat.reshape(x.shape),)
+
+
+@register("TfIdfVectorizer", since=9)
+class TfIdfVectorizer(OpKernel):
+    """Counts the pool's n-grams (min_gram_length..max_gram_length tokens, the tokens of an n-gram
+    max_skip_count or fewer positions apart) in each row of int or string tokens; TF gives the counts,
+    IDF the weight of each n-gram present, TFIDF counts times weights. Output: float32 [rows,] size."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.min_n = self.attr_int("min_gram_length", lo=1)
+        self.max_n = self.attr_int("max_gram_length", lo=self.min_n)
+        self.max_skip = self.attr_int("max_skip_count", lo=0)
+        self.mode = self.attr_str("mode", choices=("TF", "IDF", "TFIDF"))
+        counts = self.attr_ints("ngram_counts")
+        indexes = self.attr_ints("ngram_indexes", lo=0)
+        pool = self.node.attrs.get("pool_int64s")
+        if pool is None:
+            strings = self.attr("pool_strings", allowed="pool_int64s or pool_strings")
+            pool = [s.decode() if isinstance(s, bytes) else s for s in strings]
+        self.table = self._table(list(pool), counts, indexes)
+        self.size = max(indexes, default=-1) + 1
+        weights = self.attr("weights", None)
+        self.weights = None if weights is None else np.asarray(weights, np.float32)
+
+    def _table(self, pool: list, counts: list[int], indexes: list[int]) -> dict[tuple, int]:
+        """n-gram (a tuple of tokens) -> output position; the pool holds 1-grams from counts[0], 2-grams
+        from counts[1], ..., and indexes gives the position of each n-gram in pool order."""
+        bounds = [*counts, len(pool)]
+        table, j = {}, 0
+        for n in range(1, len(counts) + 1):
+            segment = pool[bounds[n - 1]:bounds[n]]
+            for start in range(0, len(segment), n):
+                if j >= len(indexes):
+                    raise self.bad_attr("ngram_indexes", indexes, "one index per n-gram of the pool")
+                table[tuple(segment[start:start + n])] = indexes[j]
+                j += 1
+        return table
+
+    def _count_row(self, tokens: list, out: np.ndarray) -> None:
+        length = len(tokens)
+        for start in range(length):
+            for n in range(self.min_n, self.max_n + 1):
+                for skip in range(self.max_skip + 1 if n > 1 else 1):
+                    last = start + (skip + 1) * (n - 1)
+                    if last >= length:
+                        break
+                    index = self.table.get(tuple(tokens[start:last + 1:skip + 1]))
+                    if index is not None:
+                        out[index] += 1
+
+    def _run(self, x):
+        if x.ndim not in (1, 2):
+            raise InvalidArgument(f"TfIdfVectorizer's input must be [C] or [N, C]; got shape {list(x.shape)}")
+        rows = x.reshape(-1, x.shape[-1]) if x.ndim == 2 else x.reshape(1, -1)
+        out = np.zeros((rows.shape[0], self.size), np.float32)
+        for row, counts in zip(rows.tolist(), out):
+            self._count_row(row, counts)
+        weights = self.weights if self.weights is not None else np.ones(self.size, np.float32)
+        if self.mode == "IDF":
+            out = np.minimum(out, 1) * weights
+        elif self.mode == "TFIDF":
+            out = out * weights
+        return (out if x.ndim == 2 else out.reshape(-1),)
