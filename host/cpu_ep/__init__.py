@@ -6,6 +6,7 @@ Importing the package imports every op module, which fills the registry table.
 from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_attention,
     ops_detection,
     ops_elementwise,
     ops_gridsample,
