@@ -25,6 +25,25 @@ def _object_array(values, shape) -> np.ndarray:
     return out.reshape(shape)
 
 
+def _number_text(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "NaN"
+        if v in (float("inf"), float("-inf")):
+            return "INF" if v > 0 else "-INF"
+        return f"{v:.8g}"
+    return str(int(v))  # bool as 1 / 0, as onnxruntime writes it
+
+
+def to_strings(x: np.ndarray) -> np.ndarray:
+    """Cast to tensor(string) as onnxruntime writes numbers: floats with 8 significant digits ('%.8g',
+    'NaN', 'INF', '-INF'), integers in decimal, booleans as 1 and 0."""
+    if x.dtype == object:
+        return x.copy()
+    values = x.astype(np.float64) if x.dtype.kind == "f" else x
+    return _object_array([_number_text(v) for v in values.reshape(-1).tolist()], x.shape)
+
+
 @register("StringNormalizer", since=10)
 class StringNormalizer(OpKernel):
     """Drops stop words (case-sensitive or not), then lower- or upper-cases what is left. X is [C] or
@@ -67,7 +86,7 @@ class StringConcat(OpKernel):
 
 @register("StringSplit", since=20)
 class StringSplit(OpKernel):
-    """Splits each string at `delimiter` (unset or empty: runs of whitespace, Python's str.split()) at most
+    """Splits each string at `delimiter` (unset or empty: runs of spaces) at most
     `maxsplit` times. Y: X's shape plus one axis as long as the longest split, padded with ""; Z: the
     number of pieces of each string."""
 
@@ -77,9 +96,19 @@ class StringSplit(OpKernel):
         self.delimiter = (delimiter.decode() if isinstance(delimiter, bytes) else delimiter) or None
         self.maxsplit = self.attr_int("maxsplit", -1)
 
+    def _split(self, text: str) -> list[str]:
+        """onnxruntime's rules: the empty string has no pieces; without a delimiter, runs of spaces
+        (not tabs or newlines) separate pieces and leading or trailing ones make none."""
+        if not text:
+            return []
+        if self.delimiter is not None:
+            return text.split(self.delimiter, self.maxsplit)
+        pieces = re.split(" +", text.lstrip(" "), maxsplit=max(self.maxsplit, 0))
+        return pieces[:-1] if pieces and pieces[-1] == "" else pieces
+
     def _run(self, x):
         _strings(x, "StringSplit's input X")
-        pieces = [s.split(self.delimiter, self.maxsplit) for s in x.reshape(-1)]
+        pieces = [self._split(s) for s in x.reshape(-1)]
         width = max((len(p) for p in pieces), default=0)
         flat = [w for p in pieces for w in (*p, *([""] * (width - len(p))))]
         y = _object_array(flat, (*x.shape, width))
