@@ -91,7 +91,9 @@ class GridSample(OpKernel):
         if self.mode == "nearest":
             c = np.rint(c)
         lo, hi = self._bounds(size)
-        if self.padding == "border":
+        # Cubic with border padding clamps each tap, not the coordinate (onnxruntime and PyTorch; onnx's
+        # reference clamps the coordinate, which no backend test tells apart).
+        if self.padding == "border" and self.mode != "cubic":
             c = np.where((c < lo) | (c > hi), np.clip(c, 0, size - 1), c)
         elif self.padding == "reflection":
             c = _reflect(c, lo, hi)
