@@ -11,6 +11,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_elementwise,
     ops_gridsample,
     ops_index,
+    ops_linear_attention,
     ops_math,
     ops_nn,
     ops_recent,

@@ -159,3 +159,18 @@ def test_attention_external_cache_with_past_is_an_error():
     with pytest.raises(KernelError, match=r"^node '.*' \(Attention\) on CPUExecutionProvider failed: "
                                           r"nonpad_kv_seqlen \(an external cache\) cannot be combined"):
         _ours(node, feeds, 24)
+
+
+@pytest.mark.parametrize("rule", ["linear", "gated", "delta", "gated_delta"])
+def test_linear_attention_gqa_with_past(rule):
+    names = ["q", "k", "v", "past", "decay" if "gated" in rule else "", "beta" if "delta" in rule else ""]
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node("LinearAttention", names, ["y", "present"], update_rule=rule, q_num_heads=4,
+                            kv_num_heads=2)
+    feeds = {"q": f32(2, 5, 4 * 3), "k": f32(2, 5, 2 * 3), "v": f32(2, 5, 2 * 6), "past": f32(2, 2, 3, 6)}
+    if "gated" in rule:
+        feeds["decay"] = f32(2, 5, 2 * 3, low=-0.5, high=0.0)  # per head and key dimension
+    if "delta" in rule:
+        feeds["beta"] = f32(2, 5, 2, low=0.0, high=1.0)
+    _check(node, feeds, 27)
