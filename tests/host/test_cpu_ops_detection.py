@@ -15,6 +15,9 @@ from host.errors import InvalidArgument, KernelError
 from host.runtime.node import node_info
 
 rng = np.random.default_rng(26)
+# The ops this module checks against onnxruntime (test_cpu_ops.py's every-op check reads it).
+TESTED_OPS = {"GridSample", "NonMaxSuppression", "Unique", "Swish", "TensorScatter", "CausalConvWithState",
+              "LinearAttention"}
 
 
 def f32(*shape, low=-1.0, high=1.0):

@@ -22,6 +22,8 @@ from host.runtime.ortvalue import OrtValue
 from host.runtime.session import InferenceSession
 
 S, F, I64 = TensorProto.STRING, TensorProto.FLOAT, TensorProto.INT64
+# The ops this module checks against onnxruntime (test_cpu_ops.py's every-op check reads it).
+TESTED_OPS = {"StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer"}
 WORDS = np.array([["Hello", "wörld", ""], ["a b", "MONDAY", "ünïcode"]], dtype=object)
 
 
