@@ -4,25 +4,56 @@ from __future__ import annotations
 
 import numpy as np
 
+STRING = 8  # TensorProto.STRING: NumPy object arrays of Python str, as onnxruntime returns them
+
 # ONNX TensorProto.DataType values; bfloat16 and 8-bit floats are not supported.
 ONNX_TO_NUMPY: dict[int, np.dtype] = {
     1: np.dtype(np.float32), 2: np.dtype(np.uint8), 3: np.dtype(np.int8), 4: np.dtype(np.uint16),
-    5: np.dtype(np.int16), 6: np.dtype(np.int32), 7: np.dtype(np.int64), 9: np.dtype(np.bool_),
-    10: np.dtype(np.float16), 11: np.dtype(np.float64), 12: np.dtype(np.uint32), 13: np.dtype(np.uint64),
+    5: np.dtype(np.int16), 6: np.dtype(np.int32), 7: np.dtype(np.int64), STRING: np.dtype(object),
+    9: np.dtype(np.bool_), 10: np.dtype(np.float16), 11: np.dtype(np.float64), 12: np.dtype(np.uint32),
+    13: np.dtype(np.uint64),
 }
 NUMPY_TO_ONNX: dict[np.dtype, int] = {v: k for k, v in ONNX_TO_NUMPY.items()}
+
+# TensorProto.DataType names, for messages: 16 -> "tensor(bfloat16)" (onnx's own type strings).
+_ONNX_NAMES = {
+    0: "undefined", 1: "float", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
+    8: "string", 9: "bool", 10: "float16", 11: "double", 12: "uint32", 13: "uint64", 14: "complex64",
+    15: "complex128", 16: "bfloat16", 17: "float8e4m3fn", 18: "float8e4m3fnuz", 19: "float8e5m2",
+    20: "float8e5m2fnuz", 21: "uint4", 22: "int4", 23: "float4e2m1", 24: "float8e8m0", 25: "uint2", 26: "int2",
+}
+
+
+def type_name(elem_type: int) -> str:
+    """The ONNX type string of an element type: 1 -> 'tensor(float)', 8 -> 'tensor(string)'."""
+    name = _ONNX_NAMES.get(int(elem_type))
+    return f"tensor({name})" if name is not None else f"tensor(unknown element type {int(elem_type)})"
+
+
+def dtype_type_name(dtype) -> str:
+    """The ONNX type string of a NumPy dtype ('tensor(double)'), or 'numpy <dtype>' where ONNX has none."""
+    dt = np.dtype(dtype)
+    et = NUMPY_TO_ONNX.get(dt)
+    return type_name(et) if et is not None else f"numpy {dt}"
+
+
+def supported_names() -> str:
+    """The element types of ONNX_TO_NUMPY in ONNX words, for 'supported: ...' messages."""
+    return ", ".join(type_name(t) for t in sorted(ONNX_TO_NUMPY))
 
 
 def to_numpy(elem_type: int) -> np.dtype:
     try:
         return ONNX_TO_NUMPY[elem_type]
     except KeyError:
-        raise TypeError(f"ONNX element type {elem_type} is not supported; "
-                        f"supported: {sorted(ONNX_TO_NUMPY)}") from None
+        raise TypeError(f"ONNX element type {type_name(elem_type)} is not supported; "
+                        f"supported: {supported_names()}") from None
 
 
 def to_onnx(dtype) -> int:
     dt = np.dtype(dtype)
+    if dt.kind in "US":  # NumPy fixed-width text: an ONNX string tensor
+        return STRING
     try:
         return NUMPY_TO_ONNX[dt]
     except KeyError:

@@ -6,16 +6,23 @@ Importing the package imports every op module, which fills the registry table.
 from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_attention,
     ops_conv_transpose,
+    ops_detection,
     ops_elementwise,
+    ops_gridsample,
     ops_index,
+    ops_linear_attention,
     ops_math,
     ops_nn,
+    ops_recent,
     ops_reduce,
     ops_resize,
     ops_rnn,
     ops_shape,
+    ops_string,
     ops_transformer,
+    ops_unique,
 )
 from host.cpu_ep.base import EP_NAME, OpKernel
 from host.cpu_ep.registry import CPU_KERNELS, lookup, register, supported_ops

@@ -529,8 +529,9 @@ _E8M0 = getattr(onnx.TensorProto, "FLOAT8E8M0", None)  # opset 24
 
 def _cast(x: np.ndarray, to: int, dtype: np.dtype, saturate: bool, round_mode: str = "up") -> np.ndarray:
     if to == onnx.TensorProto.STRING:
-        # ONNX strings are object arrays of python str.
-        return x.astype(np.str_).astype(object)
+        from host.cpu_ep.ops_string import to_strings  # the number formats live with the string ops
+
+        return to_strings(x)
     if x.dtype == object:
         # Strings parse through python (float("INF"), int("3")...).
         return x.astype(np.float64 if dtype.kind == "f" or dtype.kind == "V" else dtype).astype(dtype)

@@ -117,7 +117,21 @@ class _Recorder:
 SMALL_CONSTANT_OF_SHAPE = 4096
 
 
+def _makes_strings(node: ir.Node) -> bool:
+    if node.op_type in ("Cast", "CastLike") and node.domain in ("", "ai.onnx"):
+        to = node.attributes.get_int("to", None)
+        if to == ir.DataType.STRING or (node.op_type == "CastLike" and len(node.inputs) > 1
+                                        and node.inputs[1] is not None
+                                        and node.inputs[1].dtype == ir.DataType.STRING):
+            return True
+    return any(out.dtype == ir.DataType.STRING for out in node.outputs)
+
+
 def _should_fold(node: ir.Node) -> bool | None:
+    if _makes_strings(node):
+        # onnx's reference kernels return NumPy text arrays ('<U21'), which onnx-ir cannot serialize
+        # (the whole optimization then failed): string results stay computed at run time.
+        return False
     if node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
         return None  # onnxscript's own rules
     shape = node.inputs[0].const_value if node.inputs and node.inputs[0] is not None else None

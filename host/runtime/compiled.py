@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import abi
+from abi.dtypes import STRING
 from host.errors import EpError, InvalidArgument, KernelError
 from host.plugins import hostapi
 from host.plugins.ep import PluginEp, SyncStream
@@ -54,7 +55,9 @@ def collect_claims(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks
     """Ask each EP in priority order; a node goes to the first EP that claims it (fused or single)."""
     n = len(graph.nodes)
     claims = Claims()
-    taken: set[int] = set()
+    # String tensors live in host memory as Python objects, which no plugin can read: their nodes stay
+    # on the CPU EP whatever an EP claims.
+    taken: set[int] = string_nodes(graph)
     for ep in eps:
         claimed = ffi.new("uint8_t[]", max(n, 1))
         # A v6 host serves Graph_AddNodesToFuse to every v6 EP; groups of an EP that cannot
@@ -85,6 +88,14 @@ def collect_claims(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks
             claims.single[i] = ep
             taken.add(i)
     return claims
+
+
+def string_nodes(graph: Graph) -> set[int]:
+    """Indices of the nodes that read or write a string tensor."""
+    def is_string(name: str) -> bool:
+        meta = graph.values.get(name)
+        return meta is not None and meta.elem_type == STRING
+    return {i for i, node in enumerate(graph.nodes) if any(is_string(v) for v in (*node.inputs, *node.outputs) if v)}
 
 
 def _consumers(graph: Graph) -> dict[str, list[int]]:

@@ -92,7 +92,8 @@ class GraphView:
                 v.shape = self._ints64([d if isinstance(d, int) and d > 0 else -1 for d in meta.shape])
             if name in graph.initializers:
                 v.kind = abi.VALUE_INITIALIZER
-                v.constant = self.tensor(graph.initializers[name])
+                if graph.initializers[name].dtype != object:  # no C view of Python str objects
+                    v.constant = self.tensor(graph.initializers[name])
             elif name in graph_ins:
                 v.kind = abi.VALUE_GRAPH_INPUT
             elif name in graph_outs:

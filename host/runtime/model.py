@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference
 
-from abi.dtypes import ONNX_TO_NUMPY
+from abi.dtypes import ONNX_TO_NUMPY, supported_names, type_name
 from host.errors import ModelError, NoSuchFile
 from host.runtime.node import NodeInfo, node_info
 
@@ -129,12 +129,12 @@ def build_graph(model) -> Graph:
     inits = {}
     for t in g.initializer:
         if t.data_type not in ONNX_TO_NUMPY:
-            raise ModelError(f"initializer {t.name!r} has element type {t.data_type}; "
-                             f"supported: {sorted(ONNX_TO_NUMPY)}")
+            raise ModelError(f"initializer {t.name!r} has element type {type_name(t.data_type)}; "
+                             f"supported: {supported_names()}")
         try:
             inits[t.name] = numpy_helper.to_array(t)
         except (ValueError, TypeError) as exc:  # data that does not fit its dims or type
-            raise ModelError(f"initializer {t.name!r} (element type {t.data_type}, dims {list(t.dims)}) cannot be "
+            raise ModelError(f"initializer {t.name!r} (element type {type_name(t.data_type)}, dims {list(t.dims)}) cannot be "
                              f"read: {exc}") from None
     values: dict[str, ValueMeta] = {}
     for vi in [*g.input, *g.value_info, *g.output]:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 import abi
-from abi.dtypes import to_numpy, to_onnx
+from abi.dtypes import NUMPY_TO_ONNX, dtype_type_name, to_numpy, to_onnx
 from host.errors import InvalidArgument
 from host.runtime.tensor import DeviceTensor, as_device_tensor
 
@@ -21,9 +21,9 @@ _DEVICE_TYPES = {"cpu": abi.DEVICE_CPU, "cuda": abi.DEVICE_GPU, "gpu": abi.DEVIC
 
 
 def type_string(dtype) -> str:
-    """onnxruntime's type text for a NumPy dtype: tensor(float), tensor(double), tensor(int64), ..."""
-    name = np.dtype(dtype).name
-    return "tensor(" + {"float32": "float", "float64": "double"}.get(name, name) + ")"
+    """onnxruntime's type text for a NumPy dtype: tensor(float), tensor(double), tensor(string), ..."""
+    dt = np.dtype(dtype)
+    return dtype_type_name(dt) if dt in NUMPY_TO_ONNX else f"tensor({dt.name})"
 
 
 def _device(device_type, device_id) -> int:

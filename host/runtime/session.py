@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import abi
-from abi.dtypes import to_numpy, to_onnx
+from abi.dtypes import STRING, dtype_type_name, to_numpy, to_onnx, type_name
 from host import cpu_ep
 from host.errors import EpError, EphostError, InvalidArgument, ModelError, PluginLoadError
 from host.plugins import hostapi
@@ -66,10 +66,19 @@ class NodeArg:
 
 
 def _type_string(elem_type: int) -> str:
-    try:
-        return f"tensor({to_numpy(elem_type).name})".replace("float64", "double").replace("float32", "float")
-    except TypeError:
-        return f"tensor(elem_type={elem_type})"
+    return type_name(elem_type)
+
+
+def _string_feed(name: str, value: np.ndarray) -> np.ndarray:
+    """A string input as onnxruntime takes it: an object array of str; NumPy text arrays ('<U5') are
+    converted, other object arrays must hold str only."""
+    if value.dtype.kind == "U":
+        return value.astype(object)
+    if value.dtype == object and not all(isinstance(s, str) for s in value.flat):
+        bad = next(type(s).__name__ for s in value.flat if not isinstance(s, str))
+        raise InvalidArgument(f"input '{name}': a tensor(string) input holds Python str only; "
+                              f"got an object array holding {bad}")
+    return value
 
 
 def _option_text(ep: str, what: str, key, value) -> str:
@@ -324,10 +333,13 @@ class InferenceSession:
             value = dev
         else:
             value = np.asarray(value, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
+            if meta.elem_type == STRING:
+                value = _string_feed(meta.name, value)
             arr_dtype, shape = value.dtype, value.shape
         expected = to_numpy(meta.elem_type) if meta.elem_type else None
         if expected is not None and arr_dtype != expected:
-            raise InvalidArgument(f"input '{meta.name}': expected dtype {expected}, got {arr_dtype}")
+            raise InvalidArgument(f"input '{meta.name}': expected dtype {expected} ({type_name(meta.elem_type)}), "
+                                  f"got {arr_dtype} ({dtype_type_name(arr_dtype)})")
         if meta.shape is not None:
             if len(shape) != len(meta.shape):
                 raise InvalidArgument(f"input '{meta.name}': expected rank {len(meta.shape)} "

@@ -150,7 +150,10 @@ BINARY = [
     case("Cast", {"x": f32(3, 4)}, to=TensorProto.FLOAT16, id="Cast-float-float16"),
     case("Cast", {"x": i32(3, 4)}, to=TensorProto.DOUBLE, id="Cast-int32-double"),
     case("Cast", {"x": f32(3, 4)}, to=TensorProto.BOOL, id="Cast-float-bool"),
-    case("Cast", {"x": f32(2, 3)}, to=TensorProto.STRING, id="Cast-float-string"),
+    # Cast to string follows onnxruntime's number format ('%.8g'), not the reference's (NumPy's repr):
+    # tests/host/test_cpu_ops_strings.py checks it against onnxruntime.
+    case("Cast", {"x": np.array([[0.5, -1.25], [2.5, 0.125]], np.float32)}, to=TensorProto.STRING,
+         id="Cast-float-string"),
     case("CastLike", {"x": f32(3, 4, low=-50, high=50), "like": i32(1, dtype=np.int64)}),
 ]
 
@@ -307,9 +310,11 @@ def test_matches_reference(node, feeds, opset, tol):
 
 def test_every_registered_op_has_a_case():
     # The ops added for real exports have their cases in test_cpu_ops_new.py (ai.ephost ones included).
+    from tests.host.test_cpu_ops_detection import TESTED_OPS as DETECTION_OPS
     from tests.host.test_cpu_ops_new import EPHOST_OPS, NEW_CASES
+    from tests.host.test_cpu_ops_strings import TESTED_OPS as STRING_OPS
 
-    covered = {p.values[0].op_type for p in ALL_CASES + NEW_CASES} | set(EPHOST_OPS)
+    covered = {p.values[0].op_type for p in ALL_CASES + NEW_CASES} | set(EPHOST_OPS) | DETECTION_OPS | STRING_OPS
     missing = [op for domain, op in supported_ops() if op not in covered]
     assert missing == []
 

@@ -17,7 +17,7 @@ from onnx import helper
 import host
 from host.cli import ops as ops_cli
 from host.cli.app import main
-from host.cpu_ep import create_kernel, supported_ops
+from host.cpu_ep import CPU_KERNELS, create_kernel, supported_ops
 from host.errors import ModelError
 from host.runtime.model import MAX_OPSET, MIN_OPSET
 from host.runtime.node import node_info
@@ -38,7 +38,9 @@ def test_cli_markdown_is_the_doc(capsys):
 def test_cli_text_lists_every_cpu_op(capsys):
     assert main(["ops"]) == 0
     out = capsys.readouterr().out.splitlines()
-    onnx_ops = [op for domain, op in supported_ops() if domain == ""]
+    # Ops whose first kernel comes after the host's window (Swish-24, LinearAttention-27...) are not listed.
+    onnx_ops = [op for domain, op in supported_ops()
+                if domain == "" and any(since <= MAX_OPSET for since, _, _ in CPU_KERNELS[(domain, op)])]
     assert out[0].startswith(f"CPUExecutionProvider (kernel table): {len(onnx_ops)} of {len(ops_cli.onnx_ops())} "
                              "ai.onnx ops")
     listed = {line.split()[0] for line in out[1:]}

@@ -111,7 +111,7 @@ def test_unknown_output_name(env5, xy):
 
 def test_wrong_dtype_rank_and_dim(env5, xy):
     s = InferenceSession(chain_model(), env=env5)
-    with pytest.raises(InvalidArgument, match=r"^input 'X': expected dtype float32, got float64$"):
+    with pytest.raises(InvalidArgument, match=r"^input 'X': expected dtype float32 \(tensor\(float\)\), got float64 \(tensor\(double\)\)$"):
         s.run(None, {"X": xy[0].astype(np.float64), "Y": xy[1]})
     with pytest.raises(InvalidArgument, match=r"^input 'X': expected rank 2 \(shape \[2, 3\]\), got rank 1"):
         s.run(None, {"X": np.zeros(6, np.float32), "Y": xy[1]})

@@ -202,7 +202,7 @@ def _reference(x):
 
 
 def test_feed_wrong_dtype(session):
-    with pytest.raises(InvalidArgument, match=r"^input 'X': expected dtype float32, got float64$"):
+    with pytest.raises(InvalidArgument, match=r"^input 'X': expected dtype float32 \(tensor\(float\)\), got float64 \(tensor\(double\)\)$"):
         session.run(None, {"X": _x().astype(np.float64)})
 
 
