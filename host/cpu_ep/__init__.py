@@ -10,6 +10,8 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_index,
     ops_math,
     ops_nn,
+    ops_quant,
+    ops_quant_ms,
     ops_reduce,
     ops_resize,
     ops_shape,
