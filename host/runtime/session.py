@@ -318,6 +318,8 @@ class InferenceSession:
     def _check_feed(self, meta: ValueMeta, value) -> object:
         if isinstance(value, OrtValue):
             value = value.value
+        if isinstance(value, dict) and not meta.elem_type:
+            return value  # a map (DictVectorizer's input): no tensor checks apply
         dev = value if isinstance(value, DeviceTensor) else as_device_tensor(value)
         if dev is not None:
             arr_dtype, shape = dev.dtype, dev.shape
@@ -376,7 +378,8 @@ class InferenceSession:
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
         # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
         feed_ids = {id(v) for v in fed.values()}
-        return [o if o.flags.owndata and id(o) not in feed_ids else o.copy() for o in outs]
+        return [o if not isinstance(o, np.ndarray) or (o.flags.owndata and id(o) not in feed_ids) else o.copy()
+                for o in outs]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
         ex = self._executor
