@@ -61,6 +61,9 @@ class OptimizeResult:
     report: list[PassReport]
     nodes_before: int
     nodes_after: int
+    # The opsets the model itself declares (domain -> version; '' for ai.onnx): the optimizer may
+    # convert the model to a newer opset, but messages name the user's own.
+    source_opsets: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"optimizer ({self.level.name}): {self.nodes_before} -> {self.nodes_after} nodes"]

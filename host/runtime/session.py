@@ -195,6 +195,12 @@ class InferenceSession:
             self.graph = build_graph(optimizer.expand_unclaimed(g.model, names))
             self._view = GraphView(self.graph)
 
+    def _own_opset(self, node) -> int:
+        """The opset the user's model declares for the node's domain (the optimizer may have
+        converted the graph to a newer one; messages name the model's own)."""
+        declared = self.optimization.source_opsets if self.optimization is not None else {}
+        return declared.get(node.domain if node.domain != "ai.onnx" else "", node.opset)
+
     def _partition(self) -> Plan:
         self._expand_unclaimed()
         g = self.graph
@@ -221,7 +227,7 @@ class InferenceSession:
                 kernel = self._plugin_kernel(ep, i, n)
             else:
                 if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
-                    unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {n.opset})")
+                    unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                     continue
                 kernel = cpu_ep.create_kernel(n)
             nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, kernel))
