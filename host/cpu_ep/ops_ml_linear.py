@@ -169,6 +169,7 @@ class SVMClassifier(_Svm):
                 pair += 1
         scores = np.stack(decisions, axis=1)
         labels = self.labels[votes.argmax(axis=1)]
-        if n_classes == 2:
+        if n_classes == 2:  # one decision d: labels[0] where d > 0; scores [-d, d] as onnxruntime writes them
             labels = np.where(scores[:, 0] > 0, self.labels[0], self.labels[1])
+            scores = np.concatenate([-scores, scores], axis=1)
         return (labels, post_transform(self.post, scores).astype(np.float32))
