@@ -42,11 +42,16 @@ def _out_dtype(zero_point, fallback) -> np.dtype:
 
 @register("QLinearAdd", domain=MS)
 class QLinearAdd(OpKernel):
+    """MLAS's form, which its rounding depends on: the zero points folded into one float32
+    constant, zp_c - (ratio_a * zp_a + ratio_b * zp_b), plus ratio_a * a + ratio_b * b."""
+
     def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c_scale, c_zp=None):
         ratio_a = _f32(a_scale) / _f32(c_scale)
         ratio_b = _f32(b_scale) / _f32(c_scale)
-        values = ratio_a * _centered32(a, a_zp) + ratio_b * _centered32(b, b_zp)
-        return (saturate_round(values, _f32(c_zp if c_zp is not None else 0), _out_dtype(c_zp, a.dtype)),)
+        zp_a, zp_b, zp_c = (_f32(z if z is not None else 0) for z in (a_zp, b_zp, c_zp))
+        fixed = zp_c - (ratio_a * zp_a + ratio_b * zp_b)
+        values = (a.astype(F32) * ratio_a + fixed) + b.astype(F32) * ratio_b
+        return (saturate_round(values, np.float32(0), _out_dtype(c_zp, a.dtype)),)
 
 
 @register("QLinearMul", domain=MS)
