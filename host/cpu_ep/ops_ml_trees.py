@@ -20,6 +20,7 @@ ML = "ai.onnx.ml"
 MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "BRANCH_MEMBER", "LEAF")
 _LEAF = 7
 _MEMBER = 6
+_BLOCK = 1 << 16  # (row, tree) cursors walked at once
 _COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
 
 
@@ -47,19 +48,33 @@ class Forest:
         self.single_mode = int(branch[0]) if branch.size and (branch == branch[0]).all() else -1
         self.any_missing_true = bool(self.missing_true.any())
         self.thresholds32 = self.threshold.astype(np.float32)
+        self.children = np.stack([self.true_next, self.false_next], axis=1).reshape(-1).astype(np.intp)
+        self.feature = self.feature.astype(np.intp)
+        self.roots = self.roots.astype(np.intp)
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
-        """(rows, trees) indices of the leaf each row reaches in each tree."""
+        """(rows, trees) indices of the leaf each row reaches in each tree, in blocks of rows small
+        enough for the cursors to stay in cache."""
         n = x.shape[0]
+        out = np.empty((n, len(self.roots)), dtype=np.intp)
+        step = max(1, _BLOCK // max(1, len(self.roots)))
+        for start in range(0, n, step):
+            out[start:start + step] = self._walk(x[start:start + step])
+        return out
+
+    def _walk(self, x: np.ndarray) -> np.ndarray:
+        n, width = x.shape
         idx = np.repeat(self.roots[None, :], n, axis=0)
-        rows = np.arange(n)[:, None]
+        row_base = (np.arange(n, dtype=np.intp) * width)[:, None]
+        flat = np.ascontiguousarray(x).reshape(-1)
         thresholds = self.thresholds32 if x.dtype == np.float32 else self.threshold
         for _ in range(self.depth):
-            values = x[rows, self.feature[idx]]
-            go_true = self._compare(values, thresholds[idx], idx)
+            values = flat.take(row_base + self.feature.take(idx))
+            go_true = self._compare(values, thresholds.take(idx), idx)
             if self.any_missing_true:
-                go_true |= self.missing_true[idx] & np.isnan(values)
-            idx = np.where(go_true, self.true_next[idx], self.false_next[idx])
+                go_true |= self.missing_true.take(idx) & np.isnan(values)
+            # children[2 * node] is the true child, children[2 * node + 1] the false one.
+            idx = self.children.take(2 * idx + ~go_true)
         return idx
 
     def _compare(self, values, thresholds, idx) -> np.ndarray:
