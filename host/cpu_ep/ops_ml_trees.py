@@ -207,8 +207,7 @@ class TreeEnsembleRegressor(OpKernel):
 @register("TreeEnsembleClassifier", domain=ML, since=1, until=4)
 class TreeEnsembleClassifier(OpKernel):
     """Scores per class plus base values; a model that scores one class only (binary boosting)
-    gets the second column made up, as onnxruntime does ([1 - s, s], or [-s, s] before a
-    LOGISTIC/SOFTMAX transform)."""
+    gets the second column made up, as onnxruntime does (`_binary`)."""
 
     def __init__(self, node):
         super().__init__(node)
@@ -219,7 +218,9 @@ class TreeEnsembleClassifier(OpKernel):
         n_classes = max(len(self.labels), 2)
         self.forest = forest_v1(self, "class", n_classes)
         self.base = _base_values(self)
-        self.binary = len(set(self.attr_ints("class_ids"))) == 1 and len(self.labels) <= 2
+        self.binary = len(set(self.attr_ints("class_ids"))) == 1 and len(self.labels) == 2
+        weights = _tensor_or_list(self, "class_weights")
+        self.weights_positive = bool((weights >= 0).all())
 
     def _run(self, x):
         x = _features(x)
@@ -227,16 +228,29 @@ class TreeEnsembleClassifier(OpKernel):
         if self.base is not None:
             scores = scores + (self.base if self.base.size > 1 else self.base[0])
         if self.binary:
-            positive = scores[:, 0].copy()
-            scores = np.empty((len(x), 2))
-            scores[:, 1] = positive
-            scores[:, 0] = 1 - positive if self.post in ("NONE", "PROBIT") else -positive
+            return self._binary(scores[:, 0])
         scores = post_transform(self.post, scores)
         if len(self.labels) == 1:  # one label: the second column stands for "not it"
             labels = np.where(scores.argmax(axis=1) == 1, self.labels[0], 0)
         else:
             labels = self.labels[scores.argmax(axis=1)]
         return (labels, scores.astype(np.float32))
+
+
+    def _binary(self, s: np.ndarray):
+        """onnxruntime's binary case (one scored class): label 1 where s > 0.5 (all weights >= 0)
+        or s > 0 (otherwise); scores [1 - s, s] (all weights >= 0) or [-s, s], [logistic(-s),
+        logistic(s)] under LOGISTIC; SOFTMAX(_ZERO) leave them as they are. Under PROBIT onnxruntime
+        writes probit(s) and leaves the second column unset: ephost writes 0 there."""
+        positive = s > 0.5 if self.weights_positive else s > 0
+        scores = np.empty((len(s), 2))
+        if self.post == "LOGISTIC":
+            scores[:, 0], scores[:, 1] = post_transform("LOGISTIC", -s), post_transform("LOGISTIC", s)
+        elif self.post == "PROBIT":
+            scores[:, 0], scores[:, 1] = post_transform("PROBIT", s), 0.0
+        else:
+            scores[:, 0], scores[:, 1] = (1 - s if self.weights_positive else -s), s
+        return (self.labels[positive.astype(np.intp)], scores.astype(np.float32))
 
 
 AGGREGATES_V5 = ("AVERAGE", "SUM", "MIN", "MAX")

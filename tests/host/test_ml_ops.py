@@ -226,3 +226,22 @@ def test_zipmap_with_wrong_column_count_is_a_kernel_error():
     with pytest.raises(KernelError, match=r"^node '.*' \(ZipMap\) on CPUExecutionProvider failed: 2 scores per row "
                                           r"for 3 class labels$"):
         sess.run(None, {"X": X[:2, :2]})
+
+
+# PROBIT is left out: onnxruntime leaves the second score column unset there (stale memory).
+@pytest.mark.parametrize("post", ["NONE", "LOGISTIC", "SOFTMAX"])
+@pytest.mark.parametrize("weights", [[0.2, 0.9], [-0.4, 0.9]])
+def test_binary_tree_classifier_with_one_scored_class_matches_onnxruntime(post, weights):
+    """Boosting-style binary model: every leaf scores class 0 only; the second column is made up,
+    its convention depending on the signs of the weights. A missing value (NaN) goes the true way
+    at node 0."""
+    node = helper.make_node(
+        "TreeEnsembleClassifier", ["X"], ["label", "scores"], domain="ai.onnx.ml", classlabels_int64s=[3, 7],
+        post_transform=post, nodes_treeids=[0, 0, 0], nodes_nodeids=[0, 1, 2], nodes_featureids=[1, 0, 0],
+        nodes_values=[0.5, 0.0, 0.0], nodes_modes=["BRANCH_LT", "LEAF", "LEAF"], nodes_truenodeids=[1, 0, 0],
+        nodes_falsenodeids=[2, 0, 0], nodes_missing_value_tracks_true=[1, 0, 0],
+        class_treeids=[0, 0], class_nodeids=[1, 2], class_ids=[0, 0], class_weights=weights)
+    model = _ml_model(node, [_vi("X", TensorProto.FLOAT, [None, 2])],
+                      [_vi("label", TensorProto.INT64, [None]), _vi("scores", TensorProto.FLOAT, [None, 2])])
+    x = np.array([[0.1, 0.2], [0.1, 0.8], [0.3, np.nan], [0.0, 0.5]], dtype=np.float32)
+    _assert_same(*_both(model, {"X": x}))
