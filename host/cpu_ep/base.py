@@ -19,6 +19,10 @@ EP_NAME = "CPUExecutionProvider"
 
 _MISSING = object()
 
+# What a kernel may return besides arrays: non-tensor ONNX values as Python objects (ZipMap's
+# sequence of maps is a list of dicts, as onnxruntime returns it).
+NON_TENSOR = (np.ndarray, list, dict)
+
 
 class OpKernel:
     """One node's kernel. Subclasses parse attributes in `__init__` and implement `_run`."""
@@ -42,8 +46,9 @@ class OpKernel:
             raise
         except Exception as exc:
             raise self.failure(exc) from exc
-        # numpy reductions return numpy scalars; callers always get arrays.
-        return tuple(o if isinstance(o, np.ndarray) else np.asarray(o) for o in outputs)
+        # numpy reductions return numpy scalars; callers always get arrays (or the Python objects
+        # of non-tensor values: a list for a sequence, a dict for a map).
+        return tuple(o if isinstance(o, NON_TENSOR) else np.asarray(o) for o in outputs)
 
     def bind_constants(self, constants: dict[int, np.ndarray]) -> None:
         """Told once per plan by the CPU run loop (runner.py) which inputs are initializers:

@@ -14,8 +14,15 @@ from operator import itemgetter
 
 import numpy as np
 
+from host.cpu_ep.base import NON_TENSOR
 from host.cpu_ep.fusion import FusedNode, fuse
 from host.errors import EpError, EphostError
+
+
+def _value(out):
+    """A kernel's output other than a plain ndarray: a NumPy scalar becomes an array; arrays and
+    non-tensor values (lists, dicts) stay as they are."""
+    return out if isinstance(out, NON_TENSOR) else np.asarray(out)
 
 
 def _gather(inputs: tuple[int, ...]):
@@ -103,10 +110,10 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
                 raise node.kernel.failure(exc) from exc
             if single >= 0:  # one output (most nodes)
                 out = outs[0]
-                values[single] = out if type(out) is ndarray else np.asarray(out)
+                values[single] = out if type(out) is ndarray else _value(out)
             elif single == -2:
                 for vid, out in zip(outputs, outs):
                     if vid >= 0:
-                        values[vid] = out if type(out) is ndarray else np.asarray(out)
+                        values[vid] = out if type(out) is ndarray else _value(out)
             for v in frees:
                 values[v] = None

@@ -56,6 +56,7 @@ def prepare(model, level, optimized_model_filepath: str = "") -> tuple[object, O
     except Exception as exc:  # noqa: BLE001 - optimization must never make a model unrunnable
         warn_caller(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized")
         return proto, None
+    result.source_opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
     if optimized_model_filepath:
         save(result.model, optimized_model_filepath)
     return result.model, result

@@ -18,13 +18,14 @@ from onnxscript.optimizer import _constant_folding as constant_folding
 from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules import common as onnxscript_rules
 
-from host.errors import InvalidArgument, ModelError
+from host.errors import InvalidArgument
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
 from host.optimizer.rules.views import view_rules
+from host.runtime.warn import warn_caller
 
 _LOCK = threading.Lock()
 
@@ -60,6 +61,9 @@ class OptimizeResult:
     report: list[PassReport]
     nodes_before: int
     nodes_after: int
+    # The opsets the model itself declares (domain -> version; '' for ai.onnx): the optimizer may
+    # convert the model to a newer opset, but messages name the user's own.
+    source_opsets: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"optimizer ({self.level.name}): {self.nodes_before} -> {self.nodes_after} nodes"]
@@ -374,6 +378,11 @@ def nothing_to_do(model: onnx.ModelProto) -> bool:
     return True
 
 
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL, *,
              verbose: bool = False) -> OptimizeResult:
     """Optimize `model` at `level` (a GraphOptimizationLevel, its int value or name).
@@ -391,8 +400,11 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
         return OptimizeResult(model, level, [], count, count)
     try:
         ir_model = ir.serde.deserialize_model(_with_fresh_shapes(model))
-    except Exception as exc:  # noqa: BLE001 - a proto onnx-ir cannot read is a model error
-        raise ModelError(f"the optimizer cannot read the model: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - onnx-ir cannot represent everything ONNX can
+        # (map types: skl2onnx's ZipMap outputs); the model still runs, just unoptimized.
+        warn_caller(f"the optimizer cannot read this model ({_first_line(exc)}); "
+                    "it runs unoptimized")
+        return OptimizeResult(model, level, [], count, count)
     rec = _Recorder(ir_model, verbose)
     # Rule objects are shared and keep match state between check() and rewrite() (onnxscript's
     # rules do too), so sessions created on several threads optimize one at a time.

@@ -180,8 +180,12 @@ def _dtype(elem_type: int, name: str) -> np.dtype:
         raise ModelError(f"value '{name}': {exc}") from None
 
 
+# Host values that are not tensors: a sequence as a list, a map as a dict (ZipMap, DictVectorizer).
+_HOST_VALUES = (np.ndarray, list, dict)
+
+
 def _location(value) -> tuple[int, int]:
-    if isinstance(value, np.ndarray):
+    if isinstance(value, _HOST_VALUES):
         return CPU_LOCATION
     return (value.device_type, value.device_id)
 
@@ -283,7 +287,7 @@ class Executor:
         keep_outputs = set(self.plan.output_ids.values())
         if self._cpu_only:
             for v in feeds.values():
-                if not isinstance(v, np.ndarray):  # a device feed, and no EP here that can read it
+                if not isinstance(v, _HOST_VALUES):  # a device feed, and no EP here that can read it
                     raise EpError(f"no data transfer can copy from {_location(v)} to {CPU_LOCATION}")
             run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names, owner=self)
             return
@@ -402,7 +406,7 @@ class Executor:
         return None
 
     def to_host(self, value):
-        if isinstance(value, np.ndarray):
+        if isinstance(value, _HOST_VALUES):
             return value
         # On the producer's stream, so the copy follows the EP's copy-stream options and is ordered
         # after the kernel that wrote the value.

@@ -72,6 +72,9 @@ def _check_opsets(proto: onnx.ModelProto) -> dict[str, int]:
         opsets[""] = opsets.pop("ai.onnx")
     default = opsets.get("")
     if default is None:
+        # A model of ai.onnx.ml ops only (a converted classifier) may import no default opset.
+        if all(n.domain not in ("", "ai.onnx") for n in proto.graph.node):
+            return opsets
         raise ModelError("model imports no default ONNX opset; expected an opset_import for domain ''")
     if not MIN_OPSET <= default <= MAX_OPSET:
         raise ModelError(f"model uses ONNX opset {default}; supported: {MIN_OPSET}..{MAX_OPSET}")

@@ -204,6 +204,12 @@ class InferenceSession:
             self.graph = build_graph(optimizer.expand_unclaimed(g.model, names))
             self._view = GraphView(self.graph)
 
+    def _own_opset(self, node) -> int:
+        """The opset the user's model declares for the node's domain (the optimizer may have
+        converted the graph to a newer one; messages name the model's own)."""
+        declared = self.optimization.source_opsets if self.optimization is not None else {}
+        return declared.get(node.domain if node.domain != "ai.onnx" else "", node.opset)
+
     def _partition(self) -> Plan:
         self._expand_unclaimed()
         g = self.graph
@@ -230,7 +236,7 @@ class InferenceSession:
                 kernel = self._plugin_kernel(ep, i, n)
             else:
                 if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
-                    unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {n.opset})")
+                    unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                     continue
                 kernel = cpu_ep.create_kernel(n)
             nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, kernel))
@@ -327,6 +333,8 @@ class InferenceSession:
     def _check_feed(self, meta: ValueMeta, value) -> object:
         if isinstance(value, OrtValue):
             value = value.value
+        if isinstance(value, dict) and not meta.elem_type:
+            return value  # a map (DictVectorizer's input): no tensor checks apply
         dev = value if isinstance(value, DeviceTensor) else as_device_tensor(value)
         if dev is not None:
             arr_dtype, shape = dev.dtype, dev.shape
@@ -388,7 +396,8 @@ class InferenceSession:
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
         # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
         feed_ids = {id(v) for v in fed.values()}
-        return [o if o.flags.owndata and id(o) not in feed_ids else o.copy() for o in outs]
+        return [o if not isinstance(o, np.ndarray) or (o.flags.owndata and id(o) not in feed_ids) else o.copy()
+                for o in outs]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
         ex = self._executor

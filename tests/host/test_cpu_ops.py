@@ -310,11 +310,12 @@ def test_matches_reference(node, feeds, opset, tol):
 
 def test_every_registered_op_has_a_case():
     # The ops added for real exports have their cases in test_cpu_ops_new.py (ai.ephost ones included).
+    from tests.host.quant_ml_ops import ML_OPS, QUANT_OPS
     from tests.host.test_cpu_ops_detection import TESTED_OPS as DETECTION_OPS
     from tests.host.test_cpu_ops_new import EPHOST_OPS, NEW_CASES
     from tests.host.test_cpu_ops_strings import TESTED_OPS as STRING_OPS
 
-    covered = {p.values[0].op_type for p in ALL_CASES + NEW_CASES} | set(EPHOST_OPS) | DETECTION_OPS | STRING_OPS
+    covered = {p.values[0].op_type for p in ALL_CASES + NEW_CASES} | set(EPHOST_OPS) | DETECTION_OPS | STRING_OPS | QUANT_OPS | ML_OPS
     missing = [op for domain, op in supported_ops() if op not in covered]
     assert missing == []
 

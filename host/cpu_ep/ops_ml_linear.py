@@ -1,0 +1,175 @@
+"""Linear and kernel models of ai.onnx.ml: LinearClassifier, LinearRegressor, SVMClassifier,
+SVMRegressor. One GEMM per model (rows x features by features x classes), scores in float64
+(onnxruntime accumulates in float), outputs in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host.cpu_ep.base import OpKernel
+from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
+from host.cpu_ep.registry import register
+
+ML = "ai.onnx.ml"
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    x = x.reshape(1, -1) if x.ndim == 1 else x.reshape(x.shape[0], -1)
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+
+
+def _labels_from_scores(labels: np.ndarray, scores: np.ndarray, binary_threshold: float | None) -> np.ndarray:
+    """argmax over classes; a one-column score (binary) picks labels[1] above the threshold."""
+    if scores.shape[1] == 1:
+        return labels[(scores[:, 0] > binary_threshold).astype(np.int64)]
+    return labels[scores.argmax(axis=1)]
+
+
+@register("LinearClassifier", domain=ML)
+class LinearClassifier(OpKernel):
+    """scores = x @ coefficients.T + intercepts; with one score column and two labels (a binary
+    logistic regression) the scores become [-s, s] before the post transform."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.labels = class_labels(self, "classlabels_ints")
+        if self.labels is None:
+            raise self.bad_attr("classlabels_ints", None, "classlabels_ints or classlabels_strings")
+        self.post = self.attr_str("post_transform", "NONE", choices=POST_TRANSFORMS)
+        coef = np.asarray(self.attr("coefficients"), dtype=np.float32)
+        intercepts = self.attr("intercepts", None)
+        self.n_columns = len(intercepts) if intercepts else max(1, len(coef) // max(1, len(self.labels)))
+        self.coef = coef.reshape(self.n_columns, -1).T.copy()
+        self.intercepts = np.asarray(intercepts if intercepts else [0.0] * self.n_columns, dtype=np.float32)
+
+    def _run(self, x):
+        x = _rows(x)
+        if x.shape[1] != self.coef.shape[0]:
+            raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
+        scores = x.astype(np.float32) @ self.coef + self.intercepts
+        if self.n_columns == 1 and len(self.labels) == 2:
+            scores = np.concatenate([-scores, scores], axis=1)
+        scores = post_transform(self.post, scores)
+        if self.n_columns == 1 and len(self.labels) != 2:
+            labels = np.where(scores[:, 0] > 0, self.labels[-1], self.labels[0])
+        else:
+            labels = self.labels[scores.argmax(axis=1)]
+        return (labels, scores.astype(np.float32))
+
+
+@register("LinearRegressor", domain=ML)
+class LinearRegressor(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.targets = self.attr_int("targets", 1, lo=1)
+        self.post = self.attr_str("post_transform", "NONE", choices=POST_TRANSFORMS)
+        coef = np.asarray(self.attr("coefficients"), dtype=np.float32)
+        self.coef = coef.reshape(self.targets, -1).T.copy()
+        intercepts = self.attr("intercepts", None)
+        self.intercepts = np.asarray(intercepts if intercepts else [0.0] * self.targets, dtype=np.float32)
+
+    def _run(self, x):
+        x = _rows(x)
+        if x.shape[1] != self.coef.shape[0]:
+            raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
+        scores = x.astype(np.float32) @ self.coef + self.intercepts
+        return (post_transform(self.post, scores).astype(np.float32),)
+
+
+KERNELS = ("LINEAR", "POLY", "RBF", "SIGMOID")
+
+
+class _Svm(OpKernel):
+    """The kernel function of SVMClassifier/SVMRegressor between rows and support vectors."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.kernel = self.attr_str("kernel_type", "LINEAR", choices=KERNELS)
+        params = list(self.attr("kernel_params", None) or [0.0, 0.0, 0.0])
+        self.gamma, self.coef0, self.degree = (float(v) for v in (params + [0.0] * 3)[:3])
+        self.post = self.attr_str("post_transform", "NONE", choices=POST_TRANSFORMS)
+
+    def kernel_matrix(self, x: np.ndarray, sv: np.ndarray) -> np.ndarray:
+        if self.kernel == "RBF":
+            d2 = (x * x).sum(1)[:, None] + (sv * sv).sum(1)[None, :] - 2 * x @ sv.T
+            return np.exp(-self.gamma * np.maximum(d2, 0))
+        dot = x @ sv.T
+        if self.kernel == "POLY":
+            return (self.gamma * dot + self.coef0) ** self.degree
+        if self.kernel == "SIGMOID":
+            return np.tanh(self.gamma * dot + self.coef0)
+        return dot
+
+
+@register("SVMRegressor", domain=ML)
+class SVMRegressor(_Svm):
+    def __init__(self, node):
+        super().__init__(node)
+        self.n_sv = self.attr_int("n_supports", 0, lo=0)
+        coef = np.asarray(self.attr("coefficients"), dtype=np.float64)
+        self.rho = float((self.attr("rho", None) or [0.0])[0])
+        self.one_class = self.attr_bool("one_class", 0)
+        if self.n_sv:
+            self.sv = np.asarray(self.attr("support_vectors"), dtype=np.float64).reshape(self.n_sv, -1)
+            self.coef = coef
+        else:  # a linear model: the coefficients are the weights of the features
+            self.sv, self.coef = None, coef
+
+    def _run(self, x):
+        x = _rows(x).astype(np.float64)
+        if self.sv is None:
+            scores = x @ self.coef + self.rho
+        else:
+            scores = self.kernel_matrix(x, self.sv) @ self.coef + self.rho
+        if self.one_class:
+            scores = np.where(scores > 0, 1.0, -1.0)
+        return (post_transform(self.post, scores[:, None]).astype(np.float32),)
+
+
+@register("SVMClassifier", domain=ML)
+class SVMClassifier(_Svm):
+    """One-vs-one votes over support vectors (or a linear model without them); probabilities from
+    the pairwise Platt scaling (prob_a/prob_b) are not computed: models with them are refused."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.labels = class_labels(self, "classlabels_ints")
+        if self.labels is None:
+            raise self.bad_attr("classlabels_ints", None, "classlabels_ints or classlabels_strings")
+        if self.attr("prob_a", None):
+            raise self.bad_attr("prob_a", "present", "no prob_a/prob_b (probability estimates are not supported)")
+        self.vectors_per_class = self.attr_ints("vectors_per_class", None) or []
+        self.coef = np.asarray(self.attr("coefficients"), dtype=np.float64)
+        self.rho = np.asarray(self.attr("rho", None) or [0.0], dtype=np.float64)
+        n_sv = sum(self.vectors_per_class)
+        self.sv = (np.asarray(self.attr("support_vectors"), dtype=np.float64).reshape(n_sv, -1) if n_sv else None)
+
+    def _run(self, x):
+        x = _rows(x).astype(np.float64)
+        n_classes = len(self.labels)
+        if self.sv is None:
+            coef = self.coef.reshape(-1, x.shape[1])
+            scores = x @ coef.T + self.rho[: coef.shape[0]]
+            scores = post_transform(self.post, scores)
+            labels = _labels_from_scores(self.labels, scores, 0.0)
+            return (labels, scores.astype(np.float32))
+        k = self.kernel_matrix(x, self.sv)
+        starts = np.concatenate([[0], np.cumsum(self.vectors_per_class)])
+        coef = self.coef.reshape(n_classes - 1, -1)
+        votes = np.zeros((len(x), n_classes))
+        decisions = []
+        pair = 0
+        for i in range(n_classes):  # one-vs-one pairs: a loop over class pairs, vectorized over rows
+            for j in range(i + 1, n_classes):
+                si, sj = slice(starts[i], starts[i + 1]), slice(starts[j], starts[j + 1])
+                d = k[:, si] @ coef[j - 1, si] + k[:, sj] @ coef[i, sj] + self.rho[pair]
+                votes[:, i] += d > 0
+                votes[:, j] += d <= 0
+                decisions.append(d)
+                pair += 1
+        scores = np.stack(decisions, axis=1)
+        labels = self.labels[votes.argmax(axis=1)]
+        if n_classes == 2:  # one decision d: labels[0] where d > 0; scores [-d, d] as onnxruntime writes them
+            labels = np.where(scores[:, 0] > 0, self.labels[0], self.labels[1])
+            scores = np.concatenate([-scores, scores], axis=1)
+        return (labels, post_transform(self.post, scores).astype(np.float32))

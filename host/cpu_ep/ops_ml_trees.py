@@ -1,0 +1,317 @@
+"""Tree ensembles of ai.onnx.ml: TreeEnsembleClassifier, TreeEnsembleRegressor (1..3) and
+TreeEnsemble (5).
+
+Every tree of a node is flattened into one table of nodes (leaves point to themselves), so the walk
+is vectorized over rows and trees at once: one step moves every (row, tree) cursor one level down,
+for as many steps as the deepest tree has levels. No Python loop runs per row or per tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from host.cpu_ep.base import OpKernel
+from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
+from host.cpu_ep.registry import register
+
+ML = "ai.onnx.ml"
+MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "BRANCH_MEMBER", "LEAF")
+_LEAF = 7
+_MEMBER = 6
+_BLOCK = 1 << 16  # (row, tree) cursors walked at once
+_COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
+
+
+@dataclass
+class Forest:
+    """The flattened trees: per node its feature, threshold, mode code (MODES), children and
+    whether a missing value (NaN) goes the true way; `weights` (nodes, targets) is zero except at
+    leaves, `has_weight` marks the (leaf, target) pairs the model names (for MIN/MAX)."""
+
+    feature: np.ndarray
+    threshold: np.ndarray
+    mode: np.ndarray
+    true_next: np.ndarray
+    false_next: np.ndarray
+    missing_true: np.ndarray
+    roots: np.ndarray
+    weights: np.ndarray
+    has_weight: np.ndarray
+    members: dict  # node index -> array of member values (BRANCH_MEMBER)
+    depth: int = 0
+
+    def __post_init__(self):
+        self.depth = _depth(self)
+        branch = self.mode[self.mode != _LEAF]
+        self.single_mode = int(branch[0]) if branch.size and (branch == branch[0]).all() else -1
+        self.any_missing_true = bool(self.missing_true.any())
+        self.thresholds32 = self.threshold.astype(np.float32)
+        self.children = np.stack([self.true_next, self.false_next], axis=1).reshape(-1).astype(np.intp)
+        self.feature = self.feature.astype(np.intp)
+        self.roots = self.roots.astype(np.intp)
+
+    def leaves(self, x: np.ndarray) -> np.ndarray:
+        """(rows, trees) indices of the leaf each row reaches in each tree, in blocks of rows small
+        enough for the cursors to stay in cache."""
+        n = x.shape[0]
+        out = np.empty((n, len(self.roots)), dtype=np.intp)
+        step = max(1, _BLOCK // max(1, len(self.roots)))
+        for start in range(0, n, step):
+            out[start:start + step] = self._walk(x[start:start + step])
+        return out
+
+    def _walk(self, x: np.ndarray) -> np.ndarray:
+        n, width = x.shape
+        idx = np.repeat(self.roots[None, :], n, axis=0)
+        row_base = (np.arange(n, dtype=np.intp) * width)[:, None]
+        flat = np.ascontiguousarray(x).reshape(-1)
+        thresholds = self.thresholds32 if x.dtype == np.float32 else self.threshold
+        for _ in range(self.depth):
+            values = flat.take(row_base + self.feature.take(idx))
+            go_true = self._compare(values, thresholds.take(idx), idx)
+            if self.any_missing_true:
+                go_true |= self.missing_true.take(idx) & np.isnan(values)
+            # children[2 * node] is the true child, children[2 * node + 1] the false one.
+            idx = self.children.take(2 * idx + ~go_true)
+        return idx
+
+    def _compare(self, values, thresholds, idx) -> np.ndarray:
+        if self.single_mode >= 0 and self.single_mode != _MEMBER:
+            return _COMPARE[self.single_mode](values, thresholds)
+        modes = self.mode[idx]
+        out = np.zeros(values.shape, dtype=bool)
+        for code in np.unique(modes):
+            where = modes == code
+            if code == _MEMBER:
+                out[where] = [v in self.members[i] for v, i in zip(values[where], idx[where])]
+            elif code != _LEAF:
+                out[where] = _COMPARE[code](values[where], thresholds[where])
+        return out
+
+    def aggregate(self, leaves: np.ndarray, how: str) -> np.ndarray:
+        """(rows, targets) float64 scores from the reached leaves: SUM, AVERAGE, MIN or MAX over trees."""
+        if how in ("SUM", "AVERAGE"):
+            if self.weights.shape[1] == 1:
+                scores = self.weights[:, 0][leaves].sum(axis=1)[:, None]
+            else:
+                scores = self.weights[leaves].sum(axis=1)
+            return scores / len(self.roots) if how == "AVERAGE" else scores
+        w, has = self.weights[leaves], self.has_weight[leaves]
+        fill = np.inf if how == "MIN" else -np.inf
+        pick = np.where(has, w, fill)
+        scores = pick.min(axis=1) if how == "MIN" else pick.max(axis=1)
+        return np.where(has.any(axis=1), scores, 0.0)
+
+
+def _depth(forest: Forest) -> int:
+    """Levels of the deepest tree, walking all trees level by level; a cycle is a model error."""
+    frontier, depth = forest.roots, 0
+    limit = len(forest.mode) + 1
+    while True:
+        frontier = frontier[forest.mode[frontier] != _LEAF]
+        if frontier.size == 0:
+            return depth
+        depth += 1
+        if depth > limit:
+            raise ValueError("the trees have a cycle (a node is its own descendant)")
+        frontier = np.unique(np.concatenate([forest.true_next[frontier], forest.false_next[frontier]]))
+
+
+def _tensor_or_list(kernel: OpKernel, name: str, default=None):
+    """An attribute given as a list of floats or, from opset 3, as `name`_as_tensor (doubles)."""
+    tensor = kernel.attr(name + "_as_tensor", None)
+    if tensor is not None:
+        return np.asarray(tensor, dtype=np.float64).reshape(-1)
+    value = kernel.attr(name, default)
+    return None if value is None else np.asarray(value, dtype=np.float64)
+
+
+def forest_v1(kernel: OpKernel, prefix: str, n_targets: int) -> Forest:
+    """The Forest of TreeEnsembleClassifier/Regressor attributes (`prefix` 'class' or 'target')."""
+    tree_ids = np.asarray(kernel.attr_ints("nodes_treeids"), dtype=np.int64)
+    node_ids = np.asarray(kernel.attr_ints("nodes_nodeids"), dtype=np.int64)
+    n = len(tree_ids)
+    keys = tree_ids * (int(node_ids.max(initial=0)) + 1) + node_ids
+    stride = int(node_ids.max(initial=0)) + 1
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    if np.unique(keys).size != n:
+        raise kernel.bad_attr("nodes_nodeids", "repeated (tree, node) ids", "one entry per (tree id, node id)")
+
+    def locate(trees, nodes, what):
+        k = np.asarray(trees, dtype=np.int64) * stride + np.asarray(nodes, dtype=np.int64)
+        pos = np.searchsorted(sorted_keys, k).clip(0, n - 1)
+        if not (sorted_keys[pos] == k).all():
+            raise kernel.bad_attr(what, "an id of no node", "ids of nodes listed in nodes_nodeids")
+        return order[pos]
+
+    modes_attr = kernel.attr("nodes_modes")
+    bad = sorted(set(modes_attr) - set(MODES))
+    if bad:
+        raise kernel.bad_attr("nodes_modes", bad, "one of " + ", ".join(MODES))
+    mode = np.asarray([MODES.index(m) for m in modes_attr], dtype=np.uint8)
+    leaf = mode == _LEAF
+    index = np.arange(n)
+    true_next = np.where(leaf, index, locate(tree_ids, np.where(leaf, node_ids, kernel.attr_ints("nodes_truenodeids")),
+                                             "nodes_truenodeids"))
+    false_next = np.where(leaf, index, locate(tree_ids, np.where(leaf, node_ids,
+                                                                 kernel.attr_ints("nodes_falsenodeids")),
+                                              "nodes_falsenodeids"))
+    missing = kernel.attr_ints("nodes_missing_value_tracks_true", None) or [0] * n
+    # A tree's root is its first node in the list, as onnxruntime takes it.
+    _, first = np.unique(tree_ids, return_index=True)
+    roots = np.sort(first)
+    weights = np.zeros((n, n_targets))
+    has = np.zeros((n, n_targets), dtype=bool)
+    w_nodes = locate(kernel.attr_ints(prefix + "_treeids"), kernel.attr_ints(prefix + "_nodeids"), prefix + "_nodeids")
+    w_targets = np.asarray(kernel.attr_ints(prefix + "_ids"), dtype=np.int64)
+    if w_targets.size and (w_targets.min() < 0 or w_targets.max() >= n_targets):
+        raise kernel.bad_attr(prefix + "_ids", int(w_targets.max()), f"ids in [0, {n_targets})")
+    np.add.at(weights, (w_nodes, w_targets), _tensor_or_list(kernel, prefix + "_weights"))
+    has[w_nodes, w_targets] = True
+    return Forest(np.asarray(kernel.attr_ints("nodes_featureids"), dtype=np.int64),
+                  _tensor_or_list(kernel, "nodes_values", [0.0] * n), mode, true_next, false_next,
+                  np.asarray(missing, dtype=bool), roots, weights, has, {})
+
+
+def _base_values(kernel: OpKernel) -> np.ndarray | None:
+    return _tensor_or_list(kernel, "base_values")
+
+
+def _features(x: np.ndarray) -> np.ndarray:
+    """Rows of features: a vector is one row; integers are compared as floats."""
+    x = x.reshape(1, -1) if x.ndim == 1 else x.reshape(x.shape[0], -1)
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+
+
+@register("TreeEnsembleRegressor", domain=ML, since=1, until=4)
+class TreeEnsembleRegressor(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.n_targets = self.attr_int("n_targets", 1, lo=1)
+        self.aggregate = self.attr_str("aggregate_function", "SUM", choices=("SUM", "AVERAGE", "MIN", "MAX"))
+        self.post = self.attr_str("post_transform", "NONE", choices=POST_TRANSFORMS)
+        self.forest = forest_v1(self, "target", self.n_targets)
+        self.base = _base_values(self)
+
+    def _run(self, x):
+        x = _features(x)
+        scores = self.forest.aggregate(self.forest.leaves(x), self.aggregate)
+        if self.base is not None:
+            scores = scores + self.base
+        return (post_transform(self.post, scores).astype(np.float32),)
+
+
+@register("TreeEnsembleClassifier", domain=ML, since=1, until=4)
+class TreeEnsembleClassifier(OpKernel):
+    """Scores per class plus base values; a model that scores one class only (binary boosting)
+    gets the second column made up, as onnxruntime does (`_binary`)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.labels = class_labels(self)
+        if self.labels is None:
+            raise self.bad_attr("classlabels_int64s", None, "classlabels_int64s or classlabels_strings")
+        self.post = self.attr_str("post_transform", "NONE", choices=POST_TRANSFORMS)
+        n_classes = max(len(self.labels), 2)
+        self.forest = forest_v1(self, "class", n_classes)
+        self.base = _base_values(self)
+        self.binary = len(set(self.attr_ints("class_ids"))) == 1 and len(self.labels) == 2
+        weights = _tensor_or_list(self, "class_weights")
+        self.weights_positive = bool((weights >= 0).all())
+
+    def _run(self, x):
+        x = _features(x)
+        scores = self.forest.aggregate(self.forest.leaves(x), "SUM")
+        if self.base is not None:
+            scores = scores + (self.base if self.base.size > 1 else self.base[0])
+        if self.binary:
+            return self._binary(scores[:, 0])
+        scores = post_transform(self.post, scores)
+        if len(self.labels) == 1:  # one label: the second column stands for "not it"
+            labels = np.where(scores.argmax(axis=1) == 1, self.labels[0], 0)
+        else:
+            labels = self.labels[scores.argmax(axis=1)]
+        return (labels, scores.astype(np.float32))
+
+
+    def _binary(self, s: np.ndarray):
+        """onnxruntime's binary case (one scored class): label 1 where s > 0.5 (all weights >= 0)
+        or s > 0 (otherwise); scores [1 - s, s] (all weights >= 0) or [-s, s], [logistic(-s),
+        logistic(s)] under LOGISTIC; SOFTMAX(_ZERO) leave them as they are. Under PROBIT onnxruntime
+        writes probit(s) and leaves the second column unset: ephost writes 0 there."""
+        positive = s > 0.5 if self.weights_positive else s > 0
+        scores = np.empty((len(s), 2))
+        if self.post == "LOGISTIC":
+            scores[:, 0], scores[:, 1] = post_transform("LOGISTIC", -s), post_transform("LOGISTIC", s)
+        elif self.post == "PROBIT":
+            scores[:, 0], scores[:, 1] = post_transform("PROBIT", s), 0.0
+        else:
+            scores[:, 0], scores[:, 1] = (1 - s if self.weights_positive else -s), s
+        return (self.labels[positive.astype(np.intp)], scores.astype(np.float32))
+
+
+AGGREGATES_V5 = ("AVERAGE", "SUM", "MIN", "MAX")
+POST_TRANSFORMS_V5 = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")
+
+
+def forest_v5(kernel: OpKernel) -> Forest:
+    """The Forest of TreeEnsemble-5: interior nodes first, then one node per leaf."""
+    splits = np.asarray(kernel.attr("nodes_splits"), dtype=np.float64).reshape(-1)
+    n = splits.size
+    leaf_weights = np.asarray(kernel.attr("leaf_weights"), dtype=np.float64).reshape(-1)
+    leaf_targets = np.asarray(kernel.attr_ints("leaf_targetids"), dtype=np.int64)
+    n_leaves = leaf_weights.size
+    total = n + n_leaves
+    modes = np.asarray(kernel.attr("nodes_modes"), dtype=np.uint8).reshape(-1)
+    if modes.size and modes.max() > _MEMBER:
+        raise kernel.bad_attr("nodes_modes", int(modes.max()), "codes 0..6 (LEQ, LT, GTE, GT, EQ, NEQ, MEMBER)")
+    index = np.arange(total)
+
+    def child(ids, leaf_flags):
+        ids = np.asarray(kernel.attr_ints(ids), dtype=np.int64)
+        flags = np.asarray(kernel.attr_ints(leaf_flags), dtype=bool)
+        return np.where(flags, ids + n, ids)
+
+    true_next = np.concatenate([child("nodes_truenodeids", "nodes_trueleafs"), index[n:]])
+    false_next = np.concatenate([child("nodes_falsenodeids", "nodes_falseleafs"), index[n:]])
+    missing = kernel.attr_ints("nodes_missing_value_tracks_true", None) or [0] * n
+    n_targets = kernel.attr_int("n_targets", lo=1)
+    weights = np.zeros((total, n_targets))
+    weights[n + np.arange(n_leaves), leaf_targets] = leaf_weights
+    has = np.zeros((total, n_targets), dtype=bool)
+    has[n + np.arange(n_leaves), leaf_targets] = True
+    members = _members(kernel, modes)
+    pad = np.zeros(n_leaves)
+    return Forest(np.concatenate([kernel.attr_ints("nodes_featureids"), pad]).astype(np.int64),
+                  np.concatenate([splits, pad]), np.concatenate([modes, np.full(n_leaves, _LEAF, np.uint8)]),
+                  true_next, false_next, np.concatenate([np.asarray(missing, dtype=bool), pad.astype(bool)]),
+                  np.asarray(kernel.attr_ints("tree_roots"), dtype=np.int64), weights, has, members)
+
+
+def _members(kernel: OpKernel, modes: np.ndarray) -> dict:
+    """BRANCH_MEMBER nodes -> their sets: membership_values lists them in node order, NaN-separated."""
+    values = kernel.attr("membership_values", None)
+    if values is None:
+        return {}
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    cuts = np.flatnonzero(np.isnan(values))
+    groups = np.split(values, cuts)
+    groups = [g[~np.isnan(g)] for g in groups]
+    return {int(i): set(g.tolist()) for i, g in zip(np.flatnonzero(modes == _MEMBER), groups)}
+
+
+@register("TreeEnsemble", domain=ML, since=5)
+class TreeEnsemble(OpKernel):
+    def __init__(self, node):
+        super().__init__(node)
+        self.aggregate = AGGREGATES_V5[self.attr_int("aggregate_function", 1, lo=0, hi=3)]
+        self.post = POST_TRANSFORMS_V5[self.attr_int("post_transform", 0, lo=0, hi=4)]
+        self.forest = forest_v5(self)
+
+    def _run(self, x):
+        feats = _features(x)
+        scores = self.forest.aggregate(self.forest.leaves(feats), self.aggregate)
+        return (post_transform(self.post, scores).astype(x.dtype if x.dtype.kind == "f" else np.float32),)
