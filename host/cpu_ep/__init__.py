@@ -6,12 +6,14 @@ Importing the package imports every op module, which fills the registry table.
 from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_control,
     ops_elementwise,
     ops_index,
     ops_math,
     ops_nn,
     ops_reduce,
     ops_resize,
+    ops_sequence,
     ops_shape,
     ops_transformer,
 )
