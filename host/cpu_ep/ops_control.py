@@ -85,8 +85,9 @@ class Loop(ControlFlowKernel):
         i = 0
         while going and (limit is None or i < limit):
             outs = body.run((np.array(i, np.int64), np.array(going), *carried), outer)
-            if cond is not None:  # without a cond input, the body's cond output is ignored (spec)
-                going = _flag(body, outs[0])
+            # The body's condition ends the loop even without a cond input, as onnxruntime and
+            # onnx's reference evaluator do (the spec's pseudo-code says it is ignored then).
+            going = _flag(body, outs[0])
             carried = outs[1:1 + n_carried]
             if not scans:
                 scans = [[] for _ in outs[1 + n_carried:]]

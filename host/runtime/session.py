@@ -225,7 +225,7 @@ class InferenceSession:
             ins = tuple(ids[x] if x else -1 for x in n.inputs)
             outs = tuple(ids[x] if x else -1 for x in n.outputs)
             if ep is not None:
-                kernel = self._plugin_kernel(ep, i, n)
+                kernel = self._plugin_kernel(ep, view, i, n)
             else:
                 if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
                     unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {n.opset})")
@@ -265,9 +265,9 @@ class InferenceSession:
         kernel.prepare(planner)
         return made
 
-    def _plugin_kernel(self, ep: PluginEp, index: int, node):
+    def _plugin_kernel(self, ep: PluginEp, view: GraphView, index: int, node):
         out = ffi.new("EpKernel**")
-        hostapi.check(ep.slots.CreateKernel(ep.ptr, self._view.ptr, index, out),
+        hostapi.check(ep.slots.CreateKernel(ep.ptr, view.ptr, index, out),
                       f"{ep.owner}: CreateKernel for node '{node.name}' ({node.op_type})")
         try:
             slots = negotiate("EpKernel", out[0], ep.slots.negotiated, ep.owner)

@@ -64,10 +64,13 @@ def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[
                      plan_graph: Callable[[Graph, GraphView], Plan]) -> SubgraphRunner:
     """Build, partition and plan `body` once; `plan_graph` is the session's planner."""
     graph = build_subgraph(body, outer.opsets, outer.values)
-    plan = plan_graph(graph, GraphView(graph))
+    view = GraphView(graph)
+    plan = plan_graph(graph, view)
     executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps))
     formal = {vi.name for vi in body.input}
-    return SubgraphRunner(graph, plan, executor, sum(v.name in formal for v in graph.inputs), outer_names)
+    runner = SubgraphRunner(graph, plan, executor, sum(v.name in formal for v in graph.inputs), outer_names)
+    runner.view = view  # plugins' kernels were created over it: alive as long as the session
+    return runner
 
 
 __all__ = ["SubgraphRunner", "prepare_subgraph"]
