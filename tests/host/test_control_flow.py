@@ -19,8 +19,7 @@ import host
 from host.errors import KernelError, ModelError
 from host.optimizer import optimize
 from host.runtime.model import MAX_OPSET
-from host.runtime.session import InferenceSession
-from host.runtime.session import SessionOptions
+from host.runtime.session import InferenceSession, SessionOptions
 from tests.conftest import example_record
 
 F = TP.FLOAT
