@@ -216,6 +216,11 @@ class Executor:
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
         self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
+        # What a run starts from, built once: initializers in place, every other value None.
+        self._blank = [None] * len(plan.value_names)
+        for vid, arr in plan.constants.items():
+            self._blank[vid] = arr
+        self._keep_outputs = set(plan.output_ids.values())
         # Every node on the CPU EP: runs take the CPU EP's own loop (host/cpu_ep/runner.py).
         self._cpu_only = not plan.eps and all(n.ep is None for n in plan.nodes)
 
@@ -278,15 +283,12 @@ class Executor:
     # -- one run ---------------------------------------------------------------------------------
     def execute(self, st: RunState, feeds: dict[int, object], subgraph: bool = False) -> None:
         vals = st.values
-        for i in range(len(vals)):
-            vals[i] = None
-        for vid, arr in self.plan.constants.items():
-            vals[vid] = arr
+        vals[:] = self._blank  # every value None but the initializers (one copy, not a loop per value)
         for vid, v in feeds.items():
             vals[vid] = v
         st.producer.clear()
         st.keep.clear()
-        keep_outputs = set(self.plan.output_ids.values())
+        keep_outputs = self._keep_outputs
         if subgraph:
             # A device value fed into a subgraph was written on its producer's stream: consumers on
             # other streams wait for it, as for values produced inside (DeviceTensor.stream).
