@@ -24,10 +24,15 @@ _ONNX_NAMES = {
 }
 
 
+def elem_name(elem_type: int) -> str:
+    """An element type in ONNX words: 1 -> 'float', 7 -> 'int64', 16 -> 'bfloat16'."""
+    name = _ONNX_NAMES.get(int(elem_type))
+    return name if name is not None else f"unknown element type {int(elem_type)}"
+
+
 def type_name(elem_type: int) -> str:
     """The ONNX type string of an element type: 1 -> 'tensor(float)', 8 -> 'tensor(string)'."""
-    name = _ONNX_NAMES.get(int(elem_type))
-    return f"tensor({name})" if name is not None else f"tensor(unknown element type {int(elem_type)})"
+    return f"tensor({elem_name(elem_type)})"
 
 
 def dtype_type_name(dtype) -> str:

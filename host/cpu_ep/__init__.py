@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
     ops_attention,
+    ops_control,
     ops_conv_transpose,
     ops_detection,
     ops_elementwise,
@@ -24,6 +25,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_reduce,
     ops_resize,
     ops_rnn,
+    ops_sequence,
     ops_shape,
     ops_string,
     ops_transformer,

@@ -27,6 +27,12 @@ NON_TENSOR = (np.ndarray, list, dict)
 class OpKernel:
     """One node's kernel. Subclasses parse attributes in `__init__` and implement `_run`."""
 
+    # Output positions whose declared type is not a tensor (set by the session's planner).
+    object_outputs: frozenset[int] = frozenset()
+    # True for kernels that take their inputs where they live (control flow: a device value goes
+    # into the subgraph as it is); others get host arrays.
+    takes_device_values = False
+
     def __init__(self, node: NodeInfo):
         self.node = node
         self.name = node.name
@@ -46,9 +52,11 @@ class OpKernel:
             raise
         except Exception as exc:
             raise self.failure(exc) from exc
-        # numpy reductions return numpy scalars; callers always get arrays (or the Python objects
-        # of non-tensor values: a list for a sequence, a dict for a map).
-        return tuple(o if isinstance(o, NON_TENSOR) else np.asarray(o) for o in outputs)
+        # numpy reductions return numpy scalars; callers always get arrays. Outputs declared as
+        # sequences, optionals or maps hold lists, None or dicts: those pass through as they are.
+        objects = self.object_outputs
+        return tuple(o if isinstance(o, np.ndarray) or j in objects or isinstance(o, NON_TENSOR) else np.asarray(o)
+                     for j, o in enumerate(outputs))
 
     def bind_constants(self, constants: dict[int, np.ndarray]) -> None:
         """Told once per plan by the CPU run loop (runner.py) which inputs are initializers:

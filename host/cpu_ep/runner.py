@@ -94,6 +94,7 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
     for vid, arr in cached[3]:
         values[vid] = arr
     ndarray = np.ndarray
+    objects = getattr(getattr(owner, "plan", None), "object_ids", None) or ()  # lists, None, dicts: kept as they are
     with np.errstate(all="ignore"):
         for node, kdict, run, gather, single, outputs, frees in cached[2]:
             # A profiler (host/runtime/profiling.py) times a kernel by wrapping its `run` on the
@@ -104,16 +105,16 @@ def run_plan(nodes, values: list, keep: set[int], value_names: list[str], owner=
             except EphostError:
                 raise
             except Exception as exc:
-                missing = [value_names[v] for v in node.inputs if v >= 0 and values[v] is None]
+                missing = [value_names[v] for v in node.inputs if v >= 0 and values[v] is None and v not in objects]
                 if missing:
                     raise EpError(f"value '{missing[0]}' was not produced") from exc
                 raise node.kernel.failure(exc) from exc
             if single >= 0:  # one output (most nodes)
                 out = outs[0]
-                values[single] = out if type(out) is ndarray else _value(out)
+                values[single] = out if type(out) is ndarray or single in objects else _value(out)
             elif single == -2:
                 for vid, out in zip(outputs, outs):
                     if vid >= 0:
-                        values[vid] = out if type(out) is ndarray else _value(out)
+                        values[vid] = out if type(out) is ndarray or vid in objects else _value(out)
             for v in frees:
                 values[v] = None

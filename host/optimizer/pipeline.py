@@ -25,6 +25,7 @@ from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
 from host.optimizer.rules.views import view_rules
+from host.optimizer.subgraphs import eliminate_identities
 from host.runtime.warn import warn_caller
 
 _LOCK = threading.Lock()
@@ -89,7 +90,8 @@ def _op_key(node: ir.Node) -> str:
 
 
 def _histogram(model: ir.Model) -> Counter:
-    return Counter(_op_key(n) for n in model.graph)
+    # Subgraphs included: a pass that changes an If branch or a Loop body is reported too.
+    return Counter(_op_key(n) for n in ir.traversal.RecursiveGraphIterator(model.graph))
 
 
 class _Recorder:
@@ -216,7 +218,7 @@ def _basic(rec: _Recorder) -> None:
         changed = rec.run("GatherElements of constants", _fold_gather_elements)
         changed |= rec.run("constant folding", _fold)
         changed |= rec.run("redundant nodes", _apply(rules), note="rewrites: ")
-        changed |= rec.run("identity elimination", lambda m: ir_passes.IdentityEliminationPass()(m).modified)
+        changed |= rec.run("identity elimination", eliminate_identities)
         changed |= rec.run("dead nodes", _dead_code)
         if not changed:
             break

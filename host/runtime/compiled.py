@@ -27,7 +27,7 @@ from host.plugins.ep import PluginEp, SyncStream
 from host.plugins.hostapi import ffi
 from host.plugins.loader import Slots, negotiate, release_rejected
 from host.runtime.graphview import GraphView
-from host.runtime.model import Graph, ValueMeta
+from host.runtime.model import Graph, ValueMeta, host_only_nodes
 from host.runtime.tensor import Allocation, check_output_dims
 from host.runtime.warn import warn_caller
 
@@ -55,9 +55,11 @@ def collect_claims(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks
     """Ask each EP in priority order; a node goes to the first EP that claims it (fused or single)."""
     n = len(graph.nodes)
     claims = Claims()
-    # String tensors live in host memory as Python objects, which no plugin can read: their nodes stay
+    # Control flow and nodes on sequence / optional values stay with the host (model.host_only_nodes);
+    # string tensors live in host memory as Python objects, which no plugin can read: their nodes stay
     # on the CPU EP whatever an EP claims.
-    taken: set[int] = string_nodes(graph)
+    host_only = host_only_nodes(graph) | string_nodes(graph)
+    taken: set[int] = set(host_only)
     for ep in eps:
         claimed = ffi.new("uint8_t[]", max(n, 1))
         # A v6 host serves Graph_AddNodesToFuse to every v6 EP; groups of an EP that cannot
@@ -68,6 +70,8 @@ def collect_claims(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks
         finally:
             hostapi.FUSE_GROUPS.end(view.ptr)
         singles = {i for i in range(n) if claimed[i]}
+        if singles & host_only:
+            fallbacks["host_only_claims"] += len(singles & host_only)
         claims.per_node_ok[id(ep)] = singles
         if groups and not can_compile(ep):
             fallbacks["fused_groups_without_compile"] += len(groups)

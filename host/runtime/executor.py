@@ -51,6 +51,10 @@ class Plan:
     output_ids: dict[str, int]
     constants: dict[int, np.ndarray]
     eps: list[PluginEp] = field(default_factory=list)
+    # Values whose declared type is not a tensor (lists, None, dicts: host/runtime/types.py).
+    object_ids: frozenset[int] = frozenset()
+    # The prepared subgraphs of control-flow nodes (host/runtime/subgraph.py), closed with the plan.
+    subgraphs: list = field(default_factory=list)
 
 
 def compute_frees(nodes: list[PlanNode], keep: set[int]) -> None:
@@ -181,13 +185,12 @@ def _dtype(elem_type: int, name: str) -> np.dtype:
 
 
 # Host values that are not tensors: a sequence as a list, a map as a dict (ZipMap, DictVectorizer).
-_HOST_VALUES = (np.ndarray, list, dict)
 
 
 def _location(value) -> tuple[int, int]:
-    if isinstance(value, _HOST_VALUES):
-        return CPU_LOCATION
-    return (value.device_type, value.device_id)
+    if isinstance(value, DeviceTensor):
+        return (value.device_type, value.device_id)
+    return CPU_LOCATION  # NumPy arrays, and sequences / maps, which hold host arrays
 
 
 class _ThreadToken:
@@ -216,6 +219,11 @@ class Executor:
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
         self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
+        # What a run starts from, built once: initializers in place, every other value None.
+        self._blank = [None] * len(plan.value_names)
+        for vid, arr in plan.constants.items():
+            self._blank[vid] = arr
+        self._keep_outputs = set(plan.output_ids.values())
         # Every node on the CPU EP: runs take the CPU EP's own loop (host/cpu_ep/runner.py).
         self._cpu_only = not plan.eps and all(n.ep is None for n in plan.nodes)
 
@@ -269,25 +277,31 @@ class Executor:
             states, self._states = self._states, []
         for st in states:
             st.close()
+        for sub in self.plan.subgraphs:
+            sub.close()
         self._shared = None
         self._device_constants.clear()
         self._tls = threading.local()
 
     # -- one run ---------------------------------------------------------------------------------
-    def execute(self, st: RunState, feeds: dict[int, object]) -> None:
+    def execute(self, st: RunState, feeds: dict[int, object], subgraph: bool = False) -> None:
         vals = st.values
-        for i in range(len(vals)):
-            vals[i] = None
-        for vid, arr in self.plan.constants.items():
-            vals[vid] = arr
+        vals[:] = self._blank  # every value None but the initializers (one copy, not a loop per value)
         for vid, v in feeds.items():
             vals[vid] = v
         st.producer.clear()
         st.keep.clear()
-        keep_outputs = set(self.plan.output_ids.values())
+        keep_outputs = self._keep_outputs
+        if subgraph:
+            # A device value fed into a subgraph was written on its producer's stream: consumers on
+            # other streams wait for it, as for values produced inside (DeviceTensor.stream).
+            for vid, v in feeds.items():
+                stream = getattr(v, "stream", None) if isinstance(v, DeviceTensor) else None
+                if stream is not None:
+                    st.producer[vid] = stream
         if self._cpu_only:
             for v in feeds.values():
-                if not isinstance(v, _HOST_VALUES):  # a device feed, and no EP here that can read it
+                if isinstance(v, DeviceTensor):  # a device feed, and no EP here that can read it
                     raise EpError(f"no data transfer can copy from {_location(v)} to {CPU_LOCATION}")
             run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names, owner=self)
             return
@@ -302,9 +316,25 @@ class Executor:
                 if v not in keep_outputs:
                     vals[v] = None
 
+    def run_subgraph(self, feeds: dict[int, object], output_ids: list[int]) -> list:
+        """One run of a subgraph plan on this thread's state; its outputs where they were made.
+        Host arrays a plugin stream wrote are waited for here (their stream is not carried along)."""
+        st = self.state()
+        self.execute(st, feeds, subgraph=True)
+        vals = st.values
+        outs = [vals[i] for i in output_ids]
+        if st.producer:
+            for vid, v in zip(output_ids, outs):
+                stream = st.producer.get(vid)
+                if stream is not None and isinstance(v, np.ndarray):
+                    stream.notify_and_wait(None)
+        return outs
+
     def _input_for(self, st: RunState, vid: int, location, stream: SyncStream | None, ep: PluginEp | None):
         value = st.values[vid]
         if value is None:
+            if vid in self.plan.object_ids:
+                return None  # an empty optional
             raise EpError(f"value '{self.plan.value_names[vid]}' was not produced")
         producer = st.producer.get(vid)
         if producer is not None and producer is not stream:
@@ -335,11 +365,34 @@ class Executor:
         return moved
 
     def _run_cpu(self, st: RunState, node: PlanNode) -> None:
+        if node.kernel.takes_device_values:
+            self._run_control_flow(st, node)
+            return
         args = [None if v < 0 else self._input_for(st, v, CPU_LOCATION, None, None) for v in node.inputs]
         outs = node.kernel.run(*args)
         for vid, arr in zip(node.outputs, outs):
             if vid >= 0:
                 st.values[vid] = arr
+
+    def _run_control_flow(self, st: RunState, node: PlanNode) -> None:
+        """A node the host runs over subgraph plans: inputs go in where they live (a plugin's device
+        values stay there); device outputs carry their producer stream for consumers here."""
+        vals = st.values
+        args = []
+        for v in node.inputs:
+            value = None if v < 0 else vals[v]
+            if value is None and v >= 0 and v not in self.plan.object_ids:
+                raise EpError(f"value '{self.plan.value_names[v]}' was not produced")
+            if v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
+                st.producer.pop(v).notify_and_wait(None)  # host memory a plugin stream wrote: the host reads it
+            args.append(value)
+        outs = node.kernel.run(*args)
+        for vid, value in zip(node.outputs, outs):
+            if vid >= 0:
+                vals[vid] = value
+                stream = getattr(value, "stream", None) if isinstance(value, DeviceTensor) else None
+                if stream is not None:
+                    st.producer[vid] = stream
 
     def _run_plugin(self, st: RunState, node: PlanNode) -> None:
         ctx = st.contexts[node.index]
@@ -406,7 +459,7 @@ class Executor:
         return None
 
     def to_host(self, value):
-        if isinstance(value, _HOST_VALUES):
+        if not isinstance(value, DeviceTensor):  # arrays, and lists / dicts / None of non-tensor values
             return value
         # On the producer's stream, so the copy follows the EP's copy-stream options and is ordered
         # after the kernel that wrote the value.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -11,6 +12,7 @@ from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY, supported_names, type_name
 from host.errors import ModelError, NoSuchFile
+from host.runtime import types
 from host.runtime.node import NodeInfo, node_info
 
 MIN_OPSET, MAX_OPSET = 7, 23
@@ -18,11 +20,18 @@ MIN_OPSET, MAX_OPSET = 7, 23
 
 @dataclass
 class ValueMeta:
-    """Type and shape of a value: dims are ints, or strings for symbolic ones, or None."""
+    """Type and shape of a value: dims are ints, or strings for symbolic ones, or None. `type` is the
+    declared TypeProto of a value that is not a tensor (a sequence, an optional, a map), else None."""
 
     name: str
     elem_type: int = 0
     shape: tuple | None = None
+    type: onnx.TypeProto | None = None
+
+    @property
+    def type_text(self) -> str:
+        """The type in ONNX words ('tensor(float)', 'seq(tensor(int64))')."""
+        return types.type_text(self.type, self.elem_type)
 
 
 @dataclass
@@ -37,6 +46,8 @@ class Graph:
 
 
 def _meta(vi: onnx.ValueInfoProto) -> ValueMeta:
+    if not types.is_tensor_type(vi.type):
+        return ValueMeta(vi.name, 0, None, vi.type)
     t = vi.type.tensor_type
     shape = None
     if t.HasField("shape"):
@@ -128,7 +139,19 @@ def build_graph(model) -> Graph:
         inferred = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - inference errors are model errors
         raise ModelError(f"shape inference failed: {exc}") from exc
-    g = inferred.graph
+    for what, vis in (("graph input", inferred.graph.input), ("graph output", inferred.graph.output)):
+        for vi in vis:
+            types.check_io_type(vi.name, vi.type, what)
+    return _graph(inferred, inferred.graph, opsets, {})
+
+
+def build_subgraph(body: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta]) -> Graph:
+    """The Graph of a control-flow node's body: its formal inputs first, then the outer-scope values
+    it reads (implicit inputs, in first-use order), which the host feeds like inputs."""
+    return _graph(SimpleNamespace(graph=body), body, opsets, outer)
+
+
+def _initializers(g: onnx.GraphProto) -> dict[str, np.ndarray]:
     inits = {}
     for t in g.initializer:
         if t.data_type not in ONNX_TO_NUMPY:
@@ -139,6 +162,11 @@ def build_graph(model) -> Graph:
         except (ValueError, TypeError) as exc:  # data that does not fit its dims or type
             raise ModelError(f"initializer {t.name!r} (element type {type_name(t.data_type)}, dims {list(t.dims)}) cannot be "
                              f"read: {exc}") from None
+    return inits
+
+
+def _graph(model, g: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta]) -> Graph:
+    inits = _initializers(g)
     values: dict[str, ValueMeta] = {}
     for vi in [*g.input, *g.value_info, *g.output]:
         values[vi.name] = _meta(vi)
@@ -153,13 +181,65 @@ def build_graph(model) -> Graph:
             values[n.output[0]] = ValueMeta(n.output[0], onnx.helper.np_dtype_to_tensor_dtype(folded.dtype),
                                             folded.shape)
             continue
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            raise ModelError(f"node '{n.name or i}' ({n.op_type}) has a subgraph; subgraphs are not supported")
         info = node_info(n, opsets.get(n.domain or "", 0))
-        if not info.name:
-            info = NodeInfo(f"{n.op_type}_{i}", info.op_type, info.domain, info.opset, info.attrs,
-                            info.inputs, info.outputs)
+        implicit = tuple(outer_names(n))
+        if not info.name or implicit:
+            # A node with subgraphs takes the outer values they read as extra inputs (after its own),
+            # so ordering, lifetimes and partition boundaries see them.
+            info = NodeInfo(info.name or f"{n.op_type}_{i}", info.op_type, info.domain, info.opset, info.attrs,
+                            info.inputs + implicit, info.outputs, len(implicit))
         nodes.append(info)
-    inputs = [values[vi.name] for vi in g.input if vi.name not in inits]
+    implicit = [name for name in free_names(g) if name not in inits]
+    for name in implicit:
+        values.setdefault(name, outer.get(name) or ValueMeta(name))
+    inputs = [values[vi.name] for vi in g.input if vi.name not in inits] + [values[x] for x in implicit]
     outputs = [values[vi.name] for vi in g.output]
-    return Graph(inferred, nodes, values, inits, inputs, outputs, opsets)
+    return Graph(model, nodes, values, inits, inputs, outputs, opsets)
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs held in a node's attributes (If's branches, Loop's and Scan's body...)."""
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def outer_names(node: onnx.NodeProto) -> list[str]:
+    """The values a node's subgraphs read from the scopes around the node, in first-use order."""
+    seen: dict[str, None] = {}
+    for body in subgraphs(node):
+        for name in free_names(body):
+            seen[name] = None
+    return list(seen)
+
+
+def free_names(g: onnx.GraphProto) -> list[str]:
+    """Names a graph reads (its nodes, nested subgraphs and outputs included) that it does not define."""
+    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer} | {""}
+    defined |= {t.values.name for t in g.sparse_initializer}
+    seen: dict[str, None] = {}
+    for n in g.node:
+        for name in [*n.input, *outer_names(n)]:
+            if name not in defined:
+                seen[name] = None
+        defined.update(n.output)
+    for vi in g.output:
+        if vi.name not in defined:
+            seen[vi.name] = None
+    return list(seen)
+
+
+def host_only_nodes(graph: Graph) -> set[int]:
+    """Nodes no plugin EP may take: control flow (the host runs it) and nodes that read or write a
+    value that is not a tensor (the C ABI describes tensors only)."""
+    out = set()
+    for i, n in enumerate(graph.nodes):
+        names = [x for x in (*n.inputs, *n.outputs) if x]
+        if n.implicit or any(isinstance(v, onnx.GraphProto) for v in n.attrs.values()) \
+                or any(getattr(graph.values.get(x), "type", None) is not None for x in names):
+            out.add(i)
+    return out

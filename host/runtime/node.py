@@ -19,6 +19,7 @@ class NodeInfo:
     attrs: dict = field(default_factory=dict)
     inputs: tuple[str, ...] = ()  # "" marks an absent optional input
     outputs: tuple[str, ...] = ()
+    implicit: int = 0  # the last `implicit` inputs are outer-scope values its subgraphs read
 
 
 def _decode(value):

@@ -15,19 +15,21 @@ import numpy as np
 import abi
 from abi.dtypes import STRING, dtype_type_name, to_numpy, to_onnx, type_name
 from host import cpu_ep
+from host.cpu_ep.ops_control import ControlFlowKernel
 from host.errors import EpError, EphostError, InvalidArgument, ModelError, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import blas_threads, compiled, ort_api, profiling
+from host.runtime import blas_threads, compiled, ort_api, profiling, types
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
 from host.runtime.model import ValueMeta, build_graph
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue, host_array_at
+from host.runtime.subgraph import SubgraphRunner, prepare_subgraph
 from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 from host.runtime.warn import warn_caller
 
@@ -212,13 +214,18 @@ class InferenceSession:
 
     def _partition(self) -> Plan:
         self._expand_unclaimed()
-        g = self.graph
-        ids = self._view.value_index
+        return self._plan_graph(self.graph, self._view)
+
+    def _plan_graph(self, g, view: GraphView) -> Plan:
+        """Partition one graph (the model's, or a control-flow subgraph's) and plan it."""
+        ids = view.value_index
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
-        assigned, self._partitions = compiled.claim_and_compile(self._eps, self._view, g, self.fallbacks)
-        fused_first = {p.group.nodes[0]: p for p in self._partitions}
-        fused = {i for p in self._partitions for i in p.group.nodes}
-        nodes, unsupported, units = [], [], []
+        assigned, parts = compiled.claim_and_compile(self._eps, view, g, self.fallbacks)
+        self._partitions.extend(parts)
+        fused_first = {p.group.nodes[0]: p for p in parts}
+        fused = {i for p in parts for i in p.group.nodes}
+        objects = frozenset(ids[name] for name, meta in g.values.items() if meta.type is not None and name in ids)
+        nodes, unsupported, units, subgraphs = [], [], [], []
         for i, n in enumerate(g.nodes):
             if i in fused:
                 part = fused_first.get(i)
@@ -233,31 +240,49 @@ class InferenceSession:
             ins = tuple(ids[x] if x else -1 for x in n.inputs)
             outs = tuple(ids[x] if x else -1 for x in n.outputs)
             if ep is not None:
-                kernel = self._plugin_kernel(ep, i, n)
+                kernel = self._plugin_kernel(ep, view, i, n)
             else:
                 if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
                     unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                     continue
                 kernel = cpu_ep.create_kernel(n)
+                kernel.object_outputs = frozenset(j for j, o in enumerate(outs) if o in objects)
+                if isinstance(kernel, ControlFlowKernel):
+                    subgraphs += self._prepare_subgraphs(kernel, g, n)
             nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, kernel))
             units.append((i,))
         if unsupported:
             raise ModelError(f"no execution provider supports {len(unsupported)} node(s): "
                              + ", ".join(unsupported))
-        if self._partitions:
+        if parts:
             nodes = [nodes[u] for u in compiled.unit_order(g, units)]
-        names = self._view.value_names
+        names = view.value_names
         elem_types = [(g.values.get(nm) or ValueMeta(nm)).elem_type for nm in names]
+        # EPs that run nodes here or in a subgraph: they get OnRunStart/OnRunEnd for every run.
+        used = {id(pn.ep) for pn in nodes} | {id(ep) for sub in subgraphs for ep in sub.plan.eps}
         plan = Plan(nodes, dict(ids), names, elem_types,
                     {v.name: ids[v.name] for v in g.inputs}, {v.name: ids[v.name] for v in g.outputs},
                     {ids[k]: np.asarray(v, order="C") for k, v in g.initializers.items()},
-                    [ep for ep in self._eps if any(pn.ep is ep for pn in nodes)])
+                    [ep for ep in self._eps if id(ep) in used], objects, subgraphs)
         compute_frees(nodes, set(plan.output_ids.values()) | set(plan.constants))
         return plan
 
-    def _plugin_kernel(self, ep: PluginEp, index: int, node):
+    def _prepare_subgraphs(self, kernel: ControlFlowKernel, g, node) -> list[SubgraphRunner]:
+        """Each subgraph of a control-flow node, partitioned and planned once (host/runtime/subgraph.py)."""
+        outer_names = node.inputs[len(node.inputs) - node.implicit:]
+        made = []
+
+        def planner(attr: str) -> SubgraphRunner:
+            runner = prepare_subgraph(node.attrs[attr], g, outer_names, self._plan_graph)
+            made.append(runner)
+            return runner
+
+        kernel.prepare(planner)
+        return made
+
+    def _plugin_kernel(self, ep: PluginEp, view: GraphView, index: int, node):
         out = ffi.new("EpKernel**")
-        hostapi.check(ep.slots.CreateKernel(ep.ptr, self._view.ptr, index, out),
+        hostapi.check(ep.slots.CreateKernel(ep.ptr, view.ptr, index, out),
                       f"{ep.owner}: CreateKernel for node '{node.name}' ({node.op_type})")
         try:
             slots = negotiate("EpKernel", out[0], ep.slots.negotiated, ep.owner)
@@ -274,12 +299,12 @@ class InferenceSession:
 
     # -- introspection --------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
-        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None, _type_string(v.elem_type))
-                for v in self.graph.inputs]
+        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None,
+                        v.type_text if v.type is not None else _type_string(v.elem_type)) for v in self.graph.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
-        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None, _type_string(v.elem_type))
-                for v in self.graph.outputs]
+        return [NodeArg(v.name, list(v.shape) if v.shape is not None else None,
+                        v.type_text if v.type is not None else _type_string(v.elem_type)) for v in self.graph.outputs]
 
     def get_providers(self) -> list[str]:
         return [ep.name for ep in self._eps] + [CPU_EP]
@@ -333,8 +358,8 @@ class InferenceSession:
     def _check_feed(self, meta: ValueMeta, value) -> object:
         if isinstance(value, OrtValue):
             value = value.value
-        if isinstance(value, dict) and not meta.elem_type:
-            return value  # a map (DictVectorizer's input): no tensor checks apply
+        if meta.type is not None:  # a sequence, an optional or a map (host/runtime/types.py)
+            return types.check_feed(meta.name, meta.type, value)
         dev = value if isinstance(value, DeviceTensor) else as_device_tensor(value)
         if dev is not None:
             arr_dtype, shape = dev.dtype, dev.shape
@@ -392,12 +417,14 @@ class InferenceSession:
         _check_terminate(ro)
         parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
-        outs = [self._executor.to_host(st.values[i]) for i in ids]
+        to_host = self._executor.to_host
+        objects = self.plan.object_ids
+        outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
         # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
         feed_ids = {id(v) for v in fed.values()}
-        return [o if not isinstance(o, np.ndarray) or (o.flags.owndata and id(o) not in feed_ids) else o.copy()
-                for o in outs]
+        return [o if i in objects or not isinstance(o, np.ndarray) or (o.flags.owndata and id(o) not in feed_ids) else o.copy()
+                for i, o in zip(ids, outs)]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
         ex = self._executor
