@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from abi import builder
@@ -152,3 +154,62 @@ def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkou
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "cache"))
+
+
+# ---- no compiler: fall back to the CPU EP, as onnxruntime does --------------------------------------
+NO_COMPILER = {"CC": "no-such-cc-xyz", "PATH": "/nonexistent"}
+
+
+def _mlp_and_feed():
+    from host.cli import zoo
+
+    model = zoo.mlp(layers=2, hidden=16, seed=3)
+    return model, {model.graph.input[0].name: np.random.default_rng(0).standard_normal((1, 16)).astype("float32")}
+
+
+def test_without_a_compiler_a_session_asking_for_cuda_runs_on_the_cpu_with_one_warning(cache, monkeypatch):
+    import warnings
+
+    import onnxruntime as ort
+
+    from host.runtime.session import InferenceSession
+
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    model, feeds = _mlp_and_feed()
+    with Environment() as env, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = InferenceSession(model.SerializeToString(), providers=[CUDA, "CPUExecutionProvider"], env=env)
+        got = sess.run(None, feeds)[0]
+        assert sess.get_providers() == ["CPUExecutionProvider"] and sess.fallbacks["builtin_unavailable"] == 1
+        sess.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert re.match(r"^CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider: "
+                    r"CUDAExecutionProvider needs its plugin built for this Python: building plugin 'cuda' needs "
+                    r"a C compiler; 'no-such-cc-xyz' was not found on PATH", messages[0])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_available_providers_leave_out_a_builtin_that_cannot_be_built(cache, monkeypatch):
+    assert builtin.unavailable_reason(CUDA) is None  # this machine has a compiler
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert builtin.unavailable_reason(CUDA).startswith(f"{CUDA} needs its plugin built for this Python: "
+                                                       "building plugin 'cuda' needs a C compiler")
+    # In a child, so no CUDA plugin registered by other tests in this process's default environment counts.
+    code = "import host; print(host.get_available_providers())"
+    env = {**os.environ, **NO_COMPILER, "EPHOST_CACHE_DIR": str(cache)}
+    env.pop("EPHOST_CUDA_PLUGIN", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['CPUExecutionProvider']"
+
+
+def test_a_plugin_built_before_stays_available_without_a_compiler(cache, monkeypatch):
+    built = builtin.find_builtin_plugin(CUDA)  # with the compiler, into the test's cache
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert builtin.unavailable_reason(CUDA) is None
+    assert builtin.find_builtin_plugin(CUDA) == built
