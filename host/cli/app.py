@@ -453,10 +453,10 @@ def cmd_plugin_info(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from host.plugins.builtin import BUILTIN_PLUGINS, find_builtin_plugin
+    from host.native_build import build_everything
 
-    for provider in BUILTIN_PLUGINS:
-        print(f"{provider}: {find_builtin_plugin(provider)}")
+    for name, path in build_everything().items():
+        print(f"{name}: {path}")
     return 0
 
 

@@ -134,6 +134,7 @@ def source_hash() -> str:
 
 
 LOAD_ERROR: str | None = None  # why LIB is None, for `ephost` diagnostics and tests
+LOADED_FROM: Path | None = None  # the build the last successful load() opened
 HOW_TO_BUILD = "reinstall ephost (`pip install .` compiles them), or run `ephost build` or `python build.py`"
 
 
@@ -166,7 +167,7 @@ def candidates() -> list[Path]:
 def load(path: str | os.PathLike | None = None):
     """The library at `path` (default: the first of candidates() that opens), or None when none is
     there, opens, or was built from this kernels.c (LOAD_ERROR says why)."""
-    global LOAD_ERROR
+    global LOAD_ERROR, LOADED_FROM
     paths = [Path(path)] if path else candidates()
     existing = [p for p in paths if p.is_file()]
     if not existing:
@@ -177,7 +178,7 @@ def load(path: str | os.PathLike | None = None):
     for p in existing:
         lib, error = _open(p)
         if lib is not None:
-            LOAD_ERROR = None
+            LOAD_ERROR, LOADED_FROM = None, p
             return lib
         errors.append(error)
     LOAD_ERROR = "; ".join(errors)

@@ -42,7 +42,7 @@ def extension(root: Path):
     from setuptools import Extension
 
     return Extension(MODULE, sources=[SOURCE.relative_to(root).as_posix()], define_macros=[hash_macro()],
-                     extra_compile_args=list(CFLAGS), libraries=list(LIBRARIES))
+                     extra_compile_args=[*CFLAGS, "-g0"], libraries=list(LIBRARIES))  # -g0: Python's CFLAGS add -g
 
 
 def compile_library(target: Path, werror: bool = False) -> Path:
