@@ -120,7 +120,7 @@ def _chosen_eps(env, names: list[str]) -> list[str]:
             chosen += [f.name for f in reg.factories]
             continue
         ep = EP_ALIASES.get(name.lower(), name)
-        env.ensure_builtin(ep)  # a built-in provider (CUDA) is built/found and registered on first use
+        # A built-in provider (CUDA) is built/found by the session, which falls back to the CPU EP without it.
         chosen.append(ep)
     return chosen
 

@@ -315,3 +315,15 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
                           cwd=outside)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"ok {venv}")
+
+
+def test_cli_run_with_ep_cuda_and_no_compiler_runs_on_the_cpu(cache, monkeypatch, tmp_path, capsys):
+    model, _ = _mlp_and_feed()
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(model.SerializeToString())
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["run", str(path), "--ep", "cuda", "--random-inputs"]) == 0
+    out, err = capsys.readouterr()
+    assert "CPUExecutionProvider: " in out + err
+    assert "CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider" in out + err
