@@ -96,19 +96,26 @@ class Pools:
         with self._lock:
             libs = self._libs if self._libs is not None else self.libraries()
             if not self._bounds:
-                self._saved = [lib.num_threads for lib in libs]  # the caller's, read per run: it may change
-            self._bounds.append(threads)
+                saved = self._saved = [lib.get_num_threads() for lib in libs]  # the caller's: read per run
+                self._bounds.append(threads)
+                if saved.count(threads) == len(saved):  # the common case: nothing to set, nothing to restore
+                    self._applied = threads
+                    return
+            else:
+                self._bounds.append(threads)
             self._apply(libs)
 
     def leave(self, threads: int) -> None:
         """The run bounded to `threads` ended: re-share the bound, or restore the caller's counts."""
         with self._lock:
-            self._bounds.remove(threads)
-            if self._bounds:
+            bounds = self._bounds
+            bounds.remove(threads)
+            if bounds:
                 self._apply(self._libs)
                 return
-            self._set(self._libs, [self._applied] * len(self._libs), self._saved)
-            self._applied = None
+            applied, self._applied = self._applied, None
+            if self._saved.count(applied) != len(self._saved):
+                self._set(self._libs, [applied] * len(self._libs), self._saved)
 
     def _apply(self, libs) -> None:
         # An equal share of the smallest bound, so runs inside at once stay within it together.
@@ -132,16 +139,16 @@ class Pools:
 class Bound:
     """`with bound:` runs the block under Pools.enter/leave of one thread count; reusable, no state."""
 
-    __slots__ = ("_pools", "_threads")
+    __slots__ = ("_enter", "_leave", "_threads")
 
     def __init__(self, pools: Pools, threads: int):
-        self._pools, self._threads = pools, threads
+        self._enter, self._leave, self._threads = pools.enter, pools.leave, threads
 
     def __enter__(self) -> None:
-        self._pools.enter(self._threads)
+        self._enter(self._threads)
 
     def __exit__(self, *exc) -> None:
-        self._pools.leave(self._threads)
+        self._leave(self._threads)
 
 
 POOLS = Pools()

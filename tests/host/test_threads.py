@@ -164,9 +164,12 @@ def test_inter_op_num_threads_is_accepted_and_listed_as_without_effect():
 
 
 def test_a_pools_object_sets_counts_only_when_they_change():
-    class FakeLib:  # threadpoolctl's LibController surface: num_threads, set_num_threads
+    class FakeLib:  # threadpoolctl's LibController surface: num_threads, get_num_threads, set_num_threads
         def __init__(self, n):
             self.num_threads, self.sets = n, []
+
+        def get_num_threads(self):
+            return self.num_threads
 
         def set_num_threads(self, n):
             self.sets.append(n)
