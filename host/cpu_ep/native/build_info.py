@@ -41,8 +41,10 @@ def extension(root: Path):
     """The setuptools Extension that compiles kernels.c into the package (setup.py calls it)."""
     from setuptools import Extension
 
+    # optional: a source install on a machine without a compiler still installs (the kernels then keep their
+    # NumPy paths, and native.LOAD_ERROR says how to build the library); -g0: Python's CFLAGS add -g.
     return Extension(MODULE, sources=[SOURCE.relative_to(root).as_posix()], define_macros=[hash_macro()],
-                     extra_compile_args=[*CFLAGS, "-g0"], libraries=list(LIBRARIES))  # -g0: Python's CFLAGS add -g
+                     extra_compile_args=[*CFLAGS, "-g0"], libraries=list(LIBRARIES), optional=True)
 
 
 def compile_library(target: Path, werror: bool = False) -> Path:
