@@ -79,30 +79,12 @@ def build_hostile(out_dir: Path = DEFAULT_OUT) -> list[Path]:
                                    ("-DHOSTILE_DATA_ENTRY",))]
 
 
-CPU_KERNELS_SOURCE = ROOT / "host" / "cpu_ep" / "native" / "kernels.c"
-
-
 def build_cpu_kernels(out_dir: Path = DEFAULT_OUT) -> Path:
     """The CPU EP's compiled kernels (host/cpu_ep/native), tagged with the hash of the source they
     were built from: the host opens the library only when that hash matches its kernels.c."""
-    import os
-    import subprocess
+    from host.cpu_ep.native import build_info
 
-    from host.cpu_ep import native
-
-    builder.check_toolchain("cpu_kernels", python_plugin=False)
-    target = out_dir / native.LIB_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    # -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
-    cmd = [*builder.compiler(), "-O3", "-fPIC", "-shared", "-Wall", "-Werror",
-           f'-DEPHOST_CPU_SOURCE_HASH="{native.source_hash()}"', str(CPU_KERNELS_SOURCE), "-o", str(tmp), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise builder.BuildError(f"building the CPU kernels from {CPU_KERNELS_SOURCE} failed "
-                                 f"(exit {done.returncode}): {done.stderr.strip()}")
-    os.replace(tmp, target)
-    return target
+    return build_info.compile_library(out_dir / build_info.LIB_NAME, werror=True)
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:

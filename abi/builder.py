@@ -162,14 +162,21 @@ def cache_key(module: str, entry: str, version: int, root: Path = PACKAGE_ROOT) 
     return h.hexdigest()[:16]
 
 
-def cached_plugin(plugin: str, entry: str, version: int | None = None) -> Path:
-    """The built-in Python plugin `plugin` for this interpreter, built into the cache if not there yet."""
+def cached_plugin_path(plugin: str, entry: str, version: int | None = None) -> tuple[Path, str]:
+    """Where the cache keeps the built-in Python plugin `plugin` for this interpreter, and the module
+    name it is built under (nothing is built)."""
     version = version or abi.ABI_VERSION
     base = f"_ephost_{plugin}_v{version}"
     key = cache_key(base, entry, version)
     module = f"{base}_{key[:8]}"  # unique per build, so a checkout build of the same plugin can coexist
     tag = f"{sys.implementation.cache_tag}-{key}"
-    target = cache_dir() / "plugins" / tag / f"lib{module}.so"
+    return cache_dir() / "plugins" / tag / f"lib{module}.so", module
+
+
+def cached_plugin(plugin: str, entry: str, version: int | None = None) -> Path:
+    """The built-in Python plugin `plugin` for this interpreter, built into the cache if not there yet."""
+    version = version or abi.ABI_VERSION
+    target, module = cached_plugin_path(plugin, entry, version)
     if not target.is_file():
         build_python_plugin(module, entry, version, target, name=plugin)
     return target

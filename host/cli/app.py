@@ -120,7 +120,7 @@ def _chosen_eps(env, names: list[str]) -> list[str]:
             chosen += [f.name for f in reg.factories]
             continue
         ep = EP_ALIASES.get(name.lower(), name)
-        env.ensure_builtin(ep)  # a built-in provider (CUDA) is built/found and registered on first use
+        # A built-in provider (CUDA) is built/found by the session, which falls back to the CPU EP without it.
         chosen.append(ep)
     return chosen
 
@@ -453,10 +453,10 @@ def cmd_plugin_info(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from host.plugins.builtin import BUILTIN_PLUGINS, find_builtin_plugin
+    from host.native_build import build_everything
 
-    for provider in BUILTIN_PLUGINS:
-        print(f"{provider}: {find_builtin_plugin(provider)}")
+    for name, path in build_everything().items():
+        print(f"{name}: {path}")
     return 0
 
 

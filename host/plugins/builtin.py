@@ -4,6 +4,10 @@ A session that asks for "CUDAExecutionProvider" without registering a library ge
 built for this interpreter into the per-user cache (abi.builder), so a `pip install .` works without a
 checkout and without running build.py first. The host refers to the plugin's entry point only as a
 string handed to the builder: it never imports the plugin's modules.
+
+Where the plugin cannot be built (no C compiler, no Python headers) or loaded, a session falls back to
+the CPU EP with a warning, as onnxruntime does, and get_available_providers() leaves it out
+(`unavailable_reason` says why, without building anything).
 """
 
 from __future__ import annotations
@@ -42,3 +46,23 @@ def find_builtin_plugin(provider: str) -> Path | None:
         return builder.cached_plugin(name, entry)
     except builder.BuildError as exc:
         raise PluginBuildError(f"{provider} needs its plugin built for this Python: {exc}") from exc
+
+
+def unavailable_reason(provider: str) -> str | None:
+    """None when built-in `provider`'s plugin is there or can be built now, else why not (nothing is
+    built: a toolchain check and file lookups only)."""
+    spec = BUILTIN_PLUGINS.get(provider)
+    if spec is None:
+        return f"{provider} is not a built-in provider"
+    name, entry = spec
+    variable = f"EPHOST_{name.upper()}_PLUGIN"
+    override = os.environ.get(variable)
+    if override:
+        return None if Path(override).is_file() else f"${variable} names {override}, which is not a file"
+    try:
+        builder.check_toolchain(name)  # first: cheaper than the cache key
+    except builder.BuildError as exc:
+        if builder.cached_plugin_path(name, entry)[0].is_file():  # built before, when there was a compiler
+            return None
+        return f"{provider} needs its plugin built for this Python: {exc}"
+    return None

@@ -132,9 +132,11 @@ def _level_read(value: int):
 
 SESSION_OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("intra_op_num_threads", 0, _int_at_least(0),
-           "bounds the threads of the CPU EP's BLAS (OpenBLAS) pool during each run; 0 leaves BLAS's default"),
+           "the thread count of every BLAS library the CPU EP uses, set for each run and restored after it "
+           "(host.runtime.threads); 0: the physical cores available to the process"),
     Option("inter_op_num_threads", 0, _int_at_least(0),
-           "ignored: ephost runs the nodes of a run one after another", honoured=False),
+           "accepted, no effect: ephost runs the nodes of a run one after another (as onnxruntime's sequential "
+           "mode ignores it)", honoured=False),
     Option("execution_mode", ExecutionMode.ORT_SEQUENTIAL, _execution_mode,
            "ignored: ORT_PARALLEL is accepted but nodes still run one after another", honoured=False),
     Option("graph_optimization_level", 99, _optimization_level,

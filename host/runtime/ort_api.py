@@ -97,12 +97,13 @@ def get_version_string() -> str:
 
 
 def get_available_providers() -> list[str]:
-    """EPs a session can ask for now: registered plugin EPs, the built-in CUDA EP's name, the CPU EP."""
-    from host.plugins.builtin import BUILTIN_PLUGINS
+    """EPs a session can ask for now: registered plugin EPs, the built-in EPs whose plugin is built or
+    can be built here (CUDA: listed without a GPU too, as onnxruntime-gpu lists it), the CPU EP."""
+    from host.plugins.builtin import BUILTIN_PLUGINS, unavailable_reason
 
     env = default_environment()
     names = [f.name for reg in env.plugins.values() for f in reg.factories]
-    names += [p for p in BUILTIN_PLUGINS if p not in names]
+    names += [p for p in BUILTIN_PLUGINS if p not in names and unavailable_reason(p) is None]
     return [*names, CPU_EP]
 
 

@@ -22,7 +22,7 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import blas_threads, compiled, ort_api, profiling, types
+from host.runtime import compiled, ort_api, profiling, threads, types
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
@@ -121,7 +121,7 @@ class InferenceSession:
         self._profiler = (profiling.Profiler(self.options.profile_file_prefix, self.options.logid)
                           if self.options.enable_profiling else profiling.NULL)
         self._profiling = self._profiler.enabled  # the one check the run path makes
-        self._blas_threads = self.options.intra_op_num_threads
+        self._threads = threads.POOLS.bounded(threads.resolve(self.options.intra_op_num_threads))  # 0: cores
         self._fallback_enabled = True
         t0 = time.perf_counter_ns()
         self.fallbacks: Counter[str] = Counter()
@@ -160,8 +160,13 @@ class InferenceSession:
             if name == CPU_EP:
                 continue
             reg, factory = self.env.find_factory(name)
-            if factory is None and self.env.ensure_builtin(name):  # a built-in plugin, asked for by name
-                reg, factory = self.env.find_factory(name)
+            try:
+                if factory is None and self.env.ensure_builtin(name):  # a built-in plugin, asked for by name
+                    reg, factory = self.env.find_factory(name)
+            except PluginLoadError as exc:  # cannot be built or loaded here: onnxruntime falls back too
+                warn_caller(f"{name} is not available, its nodes fall back to {CPU_EP}: {exc}")
+                self.fallbacks["builtin_unavailable"] += 1
+                continue
             if factory is None:
                 known = sorted({d.ep_name for d in self.env.ep_devices()} | {CPU_EP})
                 raise InvalidArgument(f"execution provider {name!r} is not registered; available: {known}")
@@ -438,10 +443,7 @@ class InferenceSession:
             c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None)
             self._on_run_start(c_ro)
             try:
-                if self._blas_threads:
-                    with blas_threads.bounded(self._blas_threads):
-                        ex.execute(st, feeds)
-                else:
+                with self._threads:
                     ex.execute(st, feeds)
             except EphostError as exc:
                 self._on_run_end(c_ro, sync=True, failed=True)

@@ -613,7 +613,8 @@ def test_float64_and_views_keep_the_numpy_paths(spy):
 
 def test_a_missing_or_stale_library_is_not_opened(tmp_path, monkeypatch):
     assert native.load(tmp_path / "nothing.so") is None
-    assert native.LOAD_ERROR == f"{tmp_path / 'nothing.so'} not found (run `python build.py`)"
+    assert native.LOAD_ERROR == (f"{tmp_path / 'nothing.so'} not found (reinstall ephost (`pip install .` compiles "
+                                 f"them), or run `ephost build` or `python build.py`)")
     monkeypatch.setattr(native, "source_hash", lambda: "0" * 16)
     assert native.load() is None
     assert "was built from another kernels.c" in native.LOAD_ERROR

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from abi import builder
@@ -109,11 +111,63 @@ def test_env_override_of_the_cuda_plugin_path(cache, monkeypatch, tmp_path):
     assert builtin.find_builtin_plugin(CUDA) == tmp_path / "mine.so"
 
 
-def test_cli_build_prints_the_cached_plugin(cache, capsys):
+def test_cli_build_prints_the_cpu_kernels_and_the_cached_plugin(cache, capsys):
+    from host.cpu_ep import native
+
     assert cli.main(["build"]) == 0
-    line = capsys.readouterr().out.strip()
+    kernels, line = capsys.readouterr().out.strip().splitlines()
+    assert kernels.startswith("CPU kernels: ") and native.LIB is not None
+    assert native.load(kernels.split(": ", 1)[1]) is not None  # a build of this kernels.c
     assert line.startswith(f"{CUDA}: {cache}") and line.endswith(".so")
     assert Path(line.split(": ", 1)[1]).is_file()
+
+
+@pytest.fixture
+def no_cpu_kernels(monkeypatch, tmp_path):
+    """Neither the package's build nor a checkout's build/lib: only the cache (EPHOST_CACHE_DIR) is left."""
+    from host.cpu_ep import native
+
+    monkeypatch.delenv("EPHOST_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(native, "packaged_paths", lambda: [])
+    monkeypatch.setattr(native, "DEFAULT_PATH", tmp_path / "no-checkout" / native.LIB_NAME)
+    monkeypatch.setattr(native, "LIB", native.LIB)  # restored after the test, whatever build switched on
+    return native
+
+
+def test_without_a_packaged_build_ephost_build_compiles_the_cpu_kernels_into_the_cache(cache, no_cpu_kernels,
+                                                                                          monkeypatch):
+    from host.cpu_ep.native import build_info
+    from host.native_build import build_cpu_kernels
+
+    native = no_cpu_kernels
+    assert native.load() is None and native.LOAD_ERROR.endswith("not found (reinstall ephost (`pip install .` "
+                                                                "compiles them), or run `ephost build` or "
+                                                                "`python build.py`)")
+    checkout_build = ROOT / "build" / "lib" / native.LIB_NAME
+    if not checkout_build.is_file():
+        pytest.skip("needs build/lib from `python build.py` (stands in for the compiler here)")
+    compiled = []
+
+    def compile_library(target, werror=False):  # the compiler itself is build.py's (same function)
+        compiled.append(target)
+        target.parent.mkdir(parents=True)
+        shutil.copyfile(checkout_build, target)
+        return target
+
+    monkeypatch.setattr(build_info, "compile_library", compile_library)
+    path = build_cpu_kernels()
+    assert compiled == [path] and cache in path.parents and native.LIB is not None
+    assert build_cpu_kernels() == path and len(compiled) == 1  # found in the cache: not built again
+
+
+def test_ephost_build_without_a_compiler_is_a_plugin_build_error(cache, no_cpu_kernels, monkeypatch):
+    from host.native_build import build_cpu_kernels
+
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(PluginBuildError, match=r"^building plugin 'cpu_kernels' needs a C compiler; "
+                                               r"'no-such-cc-xyz' was not found on PATH"):
+        build_cpu_kernels()
 
 
 def test_build_py_reports_a_missing_compiler_in_one_line(tmp_path):
@@ -152,3 +206,124 @@ def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkou
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "cache"))
+
+
+# ---- no compiler: fall back to the CPU EP, as onnxruntime does --------------------------------------
+NO_COMPILER = {"CC": "no-such-cc-xyz", "PATH": "/nonexistent"}
+
+
+def _mlp_and_feed():
+    from host.cli import zoo
+
+    model = zoo.mlp(layers=2, hidden=16, seed=3)
+    return model, {model.graph.input[0].name: np.random.default_rng(0).standard_normal((1, 16)).astype("float32")}
+
+
+def test_without_a_compiler_a_session_asking_for_cuda_runs_on_the_cpu_with_one_warning(cache, monkeypatch):
+    import warnings
+
+    import onnxruntime as ort
+
+    from host.runtime.session import InferenceSession
+
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    model, feeds = _mlp_and_feed()
+    with Environment() as env, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = InferenceSession(model.SerializeToString(), providers=[CUDA, "CPUExecutionProvider"], env=env)
+        got = sess.run(None, feeds)[0]
+        assert sess.get_providers() == ["CPUExecutionProvider"] and sess.fallbacks["builtin_unavailable"] == 1
+        sess.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert re.match(r"^CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider: "
+                    r"CUDAExecutionProvider needs its plugin built for this Python: building plugin 'cuda' needs "
+                    r"a C compiler; 'no-such-cc-xyz' was not found on PATH", messages[0])
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_available_providers_leave_out_a_builtin_that_cannot_be_built(cache, monkeypatch):
+    assert builtin.unavailable_reason(CUDA) is None  # this machine has a compiler
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert builtin.unavailable_reason(CUDA).startswith(f"{CUDA} needs its plugin built for this Python: "
+                                                       "building plugin 'cuda' needs a C compiler")
+    # In a child, so no CUDA plugin registered by other tests in this process's default environment counts.
+    code = "import host; print(host.get_available_providers())"
+    env = {**os.environ, **NO_COMPILER, "EPHOST_CACHE_DIR": str(cache)}
+    env.pop("EPHOST_CUDA_PLUGIN", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['CPUExecutionProvider']"
+
+
+def test_a_plugin_built_before_stays_available_without_a_compiler(cache, monkeypatch):
+    built = builtin.find_builtin_plugin(CUDA)  # with the compiler, into the test's cache
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert builtin.unavailable_reason(CUDA) is None
+    assert builtin.find_builtin_plugin(CUDA) == built
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tmp_path):
+    """`pip wheel .`, installed into a fresh venv, used from outside the checkout with no C compiler on
+    PATH: the CPU kernels are the wheel's own build, a model matches onnxruntime, and asking for CUDA
+    falls back to the CPU EP. Builds kernels.c once (~5 s of compiler time; more on a busy machine)."""
+    src = tmp_path / "src"  # a copy, so setuptools' build/ never lands in the checkout
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "mutants", ".ci-venv*", ".whl", "dist",
+                                                             "*.egg-info", "__pycache__", "tests", "*.so"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
+                           str(src)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("ephost-*.whl")
+    assert "-none-any" not in wheel.name  # a platform wheel: it carries compiled code
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True)
+    script = textwrap.dedent("""
+        import warnings
+        import numpy as np, onnxruntime as ort
+        import host
+        from host.cli import zoo
+        from host.cpu_ep import native
+        assert host.__file__.startswith(sys.prefix), host.__file__
+        assert native.LOAD_ERROR is None and native.LIB is not None, native.LOAD_ERROR
+        assert native.LOADED_FROM in native.packaged_paths(), native.LOADED_FROM
+        assert host.get_available_providers() == ["CPUExecutionProvider"]
+        model = zoo.mlp(layers=2, hidden=32, seed=1).SerializeToString()
+        x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sess = host.InferenceSession(model, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+        assert [str(w.message).split(":")[0] for w in caught if w.category is RuntimeWarning] == [
+            "CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider"]
+        feeds = {sess.get_inputs()[0].name: x}
+        want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)
+        print("ok", native.LOADED_FROM)
+    """)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    # No CC and a PATH with no compiler (CC=/bin/false would count as a compiler that fails).
+    env = {"PATH": str(venv / "bin"), "HOME": str(tmp_path), "EPHOST_CACHE_DIR": str(tmp_path / "empty-cache")}
+    done = subprocess.run([str(python), "-c", "import sys\n" + script], capture_output=True, text=True, env=env,
+                          cwd=outside)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"ok {venv}")
+
+
+def test_cli_run_with_ep_cuda_and_no_compiler_runs_on_the_cpu(cache, monkeypatch, tmp_path, capsys):
+    model, _ = _mlp_and_feed()
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(model.SerializeToString())
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["run", str(path), "--ep", "cuda", "--random-inputs"]) == 0
+    out, err = capsys.readouterr()
+    assert "CPUExecutionProvider: " in out + err
+    assert "CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider" in out + err

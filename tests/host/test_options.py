@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 import host
 from host.errors import EpError, InvalidArgument
-from host.runtime import blas_threads, ort_api
+from host.runtime import ort_api
 from host.runtime.options import (
     RUN_OPTIONS,
     SESSION_OPTIONS,
@@ -147,32 +147,6 @@ def test_session_keeps_a_copy_of_its_options():
 
 
 # ---- honoured options, observed -------------------------------------------------------------------
-@pytest.mark.skipif(not blas_threads.available(), reason="NumPy's BLAS here is not OpenBLAS: no thread bound")
-@pytest.mark.parametrize("bound, expected_inside", [(1, 1), (0, 2), (8, 2)])
-def test_intra_op_num_threads_bounds_blas_threads_during_the_run(bound, expected_inside):
-    get, set_ = blas_threads._api()
-    before = get()
-    set_(2)  # a known starting point, whatever the machine's core count
-    try:
-        so = SessionOptions()
-        so.intra_op_num_threads = bound
-        s = InferenceSession(matmul_model(), so)
-        kernel = s.plan.nodes[0].kernel
-        seen, original = [], kernel.run
-
-        def spy(*args):  # on the instance, as the profiler wraps kernels: both run loops call it
-            seen.append(blas_threads.get_threads())
-            return original(*args)
-
-        kernel.run = spy
-        a = np.ones((64, 64), np.float32)
-        np.testing.assert_allclose(s.run(None, {"A": a, "B": a})[0], a @ a)
-        assert seen == [expected_inside]
-        assert blas_threads.get_threads() == 2  # restored after the run
-    finally:
-        set_(before)
-
-
 @pytest.mark.parametrize("severity, info_logged", [(0, True), (1, True), (2, False), (3, False)])
 def test_log_severity_level_sets_the_ephost_logger(caplog, ephost_logger_level, severity, info_logged):
     so = SessionOptions()

@@ -1,27 +1,31 @@
 """The CPU EP's compiled kernels (kernels.c beside this file), opened in cffi ABI mode.
 
-`python build.py` compiles kernels.c into build/lib/libephost_cpu_kernels.so with the hash of the source
-it was built from; this module opens that library when it is there and its hash matches kernels.c (a
-stale build is never called), else `LIB` is None and every kernel keeps its NumPy path. The kernels
-call `LIB` only for the cases they checked (float32, C-contiguous, shapes that fit), so a missing
-library changes speed, never results or errors.
+The library carries the hash of the source it was built from; this module opens the first build
+whose hash matches kernels.c (a stale build is never called), looking in order at: the package's own
+(`_kernels.<ext suffix>` beside this file, compiled by `pip install .` / the wheel build), a checkout's
+build/lib/libephost_cpu_kernels.so (`python build.py`), and the per-user cache (`ephost build`).
+Without one, `LIB` is None and every kernel keeps its NumPy path. The kernels call `LIB` only for
+the cases they checked (float32, C-contiguous, shapes that fit), so a missing library changes speed,
+never results or errors. docs/install.md says how each build is made.
 
 `EPHOST_CPU_NATIVE=0` in the environment turns the library off; `EPHOST_CPU_KERNELS=/path/lib.so`
-opens another build. Tests switch it with `use(None)` / `use(load())`: kernels read `LIB` per call.
+opens that build only. Tests switch it with `use(None)` / `use(load())`: kernels read `LIB` per call.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.machinery
 import os
 from pathlib import Path
 
 import cffi
 import numpy as np
 
-SOURCE = Path(__file__).with_name("kernels.c")
-LIB_NAME = "libephost_cpu_kernels.so"
-DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "lib" / LIB_NAME
+from host.cpu_ep.native import build_info
+
+SOURCE = build_info.SOURCE
+LIB_NAME = build_info.LIB_NAME
+DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "lib" / LIB_NAME  # a checkout's build.py output
 
 CDEF = """
 typedef struct {
@@ -125,37 +129,76 @@ def program(steps) -> int:
 
 
 def source_hash() -> str:
-    """The hash build.py compiles into the library, of kernels.c as it is now."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """The hash every build compiles into the library, of kernels.c as it is now."""
+    return build_info.hash_of(SOURCE)
 
 
 LOAD_ERROR: str | None = None  # why LIB is None, for `ephost` diagnostics and tests
+LOADED_FROM: Path | None = None  # the build the last successful load() opened
+HOW_TO_BUILD = "reinstall ephost (`pip install .` compiles them), or run `ephost build` or `python build.py`"
+
+
+def packaged_paths() -> list[Path]:
+    """The package's own builds (setup.py's extension module), for this interpreter's suffixes."""
+    here = Path(__file__).resolve().parent
+    name = build_info.MODULE.rsplit(".", 1)[1]
+    return [here / f"{name}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+
+
+def cache_path() -> Path:
+    """Where `ephost build` puts the library: the per-user cache, one folder per kernels.c hash."""
+    from abi import builder
+
+    return builder.cache_dir() / "cpu_kernels" / source_hash() / LIB_NAME
+
+
+def candidates() -> list[Path]:
+    """Where load() looks, in order: $EPHOST_CPU_KERNELS alone when set, else the package's build,
+    a checkout's build/lib, the per-user cache."""
+    if os.environ.get("EPHOST_CPU_KERNELS"):
+        return [Path(os.environ["EPHOST_CPU_KERNELS"])]
+    try:
+        cached = [cache_path()]
+    except OSError:  # kernels.c unreadable: _open says so for the other candidates
+        cached = []
+    return [*packaged_paths(), DEFAULT_PATH, *cached]
 
 
 def load(path: str | os.PathLike | None = None):
-    """The library at `path` (default: $EPHOST_CPU_KERNELS, else build/lib of this checkout), or None
-    when it is missing, cannot be opened or was built from another kernels.c (LOAD_ERROR says which)."""
-    global LOAD_ERROR
-    path = Path(path or os.environ.get("EPHOST_CPU_KERNELS") or DEFAULT_PATH)
-    if not path.is_file():
-        LOAD_ERROR = f"{path} not found (run `python build.py`)"
+    """The library at `path` (default: the first of candidates() that opens), or None when none is
+    there, opens, or was built from this kernels.c (LOAD_ERROR says why)."""
+    global LOAD_ERROR, LOADED_FROM
+    paths = [Path(path)] if path else candidates()
+    existing = [p for p in paths if p.is_file()]
+    if not existing:
+        shown = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
+        LOAD_ERROR = f"{shown} not found ({HOW_TO_BUILD})"
         return None
+    errors = []
+    for p in existing:
+        lib, error = _open(p)
+        if lib is not None:
+            LOAD_ERROR, LOADED_FROM = None, p
+            return lib
+        errors.append(error)
+    LOAD_ERROR = "; ".join(errors)
+    return None
+
+
+def _open(path: Path):
+    """(library, None), or (None, why not)."""
     try:
         lib = ffi.dlopen(str(path))
         built_from = ffi.string(lib.ep_source_hash()).decode()
     except (OSError, AttributeError) as exc:
-        LOAD_ERROR = f"{path} could not be opened: {exc}"
-        return None
+        return None, f"{path} could not be opened: {exc}"
     try:
         want = source_hash()
     except OSError as exc:  # an install without the C source: nothing to check a build against
-        LOAD_ERROR = f"{SOURCE} cannot be read ({exc}); the compiled kernels stay off"
-        return None
+        return None, f"{SOURCE} cannot be read ({exc}); the compiled kernels stay off"
     if built_from != want:
-        LOAD_ERROR = f"{path} was built from another kernels.c ({built_from}; now {want}): rebuild it"
-        return None
-    LOAD_ERROR = None
-    return lib
+        return None, f"{path} was built from another kernels.c ({built_from}; now {want}): {HOW_TO_BUILD}"
+    return lib, None
 
 
 def use(lib) -> None:

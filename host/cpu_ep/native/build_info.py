@@ -1,0 +1,66 @@
+"""How the CPU EP's kernels (kernels.c) are compiled: the one place that says so.
+
+Three builders use it: the package build (setup.py: a setuptools extension module inside this
+package, so `pip install .` and a wheel carry the library), `python build.py` in a checkout, and
+`ephost build` (into the per-user cache). Standard library only, with the imports that need more
+inside the functions: setup.py loads this file by path in a build environment that has setuptools
+and nothing else of ephost's dependencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+LIB_NAME = "libephost_cpu_kernels.so"
+# The package build's extension module; it has no PyInit (it is a plain C library opened with
+# ffi.dlopen), the module form is only how setuptools compiles it and tags the wheel.
+MODULE = "host.cpu_ep.native._kernels"
+# -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
+CFLAGS = ("-O3", "-Wall")
+LIBRARIES = ("m",)
+
+
+def hash_of(source: Path) -> str:
+    """The hash compiled into the library: the loader opens a build only when it matches kernels.c."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+
+
+def source_hash() -> str:
+    return hash_of(SOURCE)
+
+
+def hash_macro() -> tuple[str, str]:
+    return "EPHOST_CPU_SOURCE_HASH", f'"{source_hash()}"'
+
+
+def extension(root: Path):
+    """The setuptools Extension that compiles kernels.c into the package (setup.py calls it)."""
+    from setuptools import Extension
+
+    # optional: a source install on a machine without a compiler still installs (the kernels then keep their
+    # NumPy paths, and native.LOAD_ERROR says how to build the library); -g0: Python's CFLAGS add -g.
+    return Extension(MODULE, sources=[SOURCE.relative_to(root).as_posix()], define_macros=[hash_macro()],
+                     extra_compile_args=[*CFLAGS, "-g0"], libraries=list(LIBRARIES), optional=True)
+
+
+def compile_library(target: Path, werror: bool = False) -> Path:
+    """Compile kernels.c into the shared library `target` with the C compiler abi.builder finds
+    (raising builder.BuildError when there is none or it fails); replaced atomically."""
+    from abi import builder
+
+    builder.check_toolchain("cpu_kernels", python_plugin=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    name, value = hash_macro()
+    cmd = [*builder.compiler(), *CFLAGS, *(["-Werror"] if werror else []), "-fPIC", "-shared",
+           f"-D{name}={value}", str(SOURCE), "-o", str(tmp), *(f"-l{lib}" for lib in LIBRARIES)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise builder.BuildError(f"building the CPU kernels from {SOURCE} failed "
+                                 f"(exit {done.returncode}): {done.stderr.strip()}")
+    os.replace(tmp, target)
+    return target
