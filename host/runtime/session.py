@@ -21,7 +21,7 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import blas_threads, compiled, ort_api, profiling
+from host.runtime import blas_threads, compiled, ort_api, profiling, stages
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
@@ -120,6 +120,7 @@ class InferenceSession:
         self._kernel_list: list = []
         self._partitions: list = []  # compiled partitions (ABI v6), released with the kernels
         self._lock = threading.Lock()
+        stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
             self.graph = build_graph(self._optimized(path_or_bytes))
         self._view = GraphView(self.graph)
@@ -128,6 +129,7 @@ class InferenceSession:
             self._provider_list = _parse_providers(
                 ort_api.select_providers(providers, provider_options, self.options, self.env))
             self._create_eps(self._provider_list)
+            stages.enter(stages.PARTITIONING)
             with self._profiler.span("partitioning"):
                 self.plan = self._partition()
             capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
@@ -138,6 +140,7 @@ class InferenceSession:
             self._release_eps()
             self.env.forget_session(self)
             raise
+        stages.enter(stages.DONE)
         if self._profiling:
             profiling.instrument(self, self._profiler)
             self._profiler.record("session_initialization", "Session", t0, time.perf_counter_ns())
@@ -169,6 +172,7 @@ class InferenceSession:
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
+        stages.enter(stages.OPTIMIZING)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath)
@@ -201,6 +205,7 @@ class InferenceSession:
         ids = self._view.value_index
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
         assigned, self._partitions = compiled.claim_and_compile(self._eps, self._view, g, self.fallbacks)
+        stages.enter(stages.CREATING_KERNELS)
         fused_first = {p.group.nodes[0]: p for p in self._partitions}
         fused = {i for p in self._partitions for i in p.group.nodes}
         nodes, unsupported, units = [], [], []
