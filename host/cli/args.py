@@ -76,7 +76,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", metavar="DIR", help="save each output as DIR/NAME.npy")
     p.add_argument("--profile", nargs="?", const="ephost_profile_", metavar="PREFIX",
                    help="write a Chrome-trace profile (a JSON list of events, as onnxruntime writes; Perfetto, "
-                        "chrome://tracing) to PREFIX_<date>_<time>.json (default PREFIX: ephost_profile_)")
+                        "chrome://tracing) to PREFIX_<date>_<time>_<ms>.json (default PREFIX: ephost_profile_)")
 
 
 def add_make_model(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import onnx
 from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY
-from host.errors import ModelError, NoSuchFile
+from host.errors import InvalidArgument, ModelError, NoSuchFile
 from host.runtime.node import NodeInfo, node_info
 
 MIN_OPSET, MAX_OPSET = 7, 23
@@ -50,9 +50,10 @@ def load_model(model) -> onnx.ModelProto:
         return model
     if isinstance(model, (bytes, bytearray)):
         try:
-            return onnx.load_from_string(bytes(model))
+            proto = onnx.load_from_string(bytes(model))
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types
             raise ModelError(f"model bytes could not be parsed: {exc}") from exc
+        return _with_graph(proto, "", len(model))
     if isinstance(model, (str, Path)):
         path = Path(model)
         if path.is_dir():
@@ -60,10 +61,20 @@ def load_model(model) -> onnx.ModelProto:
         if not path.is_file():
             raise NoSuchFile(f"model file '{path}' does not exist")
         try:
-            return onnx.load(str(path))
+            proto = onnx.load(str(path))
         except Exception as exc:  # noqa: BLE001
             raise ModelError(f"model file '{path}' could not be parsed: {exc}") from exc
+        return _with_graph(proto, f"Load model from {path} failed: ", path.stat().st_size)
     raise ModelError(f"model must be a path, bytes or onnx.ModelProto; got {type(model).__name__}")
+
+
+def _with_graph(proto: onnx.ModelProto, where: str, size: int) -> onnx.ModelProto:
+    """`proto` if it holds a graph. An empty file parses as an empty ModelProto; onnxruntime calls that
+    an invalid argument with this message, not a model with a missing opset."""
+    if not proto.HasField("graph"):
+        raise InvalidArgument(f"{where}No graph was found in the protobuf ({size} bytes); expected an ONNX "
+                              "ModelProto with a graph (onnx.save writes one)")
+    return proto
 
 
 def _check_opsets(proto: onnx.ModelProto) -> dict[str, int]:

@@ -375,7 +375,7 @@ class InferenceSession:
         fed = self._feeds(feeds)
         ro = run_options or _DEFAULT_RUN_OPTIONS
         _check_terminate(ro)
-        parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
+        parse_graph_id(ro._get("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         outs = [self._executor.to_host(st.values[i]) for i in ids]
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
@@ -410,7 +410,7 @@ class InferenceSession:
                 self._on_run_end(c_ro, sync=True, failed=True)
                 traceback.clear_frames(exc.__traceback__)
                 raise EpError(f"run failed: {exc}") from exc
-            self._on_run_end(c_ro, sync=ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
+            self._on_run_end(c_ro, sync=ro._get("disable_synchronize_execution_providers") != "1")
             return st
         finally:
             if lock is not None:
