@@ -108,7 +108,7 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     return arr if arr.dtype in ONNX_TO_NUMPY.values() else None
 
 
-def _check_text(proto: onnx.ModelProto) -> None:
+def check_text(proto: onnx.ModelProto) -> None:
     """protobuf hands back a string field that is not UTF-8 as bytes: refuse it here, by name,
     instead of letting it fail wherever it is first used."""
     g = proto.graph
@@ -124,7 +124,7 @@ def _check_text(proto: onnx.ModelProto) -> None:
 
 def build_graph(model) -> Graph:
     proto = load_model(model)
-    _check_text(proto)
+    check_text(proto)
     opsets = _check_opsets(proto)
     try:
         onnx.checker.check_model(proto)
