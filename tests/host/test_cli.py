@@ -298,3 +298,13 @@ def test_importing_the_cli_imports_no_heavy_module():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_cpu_session_without_erf_or_sigmoid_does_not_import_scipy():
+    # scipy.special (0.2-0.5 s to import) serves Erf and Sigmoid only: it loads when one of them runs.
+    code = ("import sys, host; from host.cli import zoo; "
+            "s = host.InferenceSession(zoo.mlp(layers=1, hidden=4).SerializeToString()); "
+            "print('scipy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
