@@ -262,7 +262,7 @@ def _session_for(env, name: str):
 
 def cmd_ops(args) -> int:
     """`ephost ops`: print the coverage (text, or the Markdown of docs/ops.md)."""
-    from host.cli import app
+    from host.cli import session_cmds as app  # the plugin and --ep handling of run/bench
 
     env = app._environment(args.plugin)
     try:
