@@ -13,7 +13,6 @@ from host.errors import (
     PluginBuildError,
     PluginLoadError,
 )
-from host.plugins.environment import Environment
 
 __all__ = [
     "Environment", "InferenceSession", "SessionOptions", "RunOptions", "IOBinding",
@@ -30,6 +29,7 @@ __all__ = [
 # onnxruntime's names, so that `import host as ort` runs onnxruntime scripts (docs/onnxruntime.md).
 # name -> module that defines it; imported on first use (the session pulls in onnx and the CPU EP).
 _LAZY = {
+    "Environment": "host.plugins.environment",
     "InferenceSession": "host.runtime.session", "SessionOptions": "host.runtime.options",
     "RunOptions": "host.runtime.options", "IOBinding": "host.runtime.session", "NodeArg": "host.runtime.session",
     "OrtValue": "host.runtime.ortvalue", "ExecutionMode": "host.runtime.options",

@@ -24,6 +24,10 @@ settings.register_profile("thorough", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=10, deadline=None)
 settings.load_profile(os.environ.get("EPHOST_HYPOTHESIS_PROFILE", "ci"))
+# The CLI's session progress lines appear when a stage takes over a second, which a loaded machine
+# decides: off here so that CLI tests compare stderr exactly (tests/host/test_cli_progress.py
+# drives the display itself).
+os.environ["EPHOST_PROGRESS"] = "0"
 
 
 @functools.cache

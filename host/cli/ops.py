@@ -262,7 +262,7 @@ def _session_for(env, name: str):
 
 def cmd_ops(args) -> int:
     """`ephost ops`: print the coverage (text, or the Markdown of docs/ops.md)."""
-    from host.cli import app
+    from host.cli import session_cmds as app  # the plugin and --ep handling of run/bench
 
     env = app._environment(args.plugin)
     try:
@@ -271,13 +271,3 @@ def cmd_ops(args) -> int:
     finally:
         env.close()
     return 0
-
-
-def add_parser(sub) -> None:
-    """Registers `ops` on the CLI's subparsers."""
-    p = sub.add_parser("ops", help="which ONNX ops and opsets each EP supports (CPU EP; plugins probed)")
-    p.add_argument("--plugin", action="append", default=[], metavar="[NAME=]PATH",
-                   help="also probe this plugin's EPs (through GetCapability)")
-    p.add_argument("--ep", action="append", default=[], metavar="NAME", help="only these plugin EPs")
-    p.add_argument("--markdown", action="store_true", help="the Markdown table of docs/ops.md")
-    p.set_defaults(func=cmd_ops)

@@ -15,10 +15,10 @@ from pathlib import Path
 from host.errors import InvalidArgument
 
 
-def add_parser(sub) -> None:
-    """Register `ephost serve` on the main parser's subcommands."""
-    p = sub.add_parser("serve", help="serve a model over HTTP with Ray Serve (KServe v2 protocol)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `ephost serve` (a row of host.cli.app.COMMANDS)."""
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("model", help="ONNX model file (the same path on every node of a cluster)")
     p.add_argument("--plugin", action="append", default=[], metavar="[NAME=]PATH",
                    help="register an EP plugin library in every replica")
@@ -43,7 +43,6 @@ def add_parser(sub) -> None:
     p.add_argument("--num-gpus", type=float, metavar="N", help="GPUs each replica reserves (default: 1 with cuda)")
     p.add_argument("--detach", action="store_true",
                    help="deploy and exit, leaving the application running on the cluster (with --address)")
-    p.set_defaults(func=cmd_serve)
 
 
 def parse_buckets(text: str):

@@ -7,7 +7,7 @@ where a temporary is promoted (float64, int64) we cast back explicitly.
 from __future__ import annotations
 
 import math
-from functools import reduce
+from functools import cache, reduce
 
 import numpy as np
 import onnx
@@ -17,19 +17,26 @@ from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.registry import register
 
-try:  # scipy's erf and expit are fast ufuncs; numpy has neither.
-    from scipy.special import erf as _scipy_erf
-    from scipy.special import expit as _scipy_expit
-except ImportError:  # pragma: no cover - depends on the environment
-    _scipy_erf = _scipy_expit = None
+
+@cache
+def _scipy_special():
+    """scipy.special (its erf and expit are fast ufuncs numpy lacks), or None. Imported on first
+    use: importing it takes 0.2-0.5 s, which every session and CLI command used to pay."""
+    try:
+        import scipy.special
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return scipy.special
+
 
 _math_erf = np.frompyfunc(math.erf, 1, 1)
 
 
 def erf(x: np.ndarray) -> np.ndarray:
     """erf(x) in x's dtype (float inputs)."""
-    if _scipy_erf is not None:
-        return np.asarray(_scipy_erf(x)).astype(x.dtype, copy=False)
+    special = _scipy_special()
+    if special is not None:
+        return np.asarray(special.erf(x)).astype(x.dtype, copy=False)
     return erf_fallback(x)
 
 
@@ -81,8 +88,9 @@ def _sigmoid(x):
         return y
     if x.dtype in _WIDE_FLOATS:
         return sigmoid_inplace(x.copy())
-    if _scipy_expit is not None and x.dtype.kind == "f":
-        return _scipy_expit(x)  # one ufunc, overflow-free
+    special = _scipy_special() if x.dtype.kind == "f" else None
+    if special is not None:
+        return special.expit(x)  # one ufunc, overflow-free
     # exp(-|x|) never overflows; both branches share it.
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1 / (1 + e), e / (1 + e))

@@ -7,7 +7,18 @@ import enum
 from host.errors import InvalidArgument
 
 
-class GraphOptimizationLevel(enum.IntEnum):
+class OrtIntEnum(enum.IntEnum):
+    """An IntEnum that prints as onnxruntime's enums do: str() and format() give 'Type.NAME' (Python
+    3.11's IntEnum gives the bare number), repr() '<Type.NAME: value>'; it compares as its int."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+class GraphOptimizationLevel(OrtIntEnum):
     """How much the optimizer does before partitioning (onnxruntime's values)."""
 
     ORT_DISABLE_ALL = 0

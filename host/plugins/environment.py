@@ -8,12 +8,13 @@ import logging
 import threading
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import abi
 from host.errors import InvalidArgument, PluginLoadError
-from host.plugins.builtin import builtin_registration_name, find_builtin_plugin  # noqa: F401 (re-export)
-from host.plugins.hostapi import HostApi
-from host.plugins.loader import EpDeviceInfo, PluginRegistration
+
+if TYPE_CHECKING:
+    from host.plugins.loader import EpDeviceInfo, PluginRegistration
 
 _log = logging.getLogger("ephost")
 _ENVIRONMENTS: weakref.WeakSet = weakref.WeakSet()  # closed at interpreter exit, sessions first
@@ -28,7 +29,7 @@ class Environment:
             raise InvalidArgument(f"api_version {api_version} is not served; allowed: "
                                   f"{abi.ABI_MIN_VERSION}..{abi.ABI_VERSION}")
         self.api_version = api_version
-        self.api = HostApi(api_version)
+        self._api = None  # the host API tables, made when a plugin is first registered (cffi parsing costs)
         self._plugins: dict[str, PluginRegistration] = {}
         # Reentrant: garbage collection can close a session (forget_session) on a thread that holds it.
         self._lock = threading.RLock()
@@ -37,6 +38,15 @@ class Environment:
         # holds can still be garbage collected (its finalizer closes it and forgets it here).
         self._sessions: dict[int, weakref.ref] = {}
         _ENVIRONMENTS.add(self)
+
+    @property
+    def api(self):
+        """The HostApi served to this environment's plugins."""
+        if self._api is None:
+            from host.plugins.hostapi import HostApi
+
+            self._api = HostApi(self.api_version)
+        return self._api
 
     # -- sessions ------------------------------------------------------------------------------
     def track_session(self, session) -> None:
@@ -68,6 +78,8 @@ class Environment:
             if name in self._plugins:
                 raise InvalidArgument(f"a plugin is already registered as {name!r} "
                                       f"({self._plugins[name].path}); unregister it first")
+            from host.plugins.loader import PluginRegistration  # loading plugins needs the cffi tables
+
             reg = PluginRegistration(self, name, Path(path))
             self._plugins[name] = reg
             return reg
@@ -106,6 +118,8 @@ class Environment:
 
         True when an EP called `provider` is available afterwards; False when `provider` is not built in.
         """
+        from host.plugins.builtin import builtin_registration_name, find_builtin_plugin
+
         if self.find_factory(provider)[1] is not None:
             return True
         name = builtin_registration_name(provider)

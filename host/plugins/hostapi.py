@@ -386,7 +386,9 @@ class HostApi:
     def __init__(self, api_version: int = EP_ABI):
         abi.check_known_version(api_version)
         self.version = api_version
-        self._tables = {v: _api_table(v) for v in range(abi.ABI_MIN_VERSION, api_version + 1)}
+        # Each version's table is made on first GetApi(v): its size comes from parsing that version's
+        # declarations, which a plugin built for this host's version never needs.
+        self._tables: dict[int, object] = {}
         self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup, onerror=_log_onerror)
         self.base = ffi.new("EpApiBase*")
         self.base.struct_size = ffi.sizeof("EpApiBase")
@@ -396,6 +398,9 @@ class HostApi:
         self.requested: list[int] = []
 
     def _lookup(self, version):
-        self.requested.append(int(version))
-        table = self._tables.get(int(version))
+        version = int(version)
+        self.requested.append(version)
+        table = self._tables.get(version)
+        if table is None and abi.ABI_MIN_VERSION <= version <= self.version:
+            table = self._tables[version] = _api_table(version)
         return ffi.NULL if table is None else table

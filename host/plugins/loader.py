@@ -243,7 +243,10 @@ def text(p, what: str, error=PluginLoadError, allow_null: bool = True) -> str:
         if allow_null:
             return ""
         raise error(f"{what} returned NULL; expected a UTF-8 name")
-    raw = ffi.string(p, MAX_NAME_BYTES)
+    raw = ffi.string(p, MAX_NAME_BYTES + 1)  # one byte more than allowed tells a long name from a limit-long one
+    if len(raw) > MAX_NAME_BYTES:
+        raise error(f"{what} is longer than {MAX_NAME_BYTES} bytes ({raw[:40]!r}...); names are limited to "
+                    f"{MAX_NAME_BYTES} bytes of UTF-8 (a longer one would be cut, and then not match the EP's name)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

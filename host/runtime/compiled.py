@@ -26,6 +26,7 @@ from host.plugins import hostapi
 from host.plugins.ep import PluginEp, SyncStream
 from host.plugins.hostapi import ffi
 from host.plugins.loader import Slots, negotiate, release_rejected
+from host.runtime import stages
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, ValueMeta, host_only_nodes
 from host.runtime.tensor import Allocation, check_output_dims
@@ -256,6 +257,7 @@ def compile_groups(groups: list[FusedGroup], graph: Graph, fallbacks) -> tuple[l
         by_ep.setdefault(id(g.ep), []).append(g)
     for batch in by_ep.values():
         ep = batch[0].ep
+        stages.enter(stages.COMPILING, ep.name)
         try:
             infos = _compile(ep, batch)
             pairs = list(zip(batch, infos))

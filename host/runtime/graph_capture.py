@@ -112,8 +112,8 @@ class GraphCapture:
         s = self.session
         parsed = ro.parsed
         if parsed is None:  # validated whether or not this session captures
-            parsed = ro.parsed = (parse_graph_id(ro.get_run_config_entry("gpu_graph_id")),
-                                  ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
+            parsed = ro.parsed = (parse_graph_id(ro._get("gpu_graph_id")),
+                                  ro._get("disable_synchronize_execution_providers") != "1")
         if not self.enabled:
             s._run_bound(binding, ro)
             return

@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY, supported_names, type_name
-from host.errors import ModelError, NoSuchFile
+from host.errors import InvalidArgument, ModelError, NoSuchFile
 from host.runtime import types
 from host.runtime.node import NodeInfo, node_info
 
@@ -61,9 +61,10 @@ def load_model(model) -> onnx.ModelProto:
         return model
     if isinstance(model, (bytes, bytearray)):
         try:
-            return onnx.load_from_string(bytes(model))
+            proto = onnx.load_from_string(bytes(model))
         except Exception as exc:  # noqa: BLE001 - protobuf raises several types
             raise ModelError(f"model bytes could not be parsed: {exc}") from exc
+        return _with_graph(proto, "", len(model))
     if isinstance(model, (str, Path)):
         path = Path(model)
         if path.is_dir():
@@ -71,10 +72,20 @@ def load_model(model) -> onnx.ModelProto:
         if not path.is_file():
             raise NoSuchFile(f"model file '{path}' does not exist")
         try:
-            return onnx.load(str(path))
+            proto = onnx.load(str(path))
         except Exception as exc:  # noqa: BLE001
             raise ModelError(f"model file '{path}' could not be parsed: {exc}") from exc
+        return _with_graph(proto, f"Load model from {path} failed: ", path.stat().st_size)
     raise ModelError(f"model must be a path, bytes or onnx.ModelProto; got {type(model).__name__}")
+
+
+def _with_graph(proto: onnx.ModelProto, where: str, size: int) -> onnx.ModelProto:
+    """`proto` if it holds a graph. An empty file parses as an empty ModelProto; onnxruntime calls that
+    an invalid argument with this message, not a model with a missing opset."""
+    if not proto.HasField("graph"):
+        raise InvalidArgument(f"{where}No graph was found in the protobuf ({size} bytes); expected an ONNX "
+                              "ModelProto with a graph (onnx.save writes one)")
+    return proto
 
 
 def _check_opsets(proto: onnx.ModelProto) -> dict[str, int]:
@@ -111,7 +122,7 @@ def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
     return arr if arr.dtype in ONNX_TO_NUMPY.values() else None
 
 
-def _check_text(proto: onnx.ModelProto) -> None:
+def check_text(proto: onnx.ModelProto) -> None:
     """protobuf hands back a string field that is not UTF-8 as bytes: refuse it here, by name,
     instead of letting it fail wherever it is first used."""
     g = proto.graph
@@ -127,7 +138,7 @@ def _check_text(proto: onnx.ModelProto) -> None:
 
 def build_graph(model) -> Graph:
     proto = load_model(model)
-    _check_text(proto)
+    check_text(proto)
     opsets = _check_opsets(proto)
     try:
         onnx.checker.check_model(proto)

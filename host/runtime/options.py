@@ -10,28 +10,31 @@ typo such as `graph_optimisation_level` is never silently dropped.
 from __future__ import annotations
 
 import difflib
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import abi
 from host.errors import InvalidArgument
-from host.plugins.hostapi import ffi
+from host.optimizer.levels import OrtIntEnum
 
 
 class UnknownOptionError(InvalidArgument, AttributeError):
     """An option name that SessionOptions/RunOptions do not know (an AttributeError too, as in onnxruntime)."""
 
 
-class ExecutionMode(enum.IntEnum):
+class MissingConfigEntry(InvalidArgument, RuntimeError):
+    """get_session_config_entry / get_run_config_entry of a key never added (a RuntimeError, as onnxruntime raises)."""
+
+
+class ExecutionMode(OrtIntEnum):
     """onnxruntime's execution modes; ephost runs the nodes of a session one after another."""
 
     ORT_SEQUENTIAL = 0
     ORT_PARALLEL = 1
 
 
-class OrtExecutionProviderDevicePolicy(enum.IntEnum):
+class OrtExecutionProviderDevicePolicy(OrtIntEnum):
     """How a session picks EPs when it is given none (onnxruntime's values)."""
 
     DEFAULT = 0
@@ -221,6 +224,13 @@ class _Options:
     def _get(self, key: str, default: str | None = None) -> str | None:
         return self.entries.get(key, default)
 
+    def _entry(self, key: str) -> str:
+        """The value of config entry `key`; a missing key raises with onnxruntime's message."""
+        try:
+            return self.entries[key]
+        except (KeyError, TypeError):
+            raise MissingConfigEntry(f"{type(self).__name__} does not have configuration with key: {key}") from None
+
     def __repr__(self) -> str:
         changed = {k: v for k, v in self._values.items() if v != self._TABLE[k].default}
         return f"{type(self).__name__}({changed}, entries={self.entries})"
@@ -241,8 +251,8 @@ class SessionOptions(_Options):
     def add_session_config_entry(self, key: str, value: str) -> None:
         self._add(key, value)
 
-    def get_session_config_entry(self, key: str) -> str | None:
-        return self._get(key)
+    def get_session_config_entry(self, key: str) -> str:
+        return self._entry(key)
 
     def add_provider_for_devices(self, devices, options: dict | None = None) -> None:
         """Use the EP of `devices` (from get_ep_devices(), all of one EP) with `options`."""
@@ -299,8 +309,8 @@ class RunOptions(_Options):
         self._c = {}
         self.parsed = None
 
-    def get_run_config_entry(self, key: str) -> str | None:
-        return self._get(key)
+    def get_run_config_entry(self, key: str) -> str:
+        return self._entry(key)
 
     def c_struct(self, overrides: dict[str, str] | None = None):
         """The EpRunOptions handed to OnRunStart/OnRunEnd (cached until an entry changes)."""
@@ -310,6 +320,8 @@ class RunOptions(_Options):
             return hit[0]
         entries = {**self.entries, **(overrides or {})}
         keep = []
+        from host.plugins.hostapi import ffi  # the cffi declarations load with the first run, not SessionOptions
+
         arr = ffi.new("EpKeyValue[]", max(len(entries), 1))
         for i, (k, v) in enumerate(entries.items()):
             kc, vc = ffi.new("char[]", k.encode()), ffi.new("char[]", v.encode())

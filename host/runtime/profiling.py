@@ -10,15 +10,14 @@
     cat "GPU"      for nodes of an EP on a GPU: kernel time from CUDA events on the node's stream
                    (CuPy), one track per stream, read when the profile is written
 
-`InferenceSession.end_profiling()` writes `<profile_file_prefix><date>_<pid>_<n>.json` and
-returns its path. With profiling off nothing here is on the run path: the session checks one
+`InferenceSession.end_profiling()` writes the events as a JSON list (onnxruntime's format) to
+`<profile_file_prefix>_<date>_<time>_<ms>.json`, as onnxruntime names it, and returns its path. With profiling off nothing here is on the run path: the session checks one
 boolean per run, and kernels are only wrapped when a profiler is on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import threading
@@ -29,7 +28,7 @@ import abi
 from host.errors import InvalidArgument
 from host.plugins.hostapi import CONTEXTS, ffi
 
-_FILES = itertools.count(1)
+_WRITTEN: set[Path] = set()  # profile files this process wrote (never overwritten)
 _ns = time.perf_counter_ns
 
 
@@ -59,7 +58,7 @@ class Profiler:
     def instant(self, name: str, cat: str, t: int, args: dict | None = None) -> None:
         """A point event ("ph": "i") at perf_counter_ns stamp `t`."""
         event = {"cat": cat, "name": name, "ph": "i", "s": "t", "pid": self.pid, "tid": threading.get_native_id(),
-                 "ts": (t - self.start_ns) / 1000.0}
+                 "ts": (t - self.start_ns) / 1000.0, "dur": 0.0}  # a dur as every event has, for scripts that sum them
         if args:
             event["args"] = args
         self.events.append(event)
@@ -88,19 +87,37 @@ class Profiler:
         """Write the trace and return its path."""
         for flush in self.on_end:
             flush()
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(self.start_time_ns / 1e9))
-        path = Path(f"{self.prefix}{stamp}_{self.pid}_{next(_FILES)}.json")
-        trace = {"traceEvents": sorted(self.events, key=lambda e: e["ts"]), "displayTimeUnit": "ms",
-                 "otherData": {"producer": "ephost", "session": self.session_name,
-                               "start_time_ns": self.start_time_ns, **self.notes}}
+        path = self._path()
+        events = [self._metadata(), *sorted(self.events, key=lambda e: e["ts"])]
         try:
             if path.parent != Path("."):
                 path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(trace))
+            path.write_text(json.dumps(events))
         except OSError as exc:
             raise InvalidArgument(f"cannot write the profile to '{path}' (profile_file_prefix "
                                   f"{self.prefix!r}): {exc.strerror or exc}") from exc
+        _WRITTEN.add(path)
         return str(path)
+
+    def _path(self) -> Path:
+        """onnxruntime's name, `<prefix>_<YYYY-MM-DD>_<HH-MM-SS>_<milliseconds>.json` (the session's start,
+        local time); a second profile of this process with the same name gets `_2`, `_3`... rather than
+        overwriting the first."""
+        seconds, ns = divmod(self.start_time_ns, 1_000_000_000)
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(seconds))
+        base = f"{self.prefix}_{stamp}_{ns // 1_000_000:03d}"
+        path, n = Path(f"{base}.json"), 1
+        while path in _WRITTEN:
+            n += 1
+            path = Path(f"{base}_{n}.json")
+        return path
+
+    def _metadata(self) -> dict:
+        # What onnxruntime's list has no place for (the producer, the wall clock of ts=0, notes such as
+        # why GPU kernel times are missing) rides in one metadata event, which trace viewers skip.
+        return {"cat": "__metadata", "name": "ephost", "ph": "M", "pid": self.pid, "tid": 0, "ts": 0.0, "dur": 0.0,
+                "args": {"producer": "ephost", "session": self.session_name, "start_time_ns": self.start_time_ns,
+                         **self.notes}}
 
 
 class _NullProfiler:
@@ -275,8 +292,13 @@ def record_passes(profiler: Profiler, result) -> None:
 
 
 def load(path: str | os.PathLike) -> list[dict]:
-    """The events of a profile written by `Profiler.end()` (for tests and tools)."""
-    return json.loads(Path(path).read_text())["traceEvents"]
+    """The events of a profile written by `Profiler.end()`: a JSON list, as onnxruntime writes."""
+    return json.loads(Path(path).read_text())
 
 
-__all__ = ["Profiler", "NULL", "instrument", "load"]
+def metadata(events: list[dict]) -> dict:
+    """The args of the "ephost" metadata event (producer, session, start_time_ns, notes)."""
+    return next(e["args"] for e in events if e["ph"] == "M" and e["name"] == "ephost")
+
+
+__all__ = ["Profiler", "NULL", "instrument", "load", "metadata"]

@@ -22,7 +22,7 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import compiled, ort_api, profiling, threads, types
+from host.runtime import compiled, ort_api, profiling, stages, threads, types
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
@@ -131,6 +131,7 @@ class InferenceSession:
         self._kernel_list: list = []
         self._partitions: list = []  # compiled partitions (ABI v6), released with the kernels
         self._lock = threading.Lock()
+        stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
             self.graph = build_graph(self._optimized(path_or_bytes))
         self._view = GraphView(self.graph)
@@ -139,6 +140,7 @@ class InferenceSession:
             self._provider_list = _parse_providers(
                 ort_api.select_providers(providers, provider_options, self.options, self.env))
             self._create_eps(self._provider_list)
+            stages.enter(stages.PARTITIONING)
             with self._profiler.span("partitioning"):
                 self.plan = self._partition()
             capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
@@ -149,6 +151,7 @@ class InferenceSession:
             self._release_eps()
             self.env.forget_session(self)
             raise
+        stages.enter(stages.DONE)
         if self._profiling:
             profiling.instrument(self, self._profiler)
             self._profiler.record("session_initialization", "Session", t0, time.perf_counter_ns())
@@ -185,6 +188,7 @@ class InferenceSession:
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
+        stages.enter(stages.OPTIMIZING)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath)
@@ -227,6 +231,7 @@ class InferenceSession:
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
         assigned, parts = compiled.claim_and_compile(self._eps, view, g, self.fallbacks)
         self._partitions.extend(parts)
+        stages.enter(stages.CREATING_KERNELS)
         fused_first = {p.group.nodes[0]: p for p in parts}
         fused = {i for p in parts for i in p.group.nodes}
         objects = frozenset(ids[name] for name, meta in g.values.items() if meta.type is not None and name in ids)
@@ -420,7 +425,7 @@ class InferenceSession:
         fed = self._feeds(feeds)
         ro = run_options or _DEFAULT_RUN_OPTIONS
         _check_terminate(ro)
-        parse_graph_id(ro.get_run_config_entry("gpu_graph_id"))  # a malformed id is an error here too
+        parse_graph_id(ro._get("gpu_graph_id"))  # a malformed id is an error here too
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         to_host = self._executor.to_host
         objects = self.plan.object_ids
@@ -455,7 +460,7 @@ class InferenceSession:
                 self._on_run_end(c_ro, sync=True, failed=True)
                 traceback.clear_frames(exc.__traceback__)
                 raise EpError(f"run failed: {exc}") from exc
-            self._on_run_end(c_ro, sync=ro.get_run_config_entry("disable_synchronize_execution_providers") != "1")
+            self._on_run_end(c_ro, sync=ro._get("disable_synchronize_execution_providers") != "1")
             return st
         finally:
             if lock is not None:

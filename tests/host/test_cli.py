@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from host.cli import app as cli
-from host.cli import zoo
+from host.cli import session_cmds, zoo
+from host.cli.args import DEFAULT_ITERS, DEFAULT_WARMUP, MODEL_DEFAULTS
 from host.cli.benchutil import bench_session
 from host.errors import InvalidArgument
 from host.plugins import loader
@@ -109,7 +112,9 @@ def assert_error(rc, out, err, *fragments):
 
 def test_unknown_ep_is_an_error(capsys, plugin, mlp_path):
     rc, out, err = run_cli(capsys, "run", mlp_path, "--plugin", plugin, "--ep", "NoSuchEP", "--random-inputs")
-    assert_error(rc, out, err, "'NoSuchEP' is not registered", "ExampleEP")
+    assert_error(rc, out, err, "--ep 'NoSuchEP': no execution provider 'NoSuchEP'; available: ExampleEP, ")
+    # Every name --ep takes: the plugin's EP, the built-in CUDA EP (with a note where it cannot run), the CPU EP.
+    assert "CUDAExecutionProvider" in err and ", CPUExecutionProvider (short names: cuda, cpu, example)" in err
 
 
 def test_malformed_model_names_the_path(capsys, tmp_path):
@@ -168,7 +173,7 @@ def test_bench_cuda_graph_passes_enable_cuda_graph_to_the_ep(capsys, plugin, mlp
 
 
 def test_bench_plot_without_matplotlib_names_the_package(capsys, mlp_path, monkeypatch):
-    monkeypatch.setattr(cli, "has_package", lambda name: False)
+    monkeypatch.setattr(session_cmds, "has_package", lambda name: False)
     assert_error(*run_cli(capsys, "bench", mlp_path, "--iters", 1, "--plot", "x.png"), "'matplotlib'")
 
 
@@ -186,8 +191,8 @@ def test_bench_session_counts_calls_and_orders_percentiles():
 
 
 def test_summarize_handles_empty_and_bool_outputs():
-    assert cli.summarize("e", np.zeros((0, 3), np.float32)) == "e: shape=[0, 3] dtype=float32 (empty)"
-    line = cli.summarize("b", np.array([True, False, True, True, False, True]))
+    assert session_cmds.summarize("e", np.zeros((0, 3), np.float32)) == "e: shape=[0, 3] dtype=float32 (empty)"
+    line = session_cmds.summarize("b", np.array([True, False, True, True, False, True]))
     assert line.startswith("b: shape=[6] dtype=bool min=0 max=1 mean=0.666667 values=[ True, False,")
     assert line.endswith(", ...]")
 
@@ -219,10 +224,87 @@ def test_ep_aliases_name_plugins_and_builtin_eps(capsys, plugin, mlp_path, cuda_
     assert "output" in out
     from plugin_cuda.plugin import probe_devices
 
-    if not probe_devices()[1]:
-        assert "CUDAExecutionProvider has no device" in err
+    if not probe_devices()[1]:  # one notice: the plugin's reason and the fallback on one line
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("warning: CUDAExecutionProvider: no CUDA device available: ")
+        assert err.rstrip().endswith("; its nodes fall back to CPUExecutionProvider")
+        assert "RuntimeWarning" not in err
         assert "CPUExecutionProvider: 6 nodes" in out
     rc, out, err = run_cli(capsys, "run", str(mlp_path), "--plugin", f"ex={plugin}", "--ep", "ex",
                            "--random-inputs")
     assert rc == 0, err
     assert "ExampleEP:" in out
+
+
+# ---- rough edges: folders, help, threads, start-up imports ------------------------------------
+def test_make_model_creates_missing_folders(capsys, tmp_path):
+    out = tmp_path / "build" / "nested" / "mlp.onnx"
+    rc, _, err = run_cli(capsys, "make-model", "mlp", out, "--layers", 1, "--hidden", 4)
+    assert rc == 0, err
+    model = onnx.load(out)
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "Relu"]
+
+
+def _help(capsys, *argv) -> str:
+    assert cli.main([*argv, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def test_make_model_help_shows_the_builders_defaults(capsys):
+    text = " ".join(_help(capsys, "make-model").split())
+    builders = {"mlp": zoo.mlp, "cnn": zoo.cnn, "transformer": zoo.transformer_block}
+    for kind, options in MODEL_DEFAULTS.items():
+        params = inspect.signature(builders[kind]).parameters
+        for dest, default in options.items():
+            assert params[dest].default == default, (kind, dest)  # the table tells the builders' truth
+    assert "--seq N transformer: sequence length (default: 128)" in text
+    assert "--hidden N mlp/transformer: hidden width (default: 256)" in text
+    assert "--layers N mlp: number of MatMul+Add+Relu layers (default: 8)" in text
+
+
+def test_bench_help_documents_warmup_iters_threads_and_ep_short_names(capsys):
+    text = " ".join(_help(capsys, "bench").split())
+    assert f"--warmup N untimed runs before timing (default: {DEFAULT_WARMUP})" in text
+    assert f"--iters N timed runs (default: {DEFAULT_ITERS})" in text
+    assert "--threads N SessionOptions.intra_op_num_threads" in text
+    assert "the short names 'cuda' (the built-in CUDA plugin) and 'cpu'" in text
+
+
+def test_top_help_lists_every_command_and_no_checkout_only_path(capsys):
+    text = _help(capsys)
+    for command in cli.COMMANDS:
+        assert f"    {command.name}" in text
+        assert callable(cli.command_function(command))
+    assert "libephost_example_v5.so" not in text  # an installed user has no build/lib
+    assert "--ep cuda" in text and "python build.py" in text
+
+
+def test_threads_sets_intra_op_num_threads(capsys, mlp_path, monkeypatch):
+    seen = []
+    original = session_cmds._session_options
+    monkeypatch.setattr(session_cmds, "_session_options", lambda args: seen.append(original(args)) or seen[-1])
+    rc, _, err = run_cli(capsys, "run", mlp_path, "--random-inputs", "--threads", 3)
+    assert rc == 0, err
+    assert seen[0].intra_op_num_threads == 3
+    assert_error(*run_cli(capsys, "bench", mlp_path, "--threads", -1),
+                 "SessionOptions.intra_op_num_threads must be an integer >= 0; got -1")
+
+
+def test_importing_the_cli_imports_no_heavy_module():
+    # `ephost --help` and every command's start pay for what host.cli imports.
+    code = ("import sys, host.cli, host.cli.app; host.cli.app.build_parser(); "
+            "print(sorted(m for m in ('numpy', 'onnx', 'onnxscript', 'onnx_ir', 'scipy', 'cffi', 'host.runtime.session')"
+            " if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_a_cpu_session_without_erf_or_sigmoid_does_not_import_scipy():
+    # scipy.special (0.2-0.5 s to import) serves Erf and Sigmoid only: it loads when one of them runs.
+    code = ("import sys, host; from host.cli import zoo; "
+            "s = host.InferenceSession(zoo.mlp(layers=1, hidden=4).SerializeToString()); "
+            "print('scipy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

@@ -201,7 +201,7 @@ SCRIPTS = {
     "profiling": """
         import onnxruntime as ort
         import numpy as np
-        import json, os
+        import json, os, re
         so = ort.SessionOptions()
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(TMP, "prof_")
@@ -209,12 +209,54 @@ SCRIPTS = {
         sess.run(None, {"x": np.ones((2, 4), np.float32)})
         path = sess.end_profiling()
         with open(path) as f:
-            data = json.load(f)
-        events = data["traceEvents"] if isinstance(data, dict) else data
+            events = json.load(f)
         nodes = [e for e in events if e.get("cat") == "Node"]
-        result = {"prefix": os.path.basename(path).startswith("prof_"), "json": path.endswith(".json"),
+        result = {"list": isinstance(events, list),
+                  "name": bool(re.fullmatch(r"prof__\\d{4}-\\d\\d-\\d\\d_\\d\\d-\\d\\d-\\d\\d_\\d{3}\\.json",
+                                            os.path.basename(path))),
+                  "indexable": events[0]["ph"] in ("X", "M") and all("dur" in e for e in events),
                   "has_nodes": len(nodes) > 0, "complete": all(e["ph"] == "X" and e["dur"] >= 0 for e in nodes),
                   "again": sess.end_profiling(), "start_ns": sess.get_profiling_start_time_ns() > 0}
+    """,
+    "missing_config_entry": """
+        import onnxruntime as ort
+        so, ro = ort.SessionOptions(), ort.RunOptions()
+        so.add_session_config_entry("session.k", "v")
+        result = {"present": so.get_session_config_entry("session.k")}
+        for name, get in (("session", so.get_session_config_entry), ("run", ro.get_run_config_entry)):
+            try:
+                get("no.such.key")
+                result[name] = "no error"
+            except RuntimeError as exc:
+                result[name] = str(exc)
+    """,
+    "enum_strings": """
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        default = so.graph_optimization_level
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        level = so.graph_optimization_level
+        result = {"default": (str(default), f"{default}", repr(default), int(default)),
+                  "basic": (str(level), f"{level}", repr(level), level == 1, int(level)),
+                  "levels": [str(v) for v in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                              ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                              ort.GraphOptimizationLevel.ORT_ENABLE_ALL)],
+                  "mode": (str(so.execution_mode), str(ort.ExecutionMode.ORT_PARALLEL), int(so.execution_mode))}
+    """,
+    "empty_model": """
+        import onnxruntime as ort
+        import os
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+        path = os.path.join(TMP, "empty.onnx")
+        open(path, "wb").close()
+        result = {}
+        for name, model in (("file", path), ("bytes", b"")):
+            try:
+                ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+                result[name] = "no error"
+            except InvalidArgument as exc:
+                text = str(exc)
+                result[name] = ("No graph was found in the protobuf" in text, (path in text) == (name == "file"))
     """,
 }
 

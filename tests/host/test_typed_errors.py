@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from host.cli import app as cli
-from host.cli import zoo
+from host.cli import session_cmds, zoo
 from host.errors import InvalidArgument, ModelError, NoSuchFile
 from host.runtime.model import MAX_OPSET
 from host.runtime.session import InferenceSession
@@ -127,7 +127,7 @@ def test_get_outputs_before_any_run(mlp_path):
 def test_cli_turns_errors_into_one_line(capsys, monkeypatch, mlp_path, exc, line):
     def boom(args):
         raise exc
-    monkeypatch.setattr(cli, "cmd_run", boom)
+    monkeypatch.setattr(session_cmds, "cmd_run", boom)
     rc, _, err = run_cli(capsys, "run", mlp_path)
     assert rc == cli.EXIT_ERROR and err.strip() == line
 

@@ -207,7 +207,7 @@ def test_a_profiled_run_names_each_compiled_partition_as_the_ep_numbers_it():
                 sess.close()
             (path,) = glob.glob(f"{tmp}/trace_*.json")
             with open(path, encoding="utf-8") as f:
-                events = [e for e in json.load(f)["traceEvents"] if e["cat"] == "Node"]
+                events = [e for e in json.load(f) if e["cat"] == "Node"]
         got = sorted((e["name"], e["args"]["op_name"], e["args"]["provider"], tuple(e["args"].get("fused_nodes", ())))
                      for e in events)
         assert got == [("ExampleEP_fused_0", "FusedPartition", EX, ("a1", "a2")),
