@@ -6,7 +6,9 @@ Importing the package imports every op module, which fills the registry table.
 from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
+    ops_bitwise,
     ops_elementwise,
+    ops_loss,
     ops_index,
     ops_math,
     ops_nn,

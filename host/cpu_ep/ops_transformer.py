@@ -25,7 +25,7 @@ def _float_type(elem: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(elem))
 
 
-@register("Attention", since=23)
+@register("Attention", since=23, until=23)  # 24 adds nonpad_kv_seqlen, 25 sliding windows
 class Attention(OpKernel):
     """Scaled dot-product attention with optional mask, causal masking, KV cache (past_key/value
     appended on the sequence axis), grouped-query heads (kv heads < q heads), softcap.
