@@ -8,8 +8,8 @@ from __future__ import annotations
 from host.cpu_ep import (  # noqa: F401  (registration)
     ops_bitwise,
     ops_elementwise,
-    ops_loss,
     ops_index,
+    ops_loss,
     ops_math,
     ops_nn,
     ops_reduce,
