@@ -9,6 +9,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_bitwise,
     ops_elementwise,
     ops_index,
+    ops_layout,
     ops_loss,
     ops_math,
     ops_nn,
@@ -16,6 +17,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_resize,
     ops_shape,
     ops_transformer,
+    ops_unary,
 )
 from host.cpu_ep.base import EP_NAME, OpKernel
 from host.cpu_ep.registry import CPU_KERNELS, lookup, register, supported_ops

@@ -94,7 +94,7 @@ def test_counts_and_categories():
     assert bc.counts(ort, eph, list(ort)) == {"tests": 4, "onnxruntime": 2, "ephost": 2, "both": 1,
                                               "only_onnxruntime": 1, "only_ephost": 1, "neither": 1}
     assert bc.category("test_reduce_sum_default_axes_keepdims_example") == "ReduceSum"
-    assert bc.category("test_softmax_cross_entropy_mean_expanded") == "SoftmaxCrossEntropyLoss"
+    assert bc.category("test_sce_mean_expanded") == "SoftmaxCrossEntropyLoss"
     assert bc.category("test_Conv2d") == "pytorch-converted"
     assert len(NAMES) == len(set(NAMES)) > 2000
 
