@@ -12,6 +12,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_layout,
     ops_loss,
     ops_math,
+    ops_norm,
     ops_nn,
     ops_reduce,
     ops_resize,
