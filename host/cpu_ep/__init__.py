@@ -12,11 +12,12 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_layout,
     ops_loss,
     ops_math,
-    ops_norm,
     ops_nn,
+    ops_norm,
     ops_reduce,
     ops_resize,
     ops_shape,
+    ops_signal,
     ops_transformer,
     ops_unary,
 )

@@ -270,8 +270,10 @@ def _brief(detail: str, limit: int = 110) -> str:
 
 def write_exclusions(ort: dict[str, Verdict], eph: dict[str, Verdict], path: Path = EXCLUSIONS) -> int:
     """Rewrites the exclusions file: one line per test ephost fails, grouped by category; a test that
-    already has an exact line keeps its reason. Returns the number of lines written."""
-    old = {e.pattern: e.reason for e in load_exclusions(path)} if path.exists() else {}
+    already has an exact line with a hand-written reason keeps it. Returns the number of lines written."""
+    # Hand-written reasons stay; generated ones (NOT_YET, BOTH_FAIL with the errors of the day) are redone.
+    old = {e.pattern: e.reason for e in load_exclusions(path)
+           if e.reason != NOT_YET and not e.reason.startswith(BOTH_FAIL)} if path.exists() else {}
     header = [line for line in path.read_text().splitlines() if line.startswith("##")] if path.exists() else []
     by_cat: dict[str, list[str]] = {}
     for name in sorted(eph):
