@@ -148,3 +148,51 @@ class CenterCropPad(OpKernel):
         y = np.zeros(out_shape, dtype=x.dtype)
         y[tuple(dst)] = x[tuple(src)]
         return (y,)
+
+
+@register("Upsample", since=7, until=9)
+class Upsample(OpKernel):
+    """Deprecated (opset 10 made it Resize): scales per axis, an attribute at 7-8 and an input at 9;
+    mode 'nearest' (out[i] = x[floor(i / scale)]) only."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        if self.attr_str("mode", "nearest", ("nearest", "linear")) != "nearest":
+            raise self.bad_attr("mode", "linear", "'nearest' (the CPU EP's Upsample; Resize does linear)")
+        scales = self.attr("scales", None)
+        self.scales = None if scales is None else [float(s) for s in scales]
+
+    def _run(self, x, scales=None):
+        factors = self.scales if scales is None else [float(s) for s in np.asarray(scales).reshape(-1)]
+        if factors is None or len(factors) != x.ndim:
+            raise ValueError(f"scales must give one factor per axis of the rank-{x.ndim} input, got {factors}")
+        index = tuple(np.minimum((np.arange(int(d * s)) / s).astype(np.int64), d - 1).reshape(
+            [-1 if a == i else 1 for a in range(x.ndim)]) for i, (d, s) in enumerate(zip(x.shape, factors)))
+        return (x[index],)
+
+
+@register("MaxUnpool", since=9)
+class MaxUnpool(OpKernel):
+    """Scatters X into zeros at the flat indices I (MaxPool's second output); the output shape is
+    output_shape when given, else (in - 1) * stride + kernel - pads per spatial axis."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.kernel = self.attr_ints("kernel_shape", lo=1)
+        nd = len(self.kernel)
+        self.strides = self.attr_ints("strides", [1] * nd, length=nd, lo=1)
+        self.pads = self.attr_ints("pads", [0] * 2 * nd, length=2 * nd, lo=0)
+
+    def _run(self, x, indices, output_shape=None):
+        nd = len(self.kernel)
+        if output_shape is not None:
+            shape = tuple(int_list(output_shape))
+        else:
+            shape = x.shape[:2] + tuple((x.shape[2 + i] - 1) * self.strides[i] + self.kernel[i] - self.pads[i]
+                                        - self.pads[i + nd] for i in range(nd))
+        y = np.zeros(int(np.prod(shape)), dtype=x.dtype)
+        flat = indices.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= y.size):
+            raise ValueError(f"indices must lie in [0, {y.size}) for output shape {shape}")
+        y[flat] = x.reshape(-1)
+        return (y.reshape(shape),)
