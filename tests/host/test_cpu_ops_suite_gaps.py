@@ -85,3 +85,18 @@ def test_attention_past_opset_23_is_not_served_by_the_opset_23_kernel():
 
     assert lookup("", "Attention", 23) is not None
     assert lookup("", "Attention", 24) is None and lookup("", "Attention", onnx.defs.onnx_opset_version()) is None
+
+
+# Ops of these kernels that no onnx backend test exercises: tested here (test_cpu_ops.py counts them covered).
+COVERED_HERE = {"GlobalLpPool"}
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_global_lp_pool_matches_the_formula(p):
+    """Neither onnxruntime nor onnx's reference evaluator has GlobalLpPool: NumPy's p-norm is the reference."""
+    node = helper.make_node("GlobalLpPool", ["x"], ["y"], p=p)
+    model = _model(node, [_vi("x", TensorProto.FLOAT, [2, 3, 4, 5])], [_vi("y", TensorProto.FLOAT, [2, 3, 1, 1])], 22)
+    x = np.random.default_rng(p).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    (got,) = InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    want = np.linalg.norm(x.reshape(2, 3, -1), ord=p, axis=-1).reshape(2, 3, 1, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
