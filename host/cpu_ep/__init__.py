@@ -7,18 +7,22 @@ from __future__ import annotations
 
 from host.cpu_ep import (  # noqa: F401  (registration)
     ops_attention,
+    ops_bitwise,
     ops_control,
     ops_conv_transpose,
     ops_detection,
     ops_elementwise,
     ops_gridsample,
     ops_index,
+    ops_layout,
     ops_linear_attention,
+    ops_loss,
     ops_math,
     ops_ml_linear,
     ops_ml_preprocess,
     ops_ml_trees,
     ops_nn,
+    ops_norm,
     ops_quant,
     ops_quant_ms,
     ops_recent,
@@ -27,8 +31,10 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_rnn,
     ops_sequence,
     ops_shape,
+    ops_signal,
     ops_string,
     ops_transformer,
+    ops_unary,
     ops_unique,
 )
 from host.cpu_ep.base import EP_NAME, OpKernel

@@ -398,15 +398,15 @@ class Div(OpKernel):
 @register("Mod", since=10)
 class Mod(OpKernel):
     """fmod=0: the result takes the divisor's sign (Python's %); fmod=1: the dividend's (C fmod).
-    Floats require fmod=1."""
+    Floats require fmod=1 before opset 28, which defines fmod=0 for them too."""
 
     def __init__(self, node):
         super().__init__(node)
         self.fmod = self.attr_bool("fmod", 0)
 
     def _run(self, a, b):
-        if a.dtype.kind == "f" and not self.fmod:
-            raise ValueError("Mod of floating-point tensors requires fmod=1")
+        if a.dtype.kind == "f" and not self.fmod and self.opset < 28:
+            raise ValueError(f"Mod-{self.opset} of floating-point tensors requires fmod=1 (fmod=0 on floats: opset 28)")
         y = np.fmod(a, b) if self.fmod else np.mod(a, b)
         return (y.astype(a.dtype, copy=False),)
 

@@ -256,12 +256,23 @@ class CumSum(OpKernel):
         self.exclusive = self.attr_bool("exclusive", 0)
         self.reverse = self.attr_bool("reverse", 0)
 
+    scan = staticmethod(np.cumsum)
+    identity = 0
+
     def _run(self, x, axis):
         ax = normalize_axis(int(scalar(axis)), x.ndim)
         y = np.flip(x, ax) if self.reverse else x
-        out = np.cumsum(y, axis=ax, dtype=x.dtype)
+        out = type(self).scan(y, axis=ax, dtype=x.dtype)
         if self.exclusive:
-            # Shift by one along the axis: each position gets the sum of the ones before it.
-            out = np.concatenate([np.zeros_like(np.take(out, [0], axis=ax)),
+            # Shift by one along the axis: each position gets the sum (product) of the ones before it.
+            out = np.concatenate([np.full_like(np.take(out, [0], axis=ax), self.identity),
                                   np.take(out, np.arange(out.shape[ax] - 1), axis=ax)], axis=ax)
         return (np.flip(out, ax) if self.reverse else out,)
+
+
+@register("CumProd", since=26)
+class CumProd(CumSum):
+    """CumSum's rules with products (exclusive: the first element is 1)."""
+
+    scan = staticmethod(np.cumprod)
+    identity = 1

@@ -211,7 +211,9 @@ def _attention(b: _Builder, node: ir.Node) -> list:
     mask = _input(node, 3)
     if len([x for x in node.inputs[4:] if x is not None]) or any(o.uses() for o in node.outputs[1:]):
         raise _unsupported(node, "past key / value or the extra outputs")
-    for name, default in (("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0)):
+    # Attention-25's sliding windows (left/right_window_size) are not expanded either.
+    for name, default in (("is_causal", 0), ("softcap", 0.0), ("qk_matmul_output_mode", 0),
+                          ("left_window_size", -1), ("right_window_size", -1)):
         if _attr(node, name, default) != default:
             raise _unsupported(node, f"{name}={_attr(node, name, default)}")
     if mask is not None and mask.dtype == ir.DataType.BOOL:

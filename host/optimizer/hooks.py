@@ -12,7 +12,7 @@ from host.optimizer.pipeline import OptimizeResult, optimize
 from host.runtime.warn import warn_caller
 
 # The opsets the session loads (host/runtime/model.py); outside them the session reports the model.
-MIN_OPSET, MAX_OPSET = 7, 23
+MIN_OPSET, MAX_OPSET = 1, onnx.defs.onnx_opset_version()
 
 
 def _default_opset(proto: onnx.ModelProto) -> int | None:

@@ -15,7 +15,9 @@ from host.errors import InvalidArgument, ModelError, NoSuchFile
 from host.runtime import types
 from host.runtime.node import NodeInfo, node_info
 
-MIN_OPSET, MAX_OPSET = 7, 23
+# The default-domain opsets the session loads: up to the newest the installed onnx defines (its schemas
+# drive checking and shape inference); kernels whose op changed meaning later carry `until` in the registry.
+MIN_OPSET, MAX_OPSET = 1, onnx.defs.onnx_opset_version()
 
 
 @dataclass
@@ -140,6 +142,13 @@ def build_graph(model) -> Graph:
     proto = load_model(model)
     check_text(proto)
     opsets = _check_opsets(proto)
+    if proto.ir_version < 4:
+        # IR 3 required every initializer to be a graph input; old exporters (PyTorch 0.3) did not always
+        # list them, and onnxruntime loads such models. Since IR 4 an initializer need not be an input.
+        upgraded = onnx.ModelProto()
+        upgraded.CopyFrom(proto)
+        upgraded.ir_version = 4
+        proto = upgraded
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as exc:
