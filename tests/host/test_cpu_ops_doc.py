@@ -28,7 +28,7 @@ SUITE_HEADING = "\n## The ONNX backend suite"  # the hand-written section after 
 
 def generated_part() -> str:
     text = DOC.read_text()
-    return text[:text.index(SUITE_HEADING) + 1] if SUITE_HEADING in text else text
+    return text[:text.index(SUITE_HEADING)].rstrip("\n") + "\n" if SUITE_HEADING in text else text
 
 
 def test_doc_matches_the_code():
@@ -72,7 +72,6 @@ def test_cpu_ranges_agree_with_the_kernels_and_onnx():
     # an opset where the op changed (its registry entry's `until`).
     gated = {op for (domain, op), entries in registry.CPU_KERNELS.items() if all(e[1] is not None for e in entries)}
     assert all(v[-1] == MAX_OPSET for op, v in coverage.items() if op not in gated)
-    assert coverage["Attention"][-1] == 23
 
 
 def _defined(op: str, opset: int) -> bool:
