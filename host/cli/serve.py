@@ -59,7 +59,8 @@ def parse_buckets(text: str):
 
 def deployment_options(args) -> dict:
     """The keyword arguments of host.serving.ephost_deployment that the command line gives."""
-    from host.cli.app import EP_ALIASES, parse_ep_options, parse_plugin
+    from host.cli.args import EP_ALIASES
+    from host.cli.session_cmds import parse_ep_options, parse_plugin
 
     eps = [EP_ALIASES.get(name.lower(), name) for name in args.ep]
     options = parse_ep_options(args.ep_option, eps)

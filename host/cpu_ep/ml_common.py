@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import erfinv
 
 POST_TRANSFORMS = ("NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO", "PROBIT")
 
@@ -26,6 +25,8 @@ def softmax_zero(x: np.ndarray) -> np.ndarray:
 
 
 def probit(x: np.ndarray) -> np.ndarray:
+    from scipy.special import erfinv  # only for probit outputs: scipy stays unimported otherwise
+
     return np.sqrt(2.0) * erfinv(2 * x - 1)
 
 

@@ -44,7 +44,8 @@ class Plan:
     def __init__(self):
         self.closed = False
         self._instances: dict = {}
-        self._lock = threading.Lock()
+        # Reentrant: an instance is made under it and asks epilogue_gemm, which takes it too.
+        self._lock = threading.RLock()
         self.stats = {"allocations": 0, "allocated_bytes": 0, "runs": 0, "replays": 0, "captures": 0}
         # cuBLASLt epilogue GEMMs by (variant, step): their algorithm is chosen once per plan, not
         # per stream, so every stream (thread) of a session computes with the same kernels.

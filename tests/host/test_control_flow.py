@@ -31,7 +31,9 @@ def vi(name, t=F, shape=None):
 
 
 def model(nodes, inputs, outputs, inits=(), opset=17):
-    m = h.make_model(h.make_graph(nodes, "m", inputs, outputs, list(inits)), opset_imports=[h.make_opsetid("", opset)])
+    # IR 10: what onnxruntime 1.18+ reads (the GPU machine's onnxruntime stops at IR 13).
+    m = h.make_model(h.make_graph(nodes, "m", inputs, outputs, list(inits)), opset_imports=[h.make_opsetid("", opset)],
+                     ir_version=10)
     onnx.checker.check_model(m, full_check=True)
     return m
 
