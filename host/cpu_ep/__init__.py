@@ -12,6 +12,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_conv_transpose,
     ops_detection,
     ops_elementwise,
+    ops_geometry,
     ops_gridsample,
     ops_index,
     ops_layout,
