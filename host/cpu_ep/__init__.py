@@ -10,6 +10,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_bitwise,
     ops_control,
     ops_conv_transpose,
+    ops_deform_conv,
     ops_detection,
     ops_elementwise,
     ops_geometry,
