@@ -29,7 +29,7 @@ from host.runtime.graphview import GraphView
 from host.runtime.model import ValueMeta, build_graph
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue, host_array_at
-from host.runtime.subgraph import SubgraphRunner, prepare_subgraph
+from host.runtime.subgraph import SubgraphRunner, prepare_subgraph, subgraph_eps
 from host.runtime.tensor import DeviceTensor, as_device_tensor, tensor_from_pointer
 from host.runtime.warn import warn_caller
 
@@ -225,11 +225,12 @@ class InferenceSession:
         self._expand_unclaimed()
         return self._plan_graph(self.graph, self._view)
 
-    def _plan_graph(self, g, view: GraphView) -> Plan:
-        """Partition one graph (the model's, or a control-flow subgraph's) and plan it."""
+    def _plan_graph(self, g, view: GraphView, eps: list[PluginEp] | None = None) -> Plan:
+        """Partition one graph (the model's, or a control-flow subgraph's) and plan it among `eps`
+        (default: the session's)."""
         ids = view.value_index
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
-        assigned, parts = compiled.claim_and_compile(self._eps, view, g, self.fallbacks)
+        assigned, parts = compiled.claim_and_compile(self._eps if eps is None else eps, view, g, self.fallbacks)
         self._partitions.extend(parts)
         stages.enter(stages.CREATING_KERNELS)
         fused_first = {p.group.nodes[0]: p for p in parts}
@@ -282,8 +283,16 @@ class InferenceSession:
         outer_names = node.inputs[len(node.inputs) - node.implicit:]
         made = []
 
+        # Bodies go only to EPs computing in host memory for now: values crossing a body's boundary
+        # from a device EP reach CPU kernels without a copy (wrong results on the CUDA EP), so device
+        # EPs' bodies run on the CPU EP until that boundary is handled (docs/control_flow.md).
+        host_eps = subgraph_eps(self._eps)
+        if len(host_eps) < len(self._eps):
+            self.fallbacks["subgraph_without_device_eps"] += 1
+
         def planner(attr: str) -> SubgraphRunner:
-            runner = prepare_subgraph(node.attrs[attr], g, outer_names, self._plan_graph)
+            runner = prepare_subgraph(node.attrs[attr], g, outer_names,
+                                      lambda sub, view: self._plan_graph(sub, view, host_eps))
             made.append(runner)
             return runner
 

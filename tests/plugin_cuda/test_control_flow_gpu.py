@@ -1,5 +1,6 @@
-"""Control flow with the CUDA EP claiming subgraph nodes: the host runs If / Loop / Scan, the plugin runs
-the bodies on the device (values carried across iterations stay there); results against onnxruntime."""
+"""Control flow in a CUDA EP session: the host runs If / Loop / Scan; for now their bodies run on the CPU EP
+(a device EP is not offered body nodes: values crossing a body's boundary from the device are not copied
+yet), the rest of the model on the CUDA EP; results against onnxruntime."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def _session(m, genv):
 def test_loop_body_on_the_device(genv):
     s = _session(loop_model(with_if=True), genv)
     body = next(n for n in s.plan.nodes if n.op_type == "Loop").kernel.runners["body"]
-    assert any(n.ep is not None and n.ep.name == "CUDAExecutionProvider" for n in body.plan.nodes)
+    assert all(n.ep is None for n in body.plan.nodes)  # the CPU EP
+    assert s.fallbacks["subgraph_without_device_eps"] >= 1
     for got, want in zip(s.run(None, LOOP_FEEDS), ort_run(loop_model(with_if=True), LOOP_FEEDS)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
