@@ -375,15 +375,18 @@ class Executor:
                 st.values[vid] = arr
 
     def _run_control_flow(self, st: RunState, node: PlanNode) -> None:
-        """A node the host runs over subgraph plans: inputs go in where they live (a plugin's device
-        values stay there); device outputs carry their producer stream for consumers here."""
+        """A node the host runs over subgraph plans. Bodies run on host-memory EPs only for now
+        (subgraph.subgraph_eps), so device values are copied to the host here, through the EP that
+        holds them; device outputs carry their producer stream for consumers here."""
         vals = st.values
         args = []
         for v in node.inputs:
             value = None if v < 0 else vals[v]
             if value is None and v >= 0 and v not in self.plan.object_ids:
                 raise EpError(f"value '{self.plan.value_names[v]}' was not produced")
-            if v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
+            if v >= 0 and isinstance(value, DeviceTensor):
+                value = self._input_for(st, v, CPU_LOCATION, None, None)
+            elif v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
                 st.producer.pop(v).notify_and_wait(None)  # host memory a plugin stream wrote: the host reads it
             args.append(value)
         outs = node.kernel.run(*args)
