@@ -4,21 +4,15 @@ op; the errors onnxruntime also raises (an output the matching Conv would not ma
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
-from onnx.backend.test.loader import load_model_tests
-from onnx.backend.test.runner import Runner
+from onnx import helper
 
 import host
 from host.errors import KernelError, ModelError
-from host.runtime.backend import EphostBackend
 
 
 def make_case(rng, nd=2, n=2, c=4, mg=3, group=1, size=5, kernel=3, bias=True, dtype=np.float32, **attrs):
@@ -100,27 +94,7 @@ def test_float64_and_float16(dtype, tol):
     np.testing.assert_allclose(ours.astype(np.float32), ref, rtol=max(tol, 1e-5), atol=max(tol, 1e-5))
 
 
-# ---- onnx's backend node tests ----------------------------------------------------------------------------
-def _as_array(x):
-    return onnx.numpy_helper.to_array(x) if isinstance(x, TensorProto) else np.asarray(x)
-
-
-with warnings.catch_warnings():  # collecting the cases runs their numpy generators (overflow warnings)
-    warnings.simplefilter("ignore", RuntimeWarning)
-    NODE_CASES = {tc.name: tc for tc in load_model_tests(kind="node") if tc.name.startswith("test_convtranspose")}
-
-
-def test_backend_cases_are_found():
-    assert len(NODE_CASES) == 11, sorted(NODE_CASES)
-
-
-@pytest.mark.parametrize("name", sorted(NODE_CASES))
-def test_backend_node_case(name):
-    tc = NODE_CASES[name]
-    rep = EphostBackend.prepare(tc.model)
-    for inputs, ref_outputs in tc.data_sets:
-        outputs = rep.run([_as_array(x) for x in inputs])
-        Runner.assert_similar_outputs([_as_array(x) for x in ref_outputs], outputs, rtol=tc.rtol, atol=tc.atol)
+# onnx's backend node tests of these ops run in tests/host/test_backend.py (the whole suite).
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ outputs, float64 against onnxruntime in float32.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -19,13 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
-from onnx.backend.test.loader import load_model_tests
-from onnx.backend.test.runner import Runner
 
 import host
 from host.cpu_ep import ops_rnn
 from host.errors import KernelError, ModelError
-from host.runtime.backend import EphostBackend
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 DEFAULTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
@@ -233,28 +228,7 @@ def test_one_projection_then_one_gemm_per_step(op, attrs, per_step, direction, m
     assert len(calls) == 1 + seq * dirs * per_step
 
 
-# ---- onnx's backend node tests ----------------------------------------------------------------------------
-def _as_array(x):
-    return onnx.numpy_helper.to_array(x) if isinstance(x, TensorProto) else np.asarray(x)
-
-
-with warnings.catch_warnings():  # collecting the cases runs their numpy generators (overflow warnings)
-    warnings.simplefilter("ignore", RuntimeWarning)
-    NODE_CASES = {tc.name: tc for tc in load_model_tests(kind="node")
-                  if tc.name.startswith(("test_lstm_", "test_gru_", "test_rnn_", "test_simple_rnn_"))}
-
-
-def test_backend_cases_are_found():
-    assert len(NODE_CASES) == 18, sorted(NODE_CASES)
-
-
-@pytest.mark.parametrize("name", sorted(NODE_CASES))
-def test_backend_node_case(name):
-    tc = NODE_CASES[name]
-    rep = EphostBackend.prepare(tc.model)
-    for inputs, ref_outputs in tc.data_sets:
-        outputs = rep.run([_as_array(x) for x in inputs])
-        Runner.assert_similar_outputs([_as_array(x) for x in ref_outputs], outputs, rtol=tc.rtol, atol=tc.atol)
+# onnx's backend node tests of these ops run in tests/host/test_backend.py (the whole suite).
 
 
 # ---- errors ----------------------------------------------------------------------------------------------
