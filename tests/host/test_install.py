@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -281,8 +282,14 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
     (wheel,) = (tmp_path / "dist").glob("ephost-*.whl")
     assert "-none-any" not in wheel.name  # a platform wheel: it carries compiled code
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # The dependencies come from the running environment (CI's venv, whose base interpreter may have
+    # none): its site-packages as plain path entries, after the new venv's own (so its .pth files, and
+    # an editable ephost among them, stay out).
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    Path(own, "_running_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
                    check=True, capture_output=True)
     script = textwrap.dedent("""
