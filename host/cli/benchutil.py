@@ -96,7 +96,8 @@ class PlanReports(logging.Handler):
 def plan_counts(session, reports: list[str] = ()) -> list[str]:
     """Lines on the session's compiled partitions (ABI v6): fused nodes per partition, and what each
     plugin reported about its plans through the host logger at Compile (kernels, arena, build time)."""
-    parts = getattr(session, "_partitions", None) or []
+    partitioner = getattr(session, "_partitioner", None)
+    parts = partitioner.partitions if partitioner is not None else []
     if not parts:
         return ["compiled partitions: none (per-node kernels)"]
     fused = sum(len(getattr(getattr(p, "group", None), "nodes", ())) for p in parts)

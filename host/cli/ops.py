@@ -173,10 +173,10 @@ def probe_graph(opset: int) -> tuple[Graph, list[tuple[str, str]]]:
 
 def claimed_nodes(ep, graph: Graph) -> set[int]:
     """Indices of `graph`'s nodes that plugin EP `ep` claims through GetCapability (alone or fused)."""
-    from host.runtime import compiled
     from host.runtime.graphview import GraphView
+    from host.runtime.partition.claims import collect_claims
 
-    claims = compiled.collect_claims([ep], GraphView(graph), graph, Counter())
+    claims = collect_claims([ep], GraphView(graph), graph, Counter())
     return set(claims.single) | {i for _, group in claims.groups for i in group}
 
 

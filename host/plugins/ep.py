@@ -10,7 +10,7 @@ import abi
 from host.errors import EpError, InvalidArgument, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.hostapi import ffi
-from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate, release_rejected, text
+from host.plugins.loader import Factory, PluginRegistration, Slots, negotiate, negotiate_or_release, text
 
 _log = logging.getLogger("ephost")
 CPU_LOCATION = (abi.DEVICE_CPU, 0)
@@ -106,8 +106,8 @@ class PluginEp:
     def _create_ep(self, options: dict[str, str], session_config: dict[str, str]) -> Slots:
         f = self.factory
         kv, keep = _kv_array(options)
-        sess_ptr, holder = hostapi.SESSION_OPTIONS.make(session_config)
-        self._keep += [kv, keep, holder]
+        sess_ptr = hostapi.SESSION_OPTIONS.add(dict(session_config))
+        self._keep += [kv, keep]
         self._session_options = sess_ptr
         out = ffi.new("Ep**")
         status = f.slots.CreateEp(f.ptr, f.device_structs, 1, kv, len(options), sess_ptr,
@@ -115,7 +115,7 @@ class PluginEp:
         try:
             hostapi.check(status, f"{self.owner}: CreateEp", EpError)
         except EpError as exc:
-            hostapi.SESSION_OPTIONS.drop(sess_ptr)  # no EP, so nobody reads them again
+            hostapi.SESSION_OPTIONS.remove(sess_ptr)  # no EP, so nobody reads them again
             if exc.code == abi.EP_INVALID_ARGUMENT:
                 raise InvalidArgument(str(exc)) from None
             raise
@@ -124,7 +124,7 @@ class PluginEp:
         except PluginLoadError:
             if out[0] != ffi.NULL:
                 f.slots.ReleaseEp(f.ptr, out[0])
-            hostapi.SESSION_OPTIONS.drop(sess_ptr)
+            hostapi.SESSION_OPTIONS.remove(sess_ptr)
             raise
 
     def _create_allocator(self) -> Slots | None:
@@ -239,7 +239,7 @@ class PluginEp:
             transfer.Release(transfer.ptr)
         self.allocator = None
         self.factory.slots.ReleaseEp(self.factory.ptr, self.ptr)
-        hostapi.SESSION_OPTIONS.drop(self._session_options)
+        hostapi.SESSION_OPTIONS.remove(self._session_options)
 
 
 def check_options_without_device(reg: PluginRegistration, factory: Factory, options: dict[str, str],
@@ -251,7 +251,7 @@ def check_options_without_device(reg: PluginRegistration, factory: Factory, opti
     f = factory
     owner = f"EP '{factory.name}' of plugin '{reg.name}' ({reg.path})"
     kv, _keep = _kv_array(options)
-    sess_ptr, _holder = hostapi.SESSION_OPTIONS.make(session_config)
+    sess_ptr = hostapi.SESSION_OPTIONS.add(dict(session_config))
     out = ffi.new("Ep**")
     try:
         status = f.slots.CreateEp(f.ptr, ffi.NULL, 0, kv, len(options), sess_ptr, reg.logger, out)
@@ -263,16 +263,7 @@ def check_options_without_device(reg: PluginRegistration, factory: Factory, opti
             if exc.code == abi.EP_INVALID_ARGUMENT:
                 raise InvalidArgument(str(exc)) from None
     finally:
-        hostapi.SESSION_OPTIONS.drop(sess_ptr)
-
-
-def negotiate_or_release(table: str, ptr, host_version: int, owner: str) -> Slots:
-    """negotiate(), releasing the table through its own Release slot when the host rejects it."""
-    try:
-        return negotiate(table, ptr, host_version, owner)
-    except PluginLoadError:
-        release_rejected(table, ptr)
-        raise
+        hostapi.SESSION_OPTIONS.remove(sess_ptr)
 
 
 def _release_allocator(release, factory_ptr, allocator_ptr, released: list) -> None:

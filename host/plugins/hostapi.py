@@ -7,12 +7,11 @@ each version's table cut at its own struct_size.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 
 import abi
 from host.errors import EpError
+from host.plugins.handles import HandleTable
 
 _log = logging.getLogger("ephost.plugin")
 
@@ -22,32 +21,30 @@ ffi = abi.ffi_for(EP_ABI)
 
 
 class StatusStore:
-    """EpStatus objects created by CreateStatus and freed by ReleaseStatus."""
+    """EpStatus objects created by CreateStatus and freed by ReleaseStatus: (code, C message)."""
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[int, object, object]] = {}
-        self._lock = threading.Lock()
+        self.handles: HandleTable[tuple[int, object]] = HandleTable(ffi, "EpStatus*")
 
     def create(self, code: int, message: bytes):
-        handle = ffi.new("char[1]")
-        text = ffi.new("char[]", message)
-        ptr = ffi.cast("EpStatus*", handle)
-        with self._lock:
-            self._items[int(ffi.cast("uintptr_t", ptr))] = (code, text, handle)
-        return ptr
+        return self.handles.add((code, ffi.new("char[]", message)))
 
     def get(self, ptr) -> tuple[int, str] | None:
-        item = self._items.get(int(ffi.cast("uintptr_t", ptr)))
+        item = self.handles.get(ptr)
         if item is None:
             return None
         return item[0], ffi.string(item[1]).decode("utf-8", "replace")
 
+    def message(self, ptr):
+        """The C message of a live status, or None."""
+        item = self.handles.get(ptr)
+        return None if item is None else item[1]
+
     def release(self, ptr) -> None:
-        with self._lock:
-            self._items.pop(int(ffi.cast("uintptr_t", ptr)), None)
+        self.handles.remove(ptr)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.handles)
 
 
 STATUSES = StatusStore()
@@ -70,74 +67,34 @@ def check(status, what: str, error=EpError) -> None:
     raise err
 
 
-class KernelContextRegistry:
-    """Maps EpKernelContext handles to the host objects behind them."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, object] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def add(self, obj) -> tuple[object, object, object]:
-        holder = ffi.new("char[1]")
-        # cffi pointers hash and compare by address: the handle itself is the key (no cast per call).
-        handle = ffi.cast("EpKernelContext*", holder)
-        with self._lock:
-            self._items[handle] = obj
-        return handle, handle, holder
-
-    def remove(self, key) -> None:
-        with self._lock:
-            self._items.pop(key, None)
-
-    def get(self, ptr):
-        return self._items.get(ptr)
-
-
-CONTEXTS = KernelContextRegistry()
+# Kernel contexts lent to a plugin kernel's Compute (host/runtime/steps), by their EpKernelContext*.
+CONTEXTS: HandleTable[object] = HandleTable(ffi, "EpKernelContext*")
 
 
 class LoggerRegistry:
+    """The EpLogger handles of plugin registrations: each names the Python logger it writes to."""
+
     def __init__(self) -> None:
-        self._names: dict[int, str] = {}
-        self._holders: list = []
+        self.handles: HandleTable[str] = HandleTable(ffi, "EpLogger*")
 
     def make(self, name: str):
-        holder = ffi.new("char[1]")
-        self._holders.append(holder)
-        self._names[int(ffi.cast("uintptr_t", holder))] = name
-        return ffi.cast("EpLogger*", holder)
+        return self.handles.add(name)
 
     def name(self, ptr) -> str:
-        return self._names.get(int(ffi.cast("uintptr_t", ptr)), "unknown")
+        return self.handles.get(ptr) or "unknown"
 
     def drop(self, ptr) -> None:
-        key = int(ffi.cast("uintptr_t", ptr))
-        self._names.pop(key, None)
-        self._holders = [h for h in self._holders if int(ffi.cast("uintptr_t", h)) != key]
+        self.handles.remove(ptr)
+
+    def __len__(self) -> int:
+        return len(self.handles)
 
 
 LOGGERS = LoggerRegistry()
 _SEVERITY = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}
 
-
-class SessionOptionsRegistry:
-    def __init__(self) -> None:
-        self._items: dict[int, dict[str, str]] = {}
-
-    def make(self, entries: dict[str, str]):
-        holder = ffi.new("char[1]")
-        self._items[int(ffi.cast("uintptr_t", holder))] = dict(entries)
-        return ffi.cast("EpSessionOptions*", holder), holder
-
-    def drop(self, ptr) -> None:
-        self._items.pop(int(ffi.cast("uintptr_t", ptr)), None)
-
-    def get(self, ptr) -> dict[str, str] | None:
-        return self._items.get(int(ffi.cast("uintptr_t", ptr)))
-
-
-SESSION_OPTIONS = SessionOptionsRegistry()
+# The session config entries an EP was created with, by their EpSessionOptions*.
+SESSION_OPTIONS: HandleTable[dict[str, str]] = HandleTable(ffi, "EpSessionOptions*")
 
 
 def _status(code: int, message: str):
@@ -187,8 +144,8 @@ def _message_onerror(exc_type, exc, tb):
 
 @ffi.callback("const char*(const EpStatus*)", onerror=_message_onerror)
 def _get_error_message(status):
-    item = STATUSES._items.get(int(ffi.cast("uintptr_t", status)))
-    return _UNKNOWN if item is None else item[1]
+    text = STATUSES.message(status)
+    return _UNKNOWN if text is None else text
 
 
 @ffi.callback("void(EpStatus*)", onerror=_log_onerror)
@@ -296,26 +253,22 @@ class FuseRegistry:
     """Groups of nodes EPs ask to fuse (v6), collected per graph view while GetCapability runs."""
 
     def __init__(self) -> None:
-        self._open: dict[object, list[tuple[int, ...]]] = {}
-        self._lock = threading.Lock()
+        self.handles: HandleTable[list[tuple[int, ...]]] = HandleTable(ffi, "EpGraphView*")
 
     def begin(self, view_ptr) -> list[tuple[int, ...]]:
         groups: list[tuple[int, ...]] = []
-        with self._lock:
-            self._open[view_ptr] = groups
+        self.handles.bind(view_ptr, groups)
         return groups
 
     def end(self, view_ptr) -> None:
-        with self._lock:
-            self._open.pop(view_ptr, None)
+        self.handles.remove(view_ptr)
 
     def get(self, view_ptr):
-        return self._open.get(view_ptr)
+        return self.handles.get(view_ptr)
 
     def open_views(self) -> int:
         """How many graph views are between begin and end (0 outside GetCapability)."""
-        with self._lock:
-            return len(self._open)
+        return len(self.handles)
 
 
 FUSE_GROUPS = FuseRegistry()

@@ -374,3 +374,13 @@ class PluginRegistration:
         hostapi.LOGGERS.drop(self.logger)
         if errors:
             _log.warning("%s", "; ".join(errors))
+
+
+def negotiate_or_release(table: str, ptr, host_version: int, owner: str) -> Slots:
+    """negotiate(), releasing the table through its own Release slot when the host rejects it
+    (created by the plugin, then refused by the host: not leaked)."""
+    try:
+        return negotiate(table, ptr, host_version, owner)
+    except PluginLoadError:
+        release_rejected(table, ptr)
+        raise

@@ -1,9 +1,10 @@
-"""The execution plan: nodes in topological order, each on the CPU EP or a plugin EP.
+"""The executor: runs a Plan as a list of prepared steps (host/runtime/steps), one RunState per thread.
 
-Per-run work is kept to what must happen per run: plugin kernel contexts, their EpKernelIO
-structs and shape arrays are built once per thread and only refilled. Values crossing EP
-boundaries are copied through the EP's data-transfer table, and a consumer on another stream
-waits for its producer through the producer stream's notification.
+Steps are built once per plan (a segment of CPU nodes, a plugin kernel, a compiled partition, a
+control-flow node); per thread, each step gets its context (kernel contexts, call frames, their C
+arrays and the thread's streams) once, and a run only refills them. Values crossing EP boundaries
+are copied through the EP's data-transfer table (`input_for`, `transfer`), and a consumer on another
+stream waits for its producer through the producer stream's notification.
 """
 
 from __future__ import annotations
@@ -11,103 +12,24 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from dataclasses import dataclass, field
 
 import numpy as np
 
 import abi
 from abi.dtypes import to_numpy, to_onnx
-from host.cpu_ep.runner import run_plan
-from host.errors import EpError, EphostError, InvalidArgument, KernelError, ModelError
+from host.errors import EpError, ModelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
-from host.plugins.hostapi import CONTEXTS, ffi
-from host.runtime.compiled import FrameContext
-from host.runtime.tensor import Allocation, DeviceTensor, check_output_dims, host_array
+from host.plugins.hostapi import ffi
+from host.runtime.plan import Plan
+from host.runtime.steps import build_steps
+from host.runtime.tensor import Allocation, DeviceTensor, host_array
 
 _NULL = ffi.NULL
 
 
-@dataclass
-class PlanNode:
-    index: int
-    name: str
-    op_type: str
-    inputs: tuple[int, ...]      # value ids, -1 for absent optional inputs
-    outputs: tuple[int, ...]
-    ep: PluginEp | None           # None: the CPU EP
-    kernel: object                # CPU OpKernel, the plugin kernel's Slots, or a CompiledPartition
-    frees: tuple[int, ...] = ()   # values whose last consumer is this node
-    members: tuple[str, ...] = ()  # a compiled partition (ABI v6): the names of the nodes it fused
-
-
-@dataclass
-class Plan:
-    nodes: list[PlanNode]
-    value_ids: dict[str, int]
-    value_names: list[str]
-    elem_types: list[int]
-    input_ids: dict[str, int]
-    output_ids: dict[str, int]
-    constants: dict[int, np.ndarray]
-    eps: list[PluginEp] = field(default_factory=list)
-    # Values whose declared type is not a tensor (lists, None, dicts: host/runtime/types.py).
-    object_ids: frozenset[int] = frozenset()
-    # The prepared subgraphs of control-flow nodes (host/runtime/subgraph.py), closed with the plan.
-    subgraphs: list = field(default_factory=list)
-
-
-def compute_frees(nodes: list[PlanNode], keep: set[int]) -> None:
-    last: dict[int, int] = {}
-    for pos, n in enumerate(nodes):
-        for v in (*n.inputs, *n.outputs):
-            if v >= 0:
-                last[v] = pos
-    by_pos: dict[int, list[int]] = {}
-    for v, pos in last.items():
-        if v not in keep:
-            by_pos.setdefault(pos, []).append(v)
-    for pos, n in enumerate(nodes):
-        n.frees = tuple(by_pos.get(pos, ()))
-
-
-class KernelContext:
-    """What one plugin node sees during Compute on one thread; `handle` is the C pointer."""
-
-    def __init__(self, run: RunState, node: PlanNode, stream: SyncStream | None):
-        self.run = run
-        self.node = node
-        self.ep = node.ep
-        self.inputs = ffi.new("EpTensor[]", max(len(node.inputs), 1))
-        self.outputs = ffi.new("EpTensor[]", max(len(node.outputs), 1))
-        self.io = ffi.new("EpKernelIO*")
-        self.io.struct_size = ffi.sizeof("EpKernelIO")
-        self.io.version = abi.ABI_VERSION
-        self.io.num_inputs, self.io.num_outputs = len(node.inputs), len(node.outputs)
-        self.io.inputs = self.inputs
-        self.stream = stream
-        self.sync_stream = stream.ptr if stream is not None else None
-        self.io.gpu_compute_stream = stream.handle if stream is not None else _NULL
-        self.active = False  # True only during Compute: a kept context is refused afterwards
-        self.handle, self.key, self._holder = CONTEXTS.add(self)
-        self.compute = node.kernel.Compute
-        self.kernel_ptr = node.kernel.ptr
-
-    def get_output(self, index: int, dims: tuple):
-        if not 0 <= index < len(self.node.outputs):
-            raise InvalidArgument(f"output index {index} out of range 0..{len(self.node.outputs) - 1}")
-        vid = self.node.outputs[index]
-        check_output_dims(dims, self.run.executor.dtype_of(vid), f"output {index} of node '{self.node.name}'")
-        value = self.run.make_output(vid, dims, self.ep, self.stream)
-        self.run.fill(self.outputs[index], value)
-        return self.outputs + index
-
-    def close(self) -> None:
-        CONTEXTS.remove(self.key)
-
-
 class RunState:
-    """Per-thread execution state of a session: contexts, streams, the values of a run."""
+    """Per-thread execution state of a session: step contexts, streams, the values of a run."""
 
     def __init__(self, executor: Executor, streams: dict[int, SyncStream | None]):
         self.executor = executor
@@ -119,16 +41,21 @@ class RunState:
         self.producer: dict[int, SyncStream] = {}
         self.keep: list = []  # copies made for this run: alive until the next run starts
         self.shape_cache: dict[tuple, object] = {}
-        self.contexts: dict[int, KernelContext] = {}
-        for n in self.plan.nodes:
-            if n.ep is not None:
-                make = FrameContext if n.members else KernelContext
-                self.contexts[n.index] = make(self, n, streams.get(id(n.ep)))
+        self.contexts: list = []
+        # (step, this thread's context for it, values to free after it), in run order.
+        self.prepared: list[tuple] = []
+        for step, frees in executor.steps:
+            ep = getattr(step, "ep", None)  # plugin and compiled steps run on an EP's stream
+            ctx = step.context(self, streams.get(id(ep)) if ep is not None else None)
+            if ctx is not None:
+                self.contexts.append(ctx)
+            self.prepared.append((step, ctx, frees))
 
     def close(self) -> None:
-        for c in self.contexts.values():
+        for c in self.contexts:
             c.close()
         self.contexts.clear()
+        self.prepared = []
         # Values of the last run go now, while their allocators exist: a traceback that still
         # references this state (a failed run) must not carry them past the plugin's release.
         self.values = [None] * len(self.values)
@@ -147,11 +74,10 @@ class RunState:
         if isinstance(value, np.ndarray):
             t.data = ffi.from_buffer(value) if value.size else _NULL
             t.device_type, t.device_id = abi.DEVICE_CPU, 0
-            t.elem_type = self.executor.elem_type_of(value.dtype)
         else:
             t.data = ffi.cast("void*", value.ptr)
             t.device_type, t.device_id = value.device_type, value.device_id
-            t.elem_type = self.executor.elem_type_of(value.dtype)
+        t.elem_type = self.executor.elem_type_of(value.dtype)
         shape = value.shape
         t.shape = self.shape_array(shape)
         t.ndim = len(shape)
@@ -161,7 +87,7 @@ class RunState:
         bound = self.bound_outputs.get(vid)
         dtype = self.executor.dtype_of(vid)
         if bound is not None:
-            if tuple(bound.shape) == dims and bound.dtype == dtype and _location(bound) == ep.location:
+            if tuple(bound.shape) == dims and bound.dtype == dtype and location_of(bound) == ep.location:
                 self.values[vid] = bound
                 return bound
         if ep.location == CPU_LOCATION:
@@ -184,10 +110,8 @@ def _dtype(elem_type: int, name: str) -> np.dtype:
         raise ModelError(f"value '{name}': {exc}") from None
 
 
-# Host values that are not tensors: a sequence as a list, a map as a dict (ZipMap, DictVectorizer).
-
-
-def _location(value) -> tuple[int, int]:
+def location_of(value) -> tuple[int, int]:
+    """(device type, device id) of a run value; host values that are not tensors live on the CPU."""
     if isinstance(value, DeviceTensor):
         return (value.device_type, value.device_id)
     return CPU_LOCATION  # NumPy arrays, and sequences / maps, which hold host arrays
@@ -205,9 +129,12 @@ def _release_state(executor_ref, state_ref) -> None:
 
 
 class Executor:
-    """Runs a Plan; one RunState per thread (or one shared, when runs are serialised)."""
+    """Runs a Plan; one RunState per thread (or one shared, when runs are serialised).
 
-    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False):
+    `observer`: a profiler's (host/runtime/profiling.StepObserver), which times every step and
+    crossing; None (the default) leaves the run path without any check for it."""
+
+    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None):
         self.plan = plan
         self.concurrent = concurrent
         self.ep_allocates_host = ep_allocates_host
@@ -219,13 +146,16 @@ class Executor:
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
         self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
-        # What a run starts from, built once: initializers in place, every other value None.
+        self.steps, prelude = build_steps(plan, observer)
+        # What a run starts from, built once: initializers (and Identity outputs over them) in
+        # place, every other value None.
         self._blank = [None] * len(plan.value_names)
-        for vid, arr in plan.constants.items():
+        for vid, arr in (*plan.constants.items(), *prelude):
             self._blank[vid] = arr
-        self._keep_outputs = set(plan.output_ids.values())
-        # Every node on the CPU EP: runs take the CPU EP's own loop (host/cpu_ep/runner.py).
-        self._cpu_only = not plan.eps and all(n.ep is None for n in plan.nodes)
+        if observer is not None:
+            self.transfer = observer.api_call(self.transfer, "CopyTensors")
+            self.on_run_start = observer.api_call(self.on_run_start, "OnRunStart")
+            self.on_run_end = observer.api_call(self.on_run_end, "OnRunEnd")
 
     def dtype_of(self, vid: int) -> np.dtype:
         dt = self._dtypes[vid]
@@ -284,6 +214,24 @@ class Executor:
         self._tls = threading.local()
 
     # -- one run ---------------------------------------------------------------------------------
+    def on_run_start(self, c_ro) -> None:
+        """OnRunStart of every EP with nodes in the plan (or its subgraphs)."""
+        for ep in self.plan.eps:
+            if ep.slots.OnRunStart is not None:
+                hostapi.check(ep.slots.OnRunStart(ep.ptr, c_ro), f"{ep.owner}: OnRunStart")
+
+    def on_run_end(self, c_ro, sync: bool, failed: bool = False) -> None:
+        """OnRunEnd of every EP of the plan; after a failed run their statuses are dropped (the run's
+        own error is the one raised)."""
+        for ep in self.plan.eps:
+            if ep.slots.OnRunEnd is not None:
+                status = ep.slots.OnRunEnd(ep.ptr, c_ro, int(sync))
+                if failed:
+                    if status != _NULL:
+                        hostapi.STATUSES.release(status)
+                    continue
+                hostapi.check(status, f"{ep.owner}: OnRunEnd")
+
     def execute(self, st: RunState, feeds: dict[int, object], subgraph: bool = False) -> None:
         vals = st.values
         vals[:] = self._blank  # every value None but the initializers (one copy, not a loop per value)
@@ -291,7 +239,6 @@ class Executor:
             vals[vid] = v
         st.producer.clear()
         st.keep.clear()
-        keep_outputs = self._keep_outputs
         if subgraph:
             # A device value fed into a subgraph was written on its producer's stream: consumers on
             # other streams wait for it, as for values produced inside (DeviceTensor.stream).
@@ -299,22 +246,10 @@ class Executor:
                 stream = getattr(v, "stream", None) if isinstance(v, DeviceTensor) else None
                 if stream is not None:
                     st.producer[vid] = stream
-        if self._cpu_only:
-            for v in feeds.values():
-                if isinstance(v, DeviceTensor):  # a device feed, and no EP here that can read it
-                    raise EpError(f"no data transfer can copy from {_location(v)} to {CPU_LOCATION}")
-            run_plan(self.plan.nodes, vals, keep_outputs, self.plan.value_names, owner=self)
-            return
-        for node in self.plan.nodes:
-            if node.ep is None:
-                self._run_cpu(st, node)
-            elif node.members:
-                st.contexts[node.index].execute(self, st.capturing)
-            else:
-                self._run_plugin(st, node)
-            for v in node.frees:
-                if v not in keep_outputs:
-                    vals[v] = None
+        for step, ctx, frees in st.prepared:
+            step(st, ctx)
+            for v in frees:
+                vals[v] = None
 
     def run_subgraph(self, feeds: dict[int, object], output_ids: list[int]) -> list:
         """One run of a subgraph plan on this thread's state; its outputs where they were made.
@@ -330,7 +265,9 @@ class Executor:
                     stream.notify_and_wait(None)
         return outs
 
-    def _input_for(self, st: RunState, vid: int, location, stream: SyncStream | None, ep: PluginEp | None):
+    def input_for(self, st: RunState, vid: int, location, stream: SyncStream | None, ep: PluginEp | None):
+        """Value `vid` where a consumer at `location` (on `stream`, of `ep`; None: the host) reads it:
+        waited for on its producer's stream, copied across devices when it lives elsewhere."""
         value = st.values[vid]
         if value is None:
             if vid in self.plan.object_ids:
@@ -340,23 +277,13 @@ class Executor:
         if producer is not None and producer is not stream:
             producer.notify_and_wait(stream if location != CPU_LOCATION else None)
             st.producer.pop(vid, None)
-        if _location(value) == location:
+        if location_of(value) == location:
             if ep is not None and isinstance(value, np.ndarray) and not value.flags.c_contiguous:
                 # Plugins see pointer + shape, no strides: views of the CPU EP must be made dense.
                 value = st.values[vid] = np.asarray(value, order="C")
             return value
         if vid in self.plan.constants:
-            key = (vid, location)
-            moved = self._device_constants.get(key)
-            if moved is None:
-                moved = self.transfer(value, location, ep, stream)
-                if stream is not None:
-                    # Other threads reuse this copy at once, on their own streams: let it land first.
-                    stream.notify_and_wait(None)
-                # Two threads may race here: the first copy stored is the one everybody keeps
-                # (returning a copy that nothing holds would free it before the kernel runs).
-                moved = self._device_constants.setdefault(key, moved)
-            return moved
+            return self._device_constant(vid, value, location, ep, stream)
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:
             st.values[vid] = moved
@@ -364,79 +291,28 @@ class Executor:
             st.keep.append(moved)  # the kernel reads it after this returns
         return moved
 
-    def _run_cpu(self, st: RunState, node: PlanNode) -> None:
-        if node.kernel.takes_device_values:
-            self._run_control_flow(st, node)
-            return
-        args = [None if v < 0 else self._input_for(st, v, CPU_LOCATION, None, None) for v in node.inputs]
-        outs = node.kernel.run(*args)
-        for vid, arr in zip(node.outputs, outs):
-            if vid >= 0:
-                st.values[vid] = arr
-
-    def _run_control_flow(self, st: RunState, node: PlanNode) -> None:
-        """A node the host runs over subgraph plans. Bodies run on host-memory EPs only for now
-        (subgraph.subgraph_eps), so device values are copied to the host here, through the EP that
-        holds them; device outputs carry their producer stream for consumers here."""
-        vals = st.values
-        args = []
-        for v in node.inputs:
-            value = None if v < 0 else vals[v]
-            if value is None and v >= 0 and v not in self.plan.object_ids:
-                raise EpError(f"value '{self.plan.value_names[v]}' was not produced")
-            if v >= 0 and isinstance(value, DeviceTensor):
-                value = self._input_for(st, v, CPU_LOCATION, None, None)
-            elif v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
-                st.producer.pop(v).notify_and_wait(None)  # host memory a plugin stream wrote: the host reads it
-            args.append(value)
-        outs = node.kernel.run(*args)
-        for vid, value in zip(node.outputs, outs):
-            if vid >= 0:
-                vals[vid] = value
-                stream = getattr(value, "stream", None) if isinstance(value, DeviceTensor) else None
-                if stream is not None:
-                    st.producer[vid] = stream
-
-    def _run_plugin(self, st: RunState, node: PlanNode) -> None:
-        ctx = st.contexts[node.index]
-        ep = node.ep
-        ins = ctx.inputs
-        for j, vid in enumerate(node.inputs):
-            if vid < 0:
-                ins[j].data, ins[j].ndim = _NULL, -1
-                continue
-            st.fill(ins[j], self._input_for(st, vid, ep.location, ctx.stream, ep))
-        ctx.active = True
-        try:
-            status = ctx.compute(ctx.kernel_ptr, ctx.handle)
-        finally:
-            ctx.active = False
-            for j in range(len(node.outputs)):
-                ctx.outputs[j].data = _NULL  # an EpTensor* kept past the call points nowhere
-        if status != _NULL:
-            try:
-                hostapi.check(status, f"node '{node.name}' ({node.op_type}) on {ep.name}", KernelError)
-            except KernelError as exc:
-                exc.node, exc.ep = node.name, ep.name
-                raise
-        for j, vid in enumerate(node.outputs):
-            if vid >= 0 and st.values[vid] is None:
-                raise KernelError(f"node '{node.name}' ({node.op_type}) on {ep.owner} returned OK without producing "
-                                  f"output {j} ('{self.plan.value_names[vid]}'); a kernel must call "
-                                  "KernelContext_GetOutput for every output", node.name, ep.name)
-        if ctx.stream is not None:
-            for vid in node.outputs:
-                if vid >= 0:
-                    st.producer[vid] = ctx.stream
+    def _device_constant(self, vid: int, value, location, ep: PluginEp | None, stream: SyncStream | None):
+        key = (vid, location)
+        moved = self._device_constants.get(key)
+        if moved is None:
+            moved = self.transfer(value, location, ep, stream)
+            if stream is not None:
+                # Other threads reuse this copy at once, on their own streams: let it land first.
+                stream.notify_and_wait(None)
+            # Two threads may race here: the first copy stored is the one everybody keeps
+            # (returning a copy that nothing holds would free it before the kernel runs).
+            moved = self._device_constants.setdefault(key, moved)
+        return moved
 
     # -- copies across EPs -----------------------------------------------------------------------
     def transfer(self, value, location, ep: PluginEp | None, stream: SyncStream | None):
-        """Copy `value` to `location` with the data-transfer table of the EP on the device side."""
-        device_ep = ep if ep is not None and location != CPU_LOCATION else self._ep_at(_location(value))
+        """Copy `value` to `location` with the data-transfer table of the EP on the device side
+        (`ep` when given and on a device, else the EP at the device end of the copy)."""
+        device_ep = ep if ep is not None and location != CPU_LOCATION else self._device_ep(location_of(value), location)
         if device_ep is None or device_ep.transfer is None:
             how = "" if device_ep is None else (f"; {device_ep.owner} gave none (EpFactory.CreateDataTransfer is "
                                                 "NULL or returned no table)")
-            raise EpError(f"no data transfer can copy from {_location(value)} to {location}{how}")
+            raise EpError(f"no data transfer can copy from {location_of(value)} to {location}{how}")
         src = ffi.new("EpTensor*")
         dst = ffi.new("EpTensor*")
         st = self.state()
@@ -455,11 +331,33 @@ class Executor:
         hostapi.check(t.CopyTensors(t.ptr, src, dst, streams, 1), f"{device_ep.owner}: CopyTensors")
         return out
 
-    def _ep_at(self, location) -> PluginEp | None:
+    def _device_ep(self, source, target) -> PluginEp | None:
+        """The EP whose data transfer copies between `source` and `target`: the one at the device
+        end (the source's when both are devices)."""
+        return self.ep_at(source if source != CPU_LOCATION else target)
+
+    def ep_at(self, location) -> PluginEp | None:
         for ep in self.plan.eps:
             if ep.location == location:
                 return ep
         return None
+
+    def copy_into(self, target: DeviceTensor, value, name: str) -> None:
+        """Copy a run's output `value` into the caller's device buffer `target` (same shape and dtype):
+        moved to the target's device first when it was made elsewhere (the CPU EP, another device)."""
+        location = (target.device_type, target.device_id)
+        ep = self.ep_at(location)
+        moved = value if location_of(value) == location else self.transfer(value, location, ep, None)
+        if ep is None or ep.transfer is None or not isinstance(moved, DeviceTensor):
+            raise EpError(f"output '{name}' could not be copied into its bound device buffer at {location}: "
+                          "no EP of this session has a data transfer there")
+        src = ffi.new("EpTensor*")
+        dst = ffi.new("EpTensor*")
+        st = self.state()
+        st.fill(src, moved)
+        st.fill(dst, target)
+        t = ep.transfer
+        hostapi.check(t.CopyTensors(t.ptr, src, dst, ffi.new("EpSyncStream*[1]"), 1), f"{ep.owner}: CopyTensors")
 
     def to_host(self, value):
         if not isinstance(value, DeviceTensor):  # arrays, and lists / dicts / None of non-tensor values
@@ -469,8 +367,4 @@ class Executor:
         return self.transfer(value, CPU_LOCATION, None, getattr(value, "stream", None))
 
 
-def wrap_kernel_error(exc: Exception, node: PlanNode) -> EphostError:
-    if isinstance(exc, EphostError):
-        return exc
-    ep = node.ep.name if node.ep is not None else "CPUExecutionProvider"
-    return KernelError(f"node '{node.name}' ({node.op_type}) on {ep} failed: {exc}", node.name, ep)
+__all__ = ["Executor", "RunState", "location_of"]

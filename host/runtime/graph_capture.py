@@ -44,11 +44,27 @@ def parse_graph_id(value: str | None) -> int:
     return gid
 
 
-class GraphCapture:
-    """Per-session capture state: the capturing EP, captured ids and their bindings."""
+def run_flags(ro) -> tuple[int, bool]:
+    """(gpu_graph_id, synchronize at the end) of RunOptions `ro`, parsed once and cached on it
+    (RunOptions drops the cache when an entry changes)."""
+    parsed = ro.parsed
+    if parsed is None:
+        parsed = ro.parsed = (parse_graph_id(ro._get("gpu_graph_id")),
+                              ro._get("disable_synchronize_execution_providers") != "1")
+    return parsed
 
-    def __init__(self, session):
-        self.session = session
+
+class GraphCapture:
+    """Per-session capture state: the capturing EP, captured ids and their bindings.
+
+    `run_bound(binding, run_options, graph_id)` is the session's eager run of a binding (warm-up and
+    capture runs go through it); `lock` serialises replays where the session serialises runs."""
+
+    def __init__(self, eps: list, plan, fallbacks, run_bound, lock: threading.Lock | None):
+        self.plan = plan
+        self.fallbacks = fallbacks
+        self._run_bound = run_bound
+        self._lock = lock
         self.ep = None
         self.enabled = False
         # Graphs belong to the thread that captured them (the EP replays on that thread's stream).
@@ -58,9 +74,9 @@ class GraphCapture:
         self._tls = threading.local()
         # Every EP the session asked for, also one that got no node: capture was asked of it, and
         # its policy decides whether a session without it on the EP is allowed.
-        for ep in session._eps:
+        for ep in eps:
             if ep.slots.negotiated < 3:
-                session.fallbacks["no_graph_capture"] += 1
+                fallbacks["no_graph_capture"] += 1
             elif ep.graph_capture_enabled():
                 self.ep = ep
         if self.ep is not None:
@@ -69,7 +85,7 @@ class GraphCapture:
 
     def _validate_policy(self) -> None:
         policy = self.ep.graph_policy()
-        plan = self.session.plan
+        plan = self.plan
         offending = []
         for n in plan.nodes:
             if n.ep is self.ep:
@@ -109,17 +125,13 @@ class GraphCapture:
         return self.ep._flag(self.ep.slots.IsGraphCaptured(self.ep.ptr, gid), "Ep.IsGraphCaptured")  # 0 or 1 only
 
     def run(self, binding, ro) -> None:
-        s = self.session
-        parsed = ro.parsed
-        if parsed is None:  # validated whether or not this session captures
-            parsed = ro.parsed = (parse_graph_id(ro._get("gpu_graph_id")),
-                                  ro._get("disable_synchronize_execution_providers") != "1")
+        parsed = run_flags(ro)  # validated whether or not this session captures
         if not self.enabled:
-            s._run_bound(binding, ro)
+            self._run_bound(binding, ro)
             return
         gid = parsed[0]
         if gid == -1:
-            s._run_bound(binding, ro, "-1")
+            self._run_bound(binding, ro, "-1")
             return
         key = self._key(gid)
         # A signature is recorded only once the EP reports the graph captured and is dropped when
@@ -129,12 +141,12 @@ class GraphCapture:
             return
         self._require_bound_outputs(binding)
         for _ in range(MAX_INTERNAL_RUNS):
-            s._run_bound(binding, ro, str(gid))
+            self._run_bound(binding, ro, str(gid))
             if self.captured(gid):
                 self._signatures[self._key(gid)] = self._signature(binding)
-                s.fallbacks["graph_captured"] += 1
+                self.fallbacks["graph_captured"] += 1
                 return
-        s.fallbacks["capture_not_reached"] += 1
+        self.fallbacks["capture_not_reached"] += 1
         warn_caller(f"{self.ep.name} did not capture graph {gid} within {MAX_INTERNAL_RUNS} runs; running eagerly")
 
     def _require_bound_outputs(self, binding) -> None:
@@ -165,13 +177,12 @@ class GraphCapture:
                 f"the bound buffer instead of rebinding, or use another gpu_graph_id")
 
     def _replay(self, binding, sync: bool, gid: int, key) -> None:
-        s = self.session
         stamp = (binding.serial, binding.version)
         if self._verified.get(key) != stamp:
             self._check_binding(binding, gid)
             self._verified[key] = stamp
         ep = self.ep
-        lock = None if s._executor.concurrent else s._lock
+        lock = self._lock
         if lock is not None:
             lock.acquire()
         try:
@@ -179,12 +190,12 @@ class GraphCapture:
                 status = ep.slots.ReplayGraphWithSync(ep.ptr, gid, int(sync))
                 if status != hostapi.ffi.NULL:  # the message is built only on failure
                     hostapi.check(status, f"{ep.owner}: ReplayGraphWithSync")
-                s.fallbacks["replay_stream_sync" if sync else "replay_async"] += 1
+                self.fallbacks["replay_stream_sync" if sync else "replay_async"] += 1
             else:
                 hostapi.check(ep.slots.ReplayGraph(ep.ptr, gid), f"{ep.owner}: ReplayGraph")
                 if sync and ep.slots.Sync is not None:
                     hostapi.check(ep.slots.Sync(ep.ptr), f"{ep.owner}: Sync")
-                s.fallbacks["replay_device_sync" if sync else "replay_async"] += 1
+                self.fallbacks["replay_device_sync" if sync else "replay_async"] += 1
         finally:
             if lock is not None:
                 lock.release()

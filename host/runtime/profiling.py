@@ -12,7 +12,7 @@
 
 `InferenceSession.end_profiling()` writes the events as a JSON list (onnxruntime's format) to
 `<profile_file_prefix>_<date>_<time>_<ms>.json`, as onnxruntime names it, and returns its path. With profiling off nothing here is on the run path: the session checks one
-boolean per run, and kernels are only wrapped when a profiler is on.
+boolean per run, and run steps are only observed (StepObserver) when a profiler is on.
 """
 
 from __future__ import annotations
@@ -133,42 +133,44 @@ class _NullProfiler:
 NULL = _NullProfiler()
 
 
-# The entry points the executor calls: a CPU OpKernel's `run`, a plugin kernel's `Compute` slot,
-# a compiled partition's `compute` (its EpNodeComputeInfo.Compute).
-_ENTRY_POINTS = ("run", "Compute", "compute")
+class StepObserver:
+    """Times a session's run steps: built once with the steps (host/runtime/steps), never consulted
+    on the run path of a session that does not profile.
 
-
-def _time_kernel(kernel, profiler: Profiler, name: str, args: dict) -> None:
-    # Instance attributes over the kernel's own: the object (and isinstance checks on it) stay as
-    # they are, and each kernel belongs to one session, so no other session pays for the timing.
-    for entry in _ENTRY_POINTS:
-        fn = getattr(kernel, entry, None)
-        if callable(fn):
-            setattr(kernel, entry, profiler.timed(fn, name, "Node", args))
-
-
-def instrument(session, profiler: Profiler, cuda=None) -> None:
-    """Time every node of `session`'s plan and its ABI crossings; done before the first run.
-
-    Nodes of an EP on a GPU also get CUDA events on their stream (GpuTimer), through `cuda`
-    (CuPy's `cupy.cuda`, imported here when None and a GPU EP is in the plan).
+    `node_call` wraps a node's call (a CPU kernel's `_run`, a plugin kernel's Compute slot, a compiled
+    partition's Compute) so that each call records one "Node" event, plus a "GPU" event from CUDA
+    events on the node's stream for nodes of an EP on a GPU (GpuTimer); `api_call` wraps a crossing
+    that is not a node (CopyTensors, OnRunStart, OnRunEnd) as an "Api" event.
     """
-    gpu = None
-    if any(n.ep is not None and n.ep.location[0] == abi.DEVICE_GPU for n in session.plan.nodes):
-        gpu = GpuTimer.create(profiler, cuda)
-    for node in session.plan.nodes:
-        provider = node.ep.name if node.ep is not None else "CPUExecutionProvider"
-        args = {"op_name": node.op_type, "provider": provider, "node_index": node.index}
-        if getattr(node, "members", ()):
-            args["fused_nodes"] = list(node.members)
-        on_gpu = node.ep is not None and node.ep.location[0] == abi.DEVICE_GPU
-        if gpu is not None and on_gpu:
-            gpu.time_kernel(node.kernel, node.name, args, node.ep.location[1])
-        _time_kernel(node.kernel, profiler, node.name, args)
-    ex = session._executor
-    ex.transfer = profiler.timed(ex.transfer, "CopyTensors", "Api")
-    session._on_run_start = profiler.timed(session._on_run_start, "OnRunStart", "Api")
-    session._on_run_end = profiler.timed(session._on_run_end, "OnRunEnd", "Api")
+
+    def __init__(self, profiler: Profiler, gpu: GpuTimer | None):
+        self.profiler = profiler
+        self.gpu = gpu
+
+    @classmethod
+    def create(cls, profiler: Profiler, plan, cuda=None) -> StepObserver:
+        """The observer of `plan`'s steps; CUDA events through `cuda` (CuPy's `cupy.cuda`, imported
+        when None and a GPU EP is in the plan)."""
+        gpu = None
+        if any(n.ep is not None and n.ep.location[0] == abi.DEVICE_GPU for n in plan.nodes):
+            gpu = GpuTimer.create(profiler, cuda)
+        return cls(profiler, gpu)
+
+    def node_call(self, fn, node, kind: str):
+        """`fn` timed as node `node`; `kind`: "cpu", "kernel" (Compute(kernel, context)) or "frame"
+        (Compute(info, state, frame))."""
+        args = {"op_name": node.op_type, "provider": node.provider, "node_index": node.index}
+        members = getattr(node, "members", ())
+        if members:
+            args["fused_nodes"] = list(members)
+        ep = node.ep
+        if self.gpu is not None and ep is not None and ep.location[0] == abi.DEVICE_GPU:
+            stream_of = _kernel_stream if kind == "kernel" else _frame_stream
+            fn = self.gpu.wrap(fn, node.name, args, ep.location[1], stream_of)
+        return self.profiler.timed(fn, node.name, "Node", args)
+
+    def api_call(self, fn, name: str):
+        return self.profiler.timed(fn, name, "Api")
 
 
 def _kernel_stream(kernel_ptr, context) -> int:
@@ -215,13 +217,7 @@ class GpuTimer:
                 return None
         return cls(profiler, cuda)
 
-    def time_kernel(self, kernel, name: str, args: dict, device_id: int) -> None:
-        for entry, stream_of in (("Compute", _kernel_stream), ("compute", _frame_stream)):
-            fn = getattr(kernel, entry, None)
-            if callable(fn):
-                setattr(kernel, entry, self._wrap(fn, name, args, device_id, stream_of))
-
-    def _wrap(self, fn, name: str, args: dict, device_id: int, stream_of):
+    def wrap(self, fn, name: str, args: dict, device_id: int, stream_of):
         def call(*a):
             handle = stream_of(*a)
             if not handle:
@@ -301,4 +297,4 @@ def metadata(events: list[dict]) -> dict:
     return next(e["args"] for e in events if e["ph"] == "M" and e["name"] == "ephost")
 
 
-__all__ = ["Profiler", "NULL", "instrument", "load", "metadata"]
+__all__ = ["GpuTimer", "NULL", "Profiler", "StepObserver", "load", "metadata"]

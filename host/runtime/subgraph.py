@@ -1,6 +1,6 @@
 """Subgraphs of control-flow nodes, prepared once per session and walked by every iteration.
 
-At session creation the planner (`InferenceSession._plan_graph`) meets a node with subgraphs and
+At session creation the partitioner (`partition.Partitioner.plan_graph`) meets a node with subgraphs and
 calls the kernel's `prepare`, which asks `prepare_subgraph` for each subgraph: the body becomes a
 Graph (its formal inputs, then the outer-scope values it reads), is partitioned like the main graph
 (plugin EPs get GetCapability over its nodes, fused groups are compiled), and gets its own Plan and
@@ -15,9 +15,10 @@ import numpy as np
 import onnx
 
 from abi.dtypes import to_numpy
-from host.runtime.executor import Executor, Plan
+from host.runtime.executor import Executor
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, build_subgraph
+from host.runtime.plan import Plan
 
 
 class SubgraphRunner:

@@ -217,11 +217,11 @@ class KernelContext:
         return t
 
     def __enter__(self):
-        self.ptr, self._key, self._holder = hostapi.CONTEXTS.add(self)
+        self.ptr = hostapi.CONTEXTS.add(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        hostapi.CONTEXTS.remove(self._key)
+        hostapi.CONTEXTS.remove(self.ptr)
 
 
 def claimed_nodes(ep: Slots, graph: GraphView) -> list[int]:

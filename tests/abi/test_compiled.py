@@ -23,8 +23,9 @@ from abi import sdk
 from host.errors import InvalidArgument, KernelError
 from host.plugins.environment import Environment
 from host.plugins.hostapi import FUSE_GROUPS, _api_table, ffi
-from host.runtime import compiled
 from host.runtime.model import build_graph
+from host.runtime.partition import claims
+from host.runtime.partition import compile as compiled_
 from host.runtime.session import InferenceSession, RunOptions
 from tests.abi.conftest import GraphView, Node, Value
 from tests.conftest import built_plugin
@@ -282,28 +283,28 @@ def test_convexity_and_unit_order():
              helper.make_node("Add", ["b", "c"], ["d"], name="n2")]
     g = build_graph(helper.make_model(helper.make_graph(nodes, "g", [x], [d]),
                                       opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
-    assert compiled.is_convex(g, {0, 2}) is False
-    assert compiled.is_convex(g, {0, 1}) is True and compiled.is_convex(g, {1, 2}) is True
-    assert compiled.is_convex(g, {0, 1, 2}) is True
+    assert claims.is_convex(g, {0, 2}) is False
+    assert claims.is_convex(g, {0, 1}) is True and claims.is_convex(g, {1, 2}) is True
+    assert claims.is_convex(g, {0, 1, 2}) is True
     # Contracting {n1, n2} into one unit: it must run after n0.
-    assert compiled.unit_order(g, [(1, 2), (0,)]) == [1, 0]
+    assert claims.unit_order(g, [(1, 2), (0,)]) == [1, 0]
     # a -> m0 -> b ; a -> m1 -> c ; (b, c) -> m2 -> d : {m0, m2} is convex, and as one unit it waits
     # for m1, although its first node comes before m1 in the model.
     nodes = [helper.make_node("Relu", ["a"], ["b"], name="m0"), helper.make_node("Relu", ["a"], ["c"], name="m1"),
              helper.make_node("Add", ["b", "c"], ["d"], name="m2")]
     g = build_graph(helper.make_model(helper.make_graph(nodes, "g", [x], [d]),
                                       opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
-    assert compiled.is_convex(g, {0, 2}) is True
-    assert compiled.unit_order(g, [(0, 2), (1,)]) == [1, 0]
+    assert claims.is_convex(g, {0, 2}) is True
+    assert claims.unit_order(g, [(0, 2), (1,)]) == [1, 0]
 
 
 def test_static_shape_needs_every_dimension_known():
     from host.runtime.model import ValueMeta
 
-    assert compiled.static_shape(ValueMeta("v", 1, (2, 0, 3))) == (2, 0, 3)
-    assert compiled.static_shape(ValueMeta("v", 1, ("N", 3))) is None
-    assert compiled.static_shape(ValueMeta("v", 1, None)) is None
-    assert compiled.inferred_dims(ValueMeta("v", 1, ("N", 3))) == (-1, 3)
+    assert compiled_.static_shape(ValueMeta("v", 1, (2, 0, 3))) == (2, 0, 3)
+    assert compiled_.static_shape(ValueMeta("v", 1, ("N", 3))) is None
+    assert compiled_.static_shape(ValueMeta("v", 1, None)) is None
+    assert compiled_.inferred_dims(ValueMeta("v", 1, ("N", 3))) == (-1, 3)
 
 
 def test_a_group_overlapping_a_higher_priority_claim_is_dropped(cc, plugins):
@@ -495,7 +496,7 @@ def test_allocate_output_refuses_bad_dims_and_a_second_shape(env6):
     with session(env6, model) as s:
         s.run(None, {"x": _x()})
         node = s.plan.nodes[0]
-        ctx = s._executor.state().contexts[node.index]
+        ctx = next(c for c in s.executor.state().contexts if c.node is node)
         with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\): dims \[-1, 3\] must be >= 0 and hold at most "):
             ctx.allocate_output(0, (-1, 3))
         with pytest.raises(InvalidArgument, match=r"^output 0 \('y'\): dims \[4611686018427387904, 3\] must be "):

@@ -15,10 +15,10 @@ from onnx.reference import ReferenceEvaluator
 from abi.dtypes import type_name
 from host.errors import InvalidArgument, ModelError
 from host.optimizer.levels import GraphOptimizationLevel
-from host.runtime import compiled
 from host.runtime.model import build_graph
 from host.runtime.options import SessionOptions
 from host.runtime.ortvalue import OrtValue
+from host.runtime.partition import claims
 from host.runtime.session import InferenceSession
 
 S, F, I64 = TensorProto.STRING, TensorProto.FLOAT, TensorProto.INT64
@@ -109,9 +109,9 @@ def test_unsupported_element_type_is_named_in_onnx_words():
 
 
 def test_string_nodes_stay_off_plugin_eps():
-    """compiled.collect_claims starts from these nodes as taken: no plugin can read Python str objects."""
+    """claims.collect_claims starts from these nodes as taken: no plugin can read Python str objects."""
     graph = build_graph(_structural_model())
-    names = {graph.nodes[i].op_type for i in compiled.string_nodes(graph)}
+    names = {graph.nodes[i].op_type for i in claims.string_nodes(graph)}
     assert names == {"Identity", "Concat", "Reshape", "Gather", "StringConcat", "Equal", "Cast"}
 
 

@@ -62,7 +62,7 @@ def _ephost(model) -> InferenceSession:
 
 
 def _kernels(sess: InferenceSession, op_type: str) -> list:
-    return [n.kernel for n in sess._executor.plan.nodes if n.op_type == op_type]
+    return [n.kernel for n in sess.plan.nodes if n.op_type == op_type]
 
 
 def _ort(model, feeds):
@@ -72,14 +72,16 @@ def _ort(model, feeds):
 # -- the run loop binds initializers ---------------------------------------------------------------
 
 
-def test_run_loop_binds_initializers_by_position():
+def test_run_loop_binds_initializers_by_position(monkeypatch):
+    from host import cpu_ep
+
     w = np.ones((4, 3), np.float32)
     model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": np.ones((2, 4), np.float32)}, ["y"],
                    {"w": w})
-    sess = _ephost(model)
     seen = []
-    kernel = _kernels(sess, "MatMul")[0]
-    kernel.bind_constants = seen.append  # the instance attribute shadows the (no-op) method
+    # The steps are built with the session: record what every kernel is told then.
+    monkeypatch.setattr(cpu_ep.lookup("", "MatMul", 17), "bind_constants", lambda self, bound: seen.append(bound))
+    sess = _ephost(model)
     sess.run(None, {"x": np.ones((2, 4), np.float32)})
     assert len(seen) == 1 and list(seen[0]) == [1]
     np.testing.assert_array_equal(seen[0][1], w)
@@ -441,8 +443,18 @@ def test_fused_matmul_bound_bias_tile(activation, a_shape):
 # -- run-loop chains (host/cpu_ep/fusion.py) --------------------------------------------------------
 
 
+def _segments(sess):
+    from host.runtime.steps import CpuSegment
+
+    return [step for step, _ in sess.executor.steps if isinstance(step, CpuSegment)]
+
+
 def _steps(sess):
-    return sess._executor._cpu_run_steps[2]
+    return [entry for segment in _segments(sess) for entry in segment.steps]
+
+
+def _prelude(sess):
+    return [pair for segment in _segments(sess) for pair in segment.prelude]
 
 
 def _chains(sess) -> list[tuple[str, tuple[str, ...]]]:
@@ -748,8 +760,8 @@ def test_identity_over_an_initializer_is_stored_up_front_and_binds_the_weights()
     sess = _ephost(model)
     for _ in range(2):
         np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
-    prelude = sess._executor._cpu_run_steps[3]
-    assert len(prelude) == 1 and prelude[0][1] is sess._executor.plan.constants[sess._executor.plan.value_ids["w0"]]
+    prelude = _prelude(sess)
+    assert len(prelude) == 1 and prelude[0][1] is sess.plan.constants[sess.plan.value_ids["w0"]]
     assert "copy_w" not in [getattr(s[0], "name", None) for s in _steps(sess)]
     assert [p[0] for p in _kernels(sess, "Conv")[0]._prepared.values()] == ["dense"]
     assert _chains(sess) == [("_EpilogueChain", ("dw", "relu"))]
@@ -761,7 +773,7 @@ def test_identity_over_an_initializer_that_is_a_graph_output_still_runs():
     out, weight = sess.run(None, feeds)
     np.testing.assert_allclose(out, _ort(model, feeds)[0], **TOL)
     np.testing.assert_array_equal(weight, w)
-    assert sess._executor._cpu_run_steps[3] == ()
+    assert _prelude(sess) == []
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5), (1, 4, 3, 3), (2, 2, 2, 3, 4)])

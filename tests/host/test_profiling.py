@@ -100,7 +100,7 @@ def test_copies_through_an_ep_data_transfer_are_recorded(tmp_path, env5, feeds):
 
     s, _ = profiled(tmp_path, providers=[("ExampleEP", {"ops": "Add"})], env=env5)
     s.run(None, feeds)
-    copied = s._executor.transfer(feeds["X"], CPU_LOCATION, s.plan.eps[0], None)
+    copied = s.executor.transfer(feeds["X"], CPU_LOCATION, s.plan.eps[0], None)
     np.testing.assert_array_equal(copied, feeds["X"])
     events = profiling.load(s.end_profiling())
     copies = [e for e in complete(events, "Api") if e["name"] == "CopyTensors"]
@@ -166,7 +166,7 @@ def test_profiling_off_changes_nothing_on_the_run_path(feeds):
     s = InferenceSession(chain_model())
     kernels = [n.kernel for n in s.plan.nodes]
     assert all("run" not in vars(k) for k in kernels)  # the class's own run, not a timed wrapper
-    assert "transfer" not in vars(s._executor) and "_on_run_start" not in vars(s)
+    assert not {"transfer", "on_run_start", "on_run_end"} & set(vars(s.executor))
     s.run(None, feeds)
     assert s.end_profiling() == "" and s.get_profiling_start_time_ns() == 0
 
@@ -260,14 +260,14 @@ def test_gpu_timer_places_kernel_time_on_a_stream_track():
         cuda.work(handle, ms)  # the kernel's GPU time
         return "status"
 
-    timed = timer._wrap(compute, "gemm", {"op_name": "Gemm"}, 0, lambda *a: handle)
+    timed = timer.wrap(compute, "gemm", {"op_name": "Gemm"}, 0, lambda *a: handle)
     cuda.work(handle, 5.0)  # the stream was busy before the first node: the reference event sees it
     assert timed(1, 2, 2.0) == "status"
     cuda.work(handle, 1.0)
     timed(1, 2, 3.0)
     cuda.capturing.add(handle)
     timed(1, 2, 7.0)  # capturing: no events recorded
-    untimed = timer._wrap(compute, "cpu", {}, 0, lambda *a: 0)
+    untimed = timer.wrap(compute, "cpu", {}, 0, lambda *a: 0)
     untimed(1, 2, 0.5)  # no stream: nothing recorded
     timer.flush()
     gpu = [e for e in prof.events if e["cat"] == "GPU"]
@@ -287,13 +287,13 @@ def test_gpu_streams_of_kernel_contexts_and_call_frames():
     from host.plugins.hostapi import CONTEXTS, ffi
 
     ctx = SimpleNamespace(stream=SimpleNamespace(handle=ffi.cast("void*", 0x5000)), active=True)
-    handle, key, _holder = CONTEXTS.add(ctx)
+    handle = CONTEXTS.add(ctx)
     try:
         assert profiling._kernel_stream(None, handle) == 0x5000
         ctx.stream = None
         assert profiling._kernel_stream(None, handle) == 0
     finally:
-        CONTEXTS.remove(key)
+        CONTEXTS.remove(handle)
     frame = ffi.new("EpCallFrame*")
     frame.stream = ffi.cast("void*", 0x7000)
     assert profiling._frame_stream(None, None, frame) == 0x7000

@@ -39,11 +39,12 @@ def matmul_session(bound: int) -> InferenceSession:
 
 
 def spy_on_kernel(sess, sync=None, fail=False):
-    """Record the BLAS counts each time the session's one kernel runs (on the instance, as the profiler
-    wraps kernels: both run loops call it); `sync()` runs before and after the reading, `fail` makes
-    the kernel raise."""
-    kernel = sess.plan.nodes[0].kernel
-    seen, original = [], kernel.run
+    """Record the BLAS counts each time the session's one kernel runs (its call in the CPU segment
+    step, where a profiler's observer would wrap it); `sync()` runs before and after the reading,
+    `fail` makes the kernel raise."""
+    segment = sess.executor.steps[0][0]
+    node, original, *rest = segment.steps[0]
+    seen = []
 
     def spy(*args):
         if sync is not None:
@@ -55,7 +56,7 @@ def spy_on_kernel(sess, sync=None, fail=False):
             raise RuntimeError("planted failure")
         return original(*args)
 
-    kernel.run = spy
+    segment.steps[0] = (node, spy, *rest)
     return seen
 
 

@@ -68,7 +68,7 @@ def test_concurrent_runs_equal_sequential(hostile):
     with Environment() as env:
         env.register_plugin("hostile", path)
         with InferenceSession(MAIN_MODEL, options(), providers=["HostileEP"], env=env) as s:
-            assert s._executor.concurrent, "the plugin says concurrent runs are safe"
+            assert s.executor.concurrent, "the plugin says concurrent runs are safe"
             expected = [s.run(None, {"X": x})[0] for x in inputs]
             np.testing.assert_allclose(expected[0], np.maximum(2 * inputs[0], 0) * 2)
             results = _hammer(s, inputs, expected)

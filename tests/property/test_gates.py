@@ -220,7 +220,7 @@ def handed_out(sess, env) -> list[tuple[str, object]]:
     data transfer, sync streams."""
     ep = sess.plan.eps[0] if sess.plan.eps else sess._eps[0]
     out = [("EpFactory", ep.factory.ptr), ("Ep", ep.ptr)]
-    out += [("EpKernel", k.ptr) for k in sess._kernel_list]
+    out += [("EpKernel", k.ptr) for k in sess._partitioner.kernels]
     if ep.allocator is not None:
         out.append(("EpAllocator", ep.allocator.ptr))
     if ep.transfer is not None:

@@ -279,7 +279,7 @@ def test_gpu_no_leaks(cp, cuda_plugin_path, data, host):
     gc.collect()
     pool = cp.get_default_memory_pool()
     used = pool.used_bytes()
-    statuses, contexts = len(hostapi.STATUSES), len(hostapi.CONTEXTS._items)
+    statuses, contexts = len(hostapi.STATUSES), len(hostapi.CONTEXTS)
     before = +Counter(cuda_record().live) if CUDA_MODULE in sdk.runtimes() else Counter()
     with cuda_env(host, cuda_plugin_path) as env:
         registered = +Counter(cuda_record().live)
@@ -287,6 +287,6 @@ def test_gpu_no_leaks(cp, cuda_plugin_path, data, host):
         gc.collect()
         cp.cuda.Device().synchronize()
         assert +Counter(cuda_record().live) == registered, "CUDA plugin objects alive after every session went"
-        assert (len(hostapi.STATUSES), len(hostapi.CONTEXTS._items)) == (statuses, contexts)
+        assert (len(hostapi.STATUSES), len(hostapi.CONTEXTS)) == (statuses, contexts)
     assert +Counter(cuda_record().live) == before
     assert pool.used_bytes() == used, "CuPy's default memory pool holds memory the sessions took"

@@ -29,8 +29,8 @@ def live(version: int) -> Counter:
 
 def registries() -> dict[str, int]:
     """Sizes of the host's handle registries (loggers are per registration: compared around the env)."""
-    return {"statuses": len(hostapi.STATUSES), "contexts": len(hostapi.CONTEXTS._items),
-            "session options": len(hostapi.SESSION_OPTIONS._items)}
+    return {"statuses": len(hostapi.STATUSES), "contexts": len(hostapi.CONTEXTS),
+            "session options": len(hostapi.SESSION_OPTIONS)}
 
 
 def _open_session(data, env, negotiated: int, null_slots):
@@ -54,7 +54,7 @@ def test_no_plugin_object_status_or_context_outlives_its_session(data, host, plu
     gc.collect()
     before_env = live(plugin)
     regs = registries()
-    loggers = len(hostapi.LOGGERS._holders)
+    loggers = len(hostapi.LOGGERS)
     with h.example_env(host, [plugin]) as env:
         registered = live(plugin)
         factory = env.plugin(f"ex{plugin}").factories[0]
@@ -65,7 +65,7 @@ def test_no_plugin_object_status_or_context_outlives_its_session(data, host, plu
         assert [f for f in factory.allocator_finalizers if f.alive] == []
     assert live(plugin) == before_env, "plugin objects alive after the Environment closed"
     assert registries() == regs
-    assert len(hostapi.LOGGERS._holders) == loggers, "the registration's logger outlived it"
+    assert len(hostapi.LOGGERS) == loggers, "the registration's logger outlived it"
 
 
 def _play(data, env, negotiated: int, null_slots) -> None:

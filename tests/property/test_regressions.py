@@ -121,12 +121,12 @@ def test_malformed_graph_id_is_invalid_argument_without_capture(version):
 # Was: host/plugins/ep.py PluginEp._create_ep registers the session options (SESSION_OPTIONS.make) before CreateEp and
 # drops them only in close(): a refused CreateEp leaks the entry (fixed in 4a23a5c).
 def test_refused_create_ep_leaves_no_session_options(env5):
-    before = len(hostapi.SESSION_OPTIONS._items)
+    before = len(hostapi.SESSION_OPTIONS)
     for _ in range(3):
         with pytest.raises(InvalidArgument, match=r"unknown option\(s\) \['bogus'\] for ExampleEP"):
             InferenceSession(chain_model(), providers=[("ExampleEP", {"bogus": "1"})], env=env5)
     gc.collect()
-    assert len(hostapi.SESSION_OPTIONS._items) == before
+    assert len(hostapi.SESSION_OPTIONS) == before
 
 
 # Was: host/plugins/ep.py PluginEp._create_allocator appends a weakref.finalize per session to
@@ -159,11 +159,11 @@ def test_option_value_not_encodable_is_invalid_argument(env5):
 # Was: host/plugins/loader.py PluginRegistration makes a logger per registration (hostapi.LOGGERS.make) and close()
 # never drops it: LOGGERS grows forever (fixed in 4a23a5c).
 def test_unregistering_releases_the_logger(env5):
-    before = len(hostapi.LOGGERS._holders)
+    before = len(hostapi.LOGGERS)
     for i in range(3):
         env5.register_plugin(f"again{i}", built_plugin("example", 5))
         env5.unregister_plugin(f"again{i}")
-    assert len(hostapi.LOGGERS._holders) == before
+    assert len(hostapi.LOGGERS) == before
 
 
 # ---- tests/plugins/example_ep.py ---------------------------------------------------------------------------
@@ -307,11 +307,11 @@ def test_runs_from_short_lived_threads_do_not_accumulate_state(env5):
             t.join()
 
         gc.collect()
-        contexts, streams = len(hostapi.CONTEXTS._items), h.record(5).live["EpSyncStream"]
+        contexts, streams = len(hostapi.CONTEXTS), h.record(5).live["EpSyncStream"]
         for _ in range(8):
             run_in_a_thread()
         gc.collect()
-        assert (len(hostapi.CONTEXTS._items), h.record(5).live["EpSyncStream"]) == (contexts, streams)
+        assert (len(hostapi.CONTEXTS), h.record(5).live["EpSyncStream"]) == (contexts, streams)
         (z,) = s.run(None, {"X": x, "Y": x})  # the session goes on, on this thread
         np.testing.assert_array_equal(z, expected(x, x))
     finally:

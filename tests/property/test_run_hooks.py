@@ -82,14 +82,14 @@ def test_a_failed_run_ends_synchronized_and_keeps_its_own_error(failure, version
             if failure == "kernel":
                 want, pattern = KernelError, r"^node 'relu' \(Relu\) on ExampleEP failed \(FAIL\): "
             else:
-                sess._executor.execute = _broken(sess._executor.execute)
+                sess.executor.execute = _broken(sess.executor.execute)
                 want, pattern = EpError, r"^run failed: unexpected error after the run$"
             with pytest.raises(want, match=pattern):
                 sess.run(None, case.feeds, _run_options(disable))
             assert len(hostapi.STATUSES) == statuses, "the failing OnRunEnd's status was not released"
             assert _run_ends(version) == {"OnRunEnd sync_stream=1": 1}
             if failure == "executor" and not end_fails:
-                del sess._executor.execute  # the executor's own method again: the session goes on
+                del sess.executor.execute  # the executor's own method again: the session goes on
                 refs.check(sess.run(None, case.feeds2), case.feeds2, "run after a failed one")
         finally:
             sess.close()

@@ -132,7 +132,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.cpu: dict[str, object] = {}        # CPU EP sessions: the references
         self.base_live = {v: _live(v) for v in s.VERSIONS}
         self.base_statuses = len(hostapi.STATUSES)
-        self.base_contexts = len(hostapi.CONTEXTS._items)
+        self.base_contexts = len(hostapi.CONTEXTS)
         if first is not None:  # most runs start with a plugin and a session, so that they get somewhere
             self.register(first)
             self.create(graph, capture, 1, ())  # chain and mlp run whole on ExampleEP: never refused
@@ -336,7 +336,7 @@ class SessionMachine(RuleBasedStateMachine):
             return
         assert len(hostapi.STATUSES) == self.base_statuses
         ran = sum(t.plugin_nodes for t in self.sessions if t.ran)
-        assert len(hostapi.CONTEXTS._items) == self.base_contexts + ran
+        assert len(hostapi.CONTEXTS) == self.base_contexts + ran
 
     def teardown(self):
         if self.env is None:
@@ -353,7 +353,7 @@ class SessionMachine(RuleBasedStateMachine):
             assert +(_live(v) - self.base_live[v]) == Counter() and +(self.base_live[v] - _live(v)) == Counter(), \
                 f"plugin v{v} objects alive after the Environment closed"
         assert len(hostapi.STATUSES) == self.base_statuses
-        assert len(hostapi.CONTEXTS._items) == self.base_contexts
+        assert len(hostapi.CONTEXTS) == self.base_contexts
 
 
 SessionMachine.TestCase.settings = settings(max_examples=s.budget(30), stateful_step_count=20, deadline=None)

@@ -155,7 +155,9 @@ def test_claimed_fused_node_is_kept():
 
 def test_without_the_hook_the_unclaimed_node_is_an_error(cpu_ep_without_fused_matmul, monkeypatch):
     """The hook is what makes the difference (a planted regression: no expansion -> refused model)."""
-    monkeypatch.setattr(InferenceSession, "_expand_unclaimed", lambda self: None)
+    from host.runtime.partition import Partitioner
+
+    monkeypatch.setattr(Partitioner, "_expand_unclaimed", lambda self, graph: graph)
     with pytest.raises(ModelError, match="^no execution provider supports 1 node\\(s\\): 'fc/FusedMatMul'"):
         InferenceSession(_linear_relu())
 
