@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cublas
-from .base import FLOAT, CudaKernel, kernel_table, num_outputs, register
+from ..device import cublas
+from ..device.nvrtc import elementwise_table
+from .base import FLOAT, CudaKernel, num_outputs, register
 
 try:
     import cupy
@@ -107,7 +108,7 @@ SOURCES = {
     ),
 }
 
-elementwise = kernel_table(SOURCES)
+elementwise = elementwise_table(SOURCES)
 
 AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 _F32 = np.dtype(np.float32)
