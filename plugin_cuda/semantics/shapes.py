@@ -16,6 +16,7 @@ import numpy as np
 from plugin_cuda.semantics.errors import OpError
 
 __all__ = [
+    "AUTO_PADS",
     "broadcast",
     "broadcast_shape",
     "concat_shape",
@@ -24,6 +25,7 @@ __all__ = [
     "gemm_shape",
     "matmul_shape",
     "normalize_axis",
+    "output_geometry",
     "reshape_shape",
     "slice_indices",
     "softmax_default_axis",
@@ -167,6 +169,44 @@ def slice_indices(in_shape: tuple, starts, ends, axes, steps, where: str) -> tup
             index[axis] = slice(lo, None if hi < 0 else hi, st)
     index = tuple(index)
     return index, tuple(len(range(*s.indices(d))) for s, d in zip(index, in_shape))
+
+
+AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
+
+
+def output_geometry(node: str, in_sizes, kernel, strides, dilations, pads, auto_pad, ceil_mode=False):
+    """(out_sizes, pads_begin, pads_end) per spatial dim, as the ONNX spec computes them."""
+    n = len(in_sizes)
+    outs, begins, ends = [], [], []
+    for i in range(n):
+        size, k, s, d = in_sizes[i], kernel[i], strides[i], dilations[i]
+        eff = (k - 1) * d + 1
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            out = -(-size // s)
+            total = max(0, (out - 1) * s + eff - size)
+            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            end = total - begin
+        elif auto_pad == "VALID":
+            begin = end = 0
+            out = (size - eff) // s + 1
+        else:
+            begin, end = pads[i], pads[i + n]
+            span = size + begin + end - eff
+            if ceil_mode:
+                out = -(-span // s) + 1
+                if (out - 1) * s >= size + begin:  # the last window would start in the end padding
+                    out -= 1
+            else:
+                out = span // s + 1
+        if out <= 0:
+            raise OpError(
+                f"node '{node}': spatial size {size} with kernel {k}, stride {s}, dilation {d} and pads "
+                f"({begin}, {end}) leaves no output"
+            )
+        outs.append(out)
+        begins.append(begin)
+        ends.append(end)
+    return tuple(outs), tuple(begins), tuple(ends)
 
 
 def matmul_shape(a_shape: tuple, b_shape: tuple) -> tuple:
