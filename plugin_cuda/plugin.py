@@ -141,8 +141,8 @@ class CudaEp(sdk.EpBase):
 
     def __init__(self, runtime, factory: CudaFactory, opts: CudaOptions, logger):
         super().__init__(runtime, factory)
+        from plugin_cuda.device.memory import DeviceMemory
         from plugin_cuda.graphs import GraphManager
-        from plugin_cuda.memory import DeviceMemory
 
         self.cupy = cp = factory.cupy
         self.opts = opts
