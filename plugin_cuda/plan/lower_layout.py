@@ -64,19 +64,14 @@ def _axes(ctx, node) -> tuple | None:
     return attributes(node).integers("axes")
 
 
-@lowers("Squeeze")
-def _squeeze(ctx, node):
-    x = node.inputs[0]
-    shape = ctx.shape(x)
-    ctx.set_shape(node, node.outputs[0], shapes.squeeze_shape(shape, _axes(ctx, node), where(node)))
-    view(ctx, node, x, node.outputs[0])
+_AXES_RULES = {"Squeeze": shapes.squeeze_shape, "Unsqueeze": shapes.unsqueeze_shape}
 
 
-@lowers("Unsqueeze")
-def _unsqueeze(ctx, node):
+@lowers(*_AXES_RULES)
+def _squeeze_unsqueeze(ctx, node):
     x = node.inputs[0]
-    shape = ctx.shape(x)
-    ctx.set_shape(node, node.outputs[0], shapes.unsqueeze_shape(shape, _axes(ctx, node), where(node)))
+    out_shape = _AXES_RULES[node.op_type](ctx.shape(x), _axes(ctx, node), where(node))
+    ctx.set_shape(node, node.outputs[0], out_shape)
     view(ctx, node, x, node.outputs[0])
 
 
