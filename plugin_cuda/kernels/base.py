@@ -87,8 +87,6 @@ def host_ints(x) -> tuple[int, ...]:
     return tuple(cupy.asnumpy(x).reshape(-1).tolist())
 
 
-
-
 def num_outputs(ctx) -> int:
     return getattr(ctx, "num_outputs", 1)
 
