@@ -93,7 +93,7 @@ class _Frame:
 
 def measure(cp, name, model, iters, warmup) -> dict:
     from host.cli import zoo
-    from plugin_cuda.plan import driver
+    from plugin_cuda.device import driver
     from plugin_cuda.plan.onnx_spec import spec_from_onnx
     from plugin_cuda.plan.plan import Plan
 

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import abi
 from abi.sdk import PluginError
+from plugin_cuda.device.capture import CAPTURE_MODE_RELAXED, clear_sticky_error
 
 _log = logging.getLogger("ephost.plugin_cuda")
-# cudaStreamCaptureModeRelaxed: an allocation the warmed pool cannot serve then succeeds (the graph's
-# private pool keeps it, and on_run_end reports it) instead of invalidating the capture, which
-# thread-local mode does. Other threads are unaffected in either mode.
-_CAPTURE_MODE = 2
+# Relaxed capture: an allocation the warmed pool cannot serve then succeeds (the graph's private
+# pool keeps it, and on_run_end reports it) instead of invalidating the capture, which thread-local
+# mode does. Other threads are unaffected in either mode.
+_CAPTURE_MODE = CAPTURE_MODE_RELAXED
 
 
 @dataclass
@@ -156,7 +157,7 @@ class GraphManager:
             c.state.stream.end_capture()
         except Exception:  # noqa: BLE001 - an invalidated capture raises here too
             pass
-        self._clear_sticky_error()
+        clear_sticky_error(self.ep.cupy)
         t.failed.add(c.gid)
         self.ep.stats["capture_failures"] = self.ep.stats.get("capture_failures", 0) + 1
         message = f"CUDA graph capture of graph {c.gid} failed ({exc}); that graph id runs eagerly from now on"
@@ -164,16 +165,7 @@ class GraphManager:
         self.ep.api.log(self.ep.logger, abi.header().constants["EP_LOG_WARNING"], message)
         # The kernels recorded during capture did not run: run them now.
         for adapter, call, state in c.calls:
-            adapter._launch(call, state)
-
-    def _clear_sticky_error(self) -> None:
-        rt = self.ep.cupy.cuda.runtime
-        fn = getattr(rt, "getLastError", None) or getattr(rt, "peekAtLastError", None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - reading the error resets it
-                pass
+            adapter.launch_recorded(call, state)
 
     def on_run_end(self, sync: bool) -> None:
         t = self._tls.__dict__.get("v")

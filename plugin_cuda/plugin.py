@@ -141,8 +141,8 @@ class CudaEp(sdk.EpBase):
 
     def __init__(self, runtime, factory: CudaFactory, opts: CudaOptions, logger):
         super().__init__(runtime, factory)
+        from plugin_cuda.device.memory import DeviceMemory
         from plugin_cuda.graphs import GraphManager
-        from plugin_cuda.memory import DeviceMemory
 
         self.cupy = cp = factory.cupy
         self.opts = opts
@@ -173,7 +173,7 @@ class CudaEp(sdk.EpBase):
     def take_cublas(self, stream_ptr: int):
         """A cuBLAS handle bound to `stream_ptr`: a released stream's handle when one is spare,
         else a new one. Handles are not thread-safe; each is bound to one stream at a time."""
-        from plugin_cuda.cublas import CublasHandle
+        from plugin_cuda.device.cublas import CublasHandle
 
         with self._lock:
             handle = self._spare_cublas.pop() if self._spare_cublas else None
@@ -509,16 +509,16 @@ class CudaKernelAdapter(sdk.KernelBase):
         ep.graphs.before_kernel(state)
         try:
             ep.graphs.check_forced_failure()
-            self._launch(call, state)
+            self.launch_recorded(call, state)
         except Exception as exc:
             if not ep.graphs.capturing():
                 raise
             ep.graphs.abort_capture(exc)  # re-runs the kernels recorded so far, eagerly
-            self._launch(call, state)
+            self.launch_recorded(call, state)
             return
         ep.graphs.record(self, call, state)
 
-    def _launch(self, call: KernelCall, state: StreamState) -> None:
+    def launch_recorded(self, call: KernelCall, state: StreamState) -> None:
         # The allocator is current for the whole run (CudaEp.enter_run); the stream is entered
         # per kernel: measured on CuPy 14, making it current once per run with Stream.use() gave
         # wrong results under capture and on an ExternalStream, while this form is exact.

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import cublas
+from ..device import cublas
+from ..device.nvrtc import KernelLibrary
+from ..device.streams import row_threads
 from .base import BOOL, FLOAT, CudaKernel, num_outputs, register
-from .fused import KernelLibrary, row_threads
+from .fused import source_for
 
 try:
     import cupy
@@ -88,7 +90,7 @@ extern "C" __global__ void ephost_attn_softmax(
 }
 """
 
-LIBRARY = KernelLibrary(SOURCE, ("ephost_attn_softmax",))
+LIBRARY = KernelLibrary(SOURCE, ("ephost_attn_softmax",), source_for)
 
 
 def function(name: str, dtype):
@@ -226,13 +228,13 @@ def attention_plan(q_shape, k_shape, v_shape, mask_shape, mask_dtype, q_num_head
 
 def _batched(handle, gemm: Gemm, a: int, a_type, b: int, b_type, c: int, c_type, item_a, item_b, item_c, compute,
              alpha) -> None:
-    lib, raw, vp = handle._lib, handle.raw, cublas._vp
+    lib, raw, vp = handle.lib, handle.raw, cublas.void_ptr
     for oa, ob, oc in gemm.calls:
         cublas.check(lib.cublasGemmStridedBatchedEx(
             raw, gemm.transa, cublas.CUBLAS_OP_N, gemm.m, gemm.n, gemm.k,
             alpha, vp(a + oa * item_a), a_type, gemm.lda, gemm.stride_a,
             vp(b + ob * item_b), b_type, gemm.ldb, gemm.stride_b,
-            cublas._ZERO, vp(c + oc * item_c), c_type, gemm.ldc, gemm.stride_c,
+            cublas.ZERO, vp(c + oc * item_c), c_type, gemm.ldc, gemm.stride_c,
             gemm.batch, compute, cublas.CUBLAS_GEMM_DEFAULT,
         ), "cublasGemmStridedBatchedEx (Attention)")
 
@@ -241,7 +243,7 @@ def launch_attention(handle, plan: AttentionPlan, q: int, k: int, v: int, mask: 
     """Y = softmax(mask(scale * Q K^T)) V for `plan`; `workspace` holds plan.workspace_bytes."""
     if plan.batch * plan.q_heads * plan.q_len == 0:
         return
-    t_type, compute = cublas._types(plan.dtype, handle.use_tf32)
+    t_type, compute = cublas.gemm_types(plan.dtype, handle.use_tf32)
     item = plan.dtype.itemsize
     f32, f32_compute = cublas.CUDA_R_32F, (compute if plan.dtype == np.float32 else cublas.CUBLAS_COMPUTE_32F)
     scores = workspace
@@ -259,7 +261,7 @@ def launch_attention(handle, plan: AttentionPlan, q: int, k: int, v: int, mask: 
          np.int32(plan.q_len), np.int32(plan.kv_len), np.int32(plan.causal), np.int64(0), np.float32(plan.softcap)),
     )
     # Y = P V: V as A (not transposed), P as B.
-    _batched(handle, plan.values, v, t_type, probs, t_type, y, t_type, item, item, item, compute, cublas._ONE)
+    _batched(handle, plan.values, v, t_type, probs, t_type, y, t_type, item, item, item, compute, cublas.ONE)
 
 
 @register("Attention", 23)

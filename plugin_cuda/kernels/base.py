@@ -8,18 +8,22 @@ The context a kernel gets (provided by the plugin runtime):
                         in the kernel class's `host_inputs` (shapes, axes, slice bounds) should be
                         NumPy arrays: a device array there costs a synchronising copy (not capturable)
   ctx.output(i, shape, dtype) -> a preallocated C-contiguous cupy.ndarray to write output i into
-  ctx.cublas            a plugin_cuda.cublas.CublasHandle bound to the current stream
+  ctx.cublas            a plugin_cuda.device.cublas.CublasHandle bound to the current stream
   ctx.scratch(nbytes)   temporary device memory (kernels here let CuPy's stream-aware pool do it)
   ctx.num_outputs       optional: how many outputs the node has (1 when missing)
 The runtime makes the stream current (`with stream:`) before calling compute.
+
+Attributes are read through plugin_cuda.semantics.Attributes and shapes follow
+plugin_cuda.semantics.shapes: the compiled plan's lowering uses the same rules.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar
 
 import numpy as np
+
+from plugin_cuda.semantics import Attributes, shapes
 
 try:
     import cupy
@@ -83,26 +87,6 @@ def host_ints(x) -> tuple[int, ...]:
     return tuple(cupy.asnumpy(x).reshape(-1).tolist())
 
 
-@functools.lru_cache(maxsize=4096)
-def broadcast_shape(*shapes: tuple) -> tuple:
-    """numpy.broadcast_shapes, memoised: shapes repeat from call to call."""
-    return tuple(np.broadcast_shapes(*shapes))
-
-
-def kernel_table(sources: dict):
-    """A getter building each ElementwiseKernel of `sources` (name -> (in, out, body)) once.
-
-    CuPy then compiles it lazily, once per device and dtype combination.
-    """
-
-    @functools.cache
-    def get(name: str):
-        in_params, out_params, body = sources[name]
-        return cupy.ElementwiseKernel(in_params, out_params, body, f"ephost_{name}")
-
-    return get
-
-
 def num_outputs(ctx) -> int:
     return getattr(ctx, "num_outputs", 1)
 
@@ -129,6 +113,8 @@ class CudaKernel:
         self.attrs = dict(attrs)
         self.opset = int(opset)
         self.node_name = node_name
+        self.attributes = Attributes(self.attrs, self.op_type, node_name)
+        self.where = self.attributes.where
         self._plans: dict = {}
 
     def plan(self, key: tuple, make):
@@ -179,71 +165,25 @@ class CudaKernel:
     # -- attribute parsing (at construction only) --------------------------------------------------
 
     def bad_attr(self, name: str, value: Any, allowed: str) -> ValueError:
-        return ValueError(
-            f"{self.op_type} node '{self.node_name}': attribute '{name}' is {value!r}; allowed: {allowed}"
-        )
+        return self.attributes.bad(name, value, allowed)
 
     def attr_int(self, name: str, default: int | None = None, allowed=None) -> int | None:
-        value = self.attrs.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise self.bad_attr(name, value, "an integer")
-        value = int(value)
-        if allowed is not None and value not in allowed:
-            raise self.bad_attr(name, value, " or ".join(str(v) for v in allowed))
-        return value
+        return self.attributes.integer(name, default, allowed)
 
     def attr_float(self, name: str, default: float | None = None) -> float | None:
-        value = self.attrs.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-            raise self.bad_attr(name, value, "a number")
-        return float(value)
+        return self.attributes.number(name, default)
 
     def attr_str(self, name: str, default: str | None = None, allowed=None) -> str | None:
-        value = self.attrs.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, bytes):
-            value = value.decode("utf-8", "replace")
-        if not isinstance(value, str):
-            raise self.bad_attr(name, value, "a string")
-        if allowed is not None and value not in allowed:
-            raise self.bad_attr(name, value, ", ".join(repr(v) for v in allowed))
-        return value
+        return self.attributes.string(name, default, allowed)
 
     def attr_ints(self, name: str, default=None, length: int | None = None,
                   minimum: int | None = None) -> tuple[int, ...] | None:
-        value = self.attrs.get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, np.ndarray):
-            value = value.reshape(-1).tolist()
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            value = [value]
-        if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
-        ):
-            raise self.bad_attr(name, value, "a list of integers")
-        value = tuple(int(v) for v in value)
-        if length is not None and len(value) != length:
-            raise self.bad_attr(name, value, f"{length} integers")
-        if minimum is not None and any(v < minimum for v in value):
-            raise self.bad_attr(name, value, f"integers >= {minimum}")
-        return value
+        return self.attributes.integers(name, default, length, minimum)
 
     def axis(self, axis: int, rank: int, name: str = "axis", allow_end: bool = False) -> int:
         """Normalise a possibly negative axis against `rank` (`allow_end`: `rank` itself is allowed,
-        as in Flatten); ValueError when out of range."""
-        top = rank if allow_end else rank - 1
-        if not -rank <= axis <= top:
-            raise ValueError(
-                f"{self.op_type} node '{self.node_name}': {name} {axis} is out of range for rank {rank}; "
-                f"allowed: {-rank}..{top}"
-            )
-        return axis + rank if axis < 0 else axis
+        as in Flatten); OpError (a ValueError) when out of range."""
+        return shapes.normalize_axis(axis, rank, self.where, name, allow_end)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cublas
-from .base import FLOAT, CudaKernel, kernel_table, num_outputs, register
+from ..device import cublas
+from ..device.nvrtc import elementwise_table
+from ..semantics.shapes import AUTO_PADS, output_geometry
+from .base import FLOAT, CudaKernel, num_outputs, register
 
 try:
     import cupy
@@ -107,47 +109,11 @@ SOURCES = {
     ),
 }
 
-elementwise = kernel_table(SOURCES)
+elementwise = elementwise_table(SOURCES)
 
-AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _I64 = np.dtype(np.int64)
-
-
-def output_geometry(node: str, in_sizes, kernel, strides, dilations, pads, auto_pad, ceil_mode=False):
-    """(out_sizes, pads_begin, pads_end) per spatial dim, as the ONNX spec computes them."""
-    n = len(in_sizes)
-    outs, begins, ends = [], [], []
-    for i in range(n):
-        size, k, s, d = in_sizes[i], kernel[i], strides[i], dilations[i]
-        eff = (k - 1) * d + 1
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            out = -(-size // s)
-            total = max(0, (out - 1) * s + eff - size)
-            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
-            end = total - begin
-        elif auto_pad == "VALID":
-            begin = end = 0
-            out = (size - eff) // s + 1
-        else:
-            begin, end = pads[i], pads[i + n]
-            span = size + begin + end - eff
-            if ceil_mode:
-                out = -(-span // s) + 1
-                if (out - 1) * s >= size + begin:  # the last window would start in the end padding
-                    out -= 1
-            else:
-                out = span // s + 1
-        if out <= 0:
-            raise ValueError(
-                f"node '{node}': spatial size {size} with kernel {k}, stride {s}, dilation {d} and pads "
-                f"({begin}, {end}) leaves no output"
-            )
-        outs.append(out)
-        begins.append(begin)
-        ends.append(end)
-    return tuple(outs), tuple(begins), tuple(ends)
 
 
 class _Spatial(CudaKernel):

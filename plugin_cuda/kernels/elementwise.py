@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ALL, BOOL, FLOAT, INDEX, NUMERIC, ONNX_DTYPES, CudaKernel, broadcast_shape, kernel_table, register
+from ..device.nvrtc import elementwise_table
+from ..semantics import GELU_CUDA
+from ..semantics.shapes import broadcast_shape
+from .base import ALL, BOOL, FLOAT, INDEX, NUMERIC, ONNX_DTYPES, CudaKernel, register
 
 try:
     import cupy
@@ -21,15 +24,8 @@ except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still lo
 SOURCES = {
     "sigmoid": ("T x", "T y", "y = T(1.0f / (1.0f + expf(-float(x))));"),
     "erf": ("T x", "T y", "y = T(erff(float(x)));"),
-    "gelu": (
-        "T x", "T y",
-        "float v = float(x); y = T(0.5f * v * (1.0f + erff(v * 0.70710678118654752f)));",
-    ),
-    "gelu_tanh": (
-        "T x", "T y",
-        "float v = float(x);"
-        " y = T(0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v))));",
-    ),
+    "gelu": ("T x", "T y", "y = T(ep_gelu(float(x)));"),  # ep_gelu*: GELU_CUDA, the preamble
+    "gelu_tanh": ("T x", "T y", "y = T(ep_gelu_tanh(float(x)));"),
     "leaky_relu": ("T x, float32 alpha", "T y", "float v = float(x); y = T(v >= 0.0f ? v : v * alpha);"),
     "where": ("bool c, T a, T b", "T y", "y = c ? a : b;"),
     "is_nan": ("T x", "bool y", "y = isnan(float(x));"),
@@ -56,7 +52,7 @@ SOURCES = {
 }
 
 
-elementwise = kernel_table(SOURCES)
+elementwise = elementwise_table(SOURCES, preamble=GELU_CUDA)
 
 
 def _ufunc(name: str):

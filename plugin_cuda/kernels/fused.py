@@ -31,11 +31,12 @@ Kernel classes register themselves for the per-node path; attention.py adds Atte
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from .. import cublas
+from ..device import cublas
+from ..device.nvrtc import KernelLibrary
+from ..device.streams import arg_ptr, grid_1d, row_threads
+from ..semantics import GELU_CUDA
 from .base import EPHOST_DOMAIN, FLOAT, CudaKernel, num_outputs, register
 
 try:
@@ -61,7 +62,7 @@ ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"": ACT_NONE, "Relu": ACT_RELU, "Gelu": ACT_GELU, "GeluTanh": ACT_GELU_TANH}
 
 # Device helpers shared with attention.py's source. T is `float` or `unsigned short` (float16 bits).
-PRELUDE = r"""
+PRELUDE = GELU_CUDA + r"""
 typedef long long i64;
 typedef unsigned short half_bits;
 #define EPHOST_NEG_INF __int_as_float(0xff800000)
@@ -107,8 +108,8 @@ __device__ float block_max(float v) {
 }
 __device__ __forceinline__ float activate(float v, int act) {
   if (act == 1) return fmaxf(v, 0.0f);
-  if (act == 2) return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-  if (act == 3) return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+  if (act == 2) return ep_gelu(v);
+  if (act == 3) return ep_gelu_tanh(v);
   return v;
 }
 """
@@ -232,54 +233,12 @@ def source_for(body: str, dtype) -> str:
     return f"{PRELUDE}\ntypedef {ctype} T;\n{body}"
 
 
-class KernelLibrary:
-    """Kernels of one CUDA source, compiled once per (device, dtype) and looked up by name."""
-
-    def __init__(self, body: str, names: tuple[str, ...]):
-        self.body = body
-        self.names = names
-        self._modules: dict = {}
-        self._functions: dict = {}
-        self._lock = threading.Lock()
-
-    def function(self, name: str, dtype):
-        dtype = np.dtype(dtype)
-        device = cupy.cuda.runtime.getDevice()
-        key = (name, dtype, device)
-        fn = self._functions.get(key)
-        if fn is None:
-            with self._lock:
-                module = self._modules.get((dtype, device))
-                if module is None:
-                    module = cupy.RawModule(code=source_for(self.body, dtype), options=("--std=c++14",),
-                                            name_expressions=None)
-                    self._modules[(dtype, device)] = module
-                fn = self._functions[key] = module.get_function(name)
-        return fn
-
-
-LIBRARY = KernelLibrary(SOURCE, ("ephost_norm", "ephost_bias_act", "ephost_rotary", "ephost_softmax"))
+LIBRARY = KernelLibrary(SOURCE, ("ephost_norm", "ephost_bias_act", "ephost_rotary", "ephost_softmax"), source_for)
 
 
 def function(name: str, dtype):
     """The compiled kernel `name` of SOURCE for `dtype` on the current device (compiled on first use)."""
     return LIBRARY.function(name, dtype)
-
-
-def _p(ptr: int):
-    return np.uint64(ptr)
-
-
-def row_threads(n: int) -> int:
-    """Threads per block for a row of n elements: ~4 elements a thread, a multiple of 32, <= 1024."""
-    t = 32
-    while t < 1024 and t * 4 < n:
-        t *= 2
-    return t
-
-
-def grid_1d(total: int, threads: int = 256) -> int:
-    return max(1, min((total + threads - 1) // threads, 65535))
 
 
 def launch_norm(dtype, rows: int, n: int, x: int, y: int, gamma: int, beta: int = 0, *, skip: int = 0,
@@ -290,7 +249,7 @@ def launch_norm(dtype, rows: int, n: int, x: int, y: int, gamma: int, beta: int 
         return
     function("ephost_norm", dtype)(
         (rows,), (row_threads(n),),
-        (_p(x), _p(skip), _p(bias), _p(gamma), _p(beta), _p(y), _p(sum_out), _p(mean_out), _p(rstd_out),
+        (arg_ptr(x), arg_ptr(skip), arg_ptr(bias), arg_ptr(gamma), arg_ptr(beta), arg_ptr(y), arg_ptr(sum_out), arg_ptr(mean_out), arg_ptr(rstd_out),
          np.int64(n), np.int64(max(skip_rows, 1)), np.int64(gamma_n or n), np.int64(beta_n or n),
          np.float32(eps), np.int32(bool(rms))),
     )
@@ -300,7 +259,7 @@ def launch_bias_act(dtype, total: int, x: int, y: int, bias: int = 0, bias_n: in
     if total == 0:
         return
     function("ephost_bias_act", dtype)(
-        (grid_1d(total),), (256,), (_p(x), _p(bias), _p(y), np.int64(total), np.int64(max(bias_n, 1)), np.int32(act)),
+        (grid_1d(total),), (256,), (arg_ptr(x), arg_ptr(bias), arg_ptr(y), np.int64(total), np.int64(max(bias_n, 1)), np.int32(act)),
     )
 
 
@@ -312,7 +271,7 @@ def launch_rotary(dtype, x: int, y: int, cos: int, sin: int, positions: int, bat
         return
     function("ephost_rotary", dtype)(
         (grid_1d(total),), (256,),
-        (_p(x), _p(cos), _p(sin), _p(positions), _p(y), np.int64(total), np.int32(seq), np.int32(heads),
+        (arg_ptr(x), arg_ptr(cos), arg_ptr(sin), arg_ptr(positions), arg_ptr(y), np.int64(total), np.int32(seq), np.int32(heads),
          np.int32(head), np.int32(rot), np.int32(bool(interleaved)), np.int32(bool(seq_major)),
          np.int64(pos_batch_stride), np.int64(cache_batch_stride)),
     )
@@ -321,7 +280,7 @@ def launch_rotary(dtype, x: int, y: int, cos: int, sin: int, positions: int, bat
 def launch_softmax(dtype, rows: int, n: int, x: int, y: int, log: bool = False) -> None:
     if rows == 0 or n == 0:
         return
-    function("ephost_softmax", dtype)((rows,), (row_threads(n),), (_p(x), _p(y), np.int64(n), np.int32(bool(log))))
+    function("ephost_softmax", dtype)((rows,), (row_threads(n),), (arg_ptr(x), arg_ptr(y), np.int64(n), np.int32(bool(log))))
 
 
 def _ptr(a) -> int:

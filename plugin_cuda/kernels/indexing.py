@@ -13,7 +13,8 @@ import math
 
 import numpy as np
 
-from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, kernel_table, num_outputs, register
+from ..device.nvrtc import elementwise_table
+from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, num_outputs, register
 
 try:
     import cupy
@@ -36,7 +37,7 @@ SOURCES = {
     "wrap_index": ("T idx, int64 dim", "int64 y", "y = idx < 0 ? (long long)idx + dim : (long long)idx;"),
 }
 
-elementwise = kernel_table(SOURCES)
+elementwise = elementwise_table(SOURCES)
 _I64 = np.dtype(np.int64)
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)

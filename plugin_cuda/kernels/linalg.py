@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import cublas
+from ..device import cublas
 from .base import FLOAT, CudaKernel, register
 
 try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device.nvrtc import elementwise_table
+from ..semantics import shapes
 from . import fused
-from .base import FLOAT, CudaKernel, kernel_table, register
+from .base import FLOAT, CudaKernel, register
 
 try:
     import cupy
@@ -28,7 +30,7 @@ SOURCES = {
     ),
 }
 
-elementwise = kernel_table(SOURCES)
+elementwise = elementwise_table(SOURCES)
 
 
 class _SoftmaxBase(CudaKernel):
@@ -37,7 +39,7 @@ class _SoftmaxBase(CudaKernel):
 
     def __init__(self, attrs, opset, node_name):
         super().__init__(attrs, opset, node_name)
-        self.axis_attr = self.attr_int("axis", -1 if self.opset >= 13 else 1)
+        self.axis_attr = self.attr_int("axis", shapes.softmax_default_axis(self.opset))
 
     def _plan(self, shape):
         rank = len(shape)

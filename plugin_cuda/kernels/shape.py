@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ALL, BOOL, FLOAT, INDEX, CudaKernel, broadcast_shape, host_ints, num_outputs, register
+from ..semantics import shapes
+from ..semantics.shapes import broadcast_shape
+from .base import ALL, BOOL, FLOAT, INDEX, CudaKernel, host_ints, num_outputs, register
 
 try:
     import cupy
@@ -57,27 +59,7 @@ class Reshape(CudaKernel):
         self.shape_attr = self.attr_ints("shape") if self.opset < 5 else None
 
     def _out_shape(self, in_shape, shape):
-        out = list(shape)
-        for i, d in enumerate(out):
-            if d == 0 and not self.allowzero:
-                if i >= len(in_shape):
-                    raise ValueError(f"Reshape node '{self.node_name}': shape {shape} copies dim {i} "
-                                     f"that input shape {in_shape} lacks")
-                out[i] = in_shape[i]
-        if out.count(-1) > 1:
-            raise ValueError(f"Reshape node '{self.node_name}': shape {shape} has more than one -1")
-        if any(d < -1 for d in out):
-            raise ValueError(f"Reshape node '{self.node_name}': shape {shape} has a dimension below -1")
-        size = int(np.prod(in_shape))
-        if -1 in out:
-            known = int(np.prod([d for d in out if d != -1]))
-            if known == 0 or size % known:
-                raise ValueError(f"Reshape node '{self.node_name}': cannot infer -1 in {shape} "
-                                 f"for input shape {in_shape}")
-            out[out.index(-1)] = size // known
-        if int(np.prod(out)) != size:
-            raise ValueError(f"Reshape node '{self.node_name}': input shape {in_shape} does not fit {shape}")
-        return tuple(out)
+        return shapes.reshape_shape(in_shape, shape, self.allowzero, self.where)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]
@@ -107,14 +89,7 @@ class _Axes(CudaKernel):
 @register("Squeeze", 1)
 class Squeeze(_Axes):
     def _out_shape(self, in_shape, axes):
-        if axes is None:
-            return tuple(d for d in in_shape if d != 1)
-        rank = len(in_shape)
-        drop = {self.axis(a, rank, "axes") for a in axes}
-        for a in drop:
-            if in_shape[a] != 1:
-                raise ValueError(f"Squeeze node '{self.node_name}': axis {a} of shape {in_shape} is not 1")
-        return tuple(d for i, d in enumerate(in_shape) if i not in drop)
+        return shapes.squeeze_shape(in_shape, axes, self.where)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]
@@ -125,14 +100,7 @@ class Squeeze(_Axes):
 @register("Unsqueeze", 1)
 class Unsqueeze(_Axes):
     def _out_shape(self, in_shape, axes):
-        if not axes:
-            raise ValueError(f"Unsqueeze node '{self.node_name}': axes are required")
-        rank = len(in_shape) + len(axes)
-        insert = sorted({self.axis(a, rank, "axes") for a in axes})
-        if len(insert) != len(axes):
-            raise ValueError(f"Unsqueeze node '{self.node_name}': axes {axes} repeat an axis")
-        dims = iter(in_shape)
-        return tuple(1 if i in insert else next(dims) for i in range(rank))
+        return shapes.unsqueeze_shape(in_shape, axes, self.where)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]
@@ -149,8 +117,7 @@ class Flatten(CudaKernel):
         self.axis_attr = self.attr_int("axis", 1)
 
     def _out_shape(self, in_shape):
-        axis = self.axis(self.axis_attr, len(in_shape), allow_end=True)
-        return (int(np.prod(in_shape[:axis])), int(np.prod(in_shape[axis:])))
+        return shapes.flatten_shape(in_shape, self.axis_attr, self.where)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]
@@ -188,9 +155,7 @@ class Transpose(CudaKernel):
             raise self.bad_attr("perm", self.perm, f"a permutation of 0..{len(self.perm) - 1}")
 
     def _plan(self, in_shape):
-        perm = self.perm if self.perm is not None else tuple(range(len(in_shape)))[::-1]
-        if len(perm) != len(in_shape):
-            raise ValueError(f"Transpose node '{self.node_name}': perm {perm} does not fit rank {len(in_shape)}")
+        perm = shapes.transpose_perm(self.perm, len(in_shape), self.where)
         return perm, tuple(in_shape[p] for p in perm)
 
     def _compute(self, ctx):
@@ -213,19 +178,14 @@ class Concat(CudaKernel):
         if self.axis_attr is None:
             raise self.bad_attr("axis", None, "an integer (the attribute is required)")
 
-    def _plan(self, shapes):
-        rank = len(shapes[0])
-        axis = self.axis(self.axis_attr, rank)
+    def _plan(self, in_shapes):
+        axis, out_shape = shapes.concat_shape(in_shapes, self.axis_attr, self.where)
         total = 0
         regions = []
-        for i, s in enumerate(shapes):
-            if len(s) != rank or s[:axis] != shapes[0][:axis] or s[axis + 1:] != shapes[0][axis + 1:]:
-                raise ValueError(f"Concat node '{self.node_name}': input shapes {list(shapes)} differ "
-                                 f"outside axis {axis}")
+        for i, s in enumerate(in_shapes):
             if s[axis]:
                 regions.append((i, (slice(None),) * axis + (slice(total, total + s[axis]),)))
             total += s[axis]
-        out_shape = shapes[0][:axis] + (total,) + shapes[0][axis + 1:]
         return out_shape, tuple(regions)
 
     def _compute(self, ctx):
@@ -246,8 +206,7 @@ class Gather(CudaKernel):
         self.axis_attr = self.attr_int("axis", 0)
 
     def _plan(self, data_shape, index_shape):
-        axis = self.axis(self.axis_attr, len(data_shape))
-        return axis, data_shape[:axis] + index_shape + data_shape[axis + 1:]
+        return shapes.gather_shape(data_shape, index_shape, self.axis_attr, self.where)
 
     def _compute(self, ctx):
         data, indices = ctx.inputs
@@ -275,33 +234,7 @@ class Slice(CudaKernel):
                 raise self.bad_attr("starts/ends", (self.starts, self.ends), "two lists of equal length")
 
     def _plan(self, in_shape, starts, ends, axes, steps):
-        rank = len(in_shape)
-        if axes is None:
-            axes = tuple(range(len(starts)))
-        if steps is None:
-            steps = (1,) * len(starts)
-        if not len(starts) == len(ends) == len(axes) == len(steps):
-            raise ValueError(f"Slice node '{self.node_name}': starts {starts}, ends {ends}, axes {axes} and "
-                             f"steps {steps} differ in length")
-        index = [slice(None)] * rank
-        seen = set()
-        for start, end, axis, step in zip(starts, ends, axes, steps):
-            axis = self.axis(axis, rank, "axes")
-            if axis in seen:
-                raise ValueError(f"Slice node '{self.node_name}': axes {axes} repeat axis {axis}")
-            seen.add(axis)
-            if step == 0:
-                raise ValueError(f"Slice node '{self.node_name}': steps {steps} contain 0")
-            # Clamp the ONNX way (which is Python's), then rebuild a slice CuPy reads the same way:
-            # a negative-step stop of -1 from indices() means "past the first element", i.e. None.
-            lo, hi, st = slice(start, end, step).indices(in_shape[axis])
-            if not range(lo, hi, st):
-                index[axis] = slice(0, 0, 1)
-            else:
-                index[axis] = slice(lo, None if hi < 0 else hi, st)
-        index = tuple(index)
-        out_shape = tuple(len(range(*s.indices(d))) for s, d in zip(index, in_shape))
-        return index, out_shape
+        return shapes.slice_indices(in_shape, starts, ends, axes, steps, self.where)
 
     def _compute(self, ctx):
         inputs = ctx.inputs

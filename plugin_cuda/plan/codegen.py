@@ -15,7 +15,9 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
-from plugin_cuda.plan.lower import Program, _f32, strides
+from plugin_cuda.plan.program import Program, f32_literal, strides
+from plugin_cuda.plan.templates import TILED_GEMM
+from plugin_cuda.semantics import GELU_CUDA
 
 EW_BLOCK = 256
 INT32_MAX = 2**31 - 1
@@ -27,11 +29,7 @@ __device__ __forceinline__ float ep_relu(float a) { return a < 0.0f ? 0.0f : a; 
 __device__ __forceinline__ float ep_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ float ep_min(float a, float b) { return (a < b || a != a) ? a : b; }
 __device__ __forceinline__ float ep_sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
-__device__ __forceinline__ float ep_gelu(float a) { return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f)); }
-__device__ __forceinline__ float ep_gelu_tanh(float a) {
-  return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
-}
-"""
+""" + GELU_CUDA
 PRELUDE = SCALAR_PRELUDE + r"""
 __device__ __forceinline__ float ep_warp_sum(float v) {
 #pragma unroll
@@ -110,7 +108,7 @@ def _check_size(prog: Program, vids) -> None:
 def _inline_scalar(prog: Program, vid: int) -> str | None:
     c = prog.values[vid].const
     if c is not None and np.asarray(c).size == 1:
-        return _f32(float(np.asarray(c, np.float32).reshape(-1)[0]))
+        return f32_literal(float(np.asarray(c, np.float32).reshape(-1)[0]))
     return None
 
 
@@ -208,74 +206,11 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     body = _Body()
     pa = body.pointer(op.inputs[0], const=True)
     pb = body.pointer(op.inputs[1], const=True)
-    scaled = "acc[r][c]" if alpha == 1.0 else f"(acc[r][c] * {_f32(alpha)})"
+    scaled = "acc[r][c]" if alpha == 1.0 else f"(acc[r][c] * {f32_literal(alpha)})"
     lines = _epilogue(prog, body, g, g.shape, "i", "g0")
-    src = f"""extern "C" __global__ void __launch_bounds__(256) {name}({", ".join(body.decls)}) {{
-  __shared__ float As[16][{t + 4}];
-  __shared__ float Bs[16][{t + 4}];
-  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
-  const int row0 = blockIdx.y * {t}, col0 = blockIdx.x * {t};
-  float acc[{r_}][{r_}];
-#pragma unroll
-  for (int r = 0; r < {r_}; ++r)
-#pragma unroll
-    for (int c = 0; c < {r_}; ++c) acc[r][c] = 0.0f;
-  // The next k slice is read from global memory into registers while this one is multiplied.
-  float ra[{r_}], rb[{r_}];
-#pragma unroll
-  for (int l = 0; l < {r_}; ++l) {{
-    const int e = tid + l * 256;
-    const int gm = row0 + (e >> 4), ak = e & 15;
-    ra[l] = (gm < {m_dim} && ak < {k_dim}) ? {pa}[gm * {k_dim} + ak] : 0.0f;
-    const int bk = e >> {shift}, gn = col0 + (e & {t - 1});
-    rb[l] = (bk < {k_dim} && gn < {n_dim}) ? {pb}[bk * {n_dim} + gn] : 0.0f;
-  }}
-  for (int k0 = 0; k0 < {k_dim}; k0 += 16) {{
-#pragma unroll
-    for (int l = 0; l < {r_}; ++l) {{
-      const int e = tid + l * 256;
-      As[e & 15][e >> 4] = ra[l];
-      Bs[e >> {shift}][e & {t - 1}] = rb[l];
-    }}
-    __syncthreads();
-    if (k0 + 16 < {k_dim}) {{
-#pragma unroll
-      for (int l = 0; l < {r_}; ++l) {{
-        const int e = tid + l * 256;
-        const int gm = row0 + (e >> 4), gk = k0 + 16 + (e & 15);
-        ra[l] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
-        const int hk = k0 + 16 + (e >> {shift}), gn = col0 + (e & {t - 1});
-        rb[l] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
-      }}
-    }}
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {{
-      float a[{r_}], b[{r_}];
-#pragma unroll
-      for (int r = 0; r < {r_}; ++r) a[r] = As[kk][ty + 16 * r];
-#pragma unroll
-      for (int c = 0; c < {r_}; ++c) b[c] = Bs[kk][tx + 16 * c];
-#pragma unroll
-      for (int r = 0; r < {r_}; ++r)
-#pragma unroll
-        for (int c = 0; c < {r_}; ++c) acc[r][c] += a[r] * b[c];
-    }}
-    __syncthreads();
-  }}
-#pragma unroll
-  for (int r = 0; r < {r_}; ++r) {{
-#pragma unroll
-    for (int c = 0; c < {r_}; ++c) {{
-      const int m = row0 + ty + 16 * r, n = col0 + tx + 16 * c;
-      if (m < {m_dim} && n < {n_dim}) {{
-        const int i = m * {n_dim} + n;
-        const float g0 = {scaled};
-        {(chr(10) + "        ").join(lines)}
-      }}
-    }}
-  }}
-}}
-"""
+    src = TILED_GEMM.format(name=name, decls=", ".join(body.decls), t=t, t4=t + 4, tmask=t - 1, r_=r_, shift=shift,
+                            m_dim=m_dim, n_dim=n_dim, k_dim=k_dim, pa=pa, pb=pb, scaled=scaled,
+                            epilogue=(chr(10) + "        ").join(lines))
     grid = (-(-n_dim // t), -(-m_dim // t), 1)
     return KernelSpec(name, body.params, grid, (256, 1, 1), src, step)
 
@@ -294,7 +229,7 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     body = _Body()
     pa = body.pointer(op.inputs[0], const=True)
     pb = body.pointer(op.inputs[1], const=True)
-    scaled = "s" if alpha == 1.0 else f"(s * {_f32(alpha)})"
+    scaled = "s" if alpha == 1.0 else f"(s * {f32_literal(alpha)})"
     lines = _epilogue(prog, body, g, g.shape, "i", "g0")
     src = f"""extern "C" __global__ void __launch_bounds__({32 * ks}) {name}({", ".join(body.decls)}) {{
   __shared__ float red[{ks * m_dim * 33}];
@@ -389,7 +324,7 @@ def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     rows = prog.values[op.inputs[0]].size // max(cols, 1)
     _check_size(prog, op.inputs + op.outputs)
     block = _row_block(cols)
-    eps = _f32(op.attrs["eps"])
+    eps = f32_literal(op.attrs["eps"])
     has_bias = len(op.inputs) > 2
     params = [op.inputs[0], op.inputs[1]] + ([op.inputs[2]] if has_bias else []) + [op.outputs[0]]
     decls = ["const float* __restrict__ p0", "const float* __restrict__ p1"]
@@ -595,7 +530,7 @@ def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     _check_size(prog, op.inputs + op.outputs)
     body = (f"  const float* xr = p0 + (long long)i * {inner};\n"
             f"  float s = 0.0f;\n  for (int k = 0; k < {inner}; ++k) s += xr[k];\n"
-            f"  p1[i] = s * {_f32(1.0 / inner)};\n")
+            f"  p1[i] = s * {f32_literal(1.0 / inner)};\n")
     return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
 
 

@@ -63,7 +63,7 @@ class PlanFunction:
             return
         graphs.record(self, (stream, ins, outs), st)
 
-    def _launch(self, call, state) -> None:
+    def launch_recorded(self, call, state) -> None:
         """Re-run a recorded call eagerly (GraphManager.abort_capture)."""
         stream, ins, outs = call
         self.plan.run(stream, ins, outs, True)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
+from plugin_cuda.device.errors import DriverError
+
+__all__ = ["DriverError", "PlanError"]
+
 
 class PlanError(ValueError):
     """A partition cannot become a plan (unsupported op, unknown shape) or a plan input is wrong."""
-
-
-class DriverError(RuntimeError):
-    """A CUDA driver call of the plan failed; the message names the call and the CUresult."""
-
-    def __init__(self, message: str, code: int | None = None):
-        super().__init__(message)
-        self.code = code

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from plugin_cuda.plan.lower import Op, Program
+from plugin_cuda.plan.program import Op, Program
 
 SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel
 # Multiply-adds up to which a GEMM with more rows is a generated tiled kernel (with its epilogue

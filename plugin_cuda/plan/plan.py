@@ -2,7 +2,7 @@
 
 Build (once): lower the partition (lower.py), fuse it into steps (fuse.py), generate one CUDA
 module for its kernels (codegen.py), compile or load it through the source-hash cache
-(kernel_cache.py), upload the constants once, and plan intermediate memory by liveness
+(device/nvrtc.py), upload the constants once, and plan intermediate memory by liveness
 (memory_plan.py).
 
 Per stream, on the first run there (an `_Instance`): one arena of `arena_bytes` from the EP's
@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from plugin_cuda.cublas import check as cublas_check
-from plugin_cuda.plan import codegen, driver, kernel_cache
+from plugin_cuda.device import capture, cublas, cublaslt, driver, nvrtc
+from plugin_cuda.device.streams import NoScope, stream_scope
+from plugin_cuda.plan import codegen
 from plugin_cuda.plan.errors import DriverError, PlanError
 from plugin_cuda.plan.fuse import build_steps
 from plugin_cuda.plan.lower import lower
@@ -95,10 +96,10 @@ class Plan:
             source += graph_source
             self.graph = _Variant("graph", graph_steps, graph_specs)
         self.steps, self.specs = eager_steps, eager_specs
-        self.source = kernel_cache.PROBE + source
-        hits = kernel_cache.stats["hits"]
-        self.module = kernel_cache.load(cp, self.source, self.device_id)
-        self.cache_hit = kernel_cache.stats["hits"] > hits
+        self.source = nvrtc.PROBE + source
+        hits = nvrtc.stats["hits"]
+        self.module = nvrtc.load(cp, self.source, self.device_id, probe="ep_probe")
+        self.cache_hit = nvrtc.stats["hits"] > hits
         self.input_shapes = [prog.values[v].shape for v in prog.inputs]
         self.output_shapes = [prog.values[v].shape for v in prog.outputs]
         self.input_names = [prog.values[v].name for v in prog.inputs]
@@ -195,13 +196,11 @@ class Plan:
 
     def _malloc(self, nbytes: int, stream_ptr: int | None):
         """Device memory from the EP's pool (stream-ordered when a stream is given) or CuPy's."""
-        from plugin_cuda.cublas import _stream_scope
-
         self.stats["allocations"] += 1
         self.stats["allocated_bytes"] += nbytes
         cp = self.cupy
         with cp.cuda.Device(self.device_id):
-            scope = _stream_scope(stream_ptr) if stream_ptr is not None else _Null()
+            scope = stream_scope(stream_ptr) if stream_ptr is not None else NoScope()
             with scope:
                 if self.ep is not None:
                     return self.ep.memory.malloc(max(nbytes, 1))
@@ -302,14 +301,6 @@ class _Variant:
         self.memory = None
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _import_cupy():
     import cupy
 
@@ -385,10 +376,8 @@ class _Instance:
             state = ep.streams.get(self.stream_ptr)
             if state is not None:
                 return state.cublas
-        from plugin_cuda.cublas import CublasHandle
-
         with self.plan.cupy.cuda.Device(self.plan.device_id):
-            self._own_handle = CublasHandle(self.stream_ptr, use_tf32=self.plan.use_tf32)
+            self._own_handle = cublas.CublasHandle(self.stream_ptr, use_tf32=self.plan.use_tf32)
         return self._own_handle
 
     def set_io(self, input_ptrs, output_ptrs) -> None:
@@ -438,21 +427,23 @@ class _Instance:
         self.in_stage = list(zip(addrs[:len(in_bytes)], in_bytes))
         self.out_stage = list(zip(addrs[len(in_bytes):], out_bytes))
         self.ext[0:len(addrs)] = addrs
-        self.graph = driver.Graph.capture(self.stream, lambda: self.launch_all(self.graph_seq))
+        self.graph = capture.Graph.capture(self.stream, lambda: self.launch_all(self.graph_seq))
         plan.stats["captures"] += 1
 
     def replay(self, input_ptrs, output_ptrs) -> None:
         cu, st = self.cu, self.stream
         copy = cu.cuMemcpyAsync
         for (dst, n), src in zip(self.in_stage, input_ptrs):
-            if copy(dst, src, n, st):
-                driver.check(copy(dst, src, n, st), "cuMemcpyAsync (plan input to graph staging)")
+            code = copy(dst, src, n, st)
+            if code:  # the first attempt's error: a copy is never re-run to read it
+                driver.check(code, "cuMemcpyAsync (plan input to graph staging)")
         code = cu.cuGraphLaunch(self.graph.exec_handle, st)
         if code:
             driver.check(code, "cuGraphLaunch (plan auto graph)")
         for (src, n), dst in zip(self.out_stage, output_ptrs):
-            if copy(dst, src, n, st):
-                driver.check(copy(dst, src, n, st), "cuMemcpyAsync (graph staging to plan output)")
+            code = copy(dst, src, n, st)
+            if code:
+                driver.check(code, "cuMemcpyAsync (graph staging to plan output)")
 
     def close(self) -> None:
         if self.graph is not None:
@@ -471,8 +462,6 @@ class _CublasStep:
     """One GEMM step through the plugin's cuBLAS handle, with every argument prepared at build."""
 
     def __init__(self, inst: _Instance, step, handle, variant):
-        from plugin_cuda import cublas
-
         self.inst = inst
         self.handle = handle
         self.name = step.name
@@ -481,11 +470,11 @@ class _CublasStep:
         self.lib = cublas.load_library()
         self.raw = handle.raw
         ffi = cublas.ffi
-        self._vp = cublas._vp
+        self._vp = cublas.void_ptr
         a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
-        cuda_type, compute = cublas._types(np.dtype(np.float32), inst.plan.use_tf32)
+        cuda_type, compute = cublas.gemm_types(np.dtype(np.float32), inst.plan.use_tf32)
         self.alpha = ffi.new("float *", float(op.attrs.get("alpha", 1.0)))
-        zero = cublas._ZERO
+        zero = cublas.ZERO
         ptrs = [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
         self.calls = []  # (function, args template, [(arg position, ext index, byte offset)])
         self.lt = None  # (cublaslt.EpilogueGemm, operand addresses) instead of calls
@@ -512,7 +501,7 @@ class _CublasStep:
                     zero, (2, 0), cuda_type, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
             self._add(self.lib.cublasGemmEx, args, ptrs)
             return
-        plan = cublas._matmul_plan(tuple(a_shape), tuple(b_shape))
+        plan = cublas.matmul_plan(tuple(a_shape), tuple(b_shape))
         if plan.empty or plan.k_zero:
             raise PlanError(f"MatMul '{step.name}' has an empty operand ({a_shape} x {b_shape}); "
                             "a compiled plan needs non-empty GEMMs")
@@ -532,8 +521,6 @@ class _CublasStep:
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
 
     def _cublaslt(self, step, a_shape, b_shape, compute, variant) -> None:
-        from plugin_cuda import cublaslt
-
         inst = self.inst
         op = step.op
         ext_index, bias = inst.address(op.inputs[2], variant)
@@ -580,4 +567,4 @@ class _CublasStep:
                     args[pos] = vp(ext[j] + offset)
             status = fn(*args)
             if status:
-                cublas_check(status, f"cuBLAS GEMM of plan step '{self.name}'")
+                cublas.check(status, f"cuBLAS GEMM of plan step '{self.name}'")

@@ -32,7 +32,7 @@ def cp():
 @pytest.fixture
 def cublas_handle(cp):
     """A CublasHandle (TF32 on) bound to the current stream, closed after the test."""
-    from plugin_cuda.cublas import CublasHandle
+    from plugin_cuda.device.cublas import CublasHandle
 
     handle = CublasHandle(cp.cuda.get_current_stream().ptr)
     yield handle
@@ -42,7 +42,7 @@ def cublas_handle(cp):
 @pytest.fixture
 def cublas_handle_fp32(cp):
     """A CublasHandle with TF32 off (plain FP32 accumulate), for tight float32 comparisons."""
-    from plugin_cuda.cublas import CublasHandle
+    from plugin_cuda.device.cublas import CublasHandle
 
     handle = CublasHandle(cp.cuda.get_current_stream().ptr, use_tf32=False)
     yield handle

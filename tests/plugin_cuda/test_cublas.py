@@ -12,8 +12,8 @@ import gc
 import numpy as np
 import pytest
 
-from plugin_cuda import cublas
-from plugin_cuda.cublas import CublasError, CublasHandle
+from plugin_cuda.device import cublas
+from plugin_cuda.device.cublas import CublasError, CublasHandle
 
 gpu = pytest.mark.gpu
 TF32_TOL = dict(rtol=1e-2, atol=5e-2)
@@ -83,7 +83,7 @@ def test_matmul_shape_errors(a_shape, b_shape, message):
     ((2, 1, 3, 4), (1, 5, 4, 6), 5, 2),  # irregular: loop over the outer dim
 ])
 def test_matmul_plan_batches(a_shape, b_shape, batch, calls):
-    plan = cublas._matmul_plan(a_shape, b_shape)
+    plan = cublas.matmul_plan(a_shape, b_shape)
     assert (plan.batch, len(plan.offsets)) == (batch, calls)
 
 

@@ -480,7 +480,7 @@ def test_matmul_fp16(cp, cublas_handle, a_shape, b_shape):
 @gpu
 def test_matmul_non_contiguous_input(cp, cublas_handle):
     a, b = rand(4, 3, seed=1), rand(4, 5, seed=2)
-    from plugin_cuda import cublas
+    from plugin_cuda.device import cublas
 
     out = cp.empty((3, 5), F32)
     cublas.matmul(cublas_handle, cp.asarray(a).T, cp.asarray(b), out)

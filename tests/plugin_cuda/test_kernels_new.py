@@ -556,7 +556,7 @@ def reference_any(op_type, domain, inputs, attrs, opset, num_outputs):
 @pytest.mark.parametrize("op_type,domain,opset,make,attrs,count", CAPTURED, ids=[c[0] + str(i)
                                                                                 for i, c in enumerate(CAPTURED)])
 def test_fused_kernels_capture_and_replay(cp, op_type, domain, opset, make, attrs, count):
-    from plugin_cuda.cublas import CublasHandle
+    from plugin_cuda.device.cublas import CublasHandle
 
     stream = cp.cuda.Stream(non_blocking=True)
     cls = kernels.lookup(op_type, opset, domain)

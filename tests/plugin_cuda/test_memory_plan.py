@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plugin_cuda.plan import codegen, fuse, lower
+from plugin_cuda.plan import codegen, fuse, lower, lower_conv
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.memory_plan import BufferRequest, lifetimes, overlapping_pairs, plan_memory
 from plugin_cuda.plan.onnx_spec import spec_from_onnx
@@ -337,10 +337,10 @@ def test_convolution_split_and_epilogue():
     slices, and an unsplit convolution opens its epilogue kernel itself."""
     from tests.plugin_cuda.layout_models import CASES
 
-    assert lower.conv_slices(1 << 16, 512, 9) == 1  # enough outputs already
-    assert lower.conv_slices(2048, 512, 9) == 32  # 2048 x 32 threads, 16 channels x 9 taps each
-    assert lower.conv_slices(16, 7, 25) == 2  # 7 channels: no slice below 64 products
-    assert lower.conv_slices(16, 3, 1) == 1
+    assert lower_conv.conv_slices(1 << 16, 512, 9) == 1  # enough outputs already
+    assert lower_conv.conv_slices(2048, 512, 9) == 32  # 2048 x 32 threads, 16 channels x 9 taps each
+    assert lower_conv.conv_slices(16, 7, 25) == 2  # 7 channels: no slice below 64 products
+    assert lower_conv.conv_slices(16, 3, 1) == 1
     for name, kinds in (("residual-block", [("ew", "conv", 1), ("ew", "conv", 2)]),
                         ("residual-block-split", [("conv_partial", None, None), ("ew", "slice_sum", 1),
                                                   ("conv_partial", None, None), ("ew", "slice_sum", 2)])):

@@ -151,14 +151,14 @@ def test_steady_state_allocates_nothing(cp):
 
 
 def test_kernel_cache_hit_on_second_build(cp):
-    from plugin_cuda.plan import kernel_cache
+    from plugin_cuda.device import nvrtc
 
     model = MODELS["mlp-3x64-b32"]()
     with build(model) as first:
-        loads = kernel_cache.stats["compiles"]
+        loads = nvrtc.stats["compiles"]
         with build(model) as second:
             assert second.cache_hit
-            assert kernel_cache.stats["compiles"] == loads  # no second NVRTC compile in this process
+            assert nvrtc.stats["compiles"] == loads  # no second NVRTC compile in this process
             assert second.module is first.module
 
 
@@ -189,7 +189,7 @@ def test_kernel_cache_on_disk_serves_a_new_process(cp, tmp_path):
 
 
 def test_capture_replays_the_same_launches(cp):
-    from plugin_cuda.plan import driver
+    from plugin_cuda.device import capture, driver
 
     model = MODELS["transformer"]()
     f1, f2 = feeds_for(model, 1), feeds_for(model, 2)
@@ -202,7 +202,7 @@ def test_capture_replays_the_same_launches(cp):
         run.stream.synchronize()
         eager1 = cp.asnumpy(out)
         handle = driver.stream(run.stream.ptr)
-        graph = driver.Graph.capture(handle, lambda: plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr], True))
+        graph = capture.Graph.capture(handle, lambda: plan.run(run.stream.ptr, [x.data.ptr], [out.data.ptr], True))
         try:
             x.set(f2["input"])
             out.fill(np.nan)

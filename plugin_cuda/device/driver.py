@@ -1,9 +1,9 @@
-"""The CUDA driver API calls of the plan, through cffi in ABI mode on libcuda.so.1.
+"""The CUDA driver API, through cffi in ABI mode on libcuda.so.1 (the compiled plans' launches).
 
 Launching a prepared kernel with prepacked arguments through `cuLaunchKernel` costs the same
 from cffi as from any binding; CuPy's per-call path (argument inspection, packing, stream lookup)
-is what the plan avoids. Graph capture of the plan's own launches also goes through the driver, so
-the plan needs no CuPy stream object. One error funnel: `check()`.
+is what the plan avoids. Graph capture of the plan's own launches also goes through the driver
+(device/capture.py), so the plan needs no CuPy stream object. One error funnel: `check()`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 
 import cffi
 
-from plugin_cuda.plan.errors import DriverError
+from plugin_cuda.device.errors import DriverError
 
 _CDEF = """
 typedef int CUresult;
@@ -35,7 +35,6 @@ CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_CONTEXT = 201
-CAPTURE_MODE_THREAD_LOCAL = 1
 
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
@@ -43,6 +42,11 @@ NULL = ffi.NULL
 
 _lib = None
 _lock = threading.Lock()
+
+
+def loaded():
+    """libcuda when it is loaded already, else None (teardown must not load it)."""
+    return _lib
 
 
 def lib():
@@ -60,6 +64,7 @@ def lib():
 
 
 def error_name(code: int) -> str:
+    """The symbolic name of a CUresult (CUDA_ERROR_<code> when the driver cannot say)."""
     box = ffi.new("const char**")
     try:
         if lib().cuGetErrorName(code, box) == CUDA_SUCCESS and box[0] != NULL:
@@ -81,50 +86,5 @@ def stream(ptr: int):
 
 
 def function(ptr: int):
+    """A CUfunction handle (cffi cdata) for a function address."""
     return ffi.cast("CUfunction", ptr)
-
-
-class Graph:
-    """A captured and instantiated CUDA graph, destroyed by close() (idempotent) or when collected."""
-
-    def __init__(self, graph, exec_):
-        self._graph = graph
-        self._exec = exec_
-
-    @classmethod
-    def capture(cls, stream_handle, record) -> Graph:
-        """Capture what `record()` enqueues on `stream_handle` (thread-local mode); capture always ends."""
-        cu = lib()
-        check(cu.cuStreamBeginCapture_v2(stream_handle, CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
-        box = ffi.new("CUgraph*")
-        try:
-            record()
-        finally:
-            ended = cu.cuStreamEndCapture(stream_handle, box)
-        check(ended, "cuStreamEndCapture")
-        graph = box[0]
-        exec_box = ffi.new("CUgraphExec*")
-        code = cu.cuGraphInstantiateWithFlags(exec_box, graph, 0)
-        if code != CUDA_SUCCESS:
-            cu.cuGraphDestroy(graph)
-            check(code, "cuGraphInstantiateWithFlags")
-        return cls(graph, exec_box[0])
-
-    @property
-    def exec_handle(self):
-        return self._exec
-
-    def close(self) -> None:
-        graph, exec_, self._graph, self._exec = self._graph, self._exec, None, None
-        if _lib is None:
-            return
-        try:
-            if exec_ is not None:
-                _lib.cuGraphExecDestroy(exec_)
-            if graph is not None:
-                _lib.cuGraphDestroy(graph)
-        except Exception:  # noqa: BLE001 - teardown at interpreter exit must not raise
-            pass
-
-    def __del__(self):
-        self.close()

@@ -16,11 +16,13 @@ import ctypes.util
 import functools
 import itertools
 import threading
-import warnings
 import weakref
 
 import cffi
 import numpy as np
+
+from plugin_cuda.device.streams import stream_scope
+from plugin_cuda.semantics import shapes
 
 try:
     import cupy
@@ -28,14 +30,21 @@ except Exception:  # noqa: BLE001 - no CuPy (or a broken CUDA install) means zer
     cupy = None
 
 __all__ = [
+    "ONE",
+    "ZERO",
     "CublasError",
     "CublasHandle",
+    "MatmulPlan",
     "check",
     "gemm",
     "gemm_shape",
+    "gemm_types",
     "load_library",
     "matmul",
+    "matmul_plan",
     "matmul_shape",
+    "open_first",
+    "void_ptr",
 ]
 
 # Enum values from cublas_api.h / library_types.h (stable since CUDA 11).
@@ -104,8 +113,8 @@ ffi.cdef(_CDEF)
 
 # Host-side scalars for alpha/beta (host pointer mode: cuBLAS reads them when the call is made, so
 # a captured graph holds their values, not these addresses).
-_ONE = ffi.new("float *", 1.0)
-_ZERO = ffi.new("float *", 0.0)
+ONE = ffi.new("float *", 1.0)
+ZERO = ffi.new("float *", 0.0)
 _NULL = ffi.NULL
 
 _INT32_MAX = 2**31 - 1
@@ -232,44 +241,6 @@ def library_path() -> str | None:
 # Handles
 
 
-class _StreamRef:
-    """A raw stream pointer speaking the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-class _NoScope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _stream_scope(ptr: int):
-    """A context making the stream `ptr` CuPy's current stream (a no-op when it already is).
-
-    The wrapper does not own the stream: leaving the scope or collecting it destroys nothing.
-    """
-    if cupy.cuda.get_current_stream().ptr == ptr:
-        return _NoScope()
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14
-    if from_external is not None:
-        try:
-            return from_external(_StreamRef(ptr))
-        except (TypeError, ValueError):
-            pass
-    with warnings.catch_warnings():  # ExternalStream is deprecated from CuPy 14 on
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(ptr)
-
-
 class _HandleState:
     """What the finalizer releases. It holds no reference to the CublasHandle."""
 
@@ -309,7 +280,7 @@ class CublasHandle:
         lib = load_library()
         box = ffi.new("cublasHandle_t *")
         check(lib.cublasCreate_v2(box), "cublasCreate_v2")
-        self._lib = lib
+        self.lib = lib
         self._state = _HandleState(lib, box[0])
         self._finalizer = weakref.finalize(self, _release, self._state)
         # At interpreter exit the CUDA context may already be gone; the OS reclaims everything.
@@ -347,7 +318,7 @@ class CublasHandle:
         if ptr == self._stream_ptr:
             return
         handle = self.raw
-        check(self._lib.cublasSetStream_v2(handle, ffi.cast("cudaStream_t", ptr)), "cublasSetStream_v2")
+        check(self.lib.cublasSetStream_v2(handle, ffi.cast("cudaStream_t", ptr)), "cublasSetStream_v2")
         # cublasSetStream resets the workspace to cuBLAS's own pool (which would allocate lazily,
         # even during capture), so the workspace is set again after every stream change. It is
         # allocated on the new stream: once freed, CuPy's stream-aware pool reuses it only in that
@@ -355,11 +326,11 @@ class CublasHandle:
         workspace = None
         ws_ptr = _NULL
         if self.workspace_bytes:
-            with _stream_scope(ptr):
+            with stream_scope(ptr):
                 workspace = cupy.cuda.alloc(self.workspace_bytes)
             ws_ptr = ffi.cast("void *", workspace.ptr)
         check(
-            self._lib.cublasSetWorkspace_v2(handle, ws_ptr, self.workspace_bytes),
+            self.lib.cublasSetWorkspace_v2(handle, ws_ptr, self.workspace_bytes),
             "cublasSetWorkspace_v2",
         )
         self._state.workspace = workspace
@@ -369,7 +340,7 @@ class CublasHandle:
         """Unbind the handle from its stream and return its workspace to the pool (the stream's
         work must be done); set_stream binds it again, with a new workspace on the new stream."""
         handle = self.raw
-        check(self._lib.cublasSetWorkspace_v2(handle, _NULL, 0), "cublasSetWorkspace_v2")
+        check(self.lib.cublasSetWorkspace_v2(handle, _NULL, 0), "cublasSetWorkspace_v2")
         self._state.workspace = None
         self._stream_ptr = None
 
@@ -396,7 +367,7 @@ class CublasHandle:
 # operand is B, the second is A, m = N, n = M, and no data moves.
 
 
-def _types(dtype, use_tf32: bool):
+def gemm_types(dtype, use_tf32: bool):
     """(cudaDataType, cublasComputeType) for an operand dtype; FP16 accumulates in FP32."""
     if dtype == np.float32:
         return CUDA_R_32F, (CUBLAS_COMPUTE_32F_FAST_TF32 if use_tf32 else CUBLAS_COMPUTE_32F)
@@ -407,9 +378,9 @@ def _types(dtype, use_tf32: bool):
 
 def _scalar(value: float):
     if value == 1.0:
-        return _ONE
+        return ONE
     if value == 0.0:
-        return _ZERO
+        return ZERO
     return ffi.new("float *", value)
 
 
@@ -417,106 +388,97 @@ def _ptr(array) -> int:
     return array.data.ptr
 
 
-def _vp(address: int):
+def void_ptr(address: int):
+    """A device address as the `void *` cuBLAS takes."""
     return ffi.cast("void *", address)
 
 
 def matmul_shape(a_shape, b_shape) -> tuple:
     """Output shape of ONNX MatMul (numpy.matmul rules); ValueError when the shapes do not fit."""
-    return _matmul_plan(tuple(a_shape), tuple(b_shape)).out_shape
+    return matmul_plan(tuple(a_shape), tuple(b_shape)).out_shape
 
 
-class _MatmulPlan:
+class MatmulPlan:
+    """How one ONNX MatMul of given shapes runs on cuBLAS: sizes, batch strides, per-call offsets."""
+
     __slots__ = ("out_shape", "m", "n", "k", "batch", "stride_a", "stride_b", "stride_c", "offsets",
                  "empty", "k_zero")
 
 
+def _batch_strides(shape2: tuple, matrix: int, batch: tuple) -> list:
+    """Element strides of a C-contiguous operand's batch dims, aligned to `batch` (0 = broadcast)."""
+    dims = shape2[:-2]
+    strides = []
+    step = matrix
+    for size in reversed(dims):
+        strides.append(step)
+        step *= size
+    strides.reverse()
+    out = [0] * (len(batch) - len(dims))
+    for size, stride in zip(dims, strides):
+        out.append(stride if size != 1 else 0)
+    return out
+
+
+def _merged_batch_dims(batch: tuple, sa: list, sb: list, sc: list) -> list:
+    """Drop size-1 dims, then merge neighbours whose strides chain for A, B and C alike, so that
+    broadcasting as stride 0 or equal batches become a single strided-batched call."""
+    dims = [(size, sa[i], sb[i], sc[i]) for i, size in enumerate(batch) if size != 1]
+    merged: list[tuple[int, int, int, int]] = []
+    for dim in dims:
+        if merged:
+            size0, a0, b0, c0 = merged[-1]
+            size1, a1, b1, c1 = dim
+            if a0 == a1 * size1 and b0 == b1 * size1 and c0 == c1 * size1:
+                merged[-1] = (size0 * size1, a1, b1, c1)
+                continue
+        merged.append(dim)
+    return merged
+
+
+def _set_batches(plan: MatmulPlan, dims: list) -> None:
+    """The strided-batched call over the last merged dim, a Python loop over the outer ones."""
+    if not dims:
+        plan.batch = 1
+        plan.stride_a = plan.stride_b = plan.stride_c = 0
+        plan.offsets = ((0, 0, 0),)
+        return
+    size, plan.stride_a, plan.stride_b, plan.stride_c = dims[-1]
+    plan.batch = size
+    outer = dims[:-1]
+    offsets = []
+    for index in itertools.product(*(range(d[0]) for d in outer)):
+        offsets.append((
+            sum(i * d[1] for i, d in zip(index, outer)),
+            sum(i * d[2] for i, d in zip(index, outer)),
+            sum(i * d[3] for i, d in zip(index, outer)),
+        ))
+    plan.offsets = tuple(offsets)
+
+
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(a_shape: tuple, b_shape: tuple) -> _MatmulPlan:
-    if len(a_shape) == 0 or len(b_shape) == 0:
-        raise ValueError(f"MatMul got shapes {a_shape} and {b_shape}; allowed: rank 1 or more")
+def matmul_plan(a_shape: tuple, b_shape: tuple) -> MatmulPlan:
+    """The MatmulPlan of `a_shape` @ `b_shape` (memoised); ValueError when the shapes do not fit."""
+    out_shape = shapes.matmul_shape(a_shape, b_shape)  # ONNX's rule; raises OpError (a ValueError)
     a2 = (1,) + a_shape if len(a_shape) == 1 else a_shape
     b2 = b_shape + (1,) if len(b_shape) == 1 else b_shape
     m, k = a2[-2:]
-    k2, n = b2[-2:]
-    if k != k2:
-        raise ValueError(
-            f"MatMul got shapes {a_shape} and {b_shape}; the inner dimensions {k} and {k2} must match"
-        )
-    try:
-        batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
-    except ValueError:
-        raise ValueError(
-            f"MatMul got shapes {a_shape} and {b_shape}; their batch dimensions do not broadcast"
-        ) from None
-    out_shape = batch + ((m,) if len(a_shape) > 1 else ()) + ((n,) if len(b_shape) > 1 else ())
-
-    plan = _MatmulPlan()
+    n = b2[-1]
+    batch = shapes.broadcast_shape(a2[:-2], b2[:-2])
+    plan = MatmulPlan()
     plan.out_shape = out_shape
     plan.empty = m == 0 or n == 0 or 0 in batch
     plan.k_zero = k == 0
     plan.m, plan.n, plan.k = m, n, k
-
-    def batch_strides(shape2, matrix):
-        """Element strides of a C-contiguous operand's batch dims, aligned to `batch` (0 = broadcast)."""
-        dims = shape2[:-2]
-        strides = []
-        step = matrix
-        for size in reversed(dims):
-            strides.append(step)
-            step *= size
-        strides.reverse()
-        lead = len(batch) - len(dims)
-        out = [0] * lead
-        for size, stride in zip(dims, strides):
-            out.append(stride if size != 1 else 0)
-        return out
-
-    sa = batch_strides(a2, m * k)
-    sb = batch_strides(b2, k * n)
-    sc = []
-    step = m * n
-    for size in reversed(batch):
-        sc.append(step)
-        step *= size
-    sc.reverse()
-
+    sa = _batch_strides(a2, m * k, batch)
+    sb = _batch_strides(b2, k * n, batch)
+    sc = _batch_strides((*batch, m, n), m * n, batch)
     # A is batched and contiguous while B is one matrix: fold the batch into M, one plain GEMM.
     if batch and all(s == 0 for s in sb) and a2[:-2] == batch:
         plan.m = m * int(np.prod(batch))
-        dims = []
+        _set_batches(plan, [])
     else:
-        # Drop size-1 dims, then merge neighbours whose strides chain for A, B and C alike, so
-        # that broadcasting as stride 0 or equal batches become a single strided-batched call.
-        dims = [(size, sa[i], sb[i], sc[i]) for i, size in enumerate(batch) if size != 1]
-        merged: list[tuple[int, int, int, int]] = []
-        for dim in dims:
-            if merged:
-                size0, a0, b0, c0 = merged[-1]
-                size1, a1, b1, c1 = dim
-                if a0 == a1 * size1 and b0 == b1 * size1 and c0 == c1 * size1:
-                    merged[-1] = (size0 * size1, a1, b1, c1)
-                    continue
-            merged.append(dim)
-        dims = merged
-
-    if dims:
-        size, plan.stride_a, plan.stride_b, plan.stride_c = dims[-1]
-        plan.batch = size
-        # Irregular broadcasts: a Python loop over the outer dims, strided-batched inside.
-        outer = dims[:-1]
-        offsets = []
-        for index in itertools.product(*(range(d[0]) for d in outer)):
-            offsets.append((
-                sum(i * d[1] for i, d in zip(index, outer)),
-                sum(i * d[2] for i, d in zip(index, outer)),
-                sum(i * d[3] for i, d in zip(index, outer)),
-            ))
-        plan.offsets = tuple(offsets)
-    else:
-        plan.batch = 1
-        plan.stride_a = plan.stride_b = plan.stride_c = 0
-        plan.offsets = ((0, 0, 0),)
+        _set_batches(plan, _merged_batch_dims(batch, sa, sb, sc))
     if max(plan.m, plan.n, plan.k, plan.batch) > _INT32_MAX:
         raise ValueError(
             f"MatMul got shapes {a_shape} and {b_shape}; a GEMM dimension exceeds cuBLAS's int32 range"
@@ -538,7 +500,7 @@ def matmul(handle: CublasHandle, a, b, out) -> None:
         raise ValueError(
             f"MatMul got dtypes {a.dtype}, {b.dtype} -> {out.dtype}; all three must be the same"
         )
-    plan = _matmul_plan(a.shape, b.shape)
+    plan = matmul_plan(a.shape, b.shape)
     if out.shape != plan.out_shape:
         raise ValueError(f"MatMul output has shape {out.shape}; expected {plan.out_shape}")
     if not out.flags.c_contiguous:
@@ -548,30 +510,30 @@ def matmul(handle: CublasHandle, a, b, out) -> None:
     if plan.k_zero:
         out.fill(0)
         return
-    cuda_type, compute = _types(dtype, handle.use_tf32)
+    cuda_type, compute = gemm_types(dtype, handle.use_tf32)
     a = _contiguous(a)
     b = _contiguous(b)
     item = dtype.itemsize
     pa, pb, pc = _ptr(a), _ptr(b), _ptr(out)
     m, n, k = plan.m, plan.n, plan.k
     raw = handle.raw
-    lib = handle._lib
+    lib = handle.lib
     if plan.batch == 1:
         for oa, ob, oc in plan.offsets:
             check(lib.cublasGemmEx(
                 raw, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
-                _ONE, _vp(pb + ob * item), cuda_type, n,
-                _vp(pa + oa * item), cuda_type, k,
-                _ZERO, _vp(pc + oc * item), cuda_type, n,
+                ONE, void_ptr(pb + ob * item), cuda_type, n,
+                void_ptr(pa + oa * item), cuda_type, k,
+                ZERO, void_ptr(pc + oc * item), cuda_type, n,
                 compute, CUBLAS_GEMM_DEFAULT,
             ), "cublasGemmEx (MatMul)")
         return
     for oa, ob, oc in plan.offsets:
         check(lib.cublasGemmStridedBatchedEx(
             raw, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
-            _ONE, _vp(pb + ob * item), cuda_type, n, plan.stride_b,
-            _vp(pa + oa * item), cuda_type, k, plan.stride_a,
-            _ZERO, _vp(pc + oc * item), cuda_type, n, plan.stride_c,
+            ONE, void_ptr(pb + ob * item), cuda_type, n, plan.stride_b,
+            void_ptr(pa + oa * item), cuda_type, k, plan.stride_a,
+            ZERO, void_ptr(pc + oc * item), cuda_type, n, plan.stride_c,
             plan.batch, compute, CUBLAS_GEMM_DEFAULT,
         ), "cublasGemmStridedBatchedEx (MatMul)")
 
@@ -583,15 +545,8 @@ def gemm_shape(a_shape, b_shape, trans_a: bool, trans_b: bool) -> tuple:
 
 @functools.lru_cache(maxsize=1024)
 def _gemm_shape(a_shape: tuple, b_shape: tuple, trans_a: bool, trans_b: bool) -> tuple:
-    if len(a_shape) != 2 or len(b_shape) != 2:
-        raise ValueError(f"Gemm got shapes {a_shape} and {b_shape}; allowed: two 2-D matrices")
-    m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
-    k2, n = (b_shape[1], b_shape[0]) if trans_b else b_shape
-    if k != k2:
-        raise ValueError(
-            f"Gemm got shapes {a_shape} (transA={int(trans_a)}) and {b_shape} (transB={int(trans_b)}); "
-            f"the inner dimensions {k} and {k2} must match"
-        )
+    m, n = shapes.gemm_shape(a_shape, b_shape, trans_a, trans_b)  # ONNX's rule
+    k = a_shape[0] if trans_a else a_shape[1]
     if max(m, n, k) > _INT32_MAX:
         raise ValueError(f"Gemm got shapes {a_shape} and {b_shape}; a dimension exceeds cuBLAS's int32 range")
     return (m, n)
@@ -633,14 +588,14 @@ def gemm(handle: CublasHandle, a, b, c, alpha: float, beta: float, trans_a: bool
         elif beta != 1.0:
             cupy.multiply(out, beta, out=out)
         return
-    cuda_type, compute = _types(dtype, handle.use_tf32)
+    cuda_type, compute = gemm_types(dtype, handle.use_tf32)
     a, trans_a = _operand(a, trans_a)
     b, trans_b = _operand(b, trans_b)
-    check(handle._lib.cublasGemmEx(
+    check(handle.lib.cublasGemmEx(
         handle.raw, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
         n, m, k,
-        _scalar(float(alpha)), _vp(_ptr(b)), cuda_type, b.shape[1],
-        _vp(_ptr(a)), cuda_type, a.shape[1],
-        _scalar(float(beta)), _vp(_ptr(out)), cuda_type, n,
+        _scalar(float(alpha)), void_ptr(_ptr(b)), cuda_type, b.shape[1],
+        void_ptr(_ptr(a)), cuda_type, a.shape[1],
+        _scalar(float(beta)), void_ptr(_ptr(out)), cuda_type, n,
         compute, CUBLAS_GEMM_DEFAULT,
     ), "cublasGemmEx (Gemm)")

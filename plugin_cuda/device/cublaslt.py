@@ -18,7 +18,7 @@ import weakref
 
 import cffi
 
-from plugin_cuda.cublas import CublasError, check, open_first
+from plugin_cuda.device.cublas import CublasError, check, open_first
 
 _CDEF = """
 typedef void* cublasLtHandle_t;

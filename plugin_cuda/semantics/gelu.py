@@ -1,0 +1,24 @@
+"""GELU, once: the constants of its erf and tanh forms and their CUDA C definitions, included by
+every CUDA source of the plugin (the compiled plans' prelude, the fused kernels, the elementwise
+kernels)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["GELU_CUDA", "GELU_TANH_COEFF", "SQRT_2_OVER_PI", "SQRT_HALF"]
+
+# erf form:  0.5 x (1 + erf(x / sqrt(2)))
+# tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))   (Gelu-20 approximate='tanh')
+SQRT_HALF = math.sqrt(0.5)
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_TANH_COEFF = 0.044715
+
+# Plain C as well (the CPU test shim of the generated kernels compiles it with g++). A decimal
+# literal with the f suffix rounds to the nearest float32, the value the kernels always used.
+GELU_CUDA = f"""
+__device__ __forceinline__ float ep_gelu(float a) {{ return 0.5f * a * (1.0f + erff(a * {SQRT_HALF!r}f)); }}
+__device__ __forceinline__ float ep_gelu_tanh(float a) {{
+  return 0.5f * a * (1.0f + tanhf({SQRT_2_OVER_PI!r}f * (a + {GELU_TANH_COEFF!r}f * a * a * a)));
+}}
+"""
