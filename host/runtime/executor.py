@@ -207,8 +207,11 @@ def _release_state(executor_ref, state_ref) -> None:
 class Executor:
     """Runs a Plan; one RunState per thread (or one shared, when runs are serialised)."""
 
-    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False):
+    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, transfer_eps=None):
         self.plan = plan
+        # EPs whose data transfer copies may use: every EP of the session, not only those holding nodes
+        # (an output of the CPU EP bound to a device buffer goes through that device's EP).
+        self._transfer_eps = list(plan.eps if transfer_eps is None else transfer_eps)
         self.concurrent = concurrent
         self.ep_allocates_host = ep_allocates_host
         self._tls = threading.local()
@@ -432,7 +435,9 @@ class Executor:
     # -- copies across EPs -----------------------------------------------------------------------
     def transfer(self, value, location, ep: PluginEp | None, stream: SyncStream | None):
         """Copy `value` to `location` with the data-transfer table of the EP on the device side."""
-        device_ep = ep if ep is not None and location != CPU_LOCATION else self._ep_at(_location(value))
+        # The device side: the target for a copy to a device (host->device included), else the source.
+        device_side = location if location != CPU_LOCATION else _location(value)
+        device_ep = ep if ep is not None and location != CPU_LOCATION else self._ep_at(device_side)
         if device_ep is None or device_ep.transfer is None:
             how = "" if device_ep is None else (f"; {device_ep.owner} gave none (EpFactory.CreateDataTransfer is "
                                                 "NULL or returned no table)")
@@ -456,7 +461,7 @@ class Executor:
         return out
 
     def _ep_at(self, location) -> PluginEp | None:
-        for ep in self.plan.eps:
+        for ep in self._transfer_eps:
             if ep.location == location:
                 return ep
         return None

@@ -144,7 +144,8 @@ class InferenceSession:
             with self._profiler.span("partitioning"):
                 self.plan = self._partition()
             capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
-            self._executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps)
+            self._executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps,
+                                      transfer_eps=self._eps)
             self.capture = GraphCapture(self)
         except BaseException:
             self._closed = True
@@ -546,18 +547,26 @@ class InferenceSession:
         if isinstance(target, np.ndarray):
             np.copyto(target, self._executor.to_host(value))
             return
-        moved = self._executor.transfer(value, (target.device_type, target.device_id), None, None)
-        dev = moved if isinstance(moved, DeviceTensor) else None
-        if dev is None:
-            raise EpError(f"output '{name}' could not be copied into its bound device buffer")
-        src = ffi.new("EpTensor*")
-        dst = ffi.new("EpTensor*")
+        # A device buffer filled from elsewhere (an output of the CPU EP, as onnxruntime copies it): one
+        # copy straight into it through the EP of the *target* device. Any EP of the session may serve
+        # it, even one the plan gives no node.
+        where = (target.device_type, target.device_id)
+        ep = self._executor._ep_at(where)
+        if ep is None or ep.transfer is None:
+            raise EpError(f"output '{name}' is bound to device memory at {where}; no execution provider of this "
+                          f"session copies into it (session EPs at: {sorted({e.location for e in self._eps})})")
+        if isinstance(value, DeviceTensor) and (value.device_type, value.device_id) != where:
+            value = self._executor.to_host(value)  # made on another device: through the host
+        elif isinstance(value, np.ndarray):
+            value = np.ascontiguousarray(value)
+        src, dst = ffi.new("EpTensor*"), ffi.new("EpTensor*")
         st = self._executor.state()
-        st.fill(src, dev)
+        st.fill(src, value)
         st.fill(dst, target)
-        ep = self._executor._ep_at((target.device_type, target.device_id))
+        stream = getattr(value, "stream", None) if isinstance(value, DeviceTensor) else None
+        streams = ffi.new("EpSyncStream*[1]", [stream.ptr if stream is not None else ffi.NULL])
         t = ep.transfer
-        hostapi.check(t.CopyTensors(t.ptr, src, dst, ffi.new("EpSyncStream*[1]"), 1), f"{ep.owner}: CopyTensors")
+        hostapi.check(t.CopyTensors(t.ptr, src, dst, streams, 1), f"{ep.owner}: CopyTensors")
 
     # -- lifetime ----------------------------------------------------------------------------------
     def _check_open(self) -> None:
