@@ -22,11 +22,11 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import compiled, ort_api, profiling, stages, threads, types
+from host.runtime import compiled, ort_api, profiling, range_lengths, shape_program, stages, threads, types
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
-from host.runtime.model import ValueMeta, build_graph
+from host.runtime.model import ValueMeta, build_graph, load_model
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue, host_array_at
 from host.runtime.subgraph import SubgraphRunner, prepare_subgraph, subgraph_eps
@@ -94,6 +94,18 @@ def _option_text(ep: str, what: str, key, value) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidArgument(f"{ep} option {str(key)!r}: the {what} is not encodable as UTF-8 ({exc.reason})") from None
     return text
+
+
+SHAPE_CACHE_KEY = "session.ephost.shape_cache_signatures"
+
+
+def _shape_cache(options: SessionOptions) -> int:
+    """The shape program's cache bound (signatures kept); 0 turns the program off."""
+    text = options.entries.get(SHAPE_CACHE_KEY, str(shape_program.DEFAULT_CAPACITY))
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidArgument(f"session config '{SHAPE_CACHE_KEY}' = {text!r}: expected a decimal integer >= 0 "
+                              f"(signatures kept; 0 evaluates shapes as nodes; default {shape_program.DEFAULT_CAPACITY})")
+    return int(text)
 
 
 def _parse_providers(providers) -> list[tuple[str, dict[str, str]]]:
@@ -190,6 +202,7 @@ class InferenceSession:
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
         stages.enter(stages.OPTIMIZING)
+        model = range_lengths.annotate(load_model(model))  # issue 23: Range lengths as symbolic dims
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath)
@@ -224,6 +237,9 @@ class InferenceSession:
 
     def _partition(self) -> Plan:
         self._expand_unclaimed()
+        # issue 23: shape arithmetic leaves the plan, evaluated once per input-shape signature.
+        self.shape_program = shape_program.build(self.graph, self._view.value_index, _shape_cache(self.options))
+        self.graph.shape_nodes = self.shape_program.nodes
         return self._plan_graph(self.graph, self._view)
 
     def _plan_graph(self, g, view: GraphView, eps: list[PluginEp] | None = None) -> Plan:
@@ -239,6 +255,8 @@ class InferenceSession:
         objects = frozenset(ids[name] for name, meta in g.values.items() if meta.type is not None and name in ids)
         nodes, unsupported, units, subgraphs = [], [], [], []
         for i, n in enumerate(g.nodes):
+            if i in g.shape_nodes:  # issue 23: evaluated by the session's shape program
+                continue
             if i in fused:
                 part = fused_first.get(i)
                 if part is not None:
@@ -447,6 +465,7 @@ class InferenceSession:
                 for i, o in zip(ids, outs)]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
+        feeds = self.shape_program.with_values(feeds)  # issue 23: this signature's shape values
         ex = self._executor
         lock = None if ex.concurrent else self._lock
         if lock is not None:
