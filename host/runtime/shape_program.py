@@ -8,7 +8,8 @@ at every run, each a CPU-EP step (and, next to a device EP, a copy). At session 
 - a `Shape` or `Size` node whose input's shape is computable from the inputs' shapes: a graph input
   (its fed shape), or a value whose inferred dims are ints, the inputs' symbols or expressions over
   them (host/runtime/dims.py; Range lengths come from host/runtime/range_lengths.py);
-- any node of `PROGRAM_OPS` whose inputs are all initializers or outputs of such nodes;
+- any node of `PROGRAM_OPS` whose inputs are all initializers or outputs of such nodes, one at least
+  of such nodes (constants alone are the optimizer's to fold, and the CPU EP binds them to kernels);
 
 and whose outputs are small: known rank, at most one dim that is not a fixed int, at most
 `MAX_FIXED_ELEMENTS` elements over the fixed dims, and no graph output among them. Those nodes
@@ -157,7 +158,9 @@ def build(graph, value_ids: dict[str, int], capacity: int = DEFAULT_CAPACITY) ->
             shape_of = _shape_source(graph, n.inputs[0], input_names, set(symbols), used_symbols, value_ids)
             if shape_of is None:
                 continue
-        elif not all(x == "" or x in produced or (x in inits and inits[x].dtype != object) for x in n.inputs):
+        elif not all(x == "" or x in produced or (x in inits and inits[x].dtype != object) for x in n.inputs) \
+                or not any(x in produced for x in n.inputs):
+            # Constants alone (an Identity over a weight) stay: the CPU EP binds them to kernels.
             continue
         ids = tuple(value_ids[x] if x else -1 for x in n.inputs)
         steps.append(_Step(i, cpu_ep.create_kernel(n), ids, tuple(value_ids[x] if x else -1 for x in n.outputs),
