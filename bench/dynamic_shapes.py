@@ -6,7 +6,8 @@
 One session per side for the whole list (as a server sees shapes come and go): ephost with the shape
 program (host/runtime/shape_program.py, the default), ephost with it off (session config
 session.ephost.shape_cache_signatures=0: shape arithmetic as CPU-EP nodes, as before issue 23), and
-onnxruntime. Per shape: the first run (a new shape signature for the session, or a cached one when the
+onnxruntime; beside them, ephost on a static copy of the model at each shape (its input dims fixed: what
+a static export runs), the mark a dynamic export should reach. Per shape: the first run (a new shape signature for the session, or a cached one when the
 shape came before) and the p50 of `iters` runs, timed in rounds so load on a shared machine hits every
 side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.0 = parity).
 `--model bert_like` is tests/models/dynamic.py's encoder (2 layers, hidden 64); a path runs a model
@@ -65,13 +66,40 @@ def sessions(model: onnx.ModelProto, threads: int) -> dict:
     return out
 
 
+def static_copy(model: onnx.ModelProto, sizes: dict[str, int]) -> onnx.ModelProto:
+    """`model` with its symbolic input dims fixed to `sizes` (what a static export of that shape is)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for vi in out.graph.input:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in sizes:
+                d.dim_value = sizes[d.dim_param]
+    return out
+
+
+def _static_session(model: onnx.ModelProto, sizes: dict[str, int], threads: int, made: dict) -> InferenceSession:
+    key = tuple(sizes.values())
+    if key not in made:
+        so = SessionOptions()
+        so.intra_op_num_threads = threads
+        made[key] = InferenceSession(static_copy(model, sizes).SerializeToString(), sess_options=so,
+                                     providers=["CPUExecutionProvider"])
+    return made[key]
+
+
+def _runner(session, feeds):
+    return lambda: session.run(None, feeds)
+
+
 def bench(model: onnx.ModelProto, shapes: str, iters: int, warmup: int, threads: int, seed: int = 0) -> list[dict]:
     sess = sessions(model, threads)
     symbols = list(input_symbols(build_graph(model).inputs))
     rows = []
+    statics: dict = {}
     for sizes in parse_shapes(shapes, symbols):
         feeds = _feeds(model, sizes, seed)
-        runs = {label: (lambda s: lambda: s.run(None, feeds))(s) for label, s in sess.items()}
+        runs = {label: _runner(session, feeds) for label, session in sess.items()}
+        static = _static_session(model, sizes, threads, statics)  # made before timing the others
         row = {"shape": "x".join(map(str, sizes.values()))}
         want = None
         for label, fn in runs.items():
@@ -80,10 +108,12 @@ def bench(model: onnx.ModelProto, shapes: str, iters: int, warmup: int, threads:
             row[f"{label}_first_ms"] = (time.perf_counter_ns() - t0) / 1e6
             want = got if want is None else want
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)  # same answers before timing
+        runs["ephost_static"] = _runner(static, feeds)
+        np.testing.assert_allclose(runs["ephost_static"]()[0], want, rtol=1e-3, atol=1e-4)
         samples = in_rounds(runs, warmup, iters, block=max(1, min(10, iters)))
         for label in runs:
             row[f"{label}_p50_us"] = float(np.median(samples[label]))
-        for label in ("ephost", "ephost_nodes"):
+        for label in ("ephost", "ephost_nodes", "ephost_static"):
             row[f"{label}_ratio"] = row[f"{label}_p50_us"] / row["onnxruntime_p50_us"]
         row["plan_nodes"] = {k: len(s.plan.nodes) for k, s in sess.items() if k != "onnxruntime"}
         row["shape_evaluations"] = sess["ephost"].shape_program.evaluations
@@ -93,10 +123,12 @@ def bench(model: onnx.ModelProto, shapes: str, iters: int, warmup: int, threads:
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | onnxruntime p50 | ephost, shapes as nodes p50 (ratio) | ephost, shape program p50 (ratio) "
-             "| first run: ort / nodes / program |", "|---|---|---|---|---|"]
+             "| ephost, static export of the shape (ratio) | first run: ort / nodes / program |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['onnxruntime_p50_us']:.0f} us | {r['ephost_nodes_p50_us']:.0f} us "
                      f"({r['ephost_nodes_ratio']:.2f}x) | {r['ephost_p50_us']:.0f} us ({r['ephost_ratio']:.2f}x) | "
+                     f"{r['ephost_static_p50_us']:.0f} us ({r['ephost_static_ratio']:.2f}x) | "
                      f"{r['onnxruntime_first_ms']:.1f} / {r['ephost_nodes_first_ms']:.1f} / "
                      f"{r['ephost_first_ms']:.1f} ms |")
     return "\n".join(lines)
