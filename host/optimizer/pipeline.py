@@ -24,6 +24,7 @@ from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
+from host.optimizer.rules.reshape_dims import reshape_dims_rules
 from host.optimizer.rules.views import view_rules
 from host.optimizer.subgraphs import eliminate_identities
 from host.runtime.warn import warn_caller
@@ -77,7 +78,7 @@ class OptimizeResult:
 @functools.cache
 def _basic_rules() -> RewriteRuleSet:
     r = onnxscript_rules
-    return RewriteRuleSet(root_filtered([*cast_rules(), *view_rules(),
+    return RewriteRuleSet(root_filtered([*cast_rules(), *view_rules(), *reshape_dims_rules(),
         r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
         r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
         r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
