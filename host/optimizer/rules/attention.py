@@ -215,12 +215,21 @@ def _query_length(op, query):
     (Transpose(Reshape(q3))): a Shape of the split itself would give it a second use, and
     Attention3D, which folds the split into the Attention, matches single-use values only."""
     node = query.producer()
-    if node is not None and node.op_type == "Transpose" and node.inputs[0].producer() is not None \
-            and node.inputs[0].producer().op_type == "Reshape":
-        q3 = node.inputs[0].producer().inputs[0]
-        if q3.shape is not None and q3.shape.rank() == 3:
+    split = node.inputs[0] if node is not None and node.op_type == "Transpose" else None
+    reshape = split.producer() if split is not None else None
+    if reshape is not None and reshape.op_type == "Reshape" and list(node.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
+        q3 = reshape.inputs[0]
+        if q3.shape is not None and q3.shape.rank() == 3 and split.shape is not None and split.shape.rank() == 4 \
+                and _same_dim(q3.shape[1], split.shape[1]):
             return op.Shape(q3, start=1, end=2)
     return op.Shape(query, start=2, end=3)
+
+
+def _same_dim(a, b) -> bool:
+    """Two dims known to be equal: the same int, or the same symbol."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a.value is not None and a.value == b.value
 
 
 def _scale_value(kind: str, scale) -> float:
