@@ -42,7 +42,8 @@ def _copied_dim(part, x) -> int | None:
             if axes is None or list(np.ravel(axes)) != [0]:
                 return None
         starts, ends = constant_array(sl.inputs[1]), constant_array(sl.inputs[2])
-        if starts is None or ends is None or starts.size != 1 or ends.size != 1 or int(ends) != int(starts) + 1:
+        if starts is None or ends is None or starts.size != 1 or ends.size != 1 \
+                or int(ends.ravel()[0]) != int(starts.ravel()[0]) + 1:
             return None
         shape_of, i = _op(sl.inputs[0], "Shape"), int(starts.ravel()[0])
     if shape_of is None or shape_of.inputs[0] is not x or shape_of.attributes.get_int("start", 0) != 0 \

@@ -36,17 +36,24 @@ def test_head_split_becomes_a_constant_shape():
         np.testing.assert_array_equal(got.run(None, {"X": x})[0], ref.run(None, {"X": x})[0])
 
 
-def _one_reshape(parts_from_shape, allowzero: int = 0, of_other: bool = False) -> onnx.ModelProto:
-    """Y = Reshape(X, Concat(Unsqueeze(Gather(Shape(src), i)) for i in parts_from_shape, [-1]))."""
+def _one_reshape(parts_from_shape, allowzero: int = 0, of_other: bool = False, sliced: bool = False) -> onnx.ModelProto:
+    """Y = Reshape(X, Concat(Unsqueeze(Gather(Shape(src), i)) for i in parts_from_shape, [-1])), or with
+    Slice(Shape(src), [i], [i + 1]) for each part when `sliced`."""
     nodes = [helper.make_node("Shape", ["Z" if of_other else "X"], ["s"])]
     parts = []
     for j in range(len(parts_from_shape)):
+        if sliced:
+            nodes.append(helper.make_node("Slice", ["s", f"st{j}", f"en{j}"], [f"u{j}"]))
+            parts.append(f"u{j}")
+            continue
         nodes += [helper.make_node("Gather", ["s", f"i{j}"], [f"g{j}"], axis=0),
                   helper.make_node("Unsqueeze", [f"g{j}", "ax0"], [f"u{j}"])]
         parts.append(f"u{j}")
     nodes += [helper.make_node("Concat", [*parts, "minus1"], ["shape"], axis=0),
               helper.make_node("Reshape", ["X", "shape"], ["Y"], allowzero=allowzero)]
     inits = [numpy_helper.from_array(np.array(i, np.int64), f"i{j}") for j, i in enumerate(parts_from_shape)]
+    inits += [numpy_helper.from_array(np.array([i], np.int64), f"st{j}") for j, i in enumerate(parts_from_shape)]
+    inits += [numpy_helper.from_array(np.array([i + 1], np.int64), f"en{j}") for j, i in enumerate(parts_from_shape)]
     inits += [numpy_helper.from_array(np.array([0], np.int64), "ax0"),
               numpy_helper.from_array(np.array([-1], np.int64), "minus1")]
     ins = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["a", "b", "c"]),
@@ -56,14 +63,15 @@ def _one_reshape(parts_from_shape, allowzero: int = 0, of_other: bool = False) -
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize("case", ["in_place", "negative_index", "moved_dim", "allowzero", "other_tensor"])
+@pytest.mark.parametrize("case", ["in_place", "negative_index", "sliced", "moved_dim", "allowzero", "other_tensor"])
 def test_only_dims_copied_in_place_become_zeros(case):
-    model = {"in_place": lambda: _one_reshape([0]), "negative_index": lambda: _one_reshape([-3]),
+    model = {"in_place": lambda: _one_reshape([0, 1]), "negative_index": lambda: _one_reshape([-3]),
+             "sliced": lambda: _one_reshape([0, 1], sliced=True),
              "moved_dim": lambda: _one_reshape([1]), "allowzero": lambda: _one_reshape([0], allowzero=1),
              "other_tensor": lambda: _one_reshape([0], of_other=True)}[case]()
     out = optimize(model, GraphOptimizationLevel.ORT_ENABLE_BASIC).model
     rewritten = "Shape" not in _ops(out)
-    assert rewritten == (case in ("in_place", "negative_index"))
+    assert rewritten == (case in ("in_place", "negative_index", "sliced"))
     ref, got = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, out))
     rng = np.random.default_rng(1)
     for shape in [(2, 3, 4), (5, 1, 6)]:
