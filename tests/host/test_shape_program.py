@@ -175,3 +175,43 @@ def test_build_without_shape_arithmetic_is_empty():
     feeds = {0: np.ones(3, np.float32)}
     assert s.shape_program.with_values(feeds) is feeds
     assert shape_program.DEFAULT_CAPACITY == 64
+
+
+@pytest.fixture(scope="module")
+def mock_device_env(example_plugin):
+    """An environment whose ExampleEP computes in device memory the host must copy to."""
+    import gc
+    import os
+
+    from tests.plugins.example_ep import MOCK_DEVICE_ENV
+
+    old = os.environ.get(MOCK_DEVICE_ENV)
+    os.environ[MOCK_DEVICE_ENV] = "1"
+    try:
+        env = host.Environment()
+        env.register_plugin("ex", example_plugin(6))
+    finally:
+        if old is None:
+            os.environ.pop(MOCK_DEVICE_ENV)
+        else:
+            os.environ[MOCK_DEVICE_ENV] = old
+    yield env
+    gc.collect()
+    env.close()
+
+
+@pytest.mark.parametrize("fuse", ["0", "1"])
+def test_program_values_reach_plugin_nodes_on_a_device(mock_device_env, fuse):
+    """positions(): the position table slice and the 1/sqrt(seq) scale come from the program and are
+    read by Add and Mul on the (mock) device, per node or in one compiled partition."""
+    model = dynamic.positions()
+    s = host.InferenceSession(model.SerializeToString(), providers=[("ExampleEP", {"ops": "Add,Mul", "fuse": fuse})],
+                              env=mock_device_env)
+    assert set(s.node_assignment().values()) == {"ExampleEP"}  # the rest is host arithmetic
+    ref = _reference(model)
+    rng = np.random.default_rng(3)
+    for batch, seq in SHAPES:
+        x = rng.standard_normal((batch, seq, 8)).astype(np.float32)
+        np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
+    assert s.shape_program.evaluations == 3
+    s.close()
