@@ -27,10 +27,11 @@ import onnxruntime as ort
 from bench.cpu_models import in_rounds
 from host.cli.session_cmds import parse_shapes
 from host.cli.zoo import random_inputs
+from host.runtime import shape_program
 from host.runtime.dims import input_symbols
 from host.runtime.model import build_graph
 from host.runtime.options import SessionOptions
-from host.runtime.session import SHAPE_CACHE_KEY, InferenceSession
+from host.runtime.session import InferenceSession
 
 DEFAULT_SHAPES = "1x16,8x128,3x50,8x128,1x16"
 
@@ -58,7 +59,7 @@ def sessions(model: onnx.ModelProto, threads: int) -> dict:
         so = SessionOptions()
         so.intra_op_num_threads = threads
         if cache is not None:
-            so.add_session_config_entry(SHAPE_CACHE_KEY, cache)
+            so.add_session_config_entry(shape_program.CACHE_KEY, cache)
         out[label] = InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads

@@ -96,18 +96,6 @@ def _option_text(ep: str, what: str, key, value) -> str:
     return text
 
 
-SHAPE_CACHE_KEY = "session.ephost.shape_cache_signatures"
-
-
-def _shape_cache(options: SessionOptions) -> int:
-    """The shape program's cache bound (signatures kept); 0 turns the program off."""
-    text = options.entries.get(SHAPE_CACHE_KEY, str(shape_program.DEFAULT_CAPACITY))
-    if not (text.isascii() and text.isdigit()):
-        raise InvalidArgument(f"session config '{SHAPE_CACHE_KEY}' = {text!r}: expected a decimal integer >= 0 "
-                              f"(signatures kept; 0 evaluates shapes as nodes; default {shape_program.DEFAULT_CAPACITY})")
-    return int(text)
-
-
 def _parse_providers(providers) -> list[tuple[str, dict[str, str]]]:
     out = []
     for p in providers or []:
@@ -238,7 +226,8 @@ class InferenceSession:
     def _partition(self) -> Plan:
         self._expand_unclaimed()
         # issue 23: shape arithmetic leaves the plan, evaluated once per input-shape signature.
-        self.shape_program = shape_program.build(self.graph, self._view.value_index, _shape_cache(self.options))
+        self.shape_program = shape_program.build(self.graph, self._view.value_index,
+                                                  shape_program.capacity(self.options.entries))
         self.graph.shape_nodes = self.shape_program.nodes
         return self._plan_graph(self.graph, self._view)
 

@@ -31,6 +31,7 @@ from host.errors import InvalidArgument
 from host.runtime import dims
 
 DEFAULT_CAPACITY = 64
+CACHE_KEY = "session.ephost.shape_cache_signatures"  # session config entry: the cache bound
 MAX_FIXED_ELEMENTS = 1024
 # Deterministic ops cheap on small integer tensors: what exporters compute shapes with.
 PROGRAM_OPS = frozenset({
@@ -60,10 +61,11 @@ class ShapeProgram:
         self.constants = constants
         self.exported = exported  # values read outside the program
         self.bindings = bindings  # symbol -> (input id, axis, input name) for the symbols used
-        self.signature_ids = tuple(sorted({v for s in steps if s.shape_of and s.shape_of[1] for v in (s.shape_of[0],)}
-                                          | {vid for b in bindings.values() for vid, _, _ in b}))
+        # The inputs whose shapes the program reads: fed to a Shape directly, or binding a symbol it uses.
+        read_directly = {s.shape_of[0] for s in steps if s.shape_of is not None and s.shape_of[1]}
+        self.signature_ids = tuple(sorted(read_directly | {vid for b in bindings.values() for vid, _, _ in b}))
         self.capacity = capacity
-        self.evaluations = 0  # programs run (cache misses): tests and the profile read it
+        self.evaluations = 0  # programs run (cache misses)
         self._cache: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -124,6 +126,15 @@ class ShapeProgram:
         for _, arr in values:
             arr.flags.writeable = False  # shared by every run of this signature
         return values
+
+
+def capacity(entries: dict[str, str]) -> int:
+    """The cache bound (signatures kept) from the session config entries; 0 turns the program off."""
+    text = entries.get(CACHE_KEY, str(DEFAULT_CAPACITY))
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidArgument(f"session config '{CACHE_KEY}' = {text!r}: expected a decimal integer >= 0 "
+                              f"(signatures kept; 0 evaluates shapes as nodes; default {DEFAULT_CAPACITY})")
+    return int(text)
 
 
 def _small(meta) -> bool:

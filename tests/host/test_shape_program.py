@@ -15,7 +15,6 @@ from onnx import TensorProto, helper
 import host
 from host.optimizer import GraphOptimizationLevel
 from host.runtime import dims, shape_program
-from host.runtime.session import SHAPE_CACHE_KEY
 from tests.models import dynamic
 
 # (batch, seq): new shapes, then two seen before.
@@ -99,7 +98,7 @@ def test_absorbed_nodes_leave_no_profile_events(tmp_path):
 
 def test_the_cache_is_bounded_and_least_recently_used_goes_first():
     model = dynamic.reshape_heads()
-    s, ref = _session(model, **{SHAPE_CACHE_KEY: "2"}), _reference(model)
+    s, ref = _session(model, **{shape_program.CACHE_KEY: "2"}), _reference(model)
     # (1,4) was used after (2,4): (3,4) evicts (2,4), so (1,4) is still there (first-in-first-out would
     # have evicted it: 4 evaluations).
     order = [(1, 4), (2, 4), (1, 4), (3, 4), (1, 4)]
@@ -112,17 +111,17 @@ def test_the_cache_is_bounded_and_least_recently_used_goes_first():
 
 def test_cache_size_zero_runs_shapes_as_nodes():
     model = dynamic.reshape_heads()
-    s = _session(model, **{SHAPE_CACHE_KEY: "0"})
+    s = _session(model, **{shape_program.CACHE_KEY: "0"})
     assert not s.shape_program.nodes and "Shape" in {n.op_type for n in s.plan.nodes}
     x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
     np.testing.assert_array_equal(s.run(None, {"X": x})[0], _reference(model).run(None, {"X": x})[0])
 
 
 def test_a_bad_cache_size_is_refused():
-    with pytest.raises(host.InvalidArgument, match=rf"^session config '{SHAPE_CACHE_KEY}' = '-1': expected a decimal "
+    with pytest.raises(host.InvalidArgument, match=rf"^session config '{shape_program.CACHE_KEY}' = '-1': expected a decimal "
                                                    r"integer >= 0 \(signatures kept; 0 evaluates shapes as nodes; "
                                                    r"default 64\)$"):
-        _session(dynamic.reshape_heads(), **{SHAPE_CACHE_KEY: "-1"})
+        _session(dynamic.reshape_heads(), **{shape_program.CACHE_KEY: "-1"})
 
 
 def test_inputs_fed_against_their_shared_symbol_are_refused():
