@@ -113,7 +113,7 @@ class ShapeProgram:
         for step in self.steps:
             if step.shape_of is not None:
                 vid, fed, fns = step.shape_of
-                shape = tuple(feeds[vid].shape) if fed else tuple(fn(sizes) for fn in fns)
+                shape = tuple(feeds[vid].shape) if fed else _dims(fns, sizes)
                 # Shape and Size read only the shape: a zero-stride view allocates nothing.
                 args = (np.broadcast_to(np.zeros((), np.uint8), shape),)
             else:
@@ -126,6 +126,13 @@ class ShapeProgram:
         for _, arr in values:
             arr.flags.writeable = False  # shared by every run of this signature
         return values
+
+
+def _dims(fns, sizes: dict[str, int]) -> tuple[int, ...]:
+    try:
+        return tuple(fn(sizes) for fn in fns)
+    except ValueError as exc:  # a declared dim such as 's0/2' that these sizes do not divide
+        raise InvalidArgument(f"the fed shapes do not fit the model's declared dims: {exc}") from None
 
 
 def capacity(entries: dict[str, str]) -> int:

@@ -151,8 +151,17 @@ def test_a_shape_that_depends_on_data_stays_a_node():
 def test_dims_compile_only_arithmetic_over_known_symbols():
     fn, names = dims.compile_dim("((s0 - 1)//2) + 2*s1", {"s0", "s1"})
     assert fn({"s0": 9, "s1": 5}) == ((9 - 1) // 2) + 2 * 5 and names == {"s0", "s1"}
-    for bad in ("unk__0", "s0 ** 2", "floor(s0/2)", "s0 / 2", "", None, -1, "s0 +"):
+    sympy_style = {"floor(s0/2)": lambda n: n // 2, "ceiling(s0/2)": lambda n: -(-n // 2),
+                   "Max(1, s0 - 3)": lambda n: max(1, n - 3), "Min(s0, 4) % 3": lambda n: min(n, 4) % 3}
+    for text, want in sympy_style.items():
+        fn, _ = dims.compile_dim(text, {"s0"})
+        assert [fn({"s0": n}) for n in range(1, 9)] == [want(n) for n in range(1, 9)], text
+    for bad in ("unk__0", "s0 ** 2", "sqrt(s0)", "Max()", "", None, -1, "s0 +", "s1 + 1"):
         assert dims.compile_dim(bad, {"s0"}) is None, bad
+    half, _ = dims.compile_dim("s0/2", {"s0"})
+    assert half({"s0": 6}) == 3
+    with pytest.raises(ValueError, match=r"^dim 's0/2' is 5/2 for sizes \{'s0': 5\}, not a whole number$"):
+        half({"s0": 5})
 
 
 def test_values_are_shared_read_only_between_runs():
@@ -214,3 +223,37 @@ def test_program_values_reach_plugin_nodes_on_a_device(mock_device_env, fuse):
         np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
     assert s.shape_program.evaluations == 3
     s.close()
+
+
+def _every_other_row(dim: str) -> onnx.ModelProto:
+    """Y = X[::2] reshaped through its own Shape, with value_info declaring its rows as `dim`."""
+    inits = [onnx.numpy_helper.from_array(np.array([v], np.int64), n)
+             for n, v in (("st", 0), ("en", 2**62), ("ax", 0), ("step", 2))]
+    nodes = [helper.make_node("Slice", ["X", "st", "en", "ax", "step"], ["half"]),
+             helper.make_node("Shape", ["half"], ["hs"]),
+             helper.make_node("Flatten", ["half"], ["flat"], axis=1),
+             helper.make_node("Reshape", ["flat", "hs"], ["Y"])]
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["s0", 3])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [dim, 3])
+    vi = [helper.make_tensor_value_info("half", TensorProto.FLOAT, [dim, 3])]
+    graph = helper.make_graph(nodes, "half", [x], [y], inits, value_info=vi)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_sympy_dims_from_the_dynamo_exporter_are_computed():
+    model = _every_other_row("ceiling(s0/2)")
+    # Optimizer off: it would see that the Reshape restores Flatten's input shape and drop both.
+    s, ref = _session(model, GraphOptimizationLevel.ORT_DISABLE_ALL), _reference(model)
+    assert "Shape" in _absorbed_ops(s)
+    for rows in (4, 5, 1, 5):
+        x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        np.testing.assert_array_equal(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0])
+    assert s.shape_program.evaluations == 3
+
+
+def test_sizes_that_a_declared_dim_does_not_divide_are_refused():
+    s = _session(_every_other_row("s0/2"), GraphOptimizationLevel.ORT_DISABLE_ALL)
+    np.testing.assert_array_equal(s.run(None, {"X": np.ones((4, 3), np.float32)})[0], np.ones((2, 3), np.float32))
+    with pytest.raises(host.InvalidArgument, match=r"^the fed shapes do not fit the model's declared dims: dim 's0/2' "
+                                                   r"is 5/2 for sizes \{'s0': 5\}, not a whole number$"):
+        s.run(None, {"X": np.ones((5, 3), np.float32)})
