@@ -9,7 +9,9 @@ session.ephost.shape_cache_signatures=0: shape arithmetic as CPU-EP nodes, as be
 onnxruntime; beside them, ephost on a static copy of the model at each shape (its input dims fixed: what
 a static export runs), the mark a dynamic export should reach. Per shape: the first run (a new shape signature for the session, or a cached one when the
 shape came before) and the p50 of `iters` runs, timed in rounds so load on a shared machine hits every
-side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.0 = parity).
+side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.0 = parity). The first
+shape's first run of the side that runs first (ephost with the program) also pays the process's one-time
+set-up (lazy imports, native kernels), whichever side that is.
 `--model bert_like` is tests/models/dynamic.py's encoder (2 layers, hidden 64); a path runs a model
 file, the sizes going to its symbolic input dims in order of first appearance.
 """
