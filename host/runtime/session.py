@@ -566,7 +566,7 @@ class InferenceSession:
         if isinstance(value, DeviceTensor) and (value.device_type, value.device_id) != where:
             value = self._executor.to_host(value)  # made on another device: through the host
         elif isinstance(value, np.ndarray):
-            value = np.ascontiguousarray(value)
+            value = np.asarray(value, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
         src, dst = ffi.new("EpTensor*"), ffi.new("EpTensor*")
         st = self._executor.state()
         st.fill(src, value)
