@@ -100,6 +100,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS, metavar="N",
                    help=f"timed runs (default: {DEFAULT_ITERS})")
     p.add_argument("--plot", metavar="FILE.png", help="latency histogram (needs matplotlib)")
+    p.add_argument("--shapes", metavar="AxB,...",
+                   help="time one session at each shape in turn, e.g. '1x16,8x128,3x50': the sizes of the "
+                        "model's symbolic input dims, in order of first appearance (docs/dynamic_shapes.md)")
 
 
 def add_build(p: argparse.ArgumentParser) -> None:

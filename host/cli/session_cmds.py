@@ -319,6 +319,45 @@ def _cupy():
     return cupy
 
 
+def parse_shapes(text: str, symbols: list[str]) -> list[dict[str, int]]:
+    """'1x16,8x128' -> [{batch: 1, seq: 16}, {batch: 8, seq: 128}] for the model's symbolic dims."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+            raise InvalidArgument(f"--shapes: {item.strip()!r} is not sizes joined by 'x' (e.g. 8x128); sizes are "
+                                  "integers >= 1")
+        if len(parts) != len(symbols):
+            raise InvalidArgument(f"--shapes: {item.strip()!r} gives {len(parts)} size(s); the model's inputs have "
+                                  f"{len(symbols)} symbolic dim(s) {symbols}: one size each, in that order")
+        out.append(dict(zip(symbols, map(int, parts))))
+    return out
+
+
+def _bench_shapes(args, session, model) -> None:
+    """`ephost bench --shapes`: each shape in turn on one session; the first run of a shape is timed
+    apart (a new input-shape signature)."""
+    from host.cli.benchutil import bench_session, format_stats
+    from host.cli.zoo import random_inputs
+    from host.runtime.dims import input_symbols
+
+    if args.input:
+        raise InvalidArgument("--shapes makes random inputs at each shape; it cannot be combined with --input")
+    symbols = list(input_symbols(session.graph.inputs))
+    print(f"model: {args.model}")
+    print(f"mode: {'run_with_iobinding' if args.iobinding else 'run'}, shapes in turn")
+    for sizes in parse_shapes(args.shapes, symbols):
+        feeds = random_inputs(model, seed=args.seed, sizes=sizes)
+        if args.iobinding:
+            run = _bound_runner(session, feeds, fixed_outputs=False)
+        else:
+            def run(feeds=feeds):
+                session.run(None, feeds)
+        stats = bench_session(run, args.warmup, args.iters)
+        print(f"shape: {', '.join(f'{k}={v}' for k, v in sizes.items())}")
+        print(format_stats(stats))
+
+
 def _bound_runner(session, feeds: dict, fixed_outputs: bool):
     """run_with_iobinding over one binding; `fixed_outputs` binds preallocated output buffers.
 
@@ -379,6 +418,9 @@ def cmd_bench(args) -> int:
     with contextlib.ExitStack() as stack:
         with PlanReports() as reports:
             session, model = _open_session(stack, args, extra)
+        if args.shapes:  # issue 23: one session, the shapes in turn
+            _bench_shapes(args, session, model)
+            return 0
         feeds = _feeds(args, model, session, random_missing=True)
         if args.cuda_graph or args.iobinding:
             # An EP capturing graphs (whatever option turned it on) replays into fixed buffers.

@@ -191,8 +191,10 @@ def transformer_block(batch: int = 1, seq: int = 128, hidden: int = 256, heads: 
     return b.model("transformer_block", inputs, outputs, opset)
 
 
-def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random feeds for every graph input (not initializers); symbolic or unknown dims become 1."""
+def random_inputs(model: onnx.ModelProto, seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Random feeds for every graph input (not initializers); a symbolic dim takes its size in `sizes`,
+    other symbolic or unknown dims become 1."""
+    sizes = sizes or {}
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     feeds = {}
@@ -203,7 +205,8 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
             raise InvalidArgument(f"input {vi.name!r} is not a tensor; random_inputs fills tensors only")
         t = vi.type.tensor_type
         dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 1 for d in t.shape.dim]
+        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else sizes.get(d.dim_param, 1)
+                 for d in t.shape.dim]
         feeds[vi.name] = _random_array(rng, shape, dtype)
     return feeds
 

@@ -138,6 +138,13 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return np.dot(a, b)
         if a.ndim > 2 and a.flags.c_contiguous:
             return np.dot(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1])
+    # numpy's matmul calls BLAS only for matrices whose rows are unit-stride; a transposed view
+    # (attention's K^T, a Transpose over the last two axes) takes its own loop instead: 1.06 ms
+    # against 0.56 ms with the copy for an [8, 2, 128, 32] x [8, 2, 32, 128] product, one thread.
+    if a.ndim >= 2 and a.strides[-1] != a.itemsize:
+        a = np.ascontiguousarray(a)
+    if b.ndim >= 2 and b.strides[-1] != b.itemsize:
+        b = np.ascontiguousarray(b)
     return np.matmul(a, b)
 
 

@@ -24,6 +24,7 @@ from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
+from host.optimizer.rules.reshape_dims import reshape_dims_rules
 from host.optimizer.rules.views import view_rules
 from host.optimizer.subgraphs import eliminate_identities
 from host.runtime.warn import warn_caller
@@ -77,7 +78,7 @@ class OptimizeResult:
 @functools.cache
 def _basic_rules() -> RewriteRuleSet:
     r = onnxscript_rules
-    return RewriteRuleSet(root_filtered([*cast_rules(), *view_rules(),
+    return RewriteRuleSet(root_filtered([*cast_rules(), *view_rules(), *reshape_dims_rules(),
         r.add_0_rule, r.sub_0_rule, r.mul_by_1_rule, r.div_by_1_rule, r.dropout_inference_rule, r.dropout_zero_rule,
         r.no_op_cast_rule, r.cast_cast_rule, r.no_op_expand_rule, r.no_op_transpose_rule, r.transpose_transpose_rule,
         r.reshape_reshape_rule, r.unsqueeze_unsqueeze_rule, r.squeeze_reshape_1d_rule,
@@ -309,11 +310,29 @@ def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     proto = onnx.ModelProto()
     proto.CopyFrom(model)
+    # Kept: dims that are expressions over the inputs' symbols (the dynamo exporter's '2*s0', the
+    # session's Range lengths): inference cannot find them again, and shape arithmetic needs them.
+    kept = [vi for vi in proto.graph.value_info if _symbolic_over_inputs(vi, model)]
     del proto.graph.value_info[:]
+    proto.graph.value_info.extend(kept)
     try:
         return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help here; the loader reports real errors
         return proto
+
+
+def _symbolic_over_inputs(vi: onnx.ValueInfoProto, model: onnx.ModelProto) -> bool:
+    """A value_info entry whose every dim is an int or an expression over the graph inputs' symbols,
+    one at least symbolic (host/runtime/dims.py)."""
+    from host.runtime import dims
+
+    t = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
+        return False
+    names = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim
+             if d.dim_param.isidentifier()}
+    params = [d.dim_param for d in t.shape.dim if not d.HasField("dim_value")]
+    return bool(params) and all(dims.compile_dim(p, names) is not None for p in params)
 
 
 # Ops the BASIC rules rewrite or fold whatever their inputs, and the binary ops whose constant operand

@@ -134,8 +134,12 @@ class Executor:
     `observer`: a profiler's (host/runtime/profiling.StepObserver), which times every step and
     crossing; None (the default) leaves the run path without any check for it."""
 
-    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None):
+    def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None,
+                 transfer_eps=None):
         self.plan = plan
+        # EPs whose data transfer copies may use: every EP of the session, not only those holding nodes
+        # (an output of the CPU EP bound to a device buffer goes through that device's EP).
+        self._transfer_eps = list(plan.eps if transfer_eps is None else transfer_eps)
         self.concurrent = concurrent
         self.ep_allocates_host = ep_allocates_host
         self._tls = threading.local()
@@ -337,27 +341,33 @@ class Executor:
         return self.ep_at(source if source != CPU_LOCATION else target)
 
     def ep_at(self, location) -> PluginEp | None:
-        for ep in self.plan.eps:
+        for ep in self._transfer_eps:
             if ep.location == location:
                 return ep
         return None
 
     def copy_into(self, target: DeviceTensor, value, name: str) -> None:
-        """Copy a run's output `value` into the caller's device buffer `target` (same shape and dtype):
-        moved to the target's device first when it was made elsewhere (the CPU EP, another device)."""
-        location = (target.device_type, target.device_id)
-        ep = self.ep_at(location)
-        moved = value if location_of(value) == location else self.transfer(value, location, ep, None)
-        if ep is None or ep.transfer is None or not isinstance(moved, DeviceTensor):
-            raise EpError(f"output '{name}' could not be copied into its bound device buffer at {location}: "
-                          "no EP of this session has a data transfer there")
-        src = ffi.new("EpTensor*")
-        dst = ffi.new("EpTensor*")
+        """Copy a run's output `value` into the caller's device buffer `target` (same shape and dtype).
+        A buffer filled from elsewhere (an output of the CPU EP, as onnxruntime copies it) takes one copy
+        straight into it through the EP of the *target* device; any EP of the session may serve it,
+        even one the plan gives no node. A value on another device goes through the host."""
+        where = (target.device_type, target.device_id)
+        ep = self.ep_at(where)
+        if ep is None or ep.transfer is None:
+            raise EpError(f"output '{name}' is bound to device memory at {where}; no execution provider of this "
+                          f"session copies into it (session EPs at: {sorted({e.location for e in self._transfer_eps})})")
+        if isinstance(value, DeviceTensor) and location_of(value) != where:
+            value = self.to_host(value)
+        elif isinstance(value, np.ndarray):
+            value = np.asarray(value, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
+        src, dst = ffi.new("EpTensor*"), ffi.new("EpTensor*")
         st = self.state()
-        st.fill(src, moved)
+        st.fill(src, value)
         st.fill(dst, target)
+        stream = getattr(value, "stream", None) if isinstance(value, DeviceTensor) else None
+        streams = ffi.new("EpSyncStream*[1]", [stream.ptr if stream is not None else _NULL])
         t = ep.transfer
-        hostapi.check(t.CopyTensors(t.ptr, src, dst, ffi.new("EpSyncStream*[1]"), 1), f"{ep.owner}: CopyTensors")
+        hostapi.check(t.CopyTensors(t.ptr, src, dst, streams, 1), f"{ep.owner}: CopyTensors")
 
     def to_host(self, value):
         if not isinstance(value, DeviceTensor):  # arrays, and lists / dicts / None of non-tensor values

@@ -45,6 +45,9 @@ class Graph:
     inputs: list[ValueMeta]
     outputs: list[ValueMeta]
     opsets: dict[str, int] = field(default_factory=dict)
+    # Nodes the host evaluates once per input-shape signature (host/runtime/shape_program.py): no EP
+    # claims them and the plan leaves them out.
+    shape_nodes: frozenset[int] = frozenset()
 
 
 def _meta(vi: onnx.ValueInfoProto) -> ValueMeta:
@@ -255,8 +258,9 @@ def free_names(g: onnx.GraphProto) -> list[str]:
 
 def host_only_nodes(graph: Graph) -> set[int]:
     """Nodes no plugin EP may take: control flow (the host runs it) and nodes that read or write a
-    value that is not a tensor (the C ABI describes tensors only)."""
-    out = set()
+    value that is not a tensor (the C ABI describes tensors only), and the shape arithmetic the
+    host evaluates per input-shape signature."""
+    out = set(graph.shape_nodes)
     for i, n in enumerate(graph.nodes):
         names = [x for x in (*n.inputs, *n.outputs) if x]
         if n.implicit or any(isinstance(v, onnx.GraphProto) for v in n.attrs.values()) \

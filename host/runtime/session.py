@@ -15,11 +15,11 @@ from abi.dtypes import STRING, dtype_type_name, to_numpy, type_name
 from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
-from host.runtime import ort_api, profiling, stages, threads, types
+from host.runtime import ort_api, profiling, range_lengths, shape_program, stages, threads, types
 from host.runtime.executor import Executor
 from host.runtime.graph_capture import GraphCapture, run_flags
 from host.runtime.iobinding import IOBinding
-from host.runtime.model import ValueMeta, build_graph
+from host.runtime.model import ValueMeta, build_graph, load_model
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue
 from host.runtime.partition import Partitioner
@@ -149,8 +149,10 @@ class InferenceSession:
             stages.enter(stages.PARTITIONING)
             with self._profiler.span("partitioning"):
                 opsets = self.optimization.source_opsets if self.optimization is not None else {}
-                self._partitioner = Partitioner(self._eps, self.fallbacks, opsets)
+                self._partitioner = Partitioner(self._eps, self.fallbacks, opsets,
+                                                shape_program.capacity(self.options.entries))
                 self.graph, self.plan = self._partitioner.partition(self.graph)
+                self.shape_program = self._partitioner.shape_program
             self._make_executor()
         except BaseException:
             self._closed = True
@@ -169,7 +171,8 @@ class InferenceSession:
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
-        self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer)
+        self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
+                                 transfer_eps=self._eps)
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
                                     None if self.executor.concurrent else self._lock)
 
@@ -204,6 +207,7 @@ class InferenceSession:
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
         stages.enter(stages.OPTIMIZING)
+        model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath)
@@ -343,6 +347,7 @@ class InferenceSession:
                 for i, o in zip(ids, outs)]
 
     def _execute(self, feeds, bound_outputs, ro: RunOptions, graph_id: str | None = None):
+        feeds = self.shape_program.with_values(feeds)  # this input-shape signature's shape values
         ex = self.executor
         lock = None if ex.concurrent else self._lock
         if lock is not None:

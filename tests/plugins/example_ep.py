@@ -10,8 +10,12 @@ Faults for tests are chosen with the environment variable EPHOST_TEST_FAULT, rea
 host calls CreateEpFactories: entry_error, entry_null, create_ep_fails, version_low,
 version_future, struct_truncated, struct_oversized, null_mandatory, kernel_fails,
 eager_slots (every table carries every slot the plugin was built with, whatever the host serves).
-Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
-min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (memory that the host must copy to),
+EPHOST_TEST_MOCK_DEVICE=1, read at the same time, makes the factory's device a mock GPU (device type
+GPU, id 0) whose memory is host memory the host may not read directly: it must copy through this
+plugin's data transfer, as for a real device (the host's location is the factory's, so this cannot be
+a provider option). Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
+min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (accepted for older tests; the memory moves only
+with EPHOST_TEST_MOCK_DEVICE=1),
 lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails|capability_fails (a broken
 answer from IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy, IsConcurrentRunSupported or
 GetCapability) or
@@ -47,6 +51,7 @@ from abi import sdk
 from abi.dtypes import to_numpy
 
 FAULT_ENV = "EPHOST_TEST_FAULT"
+MOCK_DEVICE_ENV = "EPHOST_TEST_MOCK_DEVICE"
 EP_NAME = "ExampleEP"
 
 _OPS = {
@@ -90,6 +95,7 @@ class ExampleFactory(sdk.FactoryBase):
     def __init__(self, runtime, logger, fault: str):
         super().__init__(runtime, logger)
         self.fault = fault
+        self.mock_device = os.environ.get(MOCK_DEVICE_ENV, "0") == "1"
         self.eps: weakref.WeakSet = weakref.WeakSet()
         if fault == "null_mandatory":
             self.null_slots = ("GetSupportedDevices",)
@@ -99,6 +105,8 @@ class ExampleFactory(sdk.FactoryBase):
             self.abi_version = runtime.compiled_version
 
     def supported_devices(self):
+        if self.mock_device:
+            return [sdk.DeviceSpec(abi.DEVICE_GPU, 0, 0, "example-mock-gpu", "MockGpu")]
         return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, "example-cpu", "Cpu")]
 
     def create_ep(self, devices, options, session_options, logger):
@@ -484,11 +492,18 @@ class ExampleNotification(sdk.NotificationBase):
 class ExampleDataTransfer(sdk.Impl):
     table = "EpDataTransfer"
 
+    def __init__(self, runtime, factory: ExampleFactory):
+        super().__init__(runtime, factory)
+        self.factory = factory
+
     def CanCopy(self, src, dst):
-        return int(src.device_type == abi.DEVICE_CPU and dst.device_type == abi.DEVICE_CPU)
+        # A mock device's memory is host memory: every pair of its locations is one memmove.
+        kinds = (abi.DEVICE_CPU, abi.DEVICE_GPU) if self.factory.mock_device else (abi.DEVICE_CPU,)
+        return int(src.device_type in kinds and dst.device_type in kinds)
 
     def CopyTensors(self, src, dst, streams, count):
         for i in range(count):
+            self.runtime.record.host_calls[f"copy {src[i].device_type}->{dst[i].device_type}"] += 1
             self.ffi.memmove(dst[i].data, src[i].data, src[i].nbytes)
 
     def Release(self):

@@ -48,11 +48,11 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
             return result.fail("mask is not a float mask of rank <= 4 of Q's type", mask)
         # onnxruntime's Attention wants the mask's query dim to be the query length, not a broadcast 1
         # (the spec allows broadcasting): a mask [B, 1, 1, Skv] is expanded to [B, 1, S, Skv] then.
+        # A dynamic query length (a dynamic-axes export) is read from Q's shape at run time: the host
+        # evaluates that Shape once per input-shape signature (host/runtime/shape_program.py).
         self._expand_mask = None
         if mask is not None and (mask.shape.rank() < 2 or mask.shape[-2] != dims["S"]):
-            if not isinstance(dims["S"], int):
-                return result.fail("the mask broadcasts over a query length that is not static", mask)
-            self._expand_mask = dims["S"]
+            self._expand_mask = dims["S"] if isinstance(dims["S"], int) else "dynamic"
         scale = 1.0
         for tag, name in (("q_scaling", "query_scale"), ("k_scaling", "key_scale"), ("qk_scaling", "qk_scale")):
             scale *= _scale_value(bindings.get(tag, "None"), bindings.get(name))
@@ -64,7 +64,10 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
     def rewrite(self, op, query, key, value, mask, key_format, **_):
         if key_format == "BSHd":
             key = op.Transpose(key, perm=[0, 2, 1, 3])
-        if mask is not None and self._expand_mask is not None:
+        if mask is not None and self._expand_mask == "dynamic":
+            rows = op.Concat(_query_length(op, query), op.Constant(value_ints=[1]), axis=0)
+            mask = op.Expand(mask, rows)
+        elif mask is not None and self._expand_mask is not None:
             mask = op.Expand(mask, op.Constant(value_ints=[self._expand_mask, 1]))
         args = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*args, scale=self._scale)
@@ -205,6 +208,28 @@ def _flattened(dims: dict, y2) -> list[int] | None:
         return None
     want = [batch * seq, heads * head]
     return want if list(y2.shape) == want else None
+
+
+def _query_length(op, query):
+    """[S] of a BHSd query at run time. From the 3-D input when the query is its head split
+    (Transpose(Reshape(q3))): a Shape of the split itself would give it a second use, and
+    Attention3D, which folds the split into the Attention, matches single-use values only."""
+    node = query.producer()
+    split = node.inputs[0] if node is not None and node.op_type == "Transpose" else None
+    reshape = split.producer() if split is not None else None
+    if reshape is not None and reshape.op_type == "Reshape" and list(node.attributes.get_ints("perm", [])) == [0, 2, 1, 3]:
+        q3 = reshape.inputs[0]
+        if q3.shape is not None and q3.shape.rank() == 3 and split.shape is not None and split.shape.rank() == 4 \
+                and _same_dim(q3.shape[1], split.shape[1]):
+            return op.Shape(q3, start=1, end=2)
+    return op.Shape(query, start=2, end=3)
+
+
+def _same_dim(a, b) -> bool:
+    """Two dims known to be equal: the same int, or the same symbol."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a.value is not None and a.value == b.value
 
 
 def _scale_value(kind: str, scale) -> float:

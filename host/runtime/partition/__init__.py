@@ -30,7 +30,7 @@ from host.plugins import hostapi
 from host.plugins.ep import PluginEp
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate_or_release
-from host.runtime import stages
+from host.runtime import shape_program, stages
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, ValueMeta, build_graph
 from host.runtime.partition.claims import collect_claims, unit_order
@@ -42,8 +42,11 @@ from host.runtime.subgraph import SubgraphRunner, prepare_subgraph, subgraph_eps
 class Partitioner:
     """Partitions graphs of one session among its plugin EPs (priority order) and the CPU EP."""
 
-    def __init__(self, eps: list[PluginEp], fallbacks: Counter, source_opsets: dict[str, int] | None = None):
+    def __init__(self, eps: list[PluginEp], fallbacks: Counter, source_opsets: dict[str, int] | None = None,
+                 shape_signatures: int = shape_program.DEFAULT_CAPACITY):
         self.eps = eps
+        self.shape_signatures = shape_signatures
+        self.shape_program: shape_program.ShapeProgram | None = None
         self.fallbacks = fallbacks
         self.source_opsets = source_opsets or {}
         self.kernels: list = []                        # plugin kernels' Slots, released in reverse
@@ -55,6 +58,9 @@ class Partitioner:
         graph = self._expand_unclaimed(graph)
         view = GraphView(graph)
         self.views.append(view)
+        # Shape arithmetic leaves the plan: the host evaluates it once per input-shape signature.
+        self.shape_program = shape_program.build(graph, view.value_index, self.shape_signatures)
+        graph.shape_nodes = self.shape_program.nodes
         return graph, self.plan_graph(graph, view)
 
     # -- steps ----------------------------------------------------------------------------------
@@ -111,6 +117,8 @@ class Partitioner:
         fused = {i for p in parts for i in p.group.nodes}
         nodes, unsupported, units, subgraphs = [], [], [], []
         for i, n in enumerate(g.nodes):
+            if i in g.shape_nodes:  # evaluated by the session's shape program
+                continue
             if i in fused:
                 part = fused_first.get(i)
                 if part is not None:

@@ -1,0 +1,159 @@
+"""ephost's CPU EP against onnxruntime's CPU provider on a dynamic-axes model, shapes in turn.
+
+    python -m bench.dynamic_shapes [--shapes 1x16,8x128,3x50,8x128,1x16] [--iters 50] [--warmup 5]
+                                   [--model bert_like | PATH.onnx] [--threads N] [--json out.json]
+
+One session per side for the whole list (as a server sees shapes come and go): ephost with the shape
+program (host/runtime/shape_program.py, the default), ephost with it off (session config
+session.ephost.shape_cache_signatures=0: shape arithmetic as CPU-EP nodes, as before issue 23), and
+onnxruntime; beside them, ephost on a static copy of the model at each shape (its input dims fixed: what
+a static export runs), the mark a dynamic export should reach. Per shape: the first run (a new shape signature for the session, or a cached one when the
+shape came before) and the p50 of `iters` runs, timed in rounds so load on a shared machine hits every
+side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.0 = parity). The first
+shape's first run of the side that runs first (ephost with the program) also pays the process's one-time
+set-up (lazy imports, native kernels), whichever side that is.
+`--model bert_like` is tests/models/dynamic.py's encoder (2 layers, hidden 64); a path runs a model
+file, the sizes going to its symbolic input dims in order of first appearance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from bench.cpu_models import in_rounds
+from host.cli.session_cmds import parse_shapes
+from host.cli.zoo import random_inputs
+from host.runtime import shape_program
+from host.runtime.dims import input_symbols
+from host.runtime.model import build_graph
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+
+DEFAULT_SHAPES = "1x16,8x128,3x50,8x128,1x16"
+
+
+def _model(name: str) -> onnx.ModelProto:
+    if name == "bert_like":
+        from tests.models.dynamic import bert_like
+
+        return bert_like()
+    return onnx.load(name)
+
+
+def _feeds(model: onnx.ModelProto, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    if {i.name for i in model.graph.input} == {"input_ids", "attention_mask"}:
+        from tests.models.dynamic import bert_feeds
+
+        return bert_feeds(*sizes.values(), seed=seed)
+    return random_inputs(model, seed=seed, sizes=sizes)
+
+
+def sessions(model: onnx.ModelProto, threads: int) -> dict:
+    data = model.SerializeToString()
+    out = {}
+    for label, cache in (("ephost", None), ("ephost_nodes", "0")):
+        so = SessionOptions()
+        so.intra_op_num_threads = threads
+        if cache is not None:
+            so.add_session_config_entry(shape_program.CACHE_KEY, cache)
+        out[label] = InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    out["onnxruntime"] = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return out
+
+
+def static_copy(model: onnx.ModelProto, sizes: dict[str, int]) -> onnx.ModelProto:
+    """`model` with its symbolic input dims fixed to `sizes` (what a static export of that shape is)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for vi in out.graph.input:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in sizes:
+                d.dim_value = sizes[d.dim_param]
+    return out
+
+
+def _static_session(model: onnx.ModelProto, sizes: dict[str, int], threads: int, made: dict) -> InferenceSession:
+    key = tuple(sizes.values())
+    if key not in made:
+        so = SessionOptions()
+        so.intra_op_num_threads = threads
+        made[key] = InferenceSession(static_copy(model, sizes).SerializeToString(), sess_options=so,
+                                     providers=["CPUExecutionProvider"])
+    return made[key]
+
+
+def _runner(session, feeds):
+    return lambda: session.run(None, feeds)
+
+
+def bench(model: onnx.ModelProto, shapes: str, iters: int, warmup: int, threads: int, seed: int = 0) -> list[dict]:
+    sess = sessions(model, threads)
+    symbols = list(input_symbols(build_graph(model).inputs))
+    rows = []
+    statics: dict = {}
+    for sizes in parse_shapes(shapes, symbols):
+        feeds = _feeds(model, sizes, seed)
+        runs = {label: _runner(session, feeds) for label, session in sess.items()}
+        static = _static_session(model, sizes, threads, statics)  # made before timing the others
+        row = {"shape": "x".join(map(str, sizes.values()))}
+        want = None
+        for label, fn in runs.items():
+            t0 = time.perf_counter_ns()
+            got = fn()[0]
+            row[f"{label}_first_ms"] = (time.perf_counter_ns() - t0) / 1e6
+            want = got if want is None else want
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)  # same answers before timing
+        runs["ephost_static"] = _runner(static, feeds)
+        np.testing.assert_allclose(runs["ephost_static"]()[0], want, rtol=1e-3, atol=1e-4)
+        samples = in_rounds(runs, warmup, iters, block=max(1, min(10, iters)))
+        for label in runs:
+            row[f"{label}_p50_us"] = float(np.median(samples[label]))
+        for label in ("ephost", "ephost_nodes", "ephost_static"):
+            row[f"{label}_ratio"] = row[f"{label}_p50_us"] / row["onnxruntime_p50_us"]
+        row["plan_nodes"] = {k: len(s.plan.nodes) for k, s in sess.items() if k != "onnxruntime"}
+        row["shape_evaluations"] = sess["ephost"].shape_program.evaluations
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | onnxruntime p50 | ephost, shapes as nodes p50 (ratio) | ephost, shape program p50 (ratio) "
+             "| ephost, static export of the shape (ratio) | first run: ort / nodes / program |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['onnxruntime_p50_us']:.0f} us | {r['ephost_nodes_p50_us']:.0f} us "
+                     f"({r['ephost_nodes_ratio']:.2f}x) | {r['ephost_p50_us']:.0f} us ({r['ephost_ratio']:.2f}x) | "
+                     f"{r['ephost_static_p50_us']:.0f} us ({r['ephost_static_ratio']:.2f}x) | "
+                     f"{r['onnxruntime_first_ms']:.1f} / {r['ephost_nodes_first_ms']:.1f} / "
+                     f"{r['ephost_first_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="bert_like")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", metavar="OUT.json")
+    args = p.parse_args(argv)
+    rows = bench(_model(args.model), args.shapes, args.iters, args.warmup, args.threads)
+    print(table(rows))
+    print(f"plan nodes: {rows[-1]['plan_nodes']}; shape program evaluations: {rows[-1]['shape_evaluations']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
