@@ -149,7 +149,7 @@ def test_a_host_to_device_transfer_without_an_ep_uses_the_target_devices(mock_en
     (choosing by the source, the host, found none: 'no data transfer can copy from (0, 0) to (1, 0)')."""
     s = host.InferenceSession(chain_model(), providers=[("ExampleEP", PRODUCERS["cpu_only"])], env=mock_env)
     value = np.arange(6, dtype=np.float32).reshape(SHAPE)
-    moved = s._executor.transfer(value, (abi.DEVICE_GPU, 0), None, None)
+    moved = s.executor.transfer(value, (abi.DEVICE_GPU, 0), None, None)
     assert isinstance(moved, DeviceTensor) and (moved.device_type, moved.device_id) == (abi.DEVICE_GPU, 0)
-    np.testing.assert_array_equal(s._executor.to_host(moved), value)
+    np.testing.assert_array_equal(s.executor.to_host(moved), value)
     s.close()
