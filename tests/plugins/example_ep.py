@@ -58,6 +58,7 @@ _OPS = {
 _FLOAT_TYPES = (1, 11)  # float32, float64
 
 
+@sdk.count_slot_calls  # tests assert on how often each slot was called
 def create_factories(runtime: sdk.Runtime, registration_name: str, logger) -> list:
     fault = os.environ.get(FAULT_ENV, "")
     if fault == "entry_error":

@@ -40,8 +40,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "host.runtime.graph_capture": ("parse_graph_id", "GraphCapture.__init__", "GraphCapture.run",
                                    "GraphCapture._replay", "GraphCapture._check_binding"),
     "host.runtime.compiled": ("can_compile", "collect_claims", "claim_and_compile"),
-    "abi.sdk": ("HostApi.__init__", "HostApi._covers", "HostApi.has", "HostApi.sync_stream", "Runtime.expose",
-                "Runtime._create_locked", "EpBase.GetCapability"),
+    "abi.plugin_runtime": ("HostApi.__init__", "HostApi._covers", "HostApi.has", "HostApi.sync_stream",
+                           "Runtime.expose", "Runtime._create_locked"),
+    "abi.sdk": ("EpBase.GetCapability",),
     "plugin_cuda.options": ("parse_options", "_validate", "_bool", "_int", "_pointer"),
 }
 
