@@ -134,6 +134,15 @@ class FactoryBase(Impl):
         s = self.create_sync_stream(self._spec(info))
         out[0] = self.ffi.NULL if s is None else self.runtime.expose("EpSyncStream", s)
 
+    def ValidateCompiledModelCompatibilityInfo(self, devices, num_devices, compatibility_info, compatibility):
+        devs = [DeviceSpec(devices[i].device_type, devices[i].device_id, devices[i].vendor_id,
+                           _s(self.ffi, devices[i].name)) for i in range(num_devices)]
+        answer = int(self.validate_compatibility(devs, _s(self.ffi, compatibility_info)))
+        if answer not in COMPATIBILITY_ANSWERS:
+            raise PluginError(f"validate_compatibility() returned {answer}; expected one of "
+                              f"{sorted(COMPATIBILITY_ANSWERS)}", abi.EP_FAIL)
+        compatibility[0] = answer
+
     def _spec(self, info) -> MemorySpec:
         return MemorySpec(_s(self.ffi, info.name), info.device_type, info.device_id, info.mem_type)
 
@@ -152,6 +161,11 @@ class FactoryBase(Impl):
 
     def create_sync_stream(self, spec: MemorySpec):
         return None
+
+    def validate_compatibility(self, devices: list[DeviceSpec], info: str) -> int:
+        """(v7) Judge a compatibility string saved in a compiled model against `devices`: one of
+        COMPILED_MODEL_*. The default: this factory saves no contexts, so it has no opinion."""
+        return COMPILED_MODEL_NOT_APPLICABLE
 
 
 class EpBase(Impl):
@@ -197,6 +211,16 @@ class EpBase(Impl):
         for i, c in enumerate(tables):
             compute_infos_out[i] = c
 
+    def CompileFromContext(self, graph, fused_node, data, size, compute_info_out):
+        fused = FusedGraph(_s(self.ffi, fused_node.name), read_graph(self.ffi, graph))
+        blob = bytes(self.ffi.buffer(data, size)) if data != self.ffi.NULL and size else b""
+        function = self.compile_from_context(fused, blob)
+        compute_info_out[0] = self.runtime.expose("EpNodeComputeInfo", ComputeInfo(self.runtime, self, function, fused))
+
+    def GetCompiledModelCompatibilityInfo(self, graph):
+        info = self.compatibility_info()
+        return None if info is None else self.runtime.cstr(self, info)
+
     def CreateKernel(self, graph, node, out):
         g = self.graph(graph)
         out[0] = self.runtime.expose("EpKernel", self.create_kernel(g, g.nodes[node]))
@@ -230,6 +254,16 @@ class EpBase(Impl):
         """One compute function per fused graph: an object with compute(state, frame) and
         optionally create_state() and release_state(state)."""
         raise PluginError(f"{type(self).__name__} compiles no partition", abi.EP_NOT_IMPLEMENTED)
+
+    def compile_from_context(self, fused: FusedGraph, blob: bytes):
+        """(v7) Rebuild the compute function of a saved fused node from the bytes its context()
+        returned; `fused.graph` holds no nodes, only the node's inputs and outputs. Raise on a blob
+        it cannot read: the host then compiles the subgraph kept in the model."""
+        raise PluginError(f"{type(self).__name__} rebuilds no partition from a context", abi.EP_NOT_IMPLEMENTED)
+
+    def compatibility_info(self) -> str | None:
+        """(v7) What this EP's contexts depend on, saved in a context model; None: no contexts."""
+        return None
 
     def create_kernel(self, graph: GraphSpec, node: NodeSpec):
         raise PluginError(f"no kernel for {node.op_type}", abi.EP_NOT_IMPLEMENTED)
@@ -324,6 +358,14 @@ class CallFrame:
         self._api.check(status)
 
 
+# Answers of FactoryBase.validate_compatibility (ep_abi.h EP_COMPILED_MODEL_*).
+COMPILED_MODEL_NOT_APPLICABLE = abi.COMPILED_MODEL_NOT_APPLICABLE
+COMPILED_MODEL_SUPPORTED_OPTIMAL = abi.COMPILED_MODEL_SUPPORTED_OPTIMAL
+COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION = abi.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION
+COMPILED_MODEL_UNSUPPORTED = abi.COMPILED_MODEL_UNSUPPORTED
+COMPATIBILITY_ANSWERS = tuple(abi.COMPATIBILITY_NAMES)
+
+
 class ComputeInfo(Impl):
     """The EpNodeComputeInfo of one fused node: routes the C slots to a plugin's compute function."""
 
@@ -334,6 +376,7 @@ class ComputeInfo(Impl):
         self.function = function
         self.fused = fused
         self._states: dict[object, object] = {}
+        self._context = None  # the bytes GetContext handed out, alive until Release
         self._serial = 0
         self._node_index = {n.name: n.index for n in fused.graph.nodes}
 
@@ -353,6 +396,16 @@ class ComputeInfo(Impl):
             index = exc.node if isinstance(exc.node, int) else self._node_index.get(exc.node, -1)
             frame.error_node = index
             raise
+
+    def GetContext(self, data, size):
+        # The function's context() bytes, kept alive until Release (the host copies them).
+        make = getattr(self.function, "context", None)
+        blob = make() if make is not None else None
+        if not blob:
+            data[0], size[0] = self.ffi.NULL, 0
+            return
+        self._context = self.ffi.new("char[]", bytes(blob))
+        data[0], size[0] = self._context, len(blob)
 
     def ReleaseState(self, state):
         value = self._states.pop(state, None)
@@ -450,7 +503,8 @@ class NotificationBase(Impl):
 
 
 __all__ = [
-    "PLUGIN_TABLES", "AllocatorBase", "CallFrame", "ComputeInfo", "DeviceSpec", "EpBase", "FactoryBase",
+    "COMPATIBILITY_ANSWERS", "COMPILED_MODEL_NOT_APPLICABLE", "COMPILED_MODEL_SUPPORTED_OPTIMAL",
+    "COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION", "COMPILED_MODEL_UNSUPPORTED", "PLUGIN_TABLES", "AllocatorBase", "CallFrame", "ComputeInfo", "DeviceSpec", "EpBase", "FactoryBase",
     "FrameTensor", "FusedGraph", "GraphSpec", "HostApi", "HostCallError", "Impl", "KernelBase", "MemorySpec",
     "NodeError", "NodeSpec", "NotificationBase", "PluginError", "Record", "Runtime", "SyncStreamBase", "ValueSpec",
     "count_slot_calls", "extern_python_decls", "read_graph", "read_key_values", "runtime", "runtimes", "serve",

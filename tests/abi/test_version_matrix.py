@@ -1,4 +1,4 @@
-"""Every host API version against every plugin ABI version (6x6), in one process.
+"""Every host API version against every plugin ABI version (7x7), in one process.
 
 For each pair the negotiated version must be min(host, plugin) on both sides, the plugin must ask
 for exactly that EpApi, the host must see only slots that exist at that version, the plugin must
