@@ -22,7 +22,7 @@ from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.plugins.hostapi import ffi
 from host.plugins.loader import negotiate, release_rejected
-from host.runtime import compiled, ort_api, profiling, stages, threads, types
+from host.runtime import compiled, epcontext, epcontext_save, ort_api, profiling, stages, threads, types
 from host.runtime.executor import Executor, Plan, PlanNode, compute_frees
 from host.runtime.graph_capture import GraphCapture, parse_graph_id
 from host.runtime.graphview import GraphView
@@ -143,6 +143,7 @@ class InferenceSession:
             stages.enter(stages.PARTITIONING)
             with self._profiler.span("partitioning"):
                 self.plan = self._partition()
+            self.context_model = epcontext_save.save_if_enabled(self, path_or_bytes)  # ABI v7: ep.context_enable
             capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
             self._executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps)
             self.capture = GraphCapture(self)
@@ -188,6 +189,10 @@ class InferenceSession:
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
+        model, self.contexts = epcontext.SavedContexts.split(model)  # ABI v7: a saved context model
+        if self.contexts is not None:  # was optimized before it was saved
+            self.optimization = None
+            return model
         stages.enter(stages.OPTIMIZING)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
@@ -222,6 +227,8 @@ class InferenceSession:
         return declared.get(node.domain if node.domain != "ai.onnx" else "", node.opset)
 
     def _partition(self) -> Plan:
+        if self.contexts is not None:  # ABI v7: rebuild saved partitions, or put their nodes back
+            self.graph, self._view = self.contexts.resolve(self._eps, self.graph, self._view, self.fallbacks)
         self._expand_unclaimed()
         return self._plan_graph(self.graph, self._view)
 
@@ -230,7 +237,8 @@ class InferenceSession:
         (default: the session's)."""
         ids = view.value_index
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
-        assigned, parts = compiled.claim_and_compile(self._eps if eps is None else eps, view, g, self.fallbacks)
+        assigned, parts = compiled.claim_and_compile(self._eps if eps is None else eps, view, g, self.fallbacks,
+                                                     self.contexts if g is self.graph else None)
         self._partitions.extend(parts)
         stages.enter(stages.CREATING_KERNELS)
         fused_first = {p.group.nodes[0]: p for p in parts}
