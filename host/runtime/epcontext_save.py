@@ -41,7 +41,7 @@ def save_if_enabled(session, source) -> Path | None:
         raise InvalidArgument("ep.context_enable=1: the model already holds EPContext nodes; expected a source "
                               "model (one without compiled contexts)")
     path = _target(opts, source)
-    parts = _main_graph_partitions(session)
+    parts = main_graph_partitions(session)
     blobs = {p.name: blob for p in parts if (blob := _context_of(p, session.fallbacks)) is not None}
     proto = _context_model(session, [p for p in parts if p.name in blobs], blobs, opts, path)
     proto.metadata_props.add(key=SOURCE_HASH_KEY, value=source_hash(source))
@@ -64,7 +64,7 @@ def _target(opts: ContextOptions, source) -> Path:
                           "file the context model goes to")
 
 
-def _main_graph_partitions(session) -> list:
+def main_graph_partitions(session) -> list:
     """The compiled partitions of the session's own graph (not of control-flow bodies), in plan order."""
     nodes = session.graph.nodes
     return [p for p in session._partitions
