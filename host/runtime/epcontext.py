@@ -126,6 +126,9 @@ def validate(factory, saved: str) -> Compatibility:
                                                       f"for the saved compatibility string {saved!r}")
 
 
+_NO_STRING = "the model holds no compatibility string for this EP: its contexts are tried as they are"
+
+
 def compatibility_strings(proto: onnx.ModelProto) -> dict[str, str]:
     return {p.key[len(COMPATIBILITY_KEY):]: p.value for p in proto.metadata_props
             if p.key.startswith(COMPATIBILITY_KEY)}
@@ -144,8 +147,10 @@ def check_compatibility(model, env) -> list[Compatibility]:
             out.append(Compatibility(ep, saved.get(ep, ""), abi.COMPILED_MODEL_NOT_APPLICABLE,
                                      f"no EP called {ep!r} is registered; its partitions would run from the kept "
                                      "subgraphs"))
+        elif ep not in saved:
+            out.append(Compatibility(ep, "", abi.COMPILED_MODEL_NOT_APPLICABLE, _NO_STRING))
         else:
-            out.append(validate(factory, saved.get(ep, "")))
+            out.append(validate(factory, saved[ep]))
     return out
 
 
@@ -238,7 +243,7 @@ class SavedContexts:
             return f"{ep.name} speaks ABI v{ep.slots.negotiated}; contexts need v7"
         answer = answers.get(ep.name)
         if answer is None:
-            answer = answers[ep.name] = validate(ep.factory, self.compatibility.get(ep.name, ""))
+            answer = answers[ep.name] = self._answer(ep)
         if answer.answer == abi.COMPILED_MODEL_UNSUPPORTED:
             raise ContextError(f"compiled context of '{saved.name}' cannot be used: {answer.reason} (this EP now "
                                f"writes {_current(ep)!r}); compile the source model again (ephost compile)")
@@ -247,6 +252,12 @@ class SavedContexts:
         if saved.blob is None:
             return f"!{saved.problem}"
         return None
+
+    def _answer(self, ep) -> Compatibility:
+        saved = self.compatibility.get(ep.name)
+        if saved is None:  # the EP wrote no compatibility string: nothing to judge (onnxruntime skips it too)
+            return Compatibility(ep.name, "", abi.COMPILED_MODEL_NOT_APPLICABLE, _NO_STRING)
+        return validate(ep.factory, saved)
 
     def _load(self, saved: SavedNode, ep, graph: Graph, index: int):
         """Ep.CompileFromContext for one node; None (with saved.problem set) when the EP refuses."""
