@@ -48,6 +48,7 @@ import os
 import threading
 import time
 import weakref
+import zipfile
 
 import numpy as np
 
@@ -422,7 +423,7 @@ class ExampleCompute:
             head, program, constants = _read_context(blob)
             compute = cls(ep, fused.name, [(op, tuple(ins), out, index, node) for op, ins, out, index, node in program],
                           constants, head["inputs"], head["outputs"], head["output_types"])
-        except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:  # what a damaged blob raises
+        except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged blob
             raise sdk.PluginError(f"context of fused node '{fused.name}' cannot be read ({len(blob)} bytes): "
                                   f"{type(exc).__name__}: {exc}", abi.EP_INVALID_GRAPH) from None
         g = fused.graph
