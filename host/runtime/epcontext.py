@@ -35,6 +35,7 @@ import abi
 from host.errors import EpError, InvalidArgument, ModelError
 from host.plugins import hostapi
 from host.plugins.hostapi import ffi
+from host.plugins.loader import text
 from host.runtime import compiled
 from host.runtime.graphview import GraphView
 from host.runtime.model import Graph, build_graph, load_model
@@ -206,8 +207,10 @@ class SavedContexts:
                 node.attribute.extend(kept)
         return light, cls(light, nodes, compatibility_strings(proto))
 
-    def resolve(self, eps, graph: Graph, view: GraphView, fallbacks) -> tuple[Graph, GraphView]:
-        """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc)."""
+    def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
+        """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
+        rebuilt partitions are appended to `owned` at once (the session releases them, even if its
+        creation fails later)."""
         by_name = {ep.name: ep for ep in eps}
         answers: dict[str, Compatibility] = {}
         recompile: list[str] = []
@@ -226,6 +229,7 @@ class SavedContexts:
                                 f"({(why or saved.problem).lstrip('!')}); its nodes are compiled again")
             else:
                 self.ready[saved.name] = part
+                owned.append(part)
                 fallbacks["context_loaded"] += 1
         if not recompile:
             return graph, view
@@ -246,7 +250,8 @@ class SavedContexts:
             answer = answers[ep.name] = self._answer(ep)
         if answer.answer == abi.COMPILED_MODEL_UNSUPPORTED:
             raise ContextError(f"compiled context of '{saved.name}' cannot be used: {answer.reason} (this EP now "
-                               f"writes {_current(ep)!r}); compile the source model again (ephost compile)")
+                               f"writes {current_compatibility(ep) or ''!r}); compile the source model again "
+                               "(ephost compile)")
         if answer.answer == abi.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION:
             return answer.reason
         if saved.blob is None:
@@ -302,10 +307,11 @@ class SavedContexts:
         return parts
 
 
-def _current(ep) -> str:
+def current_compatibility(ep, graph_ptr=ffi.NULL) -> str | None:
+    """The EP's compatibility string now (Ep.GetCompiledModelCompatibilityInfo); None: it gives none."""
     slot = ep.slots.GetCompiledModelCompatibilityInfo
-    text = slot(ep.ptr, ffi.NULL) if slot is not None else ffi.NULL
-    return "" if text == ffi.NULL else ffi.string(text).decode("utf-8", "replace")
+    p = slot(ep.ptr, graph_ptr) if slot is not None else ffi.NULL
+    return None if p == ffi.NULL else text(p, f"{ep.owner}: Ep.GetCompiledModelCompatibilityInfo", EpError)
 
 
 def _read_node(node: onnx.NodeProto, base: Path | None) -> SavedNode:
@@ -330,4 +336,4 @@ def _read_node(node: onnx.NodeProto, base: Path | None) -> SavedNode:
 
 
 __all__ = ["ContextError", "ContextOptions", "Compatibility", "SavedContexts", "check_compatibility",
-           "is_context_node", "source_hash", "validate"]
+           "current_compatibility", "is_context_node", "source_hash", "validate"]

@@ -27,6 +27,7 @@ from host.runtime.epcontext import (
     KEPT_SUBGRAPH,
     SOURCE_HASH_KEY,
     ContextOptions,
+    current_compatibility,
     source_hash,
 )
 from host.runtime.warn import warn_caller
@@ -155,11 +156,9 @@ def _value_info(graph, name: str) -> onnx.ValueInfoProto:
 
 def _set_metadata(proto: onnx.ModelProto, session, parts: list) -> None:
     for ep in {id(p.group.ep): p.group.ep for p in parts}.values():
-        slot = ep.slots.GetCompiledModelCompatibilityInfo
-        text = slot(ep.ptr, session._view.ptr) if slot is not None else ffi.NULL
-        if text != ffi.NULL:
-            proto.metadata_props.add(key=COMPATIBILITY_KEY + ep.name,
-                                     value=ffi.string(text).decode("utf-8", "replace"))
+        text = current_compatibility(ep, session._view.ptr)
+        if text is not None:
+            proto.metadata_props.add(key=COMPATIBILITY_KEY + ep.name, value=text)
 
 
 def _topological(nodes: list[onnx.NodeProto], g: onnx.GraphProto) -> list[onnx.NodeProto]:

@@ -228,7 +228,8 @@ class InferenceSession:
 
     def _partition(self) -> Plan:
         if self.contexts is not None:  # ABI v7: rebuild saved partitions, or put their nodes back
-            self.graph, self._view = self.contexts.resolve(self._eps, self.graph, self._view, self.fallbacks)
+            self.graph, self._view = self.contexts.resolve(self._eps, self.graph, self._view, self.fallbacks,
+                                                           self._partitions)
         self._expand_unclaimed()
         return self._plan_graph(self.graph, self._view)
 
@@ -239,7 +240,7 @@ class InferenceSession:
         # ABI v6: fused groups become compiled partitions, one plan node each (compiled.py).
         assigned, parts = compiled.claim_and_compile(self._eps if eps is None else eps, view, g, self.fallbacks,
                                                      self.contexts if g is self.graph else None)
-        self._partitions.extend(parts)
+        self._partitions.extend(p for p in parts if p not in self._partitions)  # saved ones are in already
         stages.enter(stages.CREATING_KERNELS)
         fused_first = {p.group.nodes[0]: p for p in parts}
         fused = {i for p in parts for i in p.group.nodes}
