@@ -358,6 +358,20 @@ class CallFrame:
         self._api.check(status)
 
 
+def compatibility_string(ep_name: str, **fields) -> str:
+    """A compatibility string in the SDK's form: "EP;key=value;..." (compatibility_fields reads it)."""
+    return ";".join([ep_name, *(f"{k}={v}" for k, v in fields.items())])
+
+
+def compatibility_fields(info: str, ep_name: str) -> dict[str, str] | None:
+    """The key=value fields of a compatibility_string of `ep_name`, or None for any other text."""
+    name, _, rest = info.partition(";")
+    pairs = [part.partition("=") for part in rest.split(";") if part]
+    if name != ep_name or any(not sep for _, sep, _ in pairs):
+        return None
+    return {k: v for k, _, v in pairs}
+
+
 # Answers of FactoryBase.validate_compatibility (ep_abi.h EP_COMPILED_MODEL_*).
 COMPILED_MODEL_NOT_APPLICABLE = abi.COMPILED_MODEL_NOT_APPLICABLE
 COMPILED_MODEL_SUPPORTED_OPTIMAL = abi.COMPILED_MODEL_SUPPORTED_OPTIMAL
@@ -507,6 +521,6 @@ __all__ = [
     "COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION", "COMPILED_MODEL_UNSUPPORTED", "PLUGIN_TABLES", "AllocatorBase", "CallFrame", "ComputeInfo", "DeviceSpec", "EpBase", "FactoryBase",
     "FrameTensor", "FusedGraph", "GraphSpec", "HostApi", "HostCallError", "Impl", "KernelBase", "MemorySpec",
     "NodeError", "NodeSpec", "NotificationBase", "PluginError", "Record", "Runtime", "SyncStreamBase", "ValueSpec",
-    "count_slot_calls", "extern_python_decls", "read_graph", "read_key_values", "runtime", "runtimes", "serve",
+    "compatibility_fields", "compatibility_string", "count_slot_calls", "extern_python_decls", "read_graph", "read_key_values", "runtime", "runtimes", "serve",
     "tensor_to_numpy", "trampoline_name",
 ]

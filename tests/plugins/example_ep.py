@@ -113,7 +113,7 @@ class ExampleFactory(sdk.FactoryBase):
         return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, DEVICE_NAME, "Cpu")]
 
     def validate_compatibility(self, devices, info):
-        fields = _compatibility_fields(info)
+        fields = sdk.compatibility_fields(info, EP_NAME)
         if fields is None or fields.get("format") != str(CONTEXT_FORMAT) \
                 or fields.get("device") not in {d.name for d in devices}:
             return sdk.COMPILED_MODEL_UNSUPPORTED
@@ -145,17 +145,6 @@ _FUSE_MODES = ("runs", "all")
 DEVICE_NAME = "example-cpu"
 CONTEXT_FORMAT = 1
 CONTEXT_MAGIC = b"EXAMPLE-EP-CONTEXT\0"
-
-
-def _compatibility_fields(info: str) -> dict[str, str] | None:
-    """The key=value fields of a compatibility string of this EP ("ExampleEP;plugin=1.0.0;..."), or None."""
-    name, _, rest = info.partition(";")
-    if name != EP_NAME:
-        return None
-    pairs = [field.partition("=") for field in rest.split(";") if field]
-    if any(not sep for _, sep, _ in pairs):
-        return None
-    return {k: v for k, _, v in pairs}
 
 
 def _fuse_modes(text: str) -> list[str]:
@@ -259,8 +248,8 @@ class ExampleEp(sdk.EpBase):
         return compute
 
     def compatibility_info(self):
-        return (f"{EP_NAME};plugin={self.factory.plugin_version};abi={self.runtime.compiled_version};"
-                f"format={CONTEXT_FORMAT};device={DEVICE_NAME}")
+        return sdk.compatibility_string(EP_NAME, plugin=self.factory.plugin_version, abi=self.runtime.compiled_version,
+                                        format=CONTEXT_FORMAT, device=DEVICE_NAME)
 
     def CreateAllocator(self, info, out):
         alloc = ExampleAllocator(self.runtime, self.factory, self.factory._spec(info))
