@@ -74,7 +74,10 @@ class CudaFactory(sdk.FactoryBase):
             raise PluginError(str(exc), abi.EP_INVALID_ARGUMENT) from None
         if not devices:
             raise PluginError(f"{EP_NAME}: no CUDA device; the options are valid", abi.EP_NOT_FOUND)
-        return CudaEp(self.runtime, self, opts, logger)
+        ep = CudaEp(self.runtime, self, opts, logger)
+        # ABI v7: plans keep their subgraph (weights included) only for a session that saves contexts.
+        ep.saves_contexts = self.api.config_entry(session_options, "ep.context_enable") == "1"
+        return ep
 
     def create_allocator(self, spec):
         return None  # allocators are per EP (per session): see CudaEp.CreateAllocator

@@ -20,7 +20,9 @@ class PlanFunction:
     def __init__(self, ep, fused):
         self.ep = ep
         self.name = fused.name
-        self.fused = fused  # saved as this partition's context (ABI v7; NVRTC output is in the disk cache)
+        # Saved as this partition's context (ABI v7; NVRTC output is in the disk cache), only when the
+        # session writes a context model: the subgraph holds the weights in host memory.
+        self.fused = fused if getattr(ep, "saves_contexts", False) else None
         opts = ep.opts
         # The host's own graph capture (enable_cuda_graph) records the plan's launches; a plan
         # capturing itself as well would nest captures, so auto-graph is off then.
@@ -38,10 +40,10 @@ class PlanFunction:
     def create_state(self):
         return None
 
-    def context(self) -> bytes:
+    def context(self) -> bytes | None:
         """ABI v7: the fused subgraph as bytes; CudaEp.compile_from_context plans it again (no host
         optimization or partitioning; kernels come from the NVRTC disk cache)."""
-        return fused_blob.to_bytes(self.fused)
+        return None if self.fused is None else fused_blob.to_bytes(self.fused)
 
     def compute(self, state, frame) -> None:
         ep = self.ep
