@@ -195,8 +195,10 @@ class SavedContexts:
         if not any(is_context_node(n) for n in proto.graph.node):
             return proto, None
         base = Path(model).parent if isinstance(model, (str, Path)) else None
-        light = onnx.ModelProto()
-        light.CopyFrom(proto)
+        light = proto
+        if proto is model:  # the caller's ModelProto is not ours to change (a loaded one is: no copy of the weights)
+            light = onnx.ModelProto()
+            light.CopyFrom(proto)
         nodes: dict[str, SavedNode] = {}
         for node in light.graph.node:
             if is_context_node(node):
@@ -205,7 +207,7 @@ class SavedContexts:
                 kept = [a for a in node.attribute if a.name not in STRIPPED]
                 del node.attribute[:]
                 node.attribute.extend(kept)
-        return light, cls(light, nodes, compatibility_strings(proto))
+        return light, cls(light, nodes, compatibility_strings(light))
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
         """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
@@ -318,7 +320,10 @@ def _read_node(node: onnx.NodeProto, base: Path | None) -> SavedNode:
     if not node.name:
         raise ModelError(f"an EPContext node of source {_text(node, 'source')!r} has no name; expected the "
                          "partition name")
-    saved = SavedNode(node.name, _text(node, "source"), None, _attr(node, KEPT_SUBGRAPH, None))
+    kept = _attr(node, KEPT_SUBGRAPH, None)
+    if kept is not None:  # a copy: split() takes the attribute out of the node
+        kept = onnx.GraphProto.FromString(kept.SerializeToString())
+    saved = SavedNode(node.name, _text(node, "source"), None, kept)
     data = _attr(node, "ep_cache_context", b"")
     if _attr(node, "main_context", 1) != 1:
         saved.problem = "main_context=0 (a context shared with another node) is not supported"

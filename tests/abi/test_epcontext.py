@@ -111,6 +111,12 @@ def test_saved_model_holds_epcontext_nodes_and_loads_without_compiling(env7, sou
     assert calls["Ep.Compile"] == 0, "a loaded context is not compiled again"
     assert calls["EpFactory.ValidateCompiledModelCompatibilityInfo"] == 1  # once per EP, not per node
     assert calls["EpNodeComputeInfo.Compute"] == 2 * 2
+    # A ModelProto given by the caller is read, not changed (the blobs and kept subgraphs stay).
+    proto = onnx.load(str(ctx_path))
+    before = proto.SerializeToString()
+    with InferenceSession(proto, providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 2
+    assert proto.SerializeToString() == before
 
 
 def test_external_contexts_beside_the_model(env7, source, tmp_path):
