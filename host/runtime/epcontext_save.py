@@ -107,7 +107,7 @@ def _context_model(session, parts: list, blobs: dict[str, bytes], opts: ContextO
             nodes.append(node)
             continue
         if not members[part.name]:
-            nodes.append(_context_node(part, blobs[part.name], opts, path, graph))
+            nodes.append(_context_node(part, blobs[part.name], opts, path))
         members[part.name].append(node)
     for part in parts:
         _attach_kept(nodes, part, members[part.name], graph)
@@ -124,7 +124,7 @@ def _node_names(g: onnx.GraphProto) -> list[str]:
     return [n.name or f"{n.op_type}_{k}" for k, n in enumerate(g.node)]
 
 
-def _context_node(part, blob: bytes, opts: ContextOptions, path: Path, graph) -> onnx.NodeProto:
+def _context_node(part, blob: bytes, opts: ContextOptions, path: Path) -> onnx.NodeProto:
     ep = part.group.ep
     if opts.embed_mode == 1:
         cache = blob

@@ -281,3 +281,25 @@ def test_a_damaged_context_never_crashes_the_process(plugins, source):
     r = subprocess.run([sys.executable, "-c", code], cwd=build.ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "(2,", "3)"]
+
+
+@pytest.mark.parametrize("plugin", [6, V])
+def test_the_c_plugin_saves_no_context(cc, tmp_path, plugin):
+    """The C plugin (no v7 slots filled; at v6 it has none): ep.context_enable keeps its fused nodes."""
+    from tests.abi.test_compiled import add_chain, c_plugin_at
+
+    path, lib = c_plugin_at(plugin)
+    model = add_chain(4)
+    source = tmp_path / "adds.onnx"
+    onnx.save(model, str(source))
+    with Environment() as env:
+        env.register_plugin("c", path)
+        so = options(**{epcontext.ENABLE: "1"})
+        with InferenceSession(str(source), so, providers=["ExampleCEP"], env=env) as s:
+            assert s.fallbacks["context_not_offered"] == 1
+        assert context_nodes(s.context_model) == []
+        computes = lib.ExampleC_ComputeCalls()
+        with InferenceSession(str(s.context_model), providers=["ExampleCEP"], env=env) as s2:
+            x = x_input()
+            np.testing.assert_allclose(s2.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
+        assert lib.ExampleC_ComputeCalls() - computes == 1  # compiled again, one crossing
