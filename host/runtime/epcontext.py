@@ -223,6 +223,10 @@ class SavedContexts:
             ep = by_name.get(saved.source)
             why = self._why_not_loaded(saved, ep, answers)
             part = None if why else self._load(saved, ep, graph, index)
+            if part is None and saved.kept is None:
+                raise ContextError(f"compiled context of '{saved.name}' cannot be used "
+                                   f"({(why or saved.problem).lstrip('!')}) and the node keeps no subgraph to "
+                                   "compile again; compile the source model again (ephost compile)")
             if part is None:
                 recompile.append(saved.name)
                 fallbacks["context_recompiled"] += 1
@@ -240,9 +244,6 @@ class SavedContexts:
 
     def _why_not_loaded(self, saved: SavedNode, ep, answers: dict[str, Compatibility]) -> str | None:
         """Why `saved` is compiled again instead (a leading '!' asks for a warning), or None."""
-        if saved.kept is None and (ep is None or ep.slots.CompileFromContext is None):
-            raise ContextError(f"EPContext node '{saved.name}' needs EP {saved.source!r} at ABI v7 and keeps no "
-                               "subgraph to compile again")
         if ep is None:
             return f"!{saved.source} is not an EP of this session"
         if ep.slots.CompileFromContext is None:

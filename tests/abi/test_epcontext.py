@@ -303,3 +303,22 @@ def test_the_c_plugin_saves_no_context(cc, tmp_path, plugin):
             x = x_input()
             np.testing.assert_allclose(s2.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
         assert lib.ExampleC_ComputeCalls() - computes == 1  # compiled again, one crossing
+
+
+def test_a_damaged_context_without_kept_nodes_is_a_typed_error(env7, source):
+    """An EPContext node from elsewhere (no ephost_subgraph): nothing to fall back to."""
+    from tests.property.scenario import damage
+
+    _, path = source
+    ctx_path, _ = save(env7, path)
+    damage(ctx_path, "corrupt")
+    proto = onnx.load(str(ctx_path))
+    for node in proto.graph.node:
+        kept = [a for a in node.attribute if a.name != epcontext.KEPT_SUBGRAPH]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    with pytest.raises(epcontext.ContextError, match=r"^compiled context of 'ExampleEP_fused_0' cannot be used \(EP "
+                                                     r"'ExampleEP' .*CompileFromContext of 'ExampleEP_fused_0' failed "
+                                                     r"\(INVALID_GRAPH\): .*\) and the node keeps no subgraph to compile "
+                                                     r"again; compile the source model again \(ephost compile\)$"):
+        InferenceSession(proto, providers=[(EP, EP_OPTIONS)], env=env7)
