@@ -40,6 +40,7 @@ def cmd_compile(args) -> int:
 
 def _check(args) -> int:
     from host.runtime import epcontext
+    from host.runtime.model import load_model
 
     env = _environment(args.plugin)
     try:
@@ -51,4 +52,6 @@ def _check(args) -> int:
         return 0
     for a in answers:
         print(f"{a.ep}: {a.name} ({a.reason})")
+    meta = {p.key: p.value for p in load_model(args.model).metadata_props}
+    print(f"source model sha256: {meta.get(epcontext.SOURCE_HASH_KEY, 'not recorded')}")
     return 1 if any(a.answer == epcontext.abi.COMPILED_MODEL_UNSUPPORTED for a in answers) else 0

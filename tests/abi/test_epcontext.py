@@ -256,7 +256,9 @@ def test_cli_compile_and_check(plugins, source, tmp_path, capsys):
     assert "2 saved as EPContext nodes, 0 kept as nodes" in text and f"wrote {out}" in text
     assert len(context_nodes(out)) == 2
     assert cli.main(["compile", "--check", str(out), "--plugin", str(plugins.example[V])]) == 0
-    assert capsys.readouterr().out.startswith("ExampleEP: EP_SUPPORTED_OPTIMAL (")
+    text = capsys.readouterr().out
+    assert text.startswith("ExampleEP: EP_SUPPORTED_OPTIMAL (")
+    assert f"source model sha256: {hashlib.sha256(path.read_bytes()).hexdigest()}" in text
     _edit_compatibility(out, f"{EP};plugin=1.0.0;abi={V};format=2;device=example-cpu")
     assert cli.main(["compile", "--check", str(out), "--plugin", str(plugins.example[V])]) == 1
     assert capsys.readouterr().out.startswith("ExampleEP: EP_UNSUPPORTED (")
