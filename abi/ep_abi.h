@@ -14,7 +14,9 @@
  * Version line: 1 bootstrap and kernels, 2 Sync/IsConcurrentRunSupported,
  * 3 graph capture, 4 KernelContext_GetSyncStream and ReleaseCapturedGraph,
  * 5 replay synchronised by the EP on its own graph stream, 6 compiled partitions
- * (EpApi.Graph_AddNodesToFuse, Ep.Compile, EpNodeComputeInfo and the EpCallFrame).
+ * (EpApi.Graph_AddNodesToFuse, Ep.Compile, EpNodeComputeInfo and the EpCallFrame),
+ * 7 compiled partitions saved and reloaded (EpNodeComputeInfo.GetContext, Ep.CompileFromContext,
+ * Ep.GetCompiledModelCompatibilityInfo, EpFactory.ValidateCompiledModelCompatibilityInfo).
  *
  * A struct whose every member is newer than version N does not exist at N: the cffi
  * declarations of N name it as an opaque type only.
@@ -25,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define EP_ABI_VERSION 6
+#define EP_ABI_VERSION 7
 #define EP_ABI_MIN_VERSION 1
 /* Versions at or above this value declare a future, incompatible generation. */
 #define EP_ABI_NEXT_GENERATION 1000
@@ -62,6 +64,13 @@
 /* Graph capture node-assignment policies (since 3). */
 #define EP_GRAPH_ALL_NODES_ON_EP 0
 #define EP_GRAPH_ALLOW_CPU_FOR_SHAPES 1
+
+/* Answers of EpFactory.ValidateCompiledModelCompatibilityInfo (since 7; onnxruntime's
+ * OrtCompiledModelCompatibility, same values). */
+#define EP_COMPILED_MODEL_NOT_APPLICABLE 0
+#define EP_COMPILED_MODEL_SUPPORTED_OPTIMAL 1
+#define EP_COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION 2
+#define EP_COMPILED_MODEL_UNSUPPORTED 3
 
 /* Element types are ONNX TensorProto.DataType values (1 float, 7 int64, 10 float16, ...).
  * Attribute types are ONNX AttributeProto.AttributeType values (1 FLOAT, 2 INT, 3 STRING,
@@ -279,7 +288,25 @@ typedef struct EpNodeComputeInfo {
   EpStatus* (*Compute)(struct EpNodeComputeInfo* self, void* state, EpCallFrame* frame);         /* since 6, required */
   void (*ReleaseState)(struct EpNodeComputeInfo* self, void* state);                             /* since 6 */
   void (*Release)(struct EpNodeComputeInfo* self);                                               /* since 6, required */
+  EpStatus* (*GetContext)(struct EpNodeComputeInfo* self, const void** data, size_t* size);      /* since 7 */
 } EpNodeComputeInfo;
+/* ---- saved compiled partitions (since 7) -------------------------------------------------
+ * GetContext: the compiled form of this fused node as bytes the EP can rebuild it from
+ * (CompileFromContext) without the subgraph; the bytes are EP-owned and stay valid until
+ * Release. *data == NULL (or *size == 0) means "no context": the host keeps the group's nodes
+ * in a saved model and compiles them again when it is loaded. Called only when the session
+ * writes a context model (session config ep.context_enable=1); where the bytes go (embedded in
+ * the model, or a file beside it: ep.context_embed_mode) is the host's business.
+ *
+ * Ep.CompileFromContext: rebuild the compute info of a saved fused node. `graph` shows the
+ * fused node alone (its inputs and outputs with their types and shapes, no subgraph); fused_node
+ * is that node (its name is the partition name the node was saved under). An error status
+ * (a corrupt or truncated blob, another device) makes the host compile the kept subgraph.
+ *
+ * Ep.GetCompiledModelCompatibilityInfo: a string naming what the EP's compiled contexts depend
+ * on (plugin version, ABI, device architecture, library versions), written into a saved model
+ * (NULL: none). EpFactory.ValidateCompiledModelCompatibilityInfo judges such a string against
+ * `devices` and writes one of EP_COMPILED_MODEL_* into *compatibility. */
 
 typedef struct Ep {
   uint32_t struct_size;                                                                         /* since 1 */
@@ -300,6 +327,8 @@ typedef struct Ep {
   EpStatus* (*ReleaseCapturedGraph)(struct Ep* self, int32_t graph_id);                         /* since 4 */
   EpStatus* (*ReplayGraphWithSync)(struct Ep* self, int32_t graph_id, int32_t sync);            /* since 5 */
   EpStatus* (*Compile)(struct Ep* self, const EpGraphView* const* graphs, const EpNodeView* fused_nodes, size_t count, EpNodeComputeInfo** compute_infos_out); /* since 6 */
+  EpStatus* (*CompileFromContext)(struct Ep* self, const EpGraphView* graph, const EpNodeView* fused_node, const void* data, size_t size, EpNodeComputeInfo** compute_info_out); /* since 7 */
+  const char* (*GetCompiledModelCompatibilityInfo)(struct Ep* self, const EpGraphView* graph); /* since 7 */
 } Ep;
 
 typedef struct EpFactory {
@@ -316,6 +345,7 @@ typedef struct EpFactory {
   EpStatus* (*CreateDataTransfer)(struct EpFactory* self, EpDataTransfer** out);        /* since 1 */
   int32_t (*IsStreamAware)(const struct EpFactory* self);                                /* since 1 */
   EpStatus* (*CreateSyncStreamForDevice)(struct EpFactory* self, const EpMemoryInfo* info, EpSyncStream** out); /* since 1 */
+  EpStatus* (*ValidateCompiledModelCompatibilityInfo)(struct EpFactory* self, const EpDevice* devices, size_t num_devices, const char* compatibility_info, int32_t* compatibility); /* since 7 */
 } EpFactory;
 
 /* The host's table. A plugin obtains it with EpApiBase.GetApi(version). */

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 import abi
-from abi import sdk
+from abi import fused_blob, sdk
 from abi.dtypes import ONNX_TO_NUMPY, to_numpy
 from abi.sdk import PluginError
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
@@ -74,7 +74,10 @@ class CudaFactory(sdk.FactoryBase):
             raise PluginError(str(exc), abi.EP_INVALID_ARGUMENT) from None
         if not devices:
             raise PluginError(f"{EP_NAME}: no CUDA device; the options are valid", abi.EP_NOT_FOUND)
-        return CudaEp(self.runtime, self, opts, logger)
+        ep = CudaEp(self.runtime, self, opts, logger)
+        # ABI v7: plans keep their subgraph (weights included) only for a session that saves contexts.
+        ep.saves_contexts = self.api.config_entry(session_options, "ep.context_enable") == "1"
+        return ep
 
     def create_allocator(self, spec):
         return None  # allocators are per EP (per session): see CudaEp.CreateAllocator
@@ -84,6 +87,25 @@ class CudaFactory(sdk.FactoryBase):
 
     def create_sync_stream(self, spec):
         return None  # streams are per EP: see CudaEp.CreateSyncStreamForDevice
+
+    def validate_compatibility(self, devices, info):
+        """ABI v7: a context is the fused subgraph (fused_blob); another plugin version, ABI, device
+        architecture or library version plans it again, another EP's string is unsupported."""
+        fields = sdk.compatibility_fields(info, EP_NAME)
+        if fields is None or fields.get("format") != str(fused_blob.FORMAT):
+            return sdk.COMPILED_MODEL_UNSUPPORTED
+        here = {f"cc={self.compute_capability(d.device_id)}" for d in devices}
+        same = (fields.get("plugin") == self.plugin_version and fields.get("abi") == str(self.runtime.compiled_version)
+                and f"cc={fields.get('cc')}" in here and fields.get("cuda") == self.cuda_versions())
+        return sdk.COMPILED_MODEL_SUPPORTED_OPTIMAL if same else sdk.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION
+
+    def compute_capability(self, device_id: int) -> str:
+        return str(self.cupy.cuda.Device(device_id).compute_capability)
+
+    def cuda_versions(self) -> str:
+        """CuPy and CUDA runtime versions (plans and NVRTC output depend on them)."""
+        cp = self.cupy
+        return f"{cp.__version__}/{cp.cuda.runtime.runtimeGetVersion()}"
 
 
 class StreamState:
@@ -306,6 +328,20 @@ class CudaEp(sdk.EpBase):
                                          f"kernels + {d['cublas']} cuBLAS calls, arena {d['arena_bytes']} bytes, "
                                          f"built in {d['build_seconds'] * 1e3:.0f} ms")
         return functions
+
+    # -- saved contexts (ABI v7) -----------------------------------------------------------------------
+    def compile_from_context(self, fused, blob):
+        try:
+            saved = fused_blob.from_bytes(blob)
+        except fused_blob.BlobError as exc:
+            raise PluginError(f"context of fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
+        return self.compile([sdk.FusedGraph(fused.name, saved.graph)])[0]
+
+    def compatibility_info(self):
+        f = self.factory
+        return sdk.compatibility_string(EP_NAME, plugin=f.plugin_version, abi=self.runtime.compiled_version,
+                                        format=fused_blob.FORMAT, cc=f.compute_capability(self.device_id),
+                                        cuda=f.cuda_versions())
 
     # -- v2 ------------------------------------------------------------------------------------------
     def Sync(self):

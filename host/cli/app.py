@@ -6,6 +6,7 @@
     ephost bench build/block.onnx --ep cuda --iters 200 --iobinding --threads 2
     ephost run model.onnx --plugin my_ep=path/to/libmy_ep.so --ep MyEP --ep-option ops=Add,Relu --input x=x.npy
     ephost plugin-info path/to/libmy_ep.so
+    ephost compile model.onnx -o model_ctx.onnx --ep cuda          # later sessions load the compiled partitions
     ephost ops                                                   # which ONNX ops each EP runs
 
 Plugins: `--plugin PATH` registers the library under its file stem; `--plugin NAME=PATH` under NAME.
@@ -59,6 +60,8 @@ class Command:
 COMMANDS: list[Command] = [
     Command("run", "run a model once and summarise its outputs", cli_args.add_run,
             "host.cli.session_cmds:cmd_run"),
+    Command("compile", "compile a model's partitions and save them in a context model (EPContext nodes)",
+            cli_args.add_compile, "host.cli.compile_cmds:cmd_compile"),
     Command("make-model", "write a zoo model (mlp, cnn, transformer)", cli_args.add_make_model,
             "host.cli.model_cmds:cmd_make_model"),
     Command("bench", "time repeated runs: p50/p90/p99 and mean latency", cli_args.add_bench,

@@ -79,6 +79,18 @@ def add_run(p: argparse.ArgumentParser) -> None:
                         "chrome://tracing) to PREFIX_<date>_<time>_<ms>.json (default PREFIX: ephost_profile_)")
 
 
+def add_compile(p: argparse.ArgumentParser) -> None:
+    add_session_options(p)
+    p.add_argument("-o", "--output", metavar="OUT.onnx",
+                   help="the context model to write (default: MODEL_ctx.onnx beside MODEL)")
+    p.add_argument("--embed-mode", choices=("0", "1"), default="1",
+                   help="ep.context_embed_mode: 1 embeds each context in its EPContext node (default), 0 writes "
+                        "it to a file beside the model")
+    p.add_argument("--check", action="store_true",
+                   help="MODEL is a context model: print each EP's compatibility answer for it, create no "
+                        "session (exit 1 when an EP answers unsupported)")
+
+
 def add_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=sorted(MODEL_DEFAULTS))
     p.add_argument("out", metavar="OUT.onnx", help="where to write the model (missing folders are created)")

@@ -160,6 +160,8 @@ def _session_options(args):
     if prefix is not None:
         so.enable_profiling = True
         so.profile_file_prefix = prefix
+    for key, value in getattr(args, "config_entries", {}).items():  # set by commands, e.g. compile
+        so.add_session_config_entry(key, value)
     return so
 
 

@@ -15,7 +15,17 @@ from abi.dtypes import STRING, dtype_type_name, to_numpy, type_name
 from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
-from host.runtime import ort_api, profiling, range_lengths, shape_program, stages, threads, types
+from host.runtime import (
+    epcontext,
+    epcontext_save,
+    ort_api,
+    profiling,
+    range_lengths,
+    shape_program,
+    stages,
+    threads,
+    types,
+)
 from host.runtime.executor import Executor
 from host.runtime.graph_capture import GraphCapture, run_flags
 from host.runtime.iobinding import IOBinding
@@ -150,9 +160,10 @@ class InferenceSession:
             with self._profiler.span("partitioning"):
                 opsets = self.optimization.source_opsets if self.optimization is not None else {}
                 self._partitioner = Partitioner(self._eps, self.fallbacks, opsets,
-                                                shape_program.capacity(self.options.entries))
+                                                shape_program.capacity(self.options.entries), self.contexts)
                 self.graph, self.plan = self._partitioner.partition(self.graph)
                 self.shape_program = self._partitioner.shape_program
+            self.context_model = epcontext_save.save_if_enabled(self, path_or_bytes)  # ABI v7: ep.context_enable
             self._make_executor()
         except BaseException:
             self._closed = True
@@ -206,6 +217,10 @@ class InferenceSession:
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
 
+        model, self.contexts = epcontext.SavedContexts.split(model)  # ABI v7: a saved context model
+        if self.contexts is not None:  # was optimized before it was saved
+            self.optimization = None
+            return model
         stages.enter(stages.OPTIMIZING)
         model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):

@@ -8,6 +8,7 @@ kernels), and walks the plan. Nothing else happens per call.
 from __future__ import annotations
 
 import abi
+from abi import fused_blob
 from abi.sdk import PluginError
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
@@ -19,6 +20,9 @@ class PlanFunction:
     def __init__(self, ep, fused):
         self.ep = ep
         self.name = fused.name
+        # Saved as this partition's context (ABI v7; NVRTC output is in the disk cache), only when the
+        # session writes a context model: the subgraph holds the weights in host memory.
+        self.fused = fused if getattr(ep, "saves_contexts", False) else None
         opts = ep.opts
         # The host's own graph capture (enable_cuda_graph) records the plan's launches; a plan
         # capturing itself as well would nest captures, so auto-graph is off then.
@@ -35,6 +39,11 @@ class PlanFunction:
 
     def create_state(self):
         return None
+
+    def context(self) -> bytes | None:
+        """ABI v7: the fused subgraph as bytes; CudaEp.compile_from_context plans it again (no host
+        optimization or partitioning; kernels come from the NVRTC disk cache)."""
+        return None if self.fused is None else fused_blob.to_bytes(self.fused)
 
     def compute(self, state, frame) -> None:
         ep = self.ep

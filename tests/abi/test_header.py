@@ -92,7 +92,13 @@ def test_since_table_matches_the_version_line():
     assert abi.since("Ep", "Compile") == abi.since("EpApi", "Graph_AddNodesToFuse") == 6
     assert abi.since_table()["EpApi"]["Graph_AddNodesToFuse"] == (6, True)
     assert abi.since_table()["EpNodeComputeInfo"] == {
-        "CreateState": (6, False), "Compute": (6, True), "ReleaseState": (6, False), "Release": (6, True)}
+        "CreateState": (6, False), "Compute": (6, True), "ReleaseState": (6, False), "Release": (6, True),
+        "GetContext": (7, False)}
+    # v7: saved compiled partitions, all optional (an EP that saves nothing fills none of them).
+    assert abi.slots_at("Ep", 7)[-2:] == ["CompileFromContext", "GetCompiledModelCompatibilityInfo"]
+    assert abi.since_table()["EpFactory"]["ValidateCompiledModelCompatibilityInfo"] == (7, False)
+    assert abi.COMPATIBILITY_NAMES == {0: "EP_NOT_APPLICABLE", 1: "EP_SUPPORTED_OPTIMAL",
+                                       2: "EP_SUPPORTED_PREFER_RECOMPILATION", 3: "EP_UNSUPPORTED"}
     assert abi.slots_at("EpCallFrame", 6) == ["AllocateOutput", "AllocScratch", "FreeScratch"]
     assert abi.slots_at("EpNodeComputeInfo", 5) == []
 
@@ -231,7 +237,7 @@ def test_check_detects_a_removed_slot():
 
 def test_check_accepts_a_slot_appended_for_a_new_version():
     nxt = abi.ABI_VERSION + 1
-    text = _bump(_edit(HEADER_TEXT, "(*Compile)",
+    text = _bump(_edit(HEADER_TEXT, "(*GetCompiledModelCompatibilityInfo)",
                        f"  EpStatus* (*NewThing)(struct Ep* self); /* since {nxt} */"), nxt)
     assert layouts.check_header_text(text) == []
     now = layouts.compute_from_text(text)

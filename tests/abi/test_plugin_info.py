@@ -56,7 +56,8 @@ def test_example_v5_and_older_host(plugins):
 def test_example_v6_shows_the_compile_slot(plugins):
     info = plugin_info(plugins.example[6])
     rows = _slots(info, "Ep")
-    assert all(row["present"] for row in rows.values())
+    assert {name for name, row in rows.items() if row["present"]} == set(abi.slots_at("Ep", 6))
+    assert all(row["present"] for row in _slots(plugin_info(plugins.example[7]), "Ep").values())
     assert (rows["Compile"]["since"], rows["Compile"]["required"]) == (6, False)
     text = format_plugin_info(info)
     compile_line = next(ln for ln in text.splitlines() if ln.split() and ln.split()[0] == "Compile")

@@ -192,3 +192,46 @@ def test_extern_python_decls_follow_the_version():
     for line in v5.splitlines():
         assert line.startswith('extern "Python" ')
     assert "EpApi" not in {line.split("_ep_")[1].split("_")[0] for line in v5.splitlines()}
+
+
+# ---- slot-call counting: chosen once at registration, not checked per call -------------------------
+
+class _CapturingFfi:
+    """Stands in for a plugin library's ffi: keeps the trampolines def_extern receives."""
+
+    def __init__(self):
+        self.real = abi.ffi_for(V)
+        self.externs: dict[str, object] = {}
+        self.NULL = self.real.NULL
+
+    def def_extern(self, name):
+        return lambda fn: self.externs.setdefault(name, fn)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+class _NullLib:
+    """A library whose trampolines are NULL: the C tables are made but never called through C."""
+
+    def __getattr__(self, name):
+        return abi.ffi_for(V).NULL
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_slot_calls_are_counted_only_when_the_plugin_asked(counted):
+    def create_factories(runtime, reg, logger):
+        return []
+
+    if counted:
+        sdk.count_slot_calls(create_factories)
+    fake = _CapturingFfi()
+    rt = sdk.serve(fake, _NullLib(), V, create_factories, f"_counting_probe_{counted}")
+    factory = sdk.FactoryBase(rt)
+    c = rt.expose("EpFactory", factory)
+    key = fake.real.cast("void*", c)
+    is_stream_aware = fake.externs[sdk.trampoline_name("EpFactory", "IsStreamAware")]
+    assert is_stream_aware(key) == 0
+    assert is_stream_aware(key) == 0
+    assert rt.record.slot_calls["EpFactory.IsStreamAware"] == (2 if counted else 0)
+    assert rt.count_calls is counted

@@ -1,4 +1,4 @@
-"""Every host API version against every plugin ABI version (6x6), in one process.
+"""Every host API version against every plugin ABI version (7x7), in one process.
 
 For each pair the negotiated version must be min(host, plugin) on both sides, the plugin must ask
 for exactly that EpApi, the host must see only slots that exist at that version, the plugin must
@@ -130,4 +130,40 @@ def test_compiled_partitions_only_when_negotiated_v6(plugins, host, plugin):
         assert record.slot_calls["EpNodeComputeInfo.Compute"] == int(negotiated >= 6)
         assert record.slot_calls["EpKernel.Compute"] == (0 if negotiated >= 6 else 3)
         assert record.host_calls["Graph_AddNodesToFuse"] == int(negotiated >= 6)
+        _assert_no_newer_slot_called(record, negotiated)
+
+
+@pytest.mark.parametrize(("host", "plugin"), PAIRS, ids=[f"host{h}-plugin{p}" for h, p in PAIRS])
+def test_saved_contexts_only_when_negotiated_v7(plugins, tmp_path, host, plugin):
+    """ABI v7 both ways: a context model is written and loaded back at v7; below it the model keeps its
+    nodes (GetContext is never called) and loading compiles them as before; same answers everywhere."""
+    import onnx
+
+    from host.runtime.options import SessionOptions
+    from host.runtime.session import InferenceSession
+    from tests.abi.test_compiled import _x, chain_model, reference
+
+    negotiated = min(host, plugin)
+    model = chain_model(("Add", "Relu", "Mul"))
+    source, target = tmp_path / "m.onnx", tmp_path / "m_ctx.onnx"
+    onnx.save(model, str(source))
+    so = SessionOptions()
+    so.add_session_config_entry("ep.context_enable", "1")
+    providers = [("ExampleEP", {"fuse": "1"})]
+    with Environment(api_version=host) as env:
+        env.register_plugin(f"ctx-{host}-{plugin}", plugins.example[plugin])
+        record = sdk.runtime(plugins.example_module(plugin)).record
+        record.clear()
+        with InferenceSession(str(source), so, providers=providers, env=env) as s:
+            assert s.context_model == target
+        saved = [n.op_type for n in onnx.load(str(target)).graph.node]
+        assert saved == (["EPContext"] if negotiated >= 7 else ["Add", "Relu", "Mul"])
+        with InferenceSession(str(target), providers=providers, env=env) as s:
+            x = _x(seed=10 * host + plugin)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], reference(model, {"x": x})[0], rtol=1e-6)
+            assert s.fallbacks["context_loaded"] == int(negotiated >= 7)
+        # Compile: by the saving session, and again by the loading one unless it loaded contexts.
+        assert record.slot_calls["Ep.Compile"] == (0 if negotiated < 6 else 2 if negotiated == 6 else 1)
+        assert record.slot_calls["Ep.CompileFromContext"] == int(negotiated >= 7)
+        assert record.slot_calls["EpNodeComputeInfo.GetContext"] == int(negotiated >= 7)
         _assert_no_newer_slot_called(record, negotiated)

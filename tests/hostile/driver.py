@@ -5,8 +5,9 @@
 Each CASE_JSON is {"name", "spec", "scenarios"}: the plugin is configured with `spec`
 (Hostile_Configure), registered in a fresh Environment, and each scenario runs against it:
 "main" (Add on the plugin, Relu on the CPU EP, Add on the plugin: copies both ways, streams,
-notifications), "graph" (one Add, bound device buffers, capture then replay) and "fuse" (the main
-model with each Add compiled through ABI v6: Compile, compute infos, call frames). A line is
+notifications), "graph" (one Add, bound device buffers, capture then replay), "fuse" (the main
+model with each Add compiled through ABI v6: Compile, compute infos, call frames) and "context" (ABI
+v7: the fused main model saved with its contexts, then loaded through CompileFromContext). A line is
 printed (and flushed) after each case, so a crash names the case it happened in. At the end the
 same process runs a CPU-only session and the plugin with no fault: the host survived.
 """
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import warnings
 
 import cffi
@@ -103,7 +105,24 @@ def scenario_fuse(env: Environment, rng) -> None:
             _expect(s.run(None, {"X": x})[0], np.maximum(2 * x, 0) * 2)
 
 
-SCENARIOS = {"main": scenario_main, "graph": scenario_graph, "fuse": scenario_fuse}
+def scenario_context(env: Environment, rng) -> None:
+    """ABI v7: the main model compiled and saved with its contexts (EPContext nodes), then loaded and run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, target = os.path.join(tmp, "main.onnx"), os.path.join(tmp, "main_ctx.onnx")
+        with open(source, "wb") as f:
+            f.write(MAIN_MODEL)
+        so = options()
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", target)
+        with InferenceSession(source, so, providers=[("HostileEP", {"fuse": "1"})], env=env):
+            pass
+        with InferenceSession(target, options(), providers=[("HostileEP", {"fuse": "1"})], env=env) as s:
+            for _ in range(2):
+                x = rng.standard_normal(SHAPE).astype(np.float32)
+                _expect(s.run(None, {"X": x})[0], np.maximum(2 * x, 0) * 2)
+
+
+SCENARIOS = {"main": scenario_main, "graph": scenario_graph, "fuse": scenario_fuse, "context": scenario_context}
 
 
 class _Collect(logging.Handler):

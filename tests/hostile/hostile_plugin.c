@@ -18,7 +18,8 @@
  * The EP claims float32 Add nodes whose inputs and output share one known shape. By default it
  * lives on a mock device (device type GPU, memory from malloc) so that the host must use its
  * allocator, data transfer, streams and notifications; provider option graph=1 turns on a
- * recorded "graph capture" (replay re-runs the recorded Adds on the captured buffers).
+ * recorded "graph capture" (replay re-runs the recorded Adds on the captured buffers). From v7 each
+ * compiled Add saves a fixed context (compat_absurd: the factory answers 77 when asked about it).
  *
  * Every object the plugin creates is counted and uncounted when the host releases it
  * (Hostile_Live); objects a parent had to free because the host never released them are
@@ -737,27 +738,58 @@ static EpStatus* info_compute(EpNodeComputeInfo* self, void* state, EpCallFrame*
   return NULL;
 }
 
+/* v7: every fused Add saves the same context; CompileFromContext accepts only that one. */
+static const char HOSTILE_CONTEXT[] = "HOSTILE-CONTEXT-1";
+
+static EpStatus* info_get_context(EpNodeComputeInfo* self, const void** data, size_t* size) {
+  HInfo* info = (HInfo*)self;
+  ENTER(info->ep->api, "EpNodeComputeInfo.GetContext");
+  *data = HOSTILE_CONTEXT;
+  *size = sizeof HOSTILE_CONTEXT - 1;
+  return NULL;
+}
+
+static EpNodeComputeInfo* make_info(HEp* ep) {
+  HInfo* info = calloc(1, sizeof *info);
+  info->table.struct_size = sizeof(EpNodeComputeInfo);
+  info->table.version = EP_ABI_VERSION;
+  info->table.CreateState = info_create_state;
+  info->table.Compute = info_compute;
+  info->table.ReleaseState = info_release_state;
+  info->table.Release = info_release;
+  info->table.GetContext = info_get_context;
+  info->ep = ep;
+  finish_table("EpNodeComputeInfo", info, sizeof info->table);
+  live(K_INFO, 1);
+  return &info->table;
+}
+
 static EpStatus* ep_compile(Ep* self, const EpGraphView* const* graphs, const EpNodeView* fused, size_t count,
                             EpNodeComputeInfo** out) {
   HEp* ep = (HEp*)self;
   (void)graphs, (void)fused;
   ENTER(ep->api, "Ep.Compile");
-  for (size_t i = 0; i < count; ++i) {
-    out[i] = NULL;
-    if (has("nullout=Ep.Compile")) continue;
-    HInfo* info = calloc(1, sizeof *info);
-    info->table.struct_size = sizeof(EpNodeComputeInfo);
-    info->table.version = EP_ABI_VERSION;
-    info->table.CreateState = info_create_state;
-    info->table.Compute = info_compute;
-    info->table.ReleaseState = info_release_state;
-    info->table.Release = info_release;
-    info->ep = ep;
-    finish_table("EpNodeComputeInfo", info, sizeof info->table);
-    live(K_INFO, 1);
-    out[i] = &info->table;
-  }
+  for (size_t i = 0; i < count; ++i) out[i] = has("nullout=Ep.Compile") ? NULL : make_info(ep);
   return NULL;
+}
+
+static EpStatus* ep_compile_from_context(Ep* self, const EpGraphView* graph, const EpNodeView* fused, const void* data,
+                                         size_t size, EpNodeComputeInfo** out) {
+  HEp* ep = (HEp*)self;
+  (void)graph, (void)fused;
+  ENTER(ep->api, "Ep.CompileFromContext");
+  *out = NULL;
+  if (data == NULL || size != sizeof HOSTILE_CONTEXT - 1 || memcmp(data, HOSTILE_CONTEXT, size) != 0)
+    return error(ep->api, EP_INVALID_GRAPH, "not a HostileEP context (%zu bytes)", size);
+  if (has("nullout=Ep.CompileFromContext")) return NULL;
+  *out = make_info(ep);
+  return NULL;
+}
+
+static const char* ep_compatibility(Ep* self, const EpGraphView* graph) {
+  (void)self, (void)graph;
+  ENTER_NAME("Ep.GetCompiledModelCompatibilityInfo");
+  return "HostileEP;context=1";
 }
 
 /* ---- the Ep ---------------------------------------------------------------------------------- */
@@ -977,6 +1009,17 @@ static const char* factory_get_version(const EpFactory* self) {
   return "6.6.6";
 }
 
+static EpStatus* factory_validate(EpFactory* self, const EpDevice* devices, size_t num_devices, const char* info,
+                                  int32_t* compatibility) {
+  HFactory* f = (HFactory*)self;
+  (void)devices, (void)num_devices;
+  ENTER(f->api, "EpFactory.ValidateCompiledModelCompatibilityInfo");
+  *compatibility = has("compat_absurd") ? 77
+                   : strcmp(info, "HostileEP;context=1") == 0 ? EP_COMPILED_MODEL_SUPPORTED_OPTIMAL
+                                                              : EP_COMPILED_MODEL_UNSUPPORTED;
+  return NULL;
+}
+
 static EpStatus* factory_devices(EpFactory* self, EpDevice* devices, size_t max_devices, size_t* num_devices) {
   HFactory* f = (HFactory*)self;
   ENTER(f->api, "EpFactory.GetSupportedDevices");
@@ -1020,6 +1063,8 @@ static EpStatus* factory_create_ep(EpFactory* self, const EpDevice* devices, siz
   ep->table.ReleaseCapturedGraph = ep_release_graph;
   ep->table.ReplayGraphWithSync = ep_replay_sync;
   ep->table.Compile = ep_compile;
+  ep->table.CompileFromContext = ep_compile_from_context;
+  ep->table.GetCompiledModelCompatibilityInfo = ep_compatibility;
   ep->factory = f;
   ep->api = f->api;
   ep->logger = logger;
@@ -1116,6 +1161,7 @@ __attribute__((unused)) static HFactory* make_factory(const EpApi* api, const Ep
   f->table.CreateDataTransfer = factory_create_transfer;
   f->table.IsStreamAware = factory_stream_aware;
   f->table.CreateSyncStreamForDevice = factory_create_stream;
+  f->table.ValidateCompiledModelCompatibilityInfo = factory_validate;
   f->api = api;
   f->logger = logger;
   f->memory.name = has("badutf8_memory") ? BAD_UTF8 : "HostileMem";

@@ -33,6 +33,9 @@ PLUGIN_TABLES = tuple(t for t, slots in abi.since_table().items() if slots and t
 # Cases of the ABI v6 compile path also run the "fuse" scenario (Adds compiled, call frames).
 V6 = {"EpNodeComputeInfo", "EpCallFrame", "Ep.Compile", "EpApi.Graph_AddNodesToFuse", "kept_frame",
       "frame_rank_huge", "nullout:Ep.Compile"}
+# ... and of the ABI v7 saved contexts the "context" scenario too (the model saved, then loaded).
+V7 = {"Ep.CompileFromContext", "Ep.GetCompiledModelCompatibilityInfo", "EpFactory.ValidateCompiledModelCompatibilityInfo",
+      "EpNodeComputeInfo.GetContext", "nullout:Ep.CompileFromContext", "compat_absurd"}
 # A compute info the host rejects or cannot set up is not an error: the partition's nodes run
 # as per-node kernels, with a warning that names the cause.
 FALLS_BACK = "EpNodeComputeInfo"
@@ -76,7 +79,7 @@ def slot_cases() -> list[dict]:
             cases.append({"name": f"abuse:{table}.{slot}", "spec": f"abuse={table}.{slot}", "kind": "abuse"})
     for qual in ("EpFactory.CreateEp", "EpFactory.CreateDataTransfer", "Ep.CreateKernel", "Ep.CreateAllocator",
                  "Ep.CreateSyncStreamForDevice", "EpSyncStream.CreateNotification", "EpAllocator.AllocOnStream",
-                 "Ep.Compile", "EpNodeComputeInfo.CreateState"):
+                 "Ep.Compile", "EpNodeComputeInfo.CreateState", "Ep.CompileFromContext"):
         cases.append({"name": f"nullout:{qual}", "spec": f"nullout={qual}", "kind": "special"})
     return cases
 
@@ -109,6 +112,8 @@ SPECIAL = {
     "nullret=EpFactory.GetName": ("PluginLoadError", rf"^{OWNER}: EpFactory.GetName returned NULL"),
     "nullret=Ep.GetName": ("ok", None),  # documented default: the factory's name
     "kept_frame": ("ok", None),
+    "compat_absurd": ("EpError", r"^plugin 'hostile': ValidateCompiledModelCompatibilityInfo answered 77; "
+                                 r"expected one of "),
     "frame_rank_huge": ("KernelError", r"^fused node '[^']+' \(nodes 'add0'\) on HostileEP failed \(INVALID_ARGUMENT\): "
                                        r"AllocateOutput: rank 2147483647 is not allowed; expected 0\.\.64$"),
 }
@@ -127,6 +132,8 @@ ALL_CASES = slot_cases() + [{"name": k, "spec": k, "kind": "special"} for k in S
 def results(hostile_libs):
     lib = hostile_libs["hostile"]
     def scenarios(c):
+        if c["name"] in V7 or any(c["name"].endswith(v) for v in V7):
+            return ["main", "context"]
         return ["main", "graph", "fuse"] if _is_v6(c) else ["main", "graph"]
 
     batched = [dict(c, scenarios=scenarios(c)) for c in ALL_CASES if c["name"] not in ALONE]
@@ -235,7 +242,7 @@ def test_special(results, name):
 @pytest.mark.parametrize("name", ["nullout:" + q for q in (
     "EpFactory.CreateEp", "EpFactory.CreateDataTransfer", "Ep.CreateKernel", "Ep.CreateAllocator",
     "Ep.CreateSyncStreamForDevice", "EpSyncStream.CreateNotification", "EpAllocator.AllocOnStream",
-    "Ep.Compile", "EpNodeComputeInfo.CreateState")])
+    "Ep.Compile", "EpNodeComputeInfo.CreateState", "Ep.CompileFromContext")])
 def test_ok_without_an_object(results, name):
     """A creating slot that answers OK but gives nothing: a typed error, or the documented default
     where the object is optional (no stream: the EP runs without one)."""
@@ -243,7 +250,7 @@ def test_ok_without_an_object(results, name):
     _common(r)
     if name == "nullout:Ep.CreateSyncStreamForDevice" or name == "nullout:EpNodeComputeInfo.CreateState":
         assert r["outcome"] == "ok", r  # no stream, a NULL state: both allowed
-    elif name == "nullout:Ep.Compile":
+    elif name in ("nullout:Ep.Compile", "nullout:Ep.CompileFromContext"):
         assert r["outcome"] == "ok" and any("returned a NULL EpNodeComputeInfo table" in w for w in r["warnings"]), r
     else:
         assert r["outcome"] in ("PluginLoadError", "EpError", "OutOfMemoryError"), r

@@ -35,14 +35,24 @@ node; compile_fails=all (or a node name) makes compile() fail for every group (o
 holding that node); scratch=N asks the frame for two scratch blocks of N bytes per call, frees
 one and leaves the other to the host. Nodes of a fused group are also claimed singly, so a failed compile falls
 back to this EP's per-node kernels.
+
+Saved contexts (ABI v7): each compiled group's context() is its program (op types, value ids, node
+names) and constants, serialised with np.savez behind a magic header; compile_from_context()
+rebuilds the same closure from it. context=0 writes no context (the host keeps the nodes).
+compatibility_info() names the plugin version, the ABI it was built for, the context format and
+the device; the factory answers: another format or a device it does not have -> unsupported,
+another plugin version or ABI -> prefer recompilation, else optimal.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import threading
 import time
 import weakref
+import zipfile
 
 import numpy as np
 
@@ -63,6 +73,7 @@ _OPS = {
 _FLOAT_TYPES = (1, 11)  # float32, float64
 
 
+@sdk.count_slot_calls  # tests assert on how often each slot was called
 def create_factories(runtime: sdk.Runtime, registration_name: str, logger) -> list:
     fault = os.environ.get(FAULT_ENV, "")
     if fault == "entry_error":
@@ -107,7 +118,16 @@ class ExampleFactory(sdk.FactoryBase):
     def supported_devices(self):
         if self.mock_device:
             return [sdk.DeviceSpec(abi.DEVICE_GPU, 0, 0, "example-mock-gpu", "MockGpu")]
-        return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, "example-cpu", "Cpu")]
+        return [sdk.DeviceSpec(abi.DEVICE_CPU, 0, 0, DEVICE_NAME, "Cpu")]
+
+    def validate_compatibility(self, devices, info):
+        fields = sdk.compatibility_fields(info, EP_NAME)
+        if fields is None or fields.get("format") != str(CONTEXT_FORMAT) \
+                or fields.get("device") not in {d.name for d in devices}:
+            return sdk.COMPILED_MODEL_UNSUPPORTED
+        if fields.get("plugin") != self.plugin_version or fields.get("abi") != str(self.runtime.compiled_version):
+            return sdk.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION
+        return sdk.COMPILED_MODEL_SUPPORTED_OPTIMAL
 
     def create_ep(self, devices, options, session_options, logger):
         if self.fault == "create_ep_fails":
@@ -130,6 +150,9 @@ class ExampleFactory(sdk.FactoryBase):
 
 
 _FUSE_MODES = ("runs", "all")
+DEVICE_NAME = "example-cpu"
+CONTEXT_FORMAT = 1
+CONTEXT_MAGIC = b"EXAMPLE-EP-CONTEXT\0"
 
 
 def _fuse_modes(text: str) -> list[str]:
@@ -160,7 +183,7 @@ class ExampleEp(sdk.EpBase):
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
         allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                   "compile_fails", "scratch", "lie", "slow_replay"}
+                   "compile_fails", "scratch", "lie", "slow_replay", "context"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -181,6 +204,7 @@ class ExampleEp(sdk.EpBase):
         self.fuse_modes = _fuse_modes(options.get("fuse", "0"))
         self.compile_fails = options.get("compile_fails", "")
         self.scratch_bytes = int(options.get("scratch", "0"))
+        self.write_context = options.get("context", "1") == "1"
         self.last_output_ptrs: list[int] = []
         self.last_compiled: list = []
         self.lock = threading.Lock()
@@ -222,8 +246,18 @@ class ExampleEp(sdk.EpBase):
             names = {n.name for n in fg.graph.nodes}
             if self.compile_fails == "all" or self.compile_fails in names:
                 raise sdk.PluginError(f"injected compile failure for fused node '{fg.name}'", abi.EP_FAIL)
-        self.last_compiled = [ExampleCompute(self, fg) for fg in fused]
+        self.last_compiled = [ExampleCompute.from_graph(self, fg) for fg in fused]
         return self.last_compiled
+
+    # -- saved contexts (v7) --------------------------------------------------------------
+    def compile_from_context(self, fused, blob):
+        compute = ExampleCompute.from_context(self, fused, blob)
+        self.last_compiled = [compute]
+        return compute
+
+    def compatibility_info(self):
+        return sdk.compatibility_string(EP_NAME, plugin=self.factory.plugin_version, abi=self.runtime.compiled_version,
+                                        format=CONTEXT_FORMAT, device=DEVICE_NAME)
 
     def CreateAllocator(self, info, out):
         alloc = ExampleAllocator(self.runtime, self.factory, self.factory._spec(info))
@@ -329,6 +363,22 @@ def _view(ffi, t) -> np.ndarray:
     return np.frombuffer(ffi.buffer(t.data, t.nbytes), dtype=dtype).reshape(shape)
 
 
+def _read_context(blob: bytes):
+    """(header, program, constants) of an ExampleCompute context; raises ValueError on any damage."""
+    if not blob.startswith(CONTEXT_MAGIC):
+        raise ValueError("no ExampleEP context header")
+    start = len(CONTEXT_MAGIC) + 4
+    size = int.from_bytes(blob[len(CONTEXT_MAGIC):start], "little")
+    if start + size > len(blob):
+        raise ValueError(f"truncated: the header needs {size} bytes, {len(blob) - start} follow")
+    head = json.loads(blob[start:start + size])
+    if head.get("format") != CONTEXT_FORMAT:
+        raise ValueError(f"context format {head.get('format')!r}; this plugin reads {CONTEXT_FORMAT}")
+    with np.load(io.BytesIO(blob[start + size:]), allow_pickle=False) as arrays:
+        constants = {int(k[1:]): arrays[k] for k in arrays.files}
+    return head, head["program"], constants
+
+
 def _array_at(ffi, ptr: int, dtype: int, shape: tuple) -> np.ndarray:
     """A NumPy view of `shape` elements of ONNX type `dtype` at host address `ptr`."""
     dt = to_numpy(dtype)
@@ -341,17 +391,56 @@ def _array_at(ffi, ptr: int, dtype: int, shape: tuple) -> np.ndarray:
 class ExampleCompute:
     """A fused group compiled into a NumPy closure: one ABI crossing per run for the whole group."""
 
-    def __init__(self, ep: ExampleEp, fused: sdk.FusedGraph):
-        g = fused.graph
+    def __init__(self, ep: ExampleEp, name: str, program: list[tuple], constants: dict[int, np.ndarray],
+                 input_ids, output_ids, output_types):
         self.ep = ep
         self.ffi = ep.ffi
-        self.name = fused.name
-        self.fused = fused
+        self.name = name
         self.record = ep.runtime.record
-        self.constants = {i: v.constant for i, v in enumerate(g.values) if v.constant is not None}
-        self.steps = [(_OPS[n.op_type], n.inputs, n.outputs[0], n.index, n.name == ep.fail_node) for n in g.nodes]
-        self.input_ids, self.output_ids = g.input_ids, g.output_ids
-        self.output_types = [v.dtype for v in g.outputs]
+        self.program = program  # (op_type, input ids, output id, node index, node name) per node
+        self.constants = constants
+        self.steps = [(_OPS[op], ins, out, index, node == ep.fail_node) for op, ins, out, index, node in program]
+        self.input_ids, self.output_ids = tuple(input_ids), tuple(output_ids)
+        self.output_types = list(output_types)
+        self.fused: sdk.FusedGraph | None = None  # what the host showed compile() or compile_from_context()
+
+    @classmethod
+    def from_graph(cls, ep: ExampleEp, fused: sdk.FusedGraph) -> ExampleCompute:
+        g = fused.graph
+        program = [(n.op_type, tuple(n.inputs), n.outputs[0], n.index, n.name) for n in g.nodes]
+        constants = {i: v.constant for i, v in enumerate(g.values) if v.constant is not None}
+        compute = cls(ep, fused.name, program, constants, g.input_ids, g.output_ids, [v.dtype for v in g.outputs])
+        compute.fused = fused
+        return compute
+
+    @classmethod
+    def from_context(cls, ep: ExampleEp, fused: sdk.FusedGraph, blob: bytes) -> ExampleCompute:
+        """The closure context() described; a blob this EP did not write, or a damaged one, is refused."""
+        try:
+            head, program, constants = _read_context(blob)
+            compute = cls(ep, fused.name, [(op, tuple(ins), out, index, node) for op, ins, out, index, node in program],
+                          constants, head["inputs"], head["outputs"], head["output_types"])
+        except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged blob
+            raise sdk.PluginError(f"context of fused node '{fused.name}' cannot be read ({len(blob)} bytes): "
+                                  f"{type(exc).__name__}: {exc}", abi.EP_INVALID_GRAPH) from None
+        g = fused.graph
+        if (len(g.inputs), len(g.outputs)) != (len(compute.input_ids), len(compute.output_ids)):
+            raise sdk.PluginError(f"context of fused node '{fused.name}' has {len(compute.input_ids)} inputs and "
+                                  f"{len(compute.output_ids)} outputs; the node has {len(g.inputs)} and "
+                                  f"{len(g.outputs)}", abi.EP_INVALID_GRAPH)
+        compute.fused = fused
+        return compute
+
+    def context(self) -> bytes | None:
+        """The program and constants as bytes (None with option context=0: no context saved)."""
+        if not self.ep.write_context:
+            return None
+        head = {"format": CONTEXT_FORMAT, "program": [list(step) for step in self.program],
+                "inputs": list(self.input_ids), "outputs": list(self.output_ids), "output_types": self.output_types}
+        arrays = io.BytesIO()
+        np.savez(arrays, **{f"c{k}": v for k, v in self.constants.items()})
+        text = json.dumps(head).encode()
+        return CONTEXT_MAGIC + len(text).to_bytes(4, "little") + text + arrays.getvalue()
 
     def create_state(self):
         return {"runs": 0}

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import abi
 from tests.property import harness as h
+from tests.property import scenario
 from tests.property import strategies as s
 from tests.property.scenario import MAX_INTERNAL_RUNS, Events, Scenario, scenarios
 
@@ -29,6 +30,7 @@ CAPTURE_VERSIONS = tuple(v for v in s.VERSIONS if v >= 3)
 STREAM_SYNC_VERSION = abi.since("Ep", "ReplayGraphWithSync")
 SYNC_STREAM_VERSION = abi.since("EpApi", "KernelContext_GetSyncStream")
 COMPILE_VERSION = abi.since("Ep", "Compile")
+CONTEXT_VERSION = abi.since("Ep", "CompileFromContext")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,18 @@ def fused_groups(sc: Scenario) -> int:
 
 def compile_null(sc: Scenario) -> bool:
     return "Compile" in sc.null_slots
+
+
+def saved_groups(sc: Scenario, mode: str) -> int:
+    """Fused groups of a context scenario (ABI v7) whose contexts end as `mode`: "loaded", "not offered"
+    (n == 6: GetContext does not exist; or ExampleEP context=0) or "recompiled" (a damaged blob)."""
+    if not sc.context or not scenario.compiled(sc):
+        return 0
+    if sc.negotiated < CONTEXT_VERSION or sc.opts.get("context") == "0":
+        outcome = "not offered"
+    else:
+        outcome = "recompiled" if sc.context in ("corrupt", "truncated") else "loaded"
+    return fused_groups(sc) if outcome == mode else 0
 
 
 # ---- strategies: scenarios that reach a given row -------------------------------------------------
@@ -207,6 +221,26 @@ def _v6(how: str) -> st.SearchStrategy:
         lambda n: _with_versions(n)).map(_fusing(how))
 
 
+def _saving(mode: str, blob: bool = True) -> Callable[[Scenario], Scenario]:
+    """A context scenario (scenario.CONTEXT_MODES): ExampleEP fuses and compiles every node it runs."""
+    def change(sc: Scenario) -> Scenario:
+        sc = _running(sc)
+        sc.opts = {k: v for k, v in sc.opts.items() if k not in ("compile_fails", "enable_graph")}
+        sc.opts.update({"fuse": "1"} if blob else {"fuse": "1", "context": "0"})
+        sc.null_slots = tuple(n for n in sc.null_slots if n != "Compile")
+        sc.context = mode
+        return sc
+    return change
+
+
+def _contexts(mode: str, pairs: list[tuple[int, int]], blob: bool = True) -> st.SearchStrategy:
+    return _with_versions(pair=st.sampled_from(pairs), graph=False).map(_saving(mode, blob))
+
+
+V7_PAIRS = [(a, b) for a in s.VERSIONS for b in s.VERSIONS if min(a, b) >= CONTEXT_VERSION]
+V6_PAIRS = [(a, b) for a in s.VERSIONS for b in s.VERSIONS if min(a, b) == CONTEXT_VERSION - 1]
+
+
 def _older_host() -> st.SearchStrategy:
     pairs = [(a, b) for a in s.VERSIONS for b in s.VERSIONS if a < b]
     return _with_versions(pair=st.sampled_from(pairs))
@@ -297,6 +331,30 @@ ROWS: tuple[Row, ...] = (
         (Count("session", "fused_groups_without_compile", lambda sc, ev: fused_groups(sc) if compile_null(sc) else 0),),
         lambda sc, ev: fused_groups(sc) > 0 and compile_null(sc),
         lambda: _v6("null")),
+    Row("Compiled partitions reloaded",
+        f"n >= {CONTEXT_VERSION}: a session with `ep.context_enable=1` saved the model with EPContext nodes; a "
+        "session made from that model rebuilds each partition with `Ep.CompileFromContext` (no optimization, no "
+        "`Ep.Compile`)",
+        "`context_loaded` (per EPContext node)", "—",
+        (Count("session", "context_loaded", lambda sc, ev: saved_groups(sc, "loaded")),),
+        lambda sc, ev: saved_groups(sc, "loaded") > 0,
+        lambda: _contexts("reload", V7_PAIRS)),
+    Row("No compiled contexts",
+        f"n = {CONTEXT_VERSION - 1} (a v7 host with a v6 plugin, or a v6 host with a v7 plugin: "
+        "`EpNodeComputeInfo.GetContext` is never called), or an EP that gives no context (ExampleEP "
+        "`context=0`): the saved model keeps the group's nodes and loading compiles them as before",
+        "`context_not_offered` (per fused group, when saving)", "—",
+        (Count("session", "context_not_offered", lambda sc, ev: saved_groups(sc, "not offered")),),
+        lambda sc, ev: saved_groups(sc, "not offered") > 0,
+        lambda: st.one_of(_contexts("reload", V6_PAIRS), _contexts("reload", V7_PAIRS, blob=False))),
+    Row("Damaged compiled context",
+        f"n >= {CONTEXT_VERSION}, an EPContext blob is corrupt or truncated: `Ep.CompileFromContext` fails and "
+        "the host compiles the subgraph kept in the node, with a `RuntimeWarning` (an EP that answers "
+        "`EP_SUPPORTED_PREFER_RECOMPILATION` is recompiled the same way, without a warning)",
+        "`context_recompiled` (per EPContext node)", "—",
+        (Count("session", "context_recompiled", lambda sc, ev: saved_groups(sc, "recompiled")),),
+        lambda sc, ev: saved_groups(sc, "recompiled") > 0,
+        lambda: st.sampled_from(["corrupt", "truncated"]).flatmap(lambda m: _contexts(m, V7_PAIRS))),
 )
 
 HEADER = ("| Fallback | When (n = min(host API version, plugin ABI version)) | Host: `session.fallbacks` | "

@@ -42,8 +42,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
                                    "GraphCapture._replay", "GraphCapture._check_binding"),
     "host.runtime.partition.claims": ("can_compile", "collect_claims"),
     "host.runtime.partition.compile": ("claim_and_compile",),
-    "abi.sdk": ("HostApi.__init__", "HostApi._covers", "HostApi.has", "HostApi.sync_stream", "Runtime.expose",
-                "Runtime._create_locked", "EpBase.GetCapability"),
+    "abi.plugin_runtime": ("HostApi.__init__", "HostApi._covers", "HostApi.has", "HostApi.sync_stream",
+                           "Runtime.expose", "Runtime._create_locked"),
+    "abi.sdk": ("EpBase.GetCapability",),
     "plugin_cuda.options": ("parse_options", "_validate", "_bool", "_int", "_pointer"),
 }
 

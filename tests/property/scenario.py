@@ -10,16 +10,20 @@ synchronised or not).
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import onnx
 from hypothesis import strategies as st
 
 import abi
 from host.errors import GraphCaptureError
+from host.runtime.session import InferenceSession
 from tests.property import harness as h
 from tests.property import strategies as s
 
@@ -36,6 +40,7 @@ class Scenario:
     eager_runs: int
     threads: int
     bound_runs: list[s.RunOpts]
+    context: str = ""  # ABI v7: "" (a plain model) or how the session's model was saved first (CONTEXT_MODES)
 
     @property
     def negotiated(self) -> int:
@@ -101,7 +106,7 @@ def model(sc: Scenario) -> Events:
     if sc.refused:
         ev.created = False
         return ev
-    n = sc.plugin_nodes
+    n = 0 if compiled(sc) else sc.plugin_nodes  # a compiled partition runs without per-node kernels
     ev.computes += n * sc.eager_runs * sc.threads
     state = sc.capture  # refused above when it is on and ExampleEP lacks a node
     counts: dict[int, int] = {}
@@ -127,6 +132,50 @@ def model(sc: Scenario) -> Events:
     return ev
 
 
+def compiled(sc: Scenario) -> bool:
+    """ExampleEP compiles every node it runs (fuse=1, n >= 6, Compile present and succeeding)."""
+    return (sc.opts.get("fuse") == "1" and sc.negotiated >= abi.since("Ep", "Compile")
+            and not sc.opts.get("compile_fails") and "Compile" not in sc.null_slots)
+
+
+# ABI v7 context scenarios: the model is first saved by a session with ep.context_enable=1, then
+# (damaged or not) loaded by the session the scenario plays.
+CONTEXT_MODES = ("reload", "corrupt", "truncated")
+
+
+def save_context_model(sc: Scenario, env, folder: Path) -> tuple[Path, Counter]:
+    """The scenario's model saved with its contexts (damaged as sc.context says), and the context
+    counters of the saving session; the plugin Record is left as it was before (the saving session
+    is not what the scenario models)."""
+    rec = h.record(sc.plugin)
+    before = (Counter(rec.fallbacks), Counter(rec.slot_calls))
+    source, target = folder / "model.onnx", folder / "model_ctx.onnx"
+    onnx.save(sc.case.model, str(source))
+    so = h.session_options()
+    so.add_session_config_entry("ep.context_enable", "1")
+    so.add_session_config_entry("ep.context_file_path", str(target))
+    opts = h.with_null_slots(sc.opts, sc.null_slots)
+    with InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, opts)], env=env) as saver:
+        counters = Counter({k: v for k, v in saver.fallbacks.items() if k.startswith("context_")})
+    for counter, old in zip((rec.fallbacks, rec.slot_calls), before):
+        counter.clear()
+        counter.update(old)
+    if sc.context in ("corrupt", "truncated"):
+        damage(target, sc.context)
+    return target, counters
+
+
+def damage(path: Path, how: str) -> None:
+    """Overwrite every EPContext blob of the model at `path`: garbage bytes, or its first half."""
+    proto = onnx.load(str(path))
+    for node in proto.graph.node:
+        if node.op_type == "EPContext":
+            for a in node.attribute:
+                if a.name == "ep_cache_context":
+                    a.s = a.s[:len(a.s) // 2] if how == "truncated" else bytes(range(256)) * 3
+    onnx.save(proto, str(path))
+
+
 @dataclass
 class Outcome:
     session_fallbacks: Counter
@@ -140,9 +189,17 @@ def play(sc: Scenario, env, refs: h.References | None = None) -> Outcome:
     With `refs`, every output is compared with the references: eager runs alternate the two feed
     sets, and every bound run first copies the other feed set into the bound inputs and NaNs into
     the bound outputs, so that a replay of a stale graph or one that writes nothing is caught."""
+    if not sc.context:
+        return _play(sc, env, refs, sc.case, Counter())
+    with tempfile.TemporaryDirectory() as tmp:
+        model, saved = save_context_model(sc, env, Path(tmp))
+        return _play(sc, env, refs, str(model), saved)
+
+
+def _play(sc: Scenario, env, refs, model, saved: Counter) -> Outcome:
     rec = h.record(sc.plugin)
     try:
-        sess = h.session(sc.case, env, h.with_null_slots(sc.opts, sc.null_slots))
+        sess = h.session(model, env, h.with_null_slots(sc.opts, sc.null_slots))
     except GraphCaptureError:
         if not sc.refused:
             raise
@@ -178,6 +235,8 @@ def play(sc: Scenario, env, refs: h.References | None = None) -> Outcome:
                 sess.run_with_iobinding(b, ro.make())
                 if refs is not None:
                     refs.check([outs[n] for n in refs.names], feeds[(i + 1) % 2], f"bound run {i} ({ro})")
-        return Outcome(Counter(sess.fallbacks), Counter(rec.fallbacks), Counter(rec.slot_calls), True)
+        # frame_* are the compiled call frame's statistics (test_fused_claims checks them), not fallbacks.
+        plugin = Counter({k: v for k, v in rec.fallbacks.items() if not k.startswith("frame_")})
+        return Outcome(Counter(sess.fallbacks) + saved, plugin, Counter(rec.slot_calls), True)
     finally:
         sess.close()

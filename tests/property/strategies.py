@@ -31,7 +31,7 @@ null_slot_sets = st.lists(st.sampled_from(OPTIONAL_EP_SLOTS), unique=True, max_s
 # What ExampleEP (tests/plugins/example_ep.py) claims, for float32/float64 inputs.
 EXAMPLE_EP_OPS = ("Add", "Sub", "Mul", "Div", "Relu", "Sigmoid", "MatMul", "Identity")
 EXAMPLE_EP_OPTION_KEYS = ("ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                          "compile_fails", "scratch", "lie", "slow_replay")
+                          "compile_fails", "scratch", "lie", "slow_replay", "context")
 
 BINARY = ("Add", "Sub", "Mul", "Div")
 UNARY = ("Relu", "Sigmoid")

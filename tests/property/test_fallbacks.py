@@ -32,7 +32,8 @@ from tests.property.scenario import Scenario
 ROOT = Path(__file__).resolve().parents[2]
 # Counted by the table instead (compile_failed, capture_not_reached).
 pytestmark = [pytest.mark.filterwarnings("ignore:ExampleEP.*could not be compiled:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:ExampleEP did not capture graph:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:ExampleEP did not capture graph:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:compiled context of .* not used:RuntimeWarning")]
 
 
 def check_scenario(sc: Scenario, with_refs: bool = True) -> scenario.Events:

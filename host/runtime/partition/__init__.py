@@ -43,8 +43,11 @@ class Partitioner:
     """Partitions graphs of one session among its plugin EPs (priority order) and the CPU EP."""
 
     def __init__(self, eps: list[PluginEp], fallbacks: Counter, source_opsets: dict[str, int] | None = None,
-                 shape_signatures: int = shape_program.DEFAULT_CAPACITY):
+                 shape_signatures: int = shape_program.DEFAULT_CAPACITY, contexts=None):
         self.eps = eps
+        self.contexts = contexts  # ABI v7: a saved context model's partitions (host/runtime/epcontext.py)
+        self.graph: Graph | None = None  # the session's graph, once partitioned
+        self.view: GraphView | None = None
         self.shape_signatures = shape_signatures
         self.shape_program: shape_program.ShapeProgram | None = None
         self.fallbacks = fallbacks
@@ -55,9 +58,15 @@ class Partitioner:
 
     def partition(self, graph: Graph) -> tuple[Graph, Plan]:
         """The session's graph after fallback expansion, and its plan."""
-        graph = self._expand_unclaimed(graph)
         view = GraphView(graph)
+        if self.contexts is not None:  # ABI v7: rebuild saved partitions, or put their nodes back
+            graph, view = self.contexts.resolve(self.eps, graph, view, self.fallbacks, self.partitions)
         self.views.append(view)
+        expanded = self._expand_unclaimed(graph)
+        if expanded is not graph:
+            graph, view = expanded, GraphView(expanded)
+            self.views.append(view)
+        self.graph, self.view = graph, view
         # Shape arithmetic leaves the plan: the host evaluates it once per input-shape signature.
         self.shape_program = shape_program.build(graph, view.value_index, self.shape_signatures)
         graph.shape_nodes = self.shape_program.nodes
@@ -85,8 +94,9 @@ class Partitioner:
     def plan_graph(self, g: Graph, view: GraphView, eps: list[PluginEp] | None = None) -> Plan:
         """Partition one graph (the model's, or a control-flow subgraph's) and plan it among `eps`
         (default: the session's)."""
-        assigned, parts = claim_and_compile(self.eps if eps is None else eps, view, g, self.fallbacks)
-        self.partitions.extend(parts)
+        assigned, parts = claim_and_compile(self.eps if eps is None else eps, view, g, self.fallbacks,
+                                            self.contexts if g is self.graph else None)
+        self.partitions.extend(p for p in parts if p not in self.partitions)  # saved ones are in already
         stages.enter(stages.CREATING_KERNELS)
         nodes, units, subgraphs = self._plan_nodes(g, view, assigned, parts)
         if parts:

@@ -28,6 +28,12 @@ class Claims:
     groups: list[tuple[PluginEp, tuple[int, ...]]] = field(default_factory=list)
     per_node_ok: dict[int, set[int]] = field(default_factory=dict)  # id(ep) -> nodes also claimed singly
 
+    def drop(self, nodes) -> None:
+        """Forget every claim on `nodes` (taken already: saved partitions of a context model)."""
+        nodes = set(nodes)
+        self.single = {i: ep for i, ep in self.single.items() if i not in nodes}
+        self.groups = [(ep, g) for ep, g in self.groups if not nodes.intersection(g)]
+
 
 def can_compile(ep: PluginEp) -> bool:
     return ep.slots.Compile is not None

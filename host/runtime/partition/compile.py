@@ -197,6 +197,9 @@ def _partition(ep: PluginEp, group: FusedGroup, info_ptr, graph: Graph) -> Compi
         return None
 
 
+adopt_compute_info = _partition  # ABI v7: epcontext.py adopts what CompileFromContext returned
+
+
 def _failure_text(group: FusedGroup) -> str:
     return (f"{group.ep.name}: fused node '{group.name}' could not be compiled ({group.error}); its "
             f"{len(group.nodes)} node(s) run as per-node kernels")
@@ -217,15 +220,20 @@ def inferred_dims(meta: ValueMeta | None) -> tuple[int, ...] | None:
     return tuple(d if isinstance(d, int) and d >= 0 else -1 for d in meta.shape)
 
 
-def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph,
-                      fallbacks) -> tuple[dict[int, PluginEp], list[CompiledPartition]]:
+def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph, fallbacks,
+                      contexts=None) -> tuple[dict[int, PluginEp], list[CompiledPartition]]:
     """The partitioner's v6 step: claims, fused groups compiled per EP, per-node fallbacks.
 
     Returns (node -> EP for per-node kernels, compiled partitions). Nodes of a group that failed
-    to compile keep the EP where it also claimed them singly; the rest go to the CPU EP."""
+    to compile keep the EP where it also claimed them singly; the rest go to the CPU EP.
+    `contexts` (ABI v7, host/runtime/epcontext.py): partitions rebuilt from a saved context model
+    come first; no EP claims their EPContext nodes."""
+    saved = contexts.partitions(graph) if contexts is not None else []
     claims = collect_claims(eps, view, graph, fallbacks)
+    if saved:
+        claims.drop(i for p in saved for i in p.group.nodes)
     if not claims.groups:
-        return claims.single, []
+        return claims.single, saved
     counts: dict[int, int] = {}
     groups = []
     for ep, nodes in claims.groups:
@@ -238,7 +246,7 @@ def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph,
         for i in g.nodes:
             if i in singles:
                 assigned[i] = g.ep
-    return assigned, parts
+    return assigned, saved + parts
 
 
 __all__ = ["CompiledPartition", "FusedGroup", "FUSED_DOMAIN", "FUSED_OP_TYPE", "claim_and_compile", "compile_groups",
