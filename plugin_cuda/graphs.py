@@ -136,14 +136,14 @@ class GraphManager:
         before = self.pool_bytes()
         state.stream.begin_capture(mode=_CAPTURE_MODE)
         t.capturing = Capturing(gid, state, before)
+        if self.ep.opts.debug_force_capture_failure:
+            # Checked here, where a capture begins, not on every kernel: the caller's capture-failure
+            # path (abort, then run eagerly) sees it as the first kernel's failure.
+            raise RuntimeError("capture failure forced by debug_force_capture_failure=1")
 
     def capturing(self) -> bool:
         t = self._tls.__dict__.get("v")
         return t is not None and t.capturing is not None
-
-    def check_forced_failure(self) -> None:
-        if self.ep.opts.debug_force_capture_failure and self.capturing():
-            raise RuntimeError("capture failure forced by debug_force_capture_failure=1")
 
     def record(self, adapter, call, state) -> None:
         t = self._tls.__dict__.get("v")

@@ -542,9 +542,8 @@ class CudaKernelAdapter(sdk.KernelBase):
         if ep.run_streams.__dict__.get("state") is not state:
             ep.enter_run(state)
         call = KernelCall(self, context, inputs, state, kio.num_outputs)
-        ep.graphs.before_kernel(state)
         try:
-            ep.graphs.check_forced_failure()
+            ep.graphs.before_kernel(state)  # may begin a capture (and fail it, when debugging)
             self.launch_recorded(call, state)
         except Exception as exc:
             if not ep.graphs.capturing():

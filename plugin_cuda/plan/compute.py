@@ -59,10 +59,9 @@ class PlanFunction:
         graphs = ep.graphs
         if ep.run_streams.__dict__.get("state") is not st:
             ep.enter_run(st)
-        graphs.before_kernel(st)  # begins the host-orchestrated capture at the run's first launch
-        capturing = frame.capturing or graphs.capturing()
         try:
-            graphs.check_forced_failure()
+            graphs.before_kernel(st)  # begins the host-orchestrated capture at the run's first launch
+            capturing = frame.capturing or graphs.capturing()
             self.plan.run(stream, ins, outs, capturing)
         except Exception as exc:
             if not graphs.capturing():
