@@ -14,7 +14,8 @@ or for every group, or Compile working. The expectations come from the drawn lay
 - Every compiled partition's state is made once and released once by the time the session is
   closed (ReleaseState per CreateState: the SDK's Release would free a forgotten state silently).
 
-Outputs equal onnx's ReferenceEvaluator and onnxruntime's CPU EP on every run.
+Outputs equal onnx's ReferenceEvaluator and onnxruntime's CPU EP on every run. The fallback table
+(fallback_table.py) is also played on such chains, whose several groups its own strategies seldom draw.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
+from tests.property import fallback_table as ft
 from tests.property import harness as h
 from tests.property import strategies as s
+from tests.property.scenario import Scenario
+from tests.property.test_fallbacks import check_scenario
 
 VERSION = 6  # ABI version of Ep.Compile (fallback_table.COMPILE_VERSION)
 CHAIN_OPS = ("Add", "Sub", "Mul", "Relu", "Sigmoid")
@@ -177,3 +181,20 @@ def test_a_failed_compile_falls_back_for_its_own_groups_only_and_every_state_is_
     assert whole["EpNodeComputeInfo.CreateState"] == compiled
     assert whole["EpNodeComputeInfo.ReleaseState"] == compiled
     assert whole["EpNodeComputeInfo.Release"] == compiled
+
+
+@given(chain=chains(), how=st.sampled_from(["null", "fail"]), eager=st.integers(1, 2), threads=st.integers(1, 2),
+       bound=st.lists(s.run_options, max_size=2))
+@settings(deadline=None, max_examples=s.budget(6))
+def test_the_fallback_table_predicts_several_groups(chain, how, eager, threads, bound):
+    """The table's rows "Fused groups without Compile" and "Compile failed" on scenarios with 2 or 3
+    groups (its own strategies seldom draw more than one): every counter, Compute count and output."""
+    opts = {"ops": ",".join(chain.claimed), "fuse": "1"}
+    if how == "fail":
+        opts["compile_fails"] = "all"
+    nulls = ("Compile",) if how == "null" else ()
+    sc = Scenario(chain.case, VERSION, VERSION, nulls, opts, eager, threads, bound)
+    assert ft.fused_groups(sc) == len(chain.groups)  # the table's model of the groups agrees with the layout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "could not be compiled": counted by the table
+        check_scenario(sc)
