@@ -13,6 +13,7 @@ so several versions of one plugin can live in one process.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -66,7 +67,30 @@ def build_c_plugin(plugin: str, out_dir: Path = DEFAULT_OUT, version: int | None
     if version is not None:
         abi.check_known_version(version)
     flags = () if version is None else (f"-DEXAMPLE_C_ABI={version}",)
-    return builder.build_c_plugin(plugin, C_PLUGINS[plugin], library_path(plugin, version, out_dir), flags)
+    return _build_c_cached(plugin, C_PLUGINS[plugin], library_path(plugin, version, out_dir), flags)
+
+
+def _c_build_key(source: Path, flags: tuple[str, ...]) -> str:
+    """Hash of what a plain-C plugin's library depends on: its source, the ABI header, the build
+    recipe (abi/builder.py holds the compiler flags), the compiler command and the extra flags."""
+    h = hashlib.sha256()
+    for path in (source, ROOT / "abi" / "ep_abi.h", ROOT / "abi" / "builder.py"):
+        h.update(path.read_bytes())
+    for part in (*builder.compiler(), "|", *flags):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _build_c_cached(name: str, source: Path, target: Path, flags: tuple[str, ...] = ()) -> Path:
+    """builder.build_c_plugin, skipped when `target` was built from the same inputs (its key is in
+    `<target>.key`): the test fixtures call this once per test session, right after build.py did."""
+    stamp = target.with_name(target.name + ".key")
+    key = _c_build_key(source, flags)
+    if target.is_file() and stamp.is_file() and stamp.read_text() == key:
+        return target
+    built = builder.build_c_plugin(name, source, target, flags)
+    stamp.write_text(key)
+    return built
 
 
 HOSTILE_SOURCE = ROOT / "tests" / "hostile" / "hostile_plugin.c"
@@ -74,9 +98,9 @@ HOSTILE_SOURCE = ROOT / "tests" / "hostile" / "hostile_plugin.c"
 
 def build_hostile(out_dir: Path = DEFAULT_OUT) -> list[Path]:
     """The hostile test plugin (tests/hostile), and its variant whose CreateEpFactories is a data object."""
-    return [builder.build_c_plugin("hostile", HOSTILE_SOURCE, out_dir / "libephost_hostile.so"),
-            builder.build_c_plugin("hostile_data_entry", HOSTILE_SOURCE, out_dir / "libephost_hostile_data_entry.so",
-                                   ("-DHOSTILE_DATA_ENTRY",))]
+    return [_build_c_cached("hostile", HOSTILE_SOURCE, out_dir / "libephost_hostile.so"),
+            _build_c_cached("hostile_data_entry", HOSTILE_SOURCE, out_dir / "libephost_hostile_data_entry.so",
+                            ("-DHOSTILE_DATA_ENTRY",))]
 
 
 def build_cpu_kernels(out_dir: Path = DEFAULT_OUT) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import gc
 import logging
 import os
 import sys
@@ -54,6 +55,22 @@ def example_record(version: int):
     from abi import sdk
 
     return sdk.runtime(build.module_name("example", version)).record
+
+
+@pytest.fixture(autouse=True)
+def _young_heap():
+    """Each test starts with only its own objects in the collected generations.
+
+    Collection imports every test module (onnx's backend cases, models, Ray), so the heap holds
+    ~400,000 objects before the first test, more after each; a full gc.collect() walks all of them
+    (0.3-0.5 s here), and the harnesses call it per example (tests/property) or per test (fixtures
+    whose sessions close in their finalizers). Collect what earlier tests left, then freeze the
+    survivors (gc.freeze: never collected, never walked again): a test's gc.collect() then walks
+    what the test made, and finalizes exactly what it did before. Objects alive before the test
+    that become cyclic garbage during it are not collected: no test relies on that."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(autouse=True)

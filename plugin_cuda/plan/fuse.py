@@ -138,7 +138,7 @@ def _bias_of(prog: Program, add: Op, gemm_out: int, n: int) -> int | None:
 def cublaslt_epilogues(prog: Program, tiled: bool) -> Program:
     """`prog` with each GEMM that runs on cuBLAS (not a generated kernel) and is followed by the
     addition of a constant bias over its last axis, and optionally a ReLU, as one op: a GEMM with
-    cuBLASLt's BIAS or RELU_BIAS epilogue (plugin_cuda/cublaslt.py). The fused op takes the place of
+    cuBLASLt's BIAS or RELU_BIAS epilogue (plugin_cuda/device/cublaslt.py). The fused op takes the place of
     the last op it replaces; `prog` itself is not changed (the values are shared)."""
     users = _consumers(prog)
     replace: dict = {}  # id(op) -> the op to put there (None: drop it)

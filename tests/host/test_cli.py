@@ -199,7 +199,6 @@ def test_summarize_handles_empty_and_bool_outputs():
 
 # ---- plugin-info and entry points --------------------------------------------------------------
 def test_plugin_info(capsys, plugin):
-    pytest.importorskip("host.plugins.plugin_info")
     rc, out, err = run_cli(capsys, "plugin-info", plugin)
     assert rc == 0, err
     assert "ExampleEP" in out

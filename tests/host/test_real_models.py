@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from host.optimizer import GraphOptimizationLevel
 from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
 from tests.models import available_models, load
@@ -24,18 +25,12 @@ RTOL, ATOL = 1e-3, 1e-4
 MODELS = available_models()
 ARCHS = ("bert", "gpt2", "vit", "llama", "mobilenetv3")
 
-try:
-    from host.optimizer import GraphOptimizationLevel
-except ImportError:  # the optimizer is another helper's work in progress
-    GraphOptimizationLevel = None
-
 LEVELS = ["ORT_DISABLE_ALL", "ORT_ENABLE_ALL"]
 
 
 def _options(level: str) -> SessionOptions:
     so = SessionOptions()
-    if GraphOptimizationLevel is not None:
-        so.graph_optimization_level = getattr(GraphOptimizationLevel, level)
+    so.graph_optimization_level = getattr(GraphOptimizationLevel, level)
     return so
 
 
@@ -64,7 +59,6 @@ def test_every_architecture_has_both_exports():
         assert [o.name for o in model.graph.output] == list(expected)
 
 
-@pytest.mark.skipif(GraphOptimizationLevel is None, reason="host.optimizer (helper A's work) is not importable yet")
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", MODELS)
 def test_matches_onnxruntime_and_torch(name, level):
@@ -91,7 +85,6 @@ def test_unoptimized_runs_without_the_optimizer(name):
         assert_close(value, expected[out], f"{name}:{out} vs torch")
 
 
-@pytest.mark.skipif(GraphOptimizationLevel is None, reason="host.optimizer (helper A's work) is not importable yet")
 @pytest.mark.parametrize("name", MODELS)
 def test_default_level_never_adds_nodes(name):
     path, _, _ = load(name)
