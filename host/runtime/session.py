@@ -256,7 +256,7 @@ class InferenceSession:
                 if cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
                     unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                     continue
-                kernel = cpu_ep.create_kernel(n)
+                kernel = cpu_ep.create_kernel(n, g.values)  # declared types: half precision (cpu_ep/half.py)
                 kernel.object_outputs = frozenset(j for j, o in enumerate(outs) if o in objects)
                 if isinstance(kernel, ControlFlowKernel):
                     subgraphs += self._prepare_subgraphs(kernel, g, n)

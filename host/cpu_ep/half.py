@@ -1,0 +1,126 @@
+"""float16 and bfloat16 on the CPU EP: kernels compute in float32 and store half precision.
+
+NumPy has no BLAS or SIMD kernels for float16 (its float16 matmul is a scalar loop) and no bfloat16 at
+all (ml_dtypes supplies the dtype and scalar ufuncs). So a node that reads or writes a half-precision
+tensor gets its kernel wrapped once, at session creation, by `adapt`:
+
+- its half inputs are widened to float32 before the kernel runs (initializers once, when the run loop
+  binds them), so every kernel written for float32 serves both half types with float32 accuracy;
+- each tensor output is then stored as the element type the graph declares for it. That is the
+  contract a graph's outputs keep on this EP: a kernel that computes in float32 never leaks a float32
+  tensor where float16 is declared, and a model whose declared types contradict an op (converters
+  that rewrite value types but leave a `Cast(to=FLOAT)`, which onnxruntime refuses to load) returns
+  what it declares.
+
+Ops that only move, select or reinterpret elements run on the half arrays as they are (widening them
+would only cost time); their outputs are still stored as declared. Nodes of float32 models are never
+wrapped, so they pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from abi.dtypes import HALF_DTYPES, HALF_TYPES, to_numpy
+from host.cpu_ep.base import OpKernel
+
+_F32 = np.dtype(np.float32)
+
+# (domain, op_type) of kernels that run on half arrays without widening: they copy, select or
+# reinterpret elements, which NumPy does for 2-byte dtypes like any other, bit-exactly. Control-flow
+# and sequence kernels carry values whose types their bodies or lists declare: they are never widened.
+KEEP_HALF = frozenset(("", op) for op in (
+    "BitCast", "Cast", "CastLike", "Compress", "Concat", "ConcatFromSequence", "Constant", "ConstantOfShape",
+    "DepthToSpace", "Expand", "Flatten", "Gather", "GatherElements", "GatherND", "Identity", "If", "Loop",
+    "Optional", "OptionalGetElement", "OptionalHasElement", "Reshape", "ReverseSequence", "Scan", "Scatter",
+    "ScatterElements", "ScatterND", "SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase",
+    "SequenceInsert", "SequenceLength", "SequenceMap", "Shape", "Size", "Slice", "SpaceToDepth", "Split",
+    "SplitToSequence", "Squeeze", "Tile", "Transpose", "Unsqueeze",
+))
+
+
+def _domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def declared_types(names: Sequence[str], values: Mapping[str, object]) -> tuple[int, ...]:
+    """The declared element type of each value name (0: absent, not a tensor, or not known)."""
+    types = []
+    for name in names:
+        meta = values.get(name) if name else None
+        types.append(int(getattr(meta, "elem_type", 0) or 0) if meta is not None and meta.type is None else 0)
+    return tuple(types)
+
+
+def adapt(kernel: OpKernel, in_types: Sequence[int], out_types: Sequence[int]) -> OpKernel:
+    """`kernel`, wrapped for half precision when its node reads or writes float16 or bfloat16 (see the
+    module's docstring); other kernels are returned untouched."""
+    if not HALF_TYPES.intersection(in_types) and not HALF_TYPES.intersection(out_types):
+        return kernel
+    node = kernel.node
+    keep = kernel.takes_device_values or (_domain(node.domain), node.op_type) in KEEP_HALF
+    targets = tuple(to_numpy(t) if t else None for t in out_types)
+    fallback = next((to_numpy(t) for t in in_types if t in HALF_TYPES), None)
+    if keep:
+        _wrap_outputs(kernel, targets)
+    else:
+        _wrap_widening(kernel, targets, fallback)
+    return kernel
+
+
+def _stored(outputs, targets, fallback):
+    """Each tensor output as its declared dtype (`targets`); an output of undeclared type that the
+    kernel computed in float32 goes back to the half type of the node's inputs (`fallback`)."""
+    out = []
+    for arr, want in zip(outputs, targets):
+        if isinstance(arr, np.ndarray):
+            if want is None and fallback is not None and arr.dtype == _F32:
+                want = fallback
+            if want is not None and arr.dtype != want and want.kind != "O":
+                arr = arr.astype(want)
+        out.append(arr)
+    out.extend(outputs[len(targets):])
+    return tuple(out)
+
+
+def _wrap_outputs(kernel: OpKernel, targets) -> None:
+    run = kernel._run
+
+    def run_stored(*inputs):
+        return _stored(run(*inputs), targets, None)
+
+    kernel._run = run_stored
+
+
+def _wrap_widening(kernel: OpKernel, targets, fallback) -> None:
+    """Replaces the instance's `_run` and `bind_constants` (the CPU run loop calls both on the
+    instance): half inputs widened to float32, initializers once."""
+    run, bind = kernel._run, kernel.bind_constants
+    widened: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (bound half array, its float32 copy)
+
+    def bind_widened(constants: dict[int, np.ndarray]) -> None:
+        widened.clear()
+        wide = {}
+        for pos, arr in constants.items():
+            if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
+                widened[pos] = (arr, arr.astype(_F32))
+                wide[pos] = widened[pos][1]
+            else:
+                wide[pos] = arr
+        bind(wide)
+
+    def run_widened(*inputs):
+        args = list(inputs)
+        for pos, arr in enumerate(inputs):
+            if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
+                known = widened.get(pos)
+                args[pos] = known[1] if known is not None and known[0] is arr else arr.astype(_F32)
+        return _stored(run(*args), targets, fallback)
+
+    kernel._run = run_widened
+    kernel.bind_constants = bind_widened
+
+
+__all__ = ["KEEP_HALF", "adapt", "declared_types"]
