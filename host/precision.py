@@ -40,7 +40,9 @@ DEFAULT_OP_BLOCK_LIST = frozenset({
     "Min", "Max", "Upsample",
 })
 # Attributes that name an element type the node produces.
-_TYPE_ATTRS = ("to", "dtype", "output_dtype")
+_TYPE_ATTRS = ("to", "dtype", "output_dtype", "output_datatype")
+# Ops kept in float32 whatever the block list says: BitCast reinterprets the bits of its input's type.
+_ALWAYS_FLOAT32 = frozenset({"BitCast"})
 _FP16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -59,7 +61,8 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
                          "bodies is not supported yet; supported: graphs without subgraphs")
     types = _value_types(out)
     opsets = {(o.domain or ""): o.version for o in out.opset_import}
-    blocked = {i for i, n in enumerate(g.node) if n.op_type in blocked_ops or not _admits(n, half, opsets)}
+    blocked = {i for i, n in enumerate(g.node)
+               if n.op_type in blocked_ops or n.op_type in _ALWAYS_FLOAT32 or not _admits(n, half, opsets)}
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(g.node):
         for x in n.input:
@@ -67,10 +70,10 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     keep_inits = {t.name for t in g.initializer if t.data_type == FLOAT
                   and readers.get(t.name) and all(r in blocked for r in readers[t.name])}
     _convert_initializers(g, half, keep_inits)
-    nodes = []
+    nodes, float32_names = [], set(keep_inits)
     for i, n in enumerate(g.node):
         if i in blocked:
-            nodes += _blocked_node(n, types, half, keep_inits)
+            nodes += _blocked_node(n, types, half, keep_inits, float32_names)
         else:
             _retype_attributes(n, half)
             nodes.append(n)
@@ -80,6 +83,8 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     nodes = [*first, *g.node, *last]
     del g.node[:]
     g.node.extend(nodes)
+    float32_names.update(n.output[0] for n in last)  # keep_io_types: the float32 graph outputs
+    _cast_float_results(out, half, float32_names)
     del g.value_info[:]  # stale types: inference recomputes them
     try:
         onnx.checker.check_model(out)
@@ -135,7 +140,9 @@ def _convert_initializers(g: onnx.GraphProto, half: int, keep: set[str]) -> None
 
 
 # Ops whose output is float32 when an attribute is absent: the attribute the converter then sets.
-_FLOAT_BY_DEFAULT = {"ConstantOfShape": "value", "RandomNormal": "dtype", "RandomUniform": "dtype"}
+_FLOAT_BY_DEFAULT = {"ConstantOfShape": "value", "RandomNormal": "dtype", "RandomUniform": "dtype",
+                     "HannWindow": "output_datatype", "HammingWindow": "output_datatype",
+                     "BlackmanWindow": "output_datatype", "MelWeightMatrix": "output_datatype"}
 
 
 def _retype_attributes(node: onnx.NodeProto, half: int) -> None:
@@ -156,21 +163,50 @@ def _cast(src: str, dst: str, to: int) -> onnx.NodeProto:
     return helper.make_node("Cast", [src], [dst], name=f"{dst}_cast", to=to)
 
 
-def _blocked_node(node: onnx.NodeProto, types: dict[str, int], half: int, keep_inits: set[str]) -> list:
+def _blocked_node(node: onnx.NodeProto, types: dict[str, int], half: int, keep_inits: set[str],
+                  float32_names: set[str]) -> list:
     """A blocked node in float32: Casts to float32 on its (now half) float inputs, and its float outputs
-    computed under new names then cast to half under the original names."""
+    computed under new names then cast to half under the original names (added to `float32_names`)."""
     before, after = [], []
     for j, x in enumerate(node.input):
         if x and types.get(x) == FLOAT and x not in keep_inits:
             wide = f"{x}_fp32_for_{node.name or node.op_type}_{j}"
             before.append(_cast(x, wide, FLOAT))
             node.input[j] = wide
+            float32_names.add(wide)
     for j, y in enumerate(node.output):
         if y and types.get(y) == FLOAT:
             wide = f"{y}_fp32"
             after.append(_cast(wide, y, half))
             node.output[j] = wide
+            float32_names.add(wide)
     return [*before, node, *after]
+
+
+def _cast_float_results(model: onnx.ModelProto, half: int, float32_names: set[str]) -> None:
+    """Results an op computes in float32 whatever its inputs (LayerNormalization's statistics, which
+    follow `stash_type`; TfIdfVectorizer) get a Cast to half after them, so that readers see one type."""
+    scratch = onnx.ModelProto()
+    scratch.CopyFrom(model)
+    for vi in scratch.graph.output:
+        vi.type.tensor_type.elem_type = 0  # the producers' types, not the (already half) declarations
+    try:
+        inferred = onnx.shape_inference.infer_shapes(scratch, strict_mode=False)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(f"convert: shape inference failed: {exc}") from exc
+    ig = inferred.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*ig.value_info, *ig.output)}
+    g = model.graph
+    nodes = []
+    for n in g.node:
+        nodes.append(n)
+        for j, y in enumerate(n.output):
+            if y and types.get(y) == FLOAT and y not in float32_names:
+                wide = f"{y}_fp32"
+                n.output[j] = wide
+                nodes.append(_cast(wide, y, half))
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def _retype_io(g: onnx.GraphProto, half: int, keep_io_types: bool) -> tuple[list, list]:

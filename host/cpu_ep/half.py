@@ -75,6 +75,8 @@ def _stored(outputs, targets, fallback):
     kernel computed in float32 goes back to the half type of the node's inputs (`fallback`)."""
     out = []
     for arr, want in zip(outputs, targets):
+        if isinstance(arr, np.generic):  # a reduction's NumPy scalar
+            arr = np.asarray(arr)
         if isinstance(arr, np.ndarray):
             if want is None and fallback is not None and arr.dtype == _F32:
                 want = fallback
