@@ -60,6 +60,7 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
         raise ModelError("convert: the model has control-flow subgraphs (If, Loop, Scan); converting their "
                          "bodies is not supported yet; supported: graphs without subgraphs")
     types = _value_types(out)
+    del g.value_info[:]  # stale types once values change type: inference recomputes them
     opsets = {(o.domain or ""): o.version for o in out.opset_import}
     blocked = {i for i, n in enumerate(g.node)
                if n.op_type in blocked_ops or n.op_type in _ALWAYS_FLOAT32 or not _admits(n, half, opsets)}
@@ -85,7 +86,6 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     g.node.extend(nodes)
     float32_names.update(n.output[0] for n in last)  # keep_io_types: the float32 graph outputs
     _cast_float_results(out, half, float32_names)
-    del g.value_info[:]  # stale types: inference recomputes them
     try:
         onnx.checker.check_model(out)
         return onnx.shape_inference.infer_shapes(out, strict_mode=True)
