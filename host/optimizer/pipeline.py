@@ -19,6 +19,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules import common as onnxscript_rules
 
 from host.errors import InvalidArgument
+from host.optimizer.declared import keep_declared_output_types
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
@@ -415,7 +416,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
         if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
             _extended(rec, FAMILIES)
         _finish(ir_model)
-    out = ir.serde.serialize_model(ir_model)
+    out = keep_declared_output_types(model, ir.serde.serialize_model(ir_model))
     result = OptimizeResult(out, level, rec.report, count, len(out.graph.node))
     if verbose:
         print(result.summary())
