@@ -63,10 +63,15 @@ def adapt(kernel: OpKernel, in_types: Sequence[int], out_types: Sequence[int]) -
     keep = kernel.takes_device_values or (_domain(node.domain), node.op_type) in KEEP_HALF
     targets = tuple(to_numpy(t) if t else None for t in out_types)
     fallback = next((to_numpy(t) for t in in_types if t in HALF_TYPES), None)
+    store = _storer(targets, fallback if not keep else None)
     if keep:
-        _wrap_outputs(kernel, targets)
+        _wrap_outputs(kernel, store)
     else:
-        _wrap_widening(kernel, targets, fallback)
+        # Positions of the half inputs, when every present input's type is declared (the usual case):
+        # a run then looks at those alone.
+        present = [t for name, t in zip(node.inputs, in_types) if name]
+        half_pos = None if 0 in present else tuple(i for i, t in enumerate(in_types) if t in HALF_TYPES)
+        _wrap_widening(kernel, store, half_pos)
     return kernel
 
 
@@ -87,18 +92,37 @@ def _stored(outputs, targets, fallback):
     return tuple(out)
 
 
-def _wrap_outputs(kernel: OpKernel, targets) -> None:
+def _storer(targets, fallback):
+    """_stored() for these targets; with one declared tensor output (most nodes), a shortcut that
+    costs a type and a dtype comparison when the output already has its type."""
+    one = targets[0] if len(targets) == 1 else None
+    if one is None or one.kind == "O":
+        return lambda outputs: _stored(outputs, targets, fallback)
+    ndarray = np.ndarray
+
+    def store(outputs):
+        if len(outputs) == 1:
+            arr = outputs[0]
+            if type(arr) is ndarray:
+                return outputs if arr.dtype == one else (arr.astype(one),)
+        return _stored(outputs, targets, fallback)
+
+    return store
+
+
+def _wrap_outputs(kernel: OpKernel, store) -> None:
     run = kernel._run
 
     def run_stored(*inputs):
-        return _stored(run(*inputs), targets, None)
+        return store(run(*inputs))
 
     kernel._run = run_stored
 
 
-def _wrap_widening(kernel: OpKernel, targets, fallback) -> None:
+def _wrap_widening(kernel: OpKernel, store, half_pos: tuple[int, ...] | None) -> None:
     """Replaces the instance's `_run` and `bind_constants` (the CPU run loop calls both on the
-    instance): half inputs widened to float32, initializers once."""
+    instance): half inputs widened to float32, initializers once. `half_pos`: the positions declared
+    half (None: some input's type is not declared; every input is looked at)."""
     run, bind = kernel._run, kernel.bind_constants
     widened: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> (bound half array, its float32 copy)
 
@@ -115,11 +139,13 @@ def _wrap_widening(kernel: OpKernel, targets, fallback) -> None:
 
     def run_widened(*inputs):
         args = list(inputs)
-        for pos, arr in enumerate(inputs):
+        positions = range(len(inputs)) if half_pos is None else half_pos
+        for pos in positions:
+            arr = args[pos] if pos < len(args) else None
             if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
                 known = widened.get(pos)
                 args[pos] = known[1] if known is not None and known[0] is arr else arr.astype(_F32)
-        return _stored(run(*args), targets, fallback)
+        return store(run(*args))
 
     kernel._run = run_widened
     kernel.bind_constants = bind_widened
