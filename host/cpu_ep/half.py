@@ -24,9 +24,36 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from abi.dtypes import HALF_DTYPES, HALF_TYPES, to_numpy
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+# Elements from which the compiled conversion (kernels.c, F16C) beats NumPy's per-element float16 loop,
+# counting the call's own cost; ml_dtypes' bfloat16 conversions are fast already.
+_NATIVE_MIN = 512
+
+
+def widen(arr: np.ndarray) -> np.ndarray:
+    """A half array as float32 (a new array)."""
+    if arr.dtype == _F16 and arr.size >= _NATIVE_MIN and arr.flags.c_contiguous:
+        lib = native.LIB
+        if lib is not None:
+            out = np.empty(arr.shape, _F32)
+            if lib.ep_f16_to_f32(native.ptr(arr), native.ptr(out), arr.size):
+                return out
+    return arr.astype(_F32)
+
+
+def narrow(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`arr` stored as `dtype` (a new array), rounded to nearest even as NumPy rounds."""
+    if dtype == _F16 and arr.dtype == _F32 and arr.size >= _NATIVE_MIN and arr.flags.c_contiguous:
+        lib = native.LIB
+        if lib is not None:
+            out = np.empty(arr.shape, _F16)
+            if lib.ep_f32_to_f16(native.ptr(arr), native.ptr(out), arr.size):
+                return out
+    return arr.astype(dtype)
 
 # (domain, op_type) of kernels that run on half arrays without widening: they copy, select or
 # reinterpret elements, which NumPy does for 2-byte dtypes like any other, bit-exactly. Control-flow
@@ -86,7 +113,7 @@ def _stored(outputs, targets, fallback):
             if want is None and fallback is not None and arr.dtype == _F32:
                 want = fallback
             if want is not None and arr.dtype != want and want.kind != "O":
-                arr = arr.astype(want)
+                arr = narrow(arr, want)
         out.append(arr)
     out.extend(outputs[len(targets):])
     return tuple(out)
@@ -104,7 +131,7 @@ def _storer(targets, fallback):
         if len(outputs) == 1:
             arr = outputs[0]
             if type(arr) is ndarray:
-                return outputs if arr.dtype == one else (arr.astype(one),)
+                return outputs if arr.dtype == one else (narrow(arr, one),)
         return _stored(outputs, targets, fallback)
 
     return store
@@ -131,7 +158,7 @@ def _wrap_widening(kernel: OpKernel, store, half_pos: tuple[int, ...] | None) ->
         wide = {}
         for pos, arr in constants.items():
             if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
-                widened[pos] = (arr, arr.astype(_F32))
+                widened[pos] = (arr, widen(arr))
                 wide[pos] = widened[pos][1]
             else:
                 wide[pos] = arr
@@ -144,11 +171,11 @@ def _wrap_widening(kernel: OpKernel, store, half_pos: tuple[int, ...] | None) ->
             arr = args[pos] if pos < len(args) else None
             if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
                 known = widened.get(pos)
-                args[pos] = known[1] if known is not None and known[0] is arr else arr.astype(_F32)
+                args[pos] = known[1] if known is not None and known[0] is arr else widen(arr)
         return store(run(*args))
 
     kernel._run = run_widened
     kernel.bind_constants = bind_widened
 
 
-__all__ = ["KEEP_HALF", "adapt", "declared_types"]
+__all__ = ["KEEP_HALF", "adapt", "declared_types", "narrow", "widen"]

@@ -212,3 +212,25 @@ def test_every_float_op_has_a_case():
     """Every float op of the registry is covered: a backend case, a case of ours, or a stated reason."""
     missing = sorted(set(OPS) - set(_cases()) - set(EXTRA_CASES) - set(NOT_APPLICABLE))
     assert missing == [], f"float ops of the CPU EP with no half-precision case: {missing}"
+
+
+def test_compiled_float16_conversions_match_numpy():
+    """half.widen / half.narrow (the compiled F16C path from 512 elements) give NumPy's bits: rounding
+    ties to even, subnormals, overflow to infinity, NaN."""
+    from host.cpu_ep import half, native
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU EP's compiled kernels are not loaded ({native.LOAD_ERROR})")
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 65520.0, 70000.0, -1e6, 6e-8, 3e-8, 1e-7, -5.9e-8,
+               1 + 2.0**-11, 1 + 3 * 2.0**-11, 2049.0, 2051.0]
+    x = np.concatenate([np.array(special, np.float32),
+                        np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 1000]).reshape(-1, 17 + 1000)
+    with np.errstate(over="ignore"):
+        want16 = x.astype(np.float16)
+    got16 = half.narrow(x, np.dtype(np.float16))
+    assert got16.dtype == np.float16 and np.array_equal(np.isnan(got16), np.isnan(want16))
+    finite = ~np.isnan(want16)
+    np.testing.assert_array_equal(got16.view(np.uint16)[finite], want16.view(np.uint16)[finite])
+    wide = half.widen(want16)
+    assert wide.dtype == np.float32
+    np.testing.assert_array_equal(wide.view(np.uint32)[finite], want16.astype(np.float32).view(np.uint32)[finite])
