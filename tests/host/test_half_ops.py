@@ -5,8 +5,8 @@ of onnx's backend suite with float32 inputs is converted to the half type (host.
 float32) and run on ephost with the case's inputs rounded to that type. The reference is onnxruntime CPU
 on the same half model where it has the kernel, else onnx's ReferenceEvaluator on the float32 model fed
 the same rounded inputs; outputs must have exactly the declared element type and lie within 2e-2 of the
-reference (relative to its largest magnitude). Ops of other domains (com.microsoft, ai.ephost) have no
-backend cases: the real-model tests (test_half_models.py) run the fused ones.
+reference (relative to its largest magnitude). ephost's own fused ops (ai.ephost) have cases here with
+NumPy references; com.microsoft's quantized ops are listed with their reason.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
-from onnx import helper
+import scipy.special
+from onnx import TensorProto, helper
 from onnx.backend.test.loader import load_model_tests
 from onnx.reference import ReferenceEvaluator
 
@@ -39,6 +40,10 @@ NOT_APPLICABLE = {
     **{op: "carries values without computing on them: test_containers_carry_half_values" for op in (
         "ConcatFromSequence", "If", "Loop", "Optional", "OptionalHasElement", "Scan", "SequenceAt",
         "SequenceConstruct", "SequenceInsert", "SequenceMap", "SplitToSequence")},
+    **{f"com.microsoft:{op}": "quantized: its float inputs are quantization scales, float32 in onnxruntime's "
+                              "contrib schemas and in every quantizer's output" for op in (
+        "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QGemm", "QLinearAdd", "QLinearAveragePool", "QLinearConcat",
+        "QLinearGlobalAveragePool", "QLinearLeakyRelu", "QLinearMul", "QLinearSigmoid", "QLinearSoftmax")},
 }
 _R = np.random.default_rng(0)
 # Ops whose backend cases have no float32 one-node case: a small case of ours (node, float32 inputs).
@@ -55,14 +60,39 @@ EXTRA_CASES = {
                      {"x": _R.standard_normal((1, 2, 3, 3)).astype(np.float32)}),
     "NonZero": (helper.make_node("NonZero", ["x"], ["y"]), {"x": np.array([[0.0, 1.5], [-2.0, 0.0]], np.float32)}),
     "Trilu": (helper.make_node("Trilu", ["x"], ["y"], upper=0), {"x": _R.standard_normal((3, 3)).astype(np.float32)}),
+    "ai.ephost:FusedMatMul": (
+        helper.make_node("FusedMatMul", ["a", "b", "bias"], ["y"], domain="ai.ephost", activation="Relu"),
+        {"a": _R.standard_normal((2, 3, 8)).astype(np.float32), "b": _R.standard_normal((8, 5)).astype(np.float32),
+         "bias": _R.standard_normal(5).astype(np.float32)}),
+    "ai.ephost:BiasGelu": (
+        helper.make_node("BiasGelu", ["x", "bias"], ["y"], domain="ai.ephost"),
+        {"x": _R.standard_normal((2, 3, 8)).astype(np.float32), "bias": _R.standard_normal(8).astype(np.float32)}),
+    "ai.ephost:SkipLayerNormalization": (
+        helper.make_node("SkipLayerNormalization", ["x", "skip", "scale", "bias"], ["y"], domain="ai.ephost",
+                         epsilon=1e-5),
+        {"x": _R.standard_normal((2, 3, 8)).astype(np.float32), "skip": _R.standard_normal((2, 3, 8)).astype(np.float32),
+         "scale": _R.uniform(0.5, 1.5, 8).astype(np.float32), "bias": _R.standard_normal(8).astype(np.float32)}),
 }
+# The output shapes of the cases whose op onnx cannot infer (other domains).
+_EXTRA_SHAPES = {"ai.ephost:FusedMatMul": [2, 3, 5], "ai.ephost:BiasGelu": [2, 3, 8],
+                 "ai.ephost:SkipLayerNormalization": [2, 3, 8]}
+
+
+def _layer_norm(v, scale, bias, eps=1e-5):
+    v = v.astype(np.float64)
+    mean = v.mean(-1, keepdims=True)
+    return (v - mean) / np.sqrt(((v - mean) ** 2).mean(-1, keepdims=True) + eps) * scale + bias
 
 
 def _float_ops() -> list[str]:
-    """Default-domain ops with a CPU kernel whose schema admits tensor(float)."""
+    """Default-domain ops with a CPU kernel whose schema admits tensor(float), and the ops of the other
+    domains as "domain:op" (all of them take float tensors)."""
     ops = []
     for domain, op in sorted(CPU_KERNELS):
+        if domain == "ai.onnx.ml":
+            continue  # float32-only kernels: the converters keep them in float32 (their block lists)
         if domain != "":
+            ops.append(f"{domain}:{op}")
             continue
         try:
             schema = onnx.defs.get_schema(op, onnx.defs.onnx_opset_version(), "")
@@ -85,11 +115,22 @@ def _single_float_node(tc) -> str | None:
 
 
 # Where neither onnxruntime nor the ReferenceEvaluator has the op: NumPy, on the float32 feeds.
-NUMPY_REFERENCE = {"GlobalLpPool": lambda x: [np.sqrt((x.astype(np.float64) ** 2).sum(axis=(2, 3), keepdims=True))]}
+NUMPY_REFERENCE = {
+    "GlobalLpPool": lambda x: [np.sqrt((x.astype(np.float64) ** 2).sum(axis=(2, 3), keepdims=True))],
+    "FusedMatMul": lambda a, b, bias: [np.maximum(a.astype(np.float64) @ b + bias, 0)],
+    "BiasGelu": lambda x, bias: [0.5 * (x + bias) * (1 + scipy.special.erf((x.astype(np.float64) + bias) / np.sqrt(2)))],
+    "SkipLayerNormalization": lambda x, skip, scale, bias: [_layer_norm(x + skip, scale, bias)],
+}
 
 
 def _extra_case(op: str) -> tuple[onnx.ModelProto, list[np.ndarray]]:
     node, feeds = EXTRA_CASES[op]
+    if op in _EXTRA_SHAPES:  # another domain: no schema, no inference
+        inputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()]
+        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, _EXTRA_SHAPES[op])
+        graph = helper.make_graph([node], f"test_{node.op_type.lower()}_half", inputs, [out])
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid(node.domain, 1)]
+        return helper.make_model(graph, opset_imports=opsets, ir_version=10), list(feeds.values())
     opset = onnx.defs.get_schema(op, onnx.defs.onnx_opset_version(), "").since_version
     inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
               for k, v in feeds.items()]
@@ -149,12 +190,14 @@ def _ort(model: onnx.ModelProto, feeds: dict):
 def _reference(model16: onnx.ModelProto, feeds16: dict, model32: onnx.ModelProto, feeds32: dict):
     """onnxruntime on the half model where it has the kernel, else onnxruntime on the float32 model fed
     the same rounded values, else onnx's ReferenceEvaluator on that."""
+    op = model32.graph.node[0].op_type
+    if op in NUMPY_REFERENCE and model32.graph.node[0].domain == "ai.ephost":
+        return "numpy", NUMPY_REFERENCE[op](*feeds32.values())
     for who, model, feeds in (("onnxruntime", model16, feeds16), ("onnxruntime float32", model32, feeds32)):
         try:
             return who, _ort(model, feeds)
         except Exception:  # noqa: BLE001, S112 - NOT_IMPLEMENTED, type errors alike: no kernel there
             continue
-    op = model32.graph.node[0].op_type
     if op in NUMPY_REFERENCE:
         return "numpy", NUMPY_REFERENCE[op](*feeds32.values())
     return "reference", ReferenceEvaluator(model32).run(None, feeds32)
