@@ -163,6 +163,25 @@ def test_fusions_match_half_models(name, precision, tmp_path):
     assert _relative_error(fused, plain) <= TOLERANCE
 
 
+def test_fusions_across_the_converters_casts(tmp_path):
+    """onnxconverter-common's Llama keeps `Cast(to=FLOAT)` nodes declared float16: the optimizer follows
+    the declarations (host/optimizer/declared.py), so RMSNorm, rotary and attention fuse as in float32."""
+    float16 = _onnxconverter_float16()
+    path, feeds, expected = load("llama_torchscript")
+    model32 = onnx.load(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = float16.convert_float_to_float16(model32, keep_io_types=False)
+    want = _optimized_ops(model32, tmp_path, "fp32")
+    got = _optimized_ops(model, tmp_path, "fp16")
+    assert want["RMSNormalization"] > 0 and want["Attention"] > 0
+    del got["Cast"], want["Cast"]
+    assert got == want
+    (out,) = host.InferenceSession(model).run(None, _feeds(model, feeds))
+    assert out.dtype == np.float16
+    assert _relative_error(out, expected["last_hidden_state"]) <= TOLERANCE
+
+
 # -- bfloat16 through the stack ----------------------------------------------------------------------------
 
 
