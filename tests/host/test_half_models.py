@@ -182,6 +182,32 @@ def test_fusions_across_the_converters_casts(tmp_path):
     assert _relative_error(out, expected["last_hidden_state"]) <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def torch_half_block(tmp_path_factory):
+    torch = pytest.importorskip("torch", reason="exporting from model.half() needs torch (not a test dependency)")
+    from tests.models import export_half
+
+    return export_half.export(torch, tmp_path_factory.mktemp("half_block"))
+
+
+@pytest.mark.parametrize("precision", sorted(HALF))
+def test_torch_half_exports(torch_half_block, precision, tmp_path):
+    """Exports from `model.half()` / `model.to(torch.bfloat16)`: bfloat16 initializers load, the output
+    has the declared type, the fusions are the float32 export's (RMSNorm across the exporter's Casts to
+    float32, attention, GELU), and the output is within TOLERANCE of torch's float32 output."""
+    data = np.load(torch_half_block / "block.npz")
+    model = onnx.load(str(torch_half_block / f"block_{precision}.onnx"))
+    dtype = to_numpy(HALF[precision])
+    assert {t.data_type for t in model.graph.initializer} >= {HALF[precision]}
+    (out,) = host.InferenceSession(model).run(None, {"x": data["x"].astype(dtype)})
+    assert out.dtype == dtype
+    assert _relative_error(out, data["y"]) <= TOLERANCE
+    want = _optimized_ops(onnx.load(str(torch_half_block / "block_fp32.onnx")), tmp_path, "fp32")
+    got = _optimized_ops(model, tmp_path, precision)
+    assert want["RMSNormalization"] == want["Attention"] == 1
+    assert got == want
+
+
 # -- bfloat16 through the stack ----------------------------------------------------------------------------
 
 
