@@ -88,18 +88,37 @@ def adapt(kernel: OpKernel, in_types: Sequence[int], out_types: Sequence[int]) -
         return kernel
     node = kernel.node
     keep = kernel.takes_device_values or (_domain(node.domain), node.op_type) in KEEP_HALF
-    targets = tuple(to_numpy(t) if t else None for t in out_types)
     fallback = next((to_numpy(t) for t in in_types if t in HALF_TYPES), None)
-    store = _storer(targets, fallback if not keep else None)
+    state = kernel.half = HalfNode([to_numpy(t) if t else None for t in out_types], None if keep else fallback,
+                                   widens=not keep)
     if keep:
-        _wrap_outputs(kernel, store)
+        _wrap_outputs(kernel, state)
     else:
         # Positions of the half inputs, when every present input's type is declared (the usual case):
         # a run then looks at those alone.
         present = [t for name, t in zip(node.inputs, in_types) if name]
         half_pos = None if 0 in present else tuple(i for i, t in enumerate(in_types) if t in HALF_TYPES)
-        _wrap_widening(kernel, store, half_pos)
+        _wrap_widening(kernel, state, half_pos)
     return kernel
+
+
+class HalfNode:
+    """What `adapt` keeps on a wrapped kernel (`kernel.half`): the dtype each output is stored as
+    (None: not declared; False: carried as computed, see half_carry.py), and the store function built
+    from them."""
+
+    def __init__(self, targets: list, fallback, widens: bool):
+        self.targets, self.fallback, self.widens = targets, fallback, widens
+        self.store = _storer(tuple(targets), fallback)
+
+    def half_outputs(self) -> list[int]:
+        """Positions of the outputs stored as float16 or bfloat16."""
+        return [j for j, t in enumerate(self.targets) if t is not None and t is not False and t in HALF_DTYPES]
+
+    def carry(self, position: int) -> None:
+        """Output `position` stays as the kernel computed it (float32): its readers widen it anyway."""
+        self.targets[position] = False
+        self.store = _storer(tuple(self.targets), self.fallback)
 
 
 def _stored(outputs, targets, fallback):
@@ -109,6 +128,9 @@ def _stored(outputs, targets, fallback):
     for arr, want in zip(outputs, targets):
         if isinstance(arr, np.generic):  # a reduction's NumPy scalar
             arr = np.asarray(arr)
+        if want is False:  # carried in float32
+            out.append(arr)
+            continue
         if isinstance(arr, np.ndarray):
             if want is None and fallback is not None and arr.dtype == _F32:
                 want = fallback
@@ -123,7 +145,7 @@ def _storer(targets, fallback):
     """_stored() for these targets; with one declared tensor output (most nodes), a shortcut that
     costs a type and a dtype comparison when the output already has its type."""
     one = targets[0] if len(targets) == 1 else None
-    if one is None or one.kind == "O":
+    if one is None or one is False or one.kind == "O":
         return lambda outputs: _stored(outputs, targets, fallback)
     ndarray = np.ndarray
 
@@ -137,16 +159,16 @@ def _storer(targets, fallback):
     return store
 
 
-def _wrap_outputs(kernel: OpKernel, store) -> None:
+def _wrap_outputs(kernel: OpKernel, state: HalfNode) -> None:
     run = kernel._run
 
     def run_stored(*inputs):
-        return store(run(*inputs))
+        return state.store(run(*inputs))
 
     kernel._run = run_stored
 
 
-def _wrap_widening(kernel: OpKernel, store, half_pos: tuple[int, ...] | None) -> None:
+def _wrap_widening(kernel: OpKernel, state: HalfNode, half_pos: tuple[int, ...] | None) -> None:
     """Replaces the instance's `_run` and `bind_constants` (the CPU run loop calls both on the
     instance): half inputs widened to float32, initializers once. `half_pos`: the positions declared
     half (None: some input's type is not declared; every input is looked at)."""
@@ -172,10 +194,10 @@ def _wrap_widening(kernel: OpKernel, store, half_pos: tuple[int, ...] | None) ->
             if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
                 known = widened.get(pos)
                 args[pos] = known[1] if known is not None and known[0] is arr else widen(arr)
-        return store(run(*args))
+        return state.store(run(*args))
 
     kernel._run = run_widened
     kernel.bind_constants = bind_widened
 
 
-__all__ = ["KEEP_HALF", "adapt", "declared_types", "narrow", "widen"]
+__all__ = ["KEEP_HALF", "HalfNode", "adapt", "declared_types", "narrow", "widen"]

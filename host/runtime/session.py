@@ -15,6 +15,7 @@ import numpy as np
 import abi
 from abi.dtypes import STRING, dtype_type_name, to_numpy, to_onnx, type_name
 from host import cpu_ep
+from host.cpu_ep.half_carry import carry_float32
 from host.cpu_ep.ops_control import ControlFlowKernel
 from host.errors import EpError, EphostError, InvalidArgument, ModelError, PluginLoadError
 from host.plugins import hostapi
@@ -276,6 +277,7 @@ class InferenceSession:
                     {ids[k]: np.asarray(v, order="C") for k, v in g.initializers.items()},
                     [ep for ep in self._eps if id(ep) in used], objects, subgraphs)
         compute_frees(nodes, set(plan.output_ids.values()) | set(plan.constants))
+        carry_float32(nodes, set(plan.output_ids.values()))  # half values kept float32 between CPU nodes
         return plan
 
     def _prepare_subgraphs(self, kernel: ControlFlowKernel, g, node) -> list[SubgraphRunner]:

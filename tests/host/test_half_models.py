@@ -329,3 +329,42 @@ def test_cli_convert(tmp_path, capsys):
     rc = cli.main(["convert", str(tmp_path / "missing.onnx"), "-o", str(out), "--precision", "fp16"])
     assert rc == cli.EXIT_ERROR
     assert "missing.onnx' does not exist" in capsys.readouterr().err
+
+
+# -- half values carried in float32 between CPU nodes ----------------------------------------------------------
+
+
+def _chain_model(elem: int) -> onnx.ModelProto:
+    """y = (x * a) * b and t = Identity(x * a); a and b half initializers."""
+    a = numpy_helper.from_array(np.array([1 / 3], np.float32).astype(to_numpy(elem)), "a")
+    b = numpy_helper.from_array(np.array([3.0], np.float32).astype(to_numpy(elem)), "b")
+    nodes = [helper.make_node("Mul", ["x", "a"], ["xa"]), helper.make_node("Mul", ["xa", "b"], ["y"]),
+             helper.make_node("Identity", ["xa"], ["t"])]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", elem, [256])],
+                              [helper.make_tensor_value_info("y", elem, [256]),
+                               helper.make_tensor_value_info("t", elem, [256])], [a, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("precision", sorted(HALF))
+def test_inner_half_values_stay_float32(precision, monkeypatch):
+    """xa = x * a is read only by CPU nodes that widen it or move it (Identity): it stays float32, so y is
+    rounded once, as onnxruntime's CPU EP computes; the graph outputs y and t have their declared type.
+    With EPHOST_HALF_ROUNDING=node every value is rounded to its declared type."""
+    elem = HALF[precision]
+    dtype, f32 = to_numpy(elem), np.float32
+    model = _chain_model(elem)
+    a, b = (numpy_helper.to_array(t).astype(f32) for t in model.graph.initializer)
+    x = np.random.default_rng(5).uniform(-4, 4, 256).astype(dtype)
+    off = host.SessionOptions()
+    off.graph_optimization_level = host.GraphOptimizationLevel.ORT_DISABLE_ALL  # the nodes as written
+    y, t = host.InferenceSession(model, off).run(None, {"x": x})
+    assert y.dtype == t.dtype == dtype
+    np.testing.assert_array_equal(t.astype(f32), (x.astype(f32) * a).astype(dtype).astype(f32))
+    carried = (x.astype(f32) * a * b).astype(dtype).astype(f32)
+    np.testing.assert_array_equal(y.astype(f32), carried)
+    monkeypatch.setenv("EPHOST_HALF_ROUNDING", "node")
+    y_strict, _ = host.InferenceSession(model, off).run(None, {"x": x})
+    strict = ((x.astype(f32) * a).astype(dtype).astype(f32) * b).astype(dtype).astype(f32)
+    np.testing.assert_array_equal(y_strict.astype(f32), strict)
+    assert not np.array_equal(carried, strict)  # the case tells the two apart
