@@ -166,6 +166,8 @@ class _EpilogueChain:
         # last node stores the chain's output as that node declares it (half.py).
         last = epilogues[-1][0] if epilogues else producer
         self.half = getattr(last[-1] if isinstance(last, tuple) else last, "half", None)
+        producer_half = getattr(producer, "half", None)
+        self.widen_args = producer_half.widen_args if producer_half is not None and producer_half.widens else None
         # Per input shape: (lib, closure of (x, res) or False, the bound operands it was made for).
         self._runs: dict[tuple, tuple] = {}
 
@@ -190,6 +192,8 @@ class _EpilogueChain:
 
     def _run(self, values, args):
         lib = native.LIB
+        if self.widen_args is not None:  # a half-precision producer: its arguments as its kernel sees them
+            args = self.widen_args(args)
         if self.native is not None and lib is not None:
             x = args[0]
             if x.dtype == native.F32 and x.flags.c_contiguous:

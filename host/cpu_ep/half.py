@@ -110,6 +110,7 @@ class HalfNode:
     def __init__(self, targets: list, fallback, widens: bool):
         self.targets, self.fallback, self.widens = targets, fallback, widens
         self.store = _storer(tuple(targets), fallback)
+        self.widen_args = tuple  # set by _wrap_widening: the kernel's arguments as its _run widens them
 
     def half_outputs(self) -> list[int]:
         """Positions of the outputs stored as float16 or bfloat16."""
@@ -186,7 +187,7 @@ def _wrap_widening(kernel: OpKernel, state: HalfNode, half_pos: tuple[int, ...] 
                 wide[pos] = arr
         bind(wide)
 
-    def run_widened(*inputs):
+    def widen_args(inputs):
         args = list(inputs)
         positions = range(len(inputs)) if half_pos is None else half_pos
         for pos in positions:
@@ -194,10 +195,16 @@ def _wrap_widening(kernel: OpKernel, state: HalfNode, half_pos: tuple[int, ...] 
             if isinstance(arr, np.ndarray) and arr.dtype in HALF_DTYPES:
                 known = widened.get(pos)
                 args[pos] = known[1] if known is not None and known[0] is arr else widen(arr)
-        return state.store(run(*args))
+        return args
+
+    def run_widened(*inputs):
+        return state.store(run(*widen_args(inputs)))
 
     kernel._run = run_widened
     kernel.bind_constants = bind_widened
+    # Fused chains (fusion.py) call the kernel's compiled paths with its arguments: widened the same way,
+    # the bound weights are the float32 copies the kernel bound, so those paths apply.
+    state.widen_args = widen_args
 
 
 __all__ = ["KEEP_HALF", "HalfNode", "adapt", "declared_types", "narrow", "widen"]
