@@ -368,3 +368,33 @@ def test_inner_half_values_stay_float32(precision, monkeypatch):
     strict = ((x.astype(f32) * a).astype(dtype).astype(f32) * b).astype(dtype).astype(f32)
     np.testing.assert_array_equal(y_strict.astype(f32), strict)
     assert not np.array_equal(carried, strict)  # the case tells the two apart
+
+
+def test_half_values_read_by_a_plugin_or_returned_are_rounded():
+    """The carry rule (host/cpu_ep/half_carry.py) on a plan: xa = Mul(x, a) read by a CPU Relu stays
+    float32; read by a plugin EP's node (float16 is what the plugin is told it gets), or returned as a
+    graph output, it is stored as declared."""
+    from host.cpu_ep import create_kernel, half_carry
+    from host.runtime.executor import PlanNode
+    from host.runtime.model import build_graph
+
+    a = numpy_helper.from_array(np.array([1 / 3], np.float16), "a")
+    nodes = [helper.make_node("Mul", ["x", "a"], ["xa"], name="mul"), helper.make_node("Relu", ["xa"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "to_plugin", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [4])], [a])
+    g = build_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
+
+    def plan(relu_ep):
+        mul, relu = (create_kernel(n, g.values) for n in g.nodes)
+        return mul, [PlanNode(0, "mul", "Mul", (0, 1), (2,), None, mul),
+                     PlanNode(1, "relu", "Relu", (2,), (3,), relu_ep, relu)]
+
+    mul, nodes_cpu = plan(None)
+    assert half_carry.carry_float32(nodes_cpu, {3}) == 1
+    assert mul.half.targets == [False]  # carried
+    assert mul._run(np.ones(4, np.float16), numpy_helper.to_array(a))[0].dtype == np.float32
+    mul, nodes_plugin = plan(object())  # a plugin EP's node reads xa
+    assert half_carry.carry_float32(nodes_plugin, {3}) == 0
+    assert mul._run(np.ones(4, np.float16), numpy_helper.to_array(a))[0].dtype == np.float16
+    mul, nodes_out = plan(None)
+    assert half_carry.carry_float32(nodes_out, {2, 3}) == 0  # xa is also a graph output
