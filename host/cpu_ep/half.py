@@ -14,7 +14,8 @@ tensor gets its kernel wrapped once, at session creation, by `adapt`:
 
 Ops that only move, select or reinterpret elements run on the half arrays as they are (widening them
 would only cost time); their outputs are still stored as declared. Nodes of float32 models are never
-wrapped, so they pay nothing.
+wrapped, so they pay nothing. Once a plan is built, half_carry.py lets the values that only such CPU
+nodes read stay float32 between them (`HalfNode.carry`); graph outputs always have their declared type.
 """
 
 from __future__ import annotations
