@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 STRING = 8  # TensorProto.STRING: NumPy object arrays of Python str, as onnxruntime returns them
 
-# ONNX TensorProto.DataType values; bfloat16 and 8-bit floats are not supported.
+FLOAT16, BFLOAT16 = 10, 16
+# NumPy has no bfloat16: ml_dtypes' (the one onnx's numpy_helper uses) is a 2-byte dtype of kind 'V'.
+BFLOAT16_DTYPE = np.dtype(ml_dtypes.bfloat16)
+
+# ONNX TensorProto.DataType values; 8-bit and 4-bit floats are not supported.
 ONNX_TO_NUMPY: dict[int, np.dtype] = {
     1: np.dtype(np.float32), 2: np.dtype(np.uint8), 3: np.dtype(np.int8), 4: np.dtype(np.uint16),
     5: np.dtype(np.int16), 6: np.dtype(np.int32), 7: np.dtype(np.int64), STRING: np.dtype(object),
-    9: np.dtype(np.bool_), 10: np.dtype(np.float16), 11: np.dtype(np.float64), 12: np.dtype(np.uint32),
-    13: np.dtype(np.uint64),
+    9: np.dtype(np.bool_), FLOAT16: np.dtype(np.float16), 11: np.dtype(np.float64), 12: np.dtype(np.uint32),
+    13: np.dtype(np.uint64), BFLOAT16: BFLOAT16_DTYPE,
 }
+# The half-precision element types: stored in 2 bytes, computed in float32 where NumPy has no kernel.
+HALF_TYPES = frozenset({FLOAT16, BFLOAT16})
 NUMPY_TO_ONNX: dict[np.dtype, int] = {v: k for k, v in ONNX_TO_NUMPY.items()}
 
 # TensorProto.DataType names, for messages: 16 -> "tensor(bfloat16)" (onnx's own type strings).
@@ -45,6 +52,14 @@ def dtype_type_name(dtype) -> str:
 def supported_names() -> str:
     """The element types of ONNX_TO_NUMPY in ONNX words, for 'supported: ...' messages."""
     return ", ".join(type_name(t) for t in sorted(ONNX_TO_NUMPY))
+
+
+HALF_DTYPES = frozenset({np.dtype(np.float16), BFLOAT16_DTYPE})
+
+
+def is_half(dtype) -> bool:
+    """True for float16 and bfloat16 dtypes."""
+    return np.dtype(dtype) in HALF_DTYPES
 
 
 def to_numpy(elem_type: int) -> np.dtype:

@@ -8,6 +8,7 @@
     ephost plugin-info path/to/libmy_ep.so
     ephost compile model.onnx -o model_ctx.onnx --ep cuda          # later sessions load the compiled partitions
     ephost ops                                                   # which ONNX ops each EP runs
+    ephost convert model.onnx -o model_fp16.onnx --precision fp16  # half precision (docs/precision.md)
 
 Plugins: `--plugin PATH` registers the library under its file stem; `--plugin NAME=PATH` under NAME.
 (In a source checkout, `python build.py` writes example plugins to build/lib/, e.g.
@@ -64,6 +65,8 @@ COMMANDS: list[Command] = [
             cli_args.add_compile, "host.cli.compile_cmds:cmd_compile"),
     Command("make-model", "write a zoo model (mlp, cnn, transformer)", cli_args.add_make_model,
             "host.cli.model_cmds:cmd_make_model"),
+    Command("convert", "convert a float32 model to float16 or bfloat16", cli_args.add_convert,
+            "host.cli.convert_cmd:cmd_convert"),
     Command("bench", "time repeated runs: p50/p90/p99 and mean latency", cli_args.add_bench,
             "host.cli.session_cmds:cmd_bench"),
     Command("build", "build the CPU kernels and the built-in plugins for this Python (per-user cache)", cli_args.add_build,

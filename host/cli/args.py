@@ -102,6 +102,17 @@ def add_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights (default: 0)")
 
 
+def add_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL.onnx", help="the float32 model to convert")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx",
+                   help="where to write the converted model (missing folders are created)")
+    p.add_argument("--precision", required=True, choices=("fp16", "bf16"), help="float16 or bfloat16")
+    p.add_argument("--keep-io-types", action="store_true",
+                   help="keep float32 graph inputs and outputs (Casts at the edges)")
+    p.add_argument("--block-op", action="append", metavar="OP", dest="block_ops",
+                   help="keep this op type in float32 (repeatable; replaces the default block list)")
+
+
 def add_bench(p: argparse.ArgumentParser) -> None:
     add_session_options(p)
     p.add_argument("--iobinding", action="store_true", help="run_with_iobinding (outputs allocated by the EP)")

@@ -162,6 +162,12 @@ class _EpilogueChain:
         self.others = others        # per epilogue: the value id of Add's or Mul's other operand, or -1
         self.name, self.op_type = producer.name, producer.op_type
         self.native = _native_steps(producer, epilogues, others)
+        # A half-precision chain computes in float32 where its values are carried so (half_carry.py): its
+        # last node stores the chain's output as that node declares it (half.py).
+        last = epilogues[-1][0] if epilogues else producer
+        self.half = getattr(last[-1] if isinstance(last, tuple) else last, "half", None)
+        producer_half = getattr(producer, "half", None)
+        self.widen_args = producer_half.widen_args if producer_half is not None and producer_half.widens else None
         # Per input shape: (lib, closure of (x, res) or False, the bound operands it was made for).
         self._runs: dict[tuple, tuple] = {}
 
@@ -186,6 +192,8 @@ class _EpilogueChain:
 
     def _run(self, values, args):
         lib = native.LIB
+        if self.widen_args is not None:  # a half-precision producer: its arguments as its kernel sees them
+            args = self.widen_args(args)
         if self.native is not None and lib is not None:
             x = args[0]
             if x.dtype == native.F32 and x.flags.c_contiguous:
@@ -194,7 +202,7 @@ class _EpilogueChain:
                     res = self.native[1]
                     y = run(x, values[res] if res >= 0 else None)
                     if y is not None:
-                        return (y,)
+                        return self._stored(y)
             prog, res, alpha, beta = self.native
             try:
                 y = self.producer.fused_native(args, prog, values[res] if res >= 0 else None, alpha, beta)
@@ -203,11 +211,14 @@ class _EpilogueChain:
             except Exception as exc:
                 raise self.producer.failure(exc) from exc
             if y is not None:
-                return (y,)
+                return self._stored(y)
         y = _call(self.producer, *args)[0]
         for (kernel, fn), other in zip(self.epilogues, self.others):
             y = fn(kernel, y, values[other] if other >= 0 else None)
-        return (y,)
+        return self._stored(y)
+
+    def _stored(self, y):
+        return (y,) if self.half is None else self.half.store((y,))
 
 
 def _consumers(nodes) -> dict[int, int]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axes, normalize_axis
-from host.cpu_ep.ops_nn import _pad_spatial, _Pool, _taps, _windows
+from host.cpu_ep.ops_nn import _pad_spatial, _taps, _windows
+from host.cpu_ep.ops_pool import _Pool
 from host.cpu_ep.registry import register
 
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from host.cpu_ep.base import OpKernel, normalize_axis
-from host.cpu_ep.ops_nn import AveragePool
+from host.cpu_ep.ops_pool import AveragePool
 from host.cpu_ep.ops_quant import (
     F32,
     DynamicQuantizeLinear,

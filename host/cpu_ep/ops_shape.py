@@ -1,4 +1,4 @@
-"""Shape and data-movement ops, constants and generators.
+"""Shape and data-movement ops, constants and generators; Dropout (the identity at inference).
 
 Several of these take as inputs what older opsets had as attributes (Split `split`,
 Squeeze/Unsqueeze `axes`, Slice `starts`..., Pad `pads`); kernels accept both.
@@ -394,3 +394,30 @@ class Pad(OpKernel):
         else:
             value = self.value_attr if self.value_attr is not None else 0
         return (np.pad(x, width, mode="constant", constant_values=value).astype(x.dtype, copy=False),)
+
+
+@register("Dropout", since=7)
+class Dropout(OpKernel):
+    """Inference (the default) is the identity with an all-true mask. ratio is an
+    attribute before opset 12; ratio and training_mode are inputs since."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.ratio_attr = self.attr_float("ratio", 0.5)
+        seed = self.attr("seed", None)
+        # Seeded once per kernel: runs differ, the first one matches np.random.seed(seed)
+        # followed by uniform(), which is how the ONNX test data were drawn.
+        self.rng = np.random.RandomState(None if seed is None else self.attr_int("seed") % 2**32)
+        self.want_mask = self.n_outputs > 1 and bool(node.outputs[1])
+
+    def _run(self, x, ratio=None, training_mode=None):
+        training = training_mode is not None and bool(scalar(training_mode))
+        r = self.ratio_attr if ratio is None else float(scalar(ratio))
+        if not 0 <= r < 1:
+            raise ValueError(f"ratio {r} is outside [0, 1)")
+        if not training or r == 0:
+            y, mask = x, (np.ones(x.shape, dtype=bool) if self.want_mask else None)
+        else:
+            mask = self.rng.uniform(0, 1.0, x.shape) >= r
+            y = (x * mask / (1 - r)).astype(x.dtype, copy=False)
+        return (y, mask) if self.want_mask else (y,)

@@ -13,7 +13,7 @@ from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_colum
 from host.cpu_ep.ops_attention import _FAST_SOFTMAX, Attention  # noqa: F401  (Attention: moved there)
 from host.cpu_ep.ops_elementwise import gelu
 from host.cpu_ep.ops_math import bound_gemm, chain_gemm_runner, matmul, native_matmul
-from host.cpu_ep.ops_nn import fast_rows, standardize, standardize_rows
+from host.cpu_ep.ops_standardize import fast_rows, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"

@@ -19,6 +19,7 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules import common as onnxscript_rules
 
 from host.errors import InvalidArgument
+from host.optimizer.declared import declared_casts, keep_declared_output_types
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.rules import FAMILIES, Family
@@ -420,7 +421,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
     if level == GraphOptimizationLevel.ORT_DISABLE_ALL or nothing_to_do(model):
         return OptimizeResult(model, level, [], count, count)
     try:
-        ir_model = ir.serde.deserialize_model(_with_fresh_shapes(model))
+        ir_model = ir.serde.deserialize_model(_with_fresh_shapes(declared_casts(model)))
     except Exception as exc:  # noqa: BLE001 - onnx-ir cannot represent everything ONNX can
         # (map types: skl2onnx's ZipMap outputs); the model still runs, just unoptimized.
         warn_caller(f"the optimizer cannot read this model ({_first_line(exc)}); "
@@ -434,7 +435,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
         if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
             _extended(rec, FAMILIES)
         _finish(ir_model)
-    out = ir.serde.serialize_model(ir_model)
+    out = keep_declared_output_types(model, ir.serde.serialize_model(ir_model))
     result = OptimizeResult(out, level, rec.report, count, len(out.graph.node))
     if verbose:
         print(result.summary())

@@ -87,7 +87,9 @@ class HostBuffer:
 def host_array(allocator, shape: tuple, dtype: np.dtype, stream=None) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     alloc = Allocation(allocator, max(nbytes, 1), stream)
-    return np.asarray(HostBuffer(alloc, shape, dtype))
+    arr = np.asarray(HostBuffer(alloc, shape, dtype))
+    # The array interface spells bfloat16 (ml_dtypes) as raw 2-byte void: view it as the dtype asked for.
+    return arr if arr.dtype == dtype else arr.view(dtype)
 
 
 class DeviceTensor:

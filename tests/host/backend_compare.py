@@ -97,6 +97,38 @@ def suite(backend: type) -> type[unittest.TestCase]:
     return bt.tests
 
 
+def declared_types_backend(backend: type) -> type:
+    """`backend` (EphostBackend) whose prepared models also check each run's tensor outputs: exactly the
+    element type the graph declares, or an AssertionError that fails the test (the output-type contract,
+    checked on every model of the suite)."""
+
+    class DeclaredTypes(backend):
+        @classmethod
+        def prepare(cls, model, device: str = "CPU", **kwargs):
+            return _DeclaredTypesRep(super().prepare(model, device, **kwargs))
+
+    return DeclaredTypes
+
+
+class _DeclaredTypesRep:
+    """A prepared model whose run() checks output element types against the session's declarations."""
+
+    def __init__(self, rep):
+        self.rep = rep
+        self.declared = {a.name: a.type for a in rep.session.get_outputs()}
+
+    def run(self, inputs, **kwargs):
+        from abi.dtypes import dtype_type_name  # noqa: PLC0415 - keep the module importable alone
+
+        outputs = self.rep.run(inputs, **kwargs)
+        for name, value in zip(kwargs.get("output_names") or self.rep.output_names, outputs):
+            want = self.declared.get(name, "")
+            if isinstance(value, np.ndarray) and want.startswith("tensor("):
+                got = dtype_type_name(value.dtype)
+                assert got == want, f"output '{name}' is {got}; the graph declares {want}"
+        return outputs
+
+
 # ---- verdicts -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Verdict:

@@ -44,7 +44,7 @@ def ort_verdicts():
 @pytest.fixture(scope="module")
 def ephost_suite():
     # Not a module global: pytest would collect the unittest.TestCase class itself.
-    return bc.suite(EphostBackend)
+    return bc.suite(bc.declared_types_backend(EphostBackend))
 
 
 @pytest.mark.parametrize("name", NAMES)

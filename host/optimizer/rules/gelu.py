@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from host.optimizer.rules.base import EPHOST_DOMAIN, Family, constant_array, has_float_type, rank
@@ -46,20 +47,31 @@ def _binary(op, op_type: str, a, b, swap: bool):
     return getattr(op, op_type)(b, a) if swap else getattr(op, op_type)(a, b)
 
 
-class GeluFusion(pattern.RewriteRuleClassBase):
-    """One GELU spelling -> Gelu(x, approximate)."""
+# The irrational constants of a float16/bfloat16 graph are rounded to its type: bfloat16 keeps 8
+# significant bits, so they are off by up to 2**-9 relative. Rules for half-precision inputs match them
+# within that (and only those rules: a float32 constant that far off is another function).
+_HALF_REL_TOL = 2.5e-3
+_HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
-    def __init__(self, approximate: str, variant: bool, where: str, swaps: tuple[bool, ...]):
-        super().__init__(name=f"Gelu_{approximate}")
-        self.approximate, self.variant, self.where, self.swaps = approximate, variant, where, swaps
+
+class GeluFusion(pattern.RewriteRuleClassBase):
+    """One GELU spelling -> Gelu(x, approximate); `half` rules match half-precision inputs only."""
+
+    def __init__(self, approximate: str, variant: bool, where: str, swaps: tuple[bool, ...], half: bool = False):
+        super().__init__(name=f"Gelu_{approximate}{'_half' if half else ''}")
+        self.approximate, self.variant, self.where, self.swaps, self.half = approximate, variant, where, swaps, half
+
+    def _const(self, value: float):
+        return pattern.Constant(value, rel_tol=_HALF_REL_TOL) if self.half else value
 
     def _term(self, op, x):
+        c = self._const
         if self.approximate == "none":
-            arg = op.Div(x, _SQRT2) if self.variant else op.Mul(x, 1.0 / _SQRT2)
+            arg = op.Div(x, c(_SQRT2)) if self.variant else op.Mul(x, c(1.0 / _SQRT2))
             return op.Add(op.Erf(arg), 1.0)
         cube = op.Pow(x, 3.0) if self.variant else _binary(op, "Mul", x, op.Mul(x, x), self.swaps[2])
-        inner = _binary(op, "Add", x, op.Mul(cube, 0.044715), self.swaps[1])
-        return op.Add(op.Tanh(op.Mul(inner, _SQRT_2_OVER_PI)), 1.0)
+        inner = _binary(op, "Add", x, op.Mul(cube, c(0.044715)), self.swaps[1])
+        return op.Add(op.Tanh(op.Mul(inner, c(_SQRT_2_OVER_PI))), 1.0)
 
     def pattern(self, op, x):
         term = self._term(op, x)
@@ -74,6 +86,8 @@ class GeluFusion(pattern.RewriteRuleClassBase):
         result = pattern.MatchResult()
         if not has_float_type(x):
             return result.fail("Gelu takes float inputs", x)
+        if self.half and x.dtype not in _HALF_TYPES:
+            return result.fail("constants matched at half precision need a half-precision input", x)
         return result
 
     def rewrite(self, op, x):
@@ -111,6 +125,7 @@ def gelu_rules() -> list:
                 for swaps in itertools.product((False, True), repeat=n_swaps):
                     padded = swaps + (False,) * (3 - len(swaps))
                     rules.append(GeluFusion.rule(approximate, variant, where, padded))
+                    rules.append(GeluFusion.rule(approximate, variant, where, padded, half=True))
     return rules
 
 

@@ -6,19 +6,36 @@ which onnxscript 0.7 does not check.
 
 from __future__ import annotations
 
+import onnx_ir as ir
 from onnxscript.rewriter import _ir_utils, pattern
 from onnxscript.rewriter.rules.fusion import _rms_normalization as onnxscript_rms
 
 from host.optimizer.rules.base import Family
 from host.optimizer.rules.layer_norm import per_channel
 
+_HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
 
 class RmsNormFusion(onnxscript_rms.RmsNormFusion):
-    def check(self, op, x, scale, *args, **kwargs):
-        result = super().check(op, x, scale, *args, **kwargs)
+    """onnxscript's rule, plus half-precision graphs without a Cast to float32 around the statistics
+    (converted models): onnxscript refuses a half `stash_type`; the fused op then keeps its statistics
+    in float32 (stash_type FLOAT), as the exporters' Casts and the kernels do."""
+
+    def check(self, op, x, scale, epsilon, compute_dtype, target_dtype, **kwargs):
+        result = super().check(op, x, scale, epsilon, compute_dtype, target_dtype, **kwargs)
+        self.half_stash = False
+        if not result and compute_dtype is None and x.dtype in _HALF_TYPES and scale.dtype in _HALF_TYPES \
+                and isinstance(_ir_utils.get_singleton_value(epsilon), float):
+            self.half_stash, result = True, pattern.MatchResult()
         if result and not per_channel(scale, x):
             return result.fail("scale is not 1-D of x's last dim", scale)
         return result
+
+    def rewrite(self, op, x, scale, epsilon, **kwargs):
+        if not self.half_stash:
+            return super().rewrite(op, x, scale, epsilon, **kwargs)
+        return op.RMSNormalization(x, scale, axis=-1, epsilon=_ir_utils.get_singleton_value(epsilon),
+                                   stash_type=ir.DataType.FLOAT)
 
 
 class OneOverToReciprocal(pattern.RewriteRuleClassBase):

@@ -24,6 +24,7 @@ from collections import Counter
 import numpy as np
 
 from host import cpu_ep
+from host.cpu_ep.half_carry import carry_float32
 from host.cpu_ep.ops_control import ControlFlowKernel
 from host.errors import ModelError
 from host.plugins import hostapi
@@ -112,6 +113,7 @@ class Partitioner:
                     {ids[k]: np.asarray(v, order="C") for k, v in g.initializers.items()},
                     [ep for ep in self.eps if id(ep) in used], objects, subgraphs)
         compute_frees(nodes, set(plan.output_ids.values()) | set(plan.constants))
+        carry_float32(nodes, set(plan.output_ids.values()))  # half values kept float32 between CPU nodes
         return plan
 
     @staticmethod
@@ -145,7 +147,7 @@ class Partitioner:
                 unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                 continue
             else:
-                kernel = cpu_ep.create_kernel(n)
+                kernel = cpu_ep.create_kernel(n, g.values)  # declared types: half precision (cpu_ep/half.py)
                 kernel.object_outputs = frozenset(j for j, o in enumerate(outs) if o in objects)
                 if isinstance(kernel, ControlFlowKernel):
                     subgraphs += self._prepare_subgraphs(kernel, g, n)
