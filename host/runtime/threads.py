@@ -59,12 +59,15 @@ class Pools:
     def __init__(self, libraries=None):
         self._lock = threading.Lock()
         self._libs = libraries  # threadpoolctl LibControllers; found at the first run when None
+        self._owned_scan = libraries is None  # given libraries (tests' stand-ins) are never rescanned
         self._bounds: list[int] = []  # the bounds of the runs inside now
         self._saved: list[int] = []  # the caller's counts, restored when the last run leaves
         self._applied: int | None = None  # the count set on every library, None: the caller's
 
     def libraries(self) -> list:
-        """The BLAS libraries loaded now (threadpoolctl's controllers), found once per process."""
+        """The BLAS libraries loaded now (threadpoolctl's controllers), found at the first run and again
+        after each session creation (`bounded`): a library loaded later (SciPy's or torch's own BLAS)
+        is then bounded too."""
         if self._libs is None:
             from threadpoolctl import ThreadpoolController
 
@@ -89,6 +92,9 @@ class Pools:
     def bounded(self, threads: int) -> Bound:
         """A reusable context manager: its block runs with the BLAS libraries at `threads` threads (less
         while other runs are in). A session makes one at creation; a run only enters it."""
+        with self._lock:
+            if not self._bounds and self._libs is not None and self._owned_scan:
+                self._libs = None  # scanned again at the next run: libraries may have been loaded since
         return Bound(self, threads)
 
     def enter(self, threads: int) -> None:
