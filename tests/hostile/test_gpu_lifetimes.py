@@ -32,6 +32,7 @@ def _cuda_env(cuda_plugin_path) -> Environment:
     return env
 
 
+@pytest.mark.device_memory
 def test_thousand_cuda_sessions_flat_device_memory(cuda_plugin_path):
     env = _cuda_env(cuda_plugin_path)
     import cupy  # present wherever the CUDA plugin reports a device

@@ -52,7 +52,12 @@ def ensure_generated(name: str) -> Path:
         from tests.models import export
 
         out.mkdir(parents=True, exist_ok=True)
-        export.export_one(torch, onnx, arch, exporter, out)
+        # Exported in a private directory, then moved in (the model first, the .npz that marks it done
+        # last), each move atomic: parallel test workers never read a half-written file.
+        with tempfile.TemporaryDirectory(dir=out) as private:
+            export.export_one(torch, onnx, arch, exporter, Path(private))
+            for suffix in (".onnx", ".npz"):
+                os.replace(Path(private) / f"{name}{suffix}", path.with_suffix(suffix))
     return path
 
 

@@ -295,6 +295,7 @@ def test_host_v3_means_untagged_scratch_and_serialised_runs(cuda_plugin_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.device_memory
 def test_thousand_sessions_return_memory_to_baseline(genv):
     import cupy as cp
 

@@ -76,6 +76,7 @@ def test_capture_replay_equals_eager_and_sees_new_data(cp, genv, builder):
     s.close()
 
 
+@pytest.mark.device_memory
 def test_replay_allocates_nothing(cp, genv):
     m = zoo.mlp(layers=4, hidden=64)
     s = graph_session(genv, m)
