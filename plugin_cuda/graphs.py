@@ -167,15 +167,18 @@ class GraphManager:
         for adapter, call, state in c.calls:
             adapter.launch_recorded(call, state)
 
-    def on_run_end(self, sync: bool) -> None:
+    def on_run_end(self):
+        """Ends this thread's capture, if one is open, and launches the graph once (the capture run's
+        results); returns the stream state it launched on, which the caller synchronises when the run
+        asks for it (one synchronisation per run, OnRunEnd's), else None."""
         t = self._tls.__dict__.get("v")
         if t is None:
-            return
+            return None
         t.pending = None
         c = t.capturing
         if c is None:
             t.active_pool = None
-            return
+            return None
         t.capturing = None
         graph = c.state.stream.end_capture()
         grew = self.pool_bytes() - c.pool_before
@@ -185,8 +188,7 @@ class GraphManager:
             _log.warning("CUDA graph %s: %d bytes of device memory were allocated during capture", c.gid, grew)
         t.graphs[c.gid] = Captured(graph, c.state, c.keep)
         graph.launch(c.state.stream)
-        if sync:
-            c.state.stream.synchronize()
+        return c.state
 
     # -- replay and release ----------------------------------------------------------------
     def captured(self, gid: int) -> bool:

@@ -360,13 +360,15 @@ class CudaEp(sdk.EpBase):
         self.graphs.on_run_start(self.run_options(run_options))
 
     def OnRunEnd(self, run_options, sync_stream):
-        self.graphs.on_run_end(bool(sync_stream))
-        state = self.run_streams.__dict__.get("state")
+        launched = self.graphs.on_run_end()
+        state = self.run_streams.__dict__.get("state") or launched
         self.leave_run()
-        if sync_stream and state is not None:
+        if sync_stream:
             # Outputs left in device memory are ready when run() returns, unless the caller
-            # asked otherwise (disable_synchronize_execution_providers).
-            state.stream.synchronize()
+            # asked otherwise (disable_synchronize_execution_providers): one synchronisation per
+            # stream the run used (a capture run's graph launch included).
+            for s in {id(x): x for x in (state, launched) if x is not None}.values():
+                s.stream.synchronize()
 
     def enter_run(self, state: StreamState) -> None:
         """Make the run's allocator current on this thread until OnRunEnd (the host runs nothing
