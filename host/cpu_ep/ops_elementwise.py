@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from abi.gelu import GELU_TANH_COEFF, SQRT_2_OVER_PI
 from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.registry import register
@@ -301,18 +302,18 @@ def gelu(x: np.ndarray, tanh: bool) -> np.ndarray:
         # 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): seven ufuncs instead of nine, and no cancellation
         # in 1 + tanh(u) for negative x; exp(-2u) overflowing to inf gives -0, the limit.
         t = x * x
-        t *= -2 * math.sqrt(2 / math.pi) * 0.044715
-        t += -2 * math.sqrt(2 / math.pi)
+        t *= -2 * SQRT_2_OVER_PI * GELU_TANH_COEFF
+        t += -2 * SQRT_2_OVER_PI
         t *= x
         np.exp(t, out=t)
         t += 1
         return np.divide(x, t, out=t)
     if tanh:
         t = x * x
-        t *= 0.044715
+        t *= GELU_TANH_COEFF
         t += 1
         t *= x
-        t *= math.sqrt(2 / math.pi)
+        t *= SQRT_2_OVER_PI
         np.tanh(t, out=t)
     else:
         t = erf(x * (1 / math.sqrt(2)))

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from abi.gelu import GELU_TANH_COEFF, SQRT_2_OVER_PI
 from host.errors import InvalidArgument, ModelError
 from host.optimizer.opset import onnx_opset
 from host.optimizer.rules.base import EPHOST_DOMAIN
@@ -74,8 +75,8 @@ class _Builder:
         half, one = self.scalar_like(0.5, x), self.scalar_like(1.0, x)
         if approximate == "tanh":
             cube = self.op("Mul", x, self.op("Mul", x, x))
-            inner = self.op("Add", x, self.op("Mul", cube, self.scalar_like(0.044715, x)))
-            term = self.op("Tanh", self.op("Mul", inner, self.scalar_like(math.sqrt(2.0 / math.pi), x)))
+            inner = self.op("Add", x, self.op("Mul", cube, self.scalar_like(GELU_TANH_COEFF, x)))
+            term = self.op("Tanh", self.op("Mul", inner, self.scalar_like(SQRT_2_OVER_PI, x)))
         else:
             term = self.op("Erf", self.op("Div", x, self.scalar_like(math.sqrt(2.0), x)))
         return self.op("Mul", self.op("Mul", x, half), self.op("Add", term, one))

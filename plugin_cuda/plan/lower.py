@@ -33,7 +33,7 @@ def _elem_type(v) -> int | None:
     return getattr(v, "dtype", None) if t is None else t
 
 
-def node_supported(graph, node, need_static: bool = True) -> str:
+def unsupported_reason(graph, node, need_static: bool = True) -> str:
     """'' when a plan can run `node` (op, opset, float32, static shapes); otherwise the reason.
 
     need_static: also ask for static shapes of every input (the planner infers the rest itself)."""
@@ -158,7 +158,7 @@ def lower(graph, inputs=None, outputs=None) -> Program:
     prog = Program(values, [], ins, outs)
     ctx = LowerCtx(prog, graph, set(outs))
     for node in topo_order(graph):
-        reason = node_supported(graph, node, need_static=False)
+        reason = unsupported_reason(graph, node, need_static=False)
         if reason:
             raise PlanError(f"node '{node.name}' ({node.op_type}) cannot run in a compiled plan: {reason}")
         for vid in node.inputs:

@@ -7,7 +7,7 @@ node (the fused graph would otherwise have a cycle: group -> outside node -> gro
 
 from __future__ import annotations
 
-from plugin_cuda.plan.lower import node_supported, topo_order
+from plugin_cuda.plan.lower import topo_order, unsupported_reason
 
 
 def fusable_groups(graph, accept=None, min_size: int = 1) -> list:
@@ -18,7 +18,7 @@ def fusable_groups(graph, accept=None, min_size: int = 1) -> list:
     members: dict = {}  # group id -> node indices
     next_id = 0
     for node in topo_order(graph):
-        ok = not node_supported(graph, node) and (accept is None or accept(node))
+        ok = not unsupported_reason(graph, node) and (accept is None or accept(node))
         parents = [producer[v] for v in node.inputs if v >= 0 and v in producer]
         blocked = set()
         for p in parents:

@@ -4,15 +4,11 @@ kernels)."""
 
 from __future__ import annotations
 
-import math
+from abi.gelu import GELU_TANH_COEFF, SQRT_2_OVER_PI, SQRT_HALF
 
 __all__ = ["GELU_CUDA", "GELU_TANH_COEFF", "SQRT_2_OVER_PI", "SQRT_HALF"]
 
-# erf form:  0.5 x (1 + erf(x / sqrt(2)))
-# tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))   (Gelu-20 approximate='tanh')
-SQRT_HALF = math.sqrt(0.5)
-SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-GELU_TANH_COEFF = 0.044715
+# The constants are abi/gelu.py's (the host's CPU EP and optimizer use the same ones).
 
 # Plain C as well (the CPU test shim of the generated kernels compiles it with g++). A decimal
 # literal with the f suffix rounds to the nearest float32, the value the kernels always used.

@@ -375,8 +375,8 @@ def test_half_values_read_by_a_plugin_or_returned_are_rounded():
     float32; read by a plugin EP's node (float16 is what the plugin is told it gets), or returned as a
     graph output, it is stored as declared."""
     from host.cpu_ep import create_kernel, half_carry
-    from host.runtime.plan import PlanNode
     from host.runtime.model import build_graph
+    from host.runtime.plan import PlanNode
 
     a = numpy_helper.from_array(np.array([1 / 3], np.float16), "a")
     nodes = [helper.make_node("Mul", ["x", "a"], ["xa"], name="mul"), helper.make_node("Relu", ["xa"], ["y"], name="relu")]

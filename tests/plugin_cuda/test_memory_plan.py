@@ -322,7 +322,7 @@ def test_a_node_its_lowering_refuses_is_never_claimed(op, inputs, consts, attrs,
     first.graph.node.append(relu)
     first.graph.output.append(onnx.helper.make_tensor_value_info("R", onnx.TensorProto.FLOAT, None))
     spec = spec_from_onnx(first)
-    assert re.search(reason, lower.node_supported(spec, spec.nodes[0]))
+    assert re.search(reason, lower.unsupported_reason(spec, spec.nodes[0]))
     assert fusable_groups(spec) == [[1]]
 
 
@@ -330,7 +330,7 @@ def test_maxpool_with_indices_is_not_lowered():
     from tests.plugin_cuda.layout_models import _model
 
     spec = spec_from_onnx(_model("MaxPool", {"X": (1, 2, 6, 6)}, {}, 2, 12, kernel_shape=[2, 2]))
-    assert "the Indices output is not supported" in lower.node_supported(spec, spec.nodes[0])
+    assert "the Indices output is not supported" in lower.unsupported_reason(spec, spec.nodes[0])
 
 
 def test_convolution_split_and_epilogue():
@@ -397,7 +397,7 @@ def test_rotary_with_position_ids_is_left_to_the_kernel_path():
     model = _model("RotaryEmbedding", {"X": (1, 2, 4, 8), "C": (9, 4), "S": (9, 4)}, {"P": np.zeros((1, 4), np.int64)},
                    1, 23)
     spec = spec_from_onnx(model)
-    assert "plans run float32" in lower.node_supported(spec, spec.nodes[0])  # never claimed for a plan
+    assert "plans run float32" in lower.unsupported_reason(spec, spec.nodes[0])  # never claimed for a plan
     with pytest.raises(PlanError, match=r"^node 'n' \(RotaryEmbedding\) cannot run in a compiled plan: input 3"):
         lower.lower(spec)
 

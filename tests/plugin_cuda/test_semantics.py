@@ -73,7 +73,7 @@ def test_reshape_dim_below_minus_one_is_refused_by_both_paths(target):
     with pytest.raises(PlanError, match=message):
         _plan_shape(model)
     spec = spec_from_onnx(model)
-    assert "has a dimension below -1" in lower.node_supported(spec, spec.nodes[0])
+    assert "has a dimension below -1" in lower.unsupported_reason(spec, spec.nodes[0])
 
 
 @pytest.mark.parametrize("target, message", [

@@ -12,15 +12,15 @@ of operands that are both computed values.
 from __future__ import annotations
 
 import itertools
-import math
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from abi.gelu import GELU_TANH_COEFF, SQRT_2, SQRT_2_OVER_PI
 from host.optimizer.rules.base import EPHOST_DOMAIN, Family, constant_array, has_float_type, rank
 
-_SQRT2 = math.sqrt(2.0)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT2 = SQRT_2
+_SQRT_2_OVER_PI = SQRT_2_OVER_PI
 
 
 class ConstantOnTheRight(pattern.RewriteRuleClassBase):
@@ -70,7 +70,7 @@ class GeluFusion(pattern.RewriteRuleClassBase):
             arg = op.Div(x, c(_SQRT2)) if self.variant else op.Mul(x, c(1.0 / _SQRT2))
             return op.Add(op.Erf(arg), 1.0)
         cube = op.Pow(x, 3.0) if self.variant else _binary(op, "Mul", x, op.Mul(x, x), self.swaps[2])
-        inner = _binary(op, "Add", x, op.Mul(cube, c(0.044715)), self.swaps[1])
+        inner = _binary(op, "Add", x, op.Mul(cube, c(GELU_TANH_COEFF)), self.swaps[1])
         return op.Add(op.Tanh(op.Mul(inner, c(_SQRT_2_OVER_PI))), 1.0)
 
     def pattern(self, op, x):
