@@ -55,10 +55,13 @@ def _sklearn_models(trees: int, features: int = 20):
     }, features
 
 
-def _quantized_cnns(tmp: str) -> dict:
-    from tests.host.test_quantized import _quantized
+def _quantized_models(tmp: str) -> dict:
+    """{name: (model, input shape)}: the CNN and the transformer block of tests/host/test_quantized.py,
+    quantized by onnxruntime in the three formats."""
+    from tests.host.test_quantized import MODELS, _quantized
 
-    return {f"cnn_{fmt}": onnx.load(_quantized(tmp, "cnn", fmt)) for fmt in ("qop", "qdq", "dynamic")}
+    return {f"{name}_{fmt}": (onnx.load(_quantized(tmp, name, fmt)), MODELS[name][1])
+            for name in ("cnn", "transformer") for fmt in ("qop", "qdq", "dynamic")}
 
 
 def _compare(name: str, model: onnx.ModelProto, feeds: dict, iters: int) -> str:
@@ -78,17 +81,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10000)
     parser.add_argument("--trees", type=int, default=100)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quant-only", action="store_true", help="only the quantized models")
     args = parser.parse_args()
     lines = ["| model | rows | onnxruntime ms | ephost ms | ratio |", "|---|---|---|---|---|"]
-    models, features = _sklearn_models(args.trees)
+    models, features = ({}, 0) if args.quant_only else _sklearn_models(args.trees)
     rng = np.random.RandomState(1)
     for name, model in models.items():
         for rows in (1, args.rows):
             feeds = {"X": rng.rand(rows, features).astype(np.float32)}
             lines.append(_compare(name, model, feeds, args.iters))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model in _quantized_cnns(tmp).items():
-            feeds = {"x": rng.rand(1, 3, 8, 8).astype(np.float32)}
+        for name, (model, shape) in _quantized_models(tmp).items():
+            feeds = {"x": rng.rand(*shape).astype(np.float32)}
             lines.append(_compare(name, model, feeds, args.iters * 10))
     print("\n".join(lines))
     print(f"\n(onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs)")

@@ -91,3 +91,18 @@ def test_group_with_a_wrong_bias_scale_stays_float(qdq_models):
     got = host.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
     want = _ort(model, onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_unclaimed_integer_kernels_expand_back_to_the_qdq_group(qdq_models, name):
+    """For an EP without the integer kernels: the expansion gives the DQ -> float op -> Q graph, with
+    onnxruntime's results on the original QDQ model (both run unfused)."""
+    from host.optimizer.fallback import expand_unclaimed
+
+    path = qdq_models[name, True]
+    fused = optimize(onnx.load(path), "ORT_ENABLE_EXTENDED").model
+    expanded = expand_unclaimed(fused, [n.name for n in fused.graph.node])
+    assert not {n.op_type for n in expanded.graph.node} & {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd"}
+    x = np.random.RandomState(0).rand(*MODELS[name][1]).astype(np.float32)
+    off = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    np.testing.assert_array_equal(_ort(expanded, off).run(None, {"x": x})[0], _ort(path, off).run(None, {"x": x})[0])
