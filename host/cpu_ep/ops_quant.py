@@ -9,6 +9,8 @@ accumulator converted to float32, scaled, rounded half to even, offset by the ze
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from host.cpu_ep.base import OpKernel, normalize_axis
@@ -24,15 +26,18 @@ def _float8_dtypes() -> dict:
         import ml_dtypes
     except ImportError:  # pragma: no cover - ml_dtypes is a dependency
         return {}
-    return {np.dtype(t): True for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
-                                         ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz)}
+    names = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn", "float8_e8m0fnu")
+    # float4_e2m1fn and float8_e8m0fnu came in ml_dtypes 0.5: the small float types quantize by a cast
+    return {np.dtype(getattr(ml_dtypes, n)): True for n in names if hasattr(ml_dtypes, n)}
 
 
 _FLOAT8 = _float8_dtypes()
 
 
+@functools.cache
 def int_range(dtype: np.dtype) -> tuple[int, int]:
-    """The saturation bounds of an integer type (int4/uint4 through ml_dtypes)."""
+    """The saturation bounds of an integer type (int4/uint4 through ml_dtypes); cached, as np.iinfo
+    costs microseconds and every quantized kernel asks on every run."""
     info = np.iinfo(dtype) if dtype.kind in "iu" else _ml_iinfo(dtype)
     return int(info.min), int(info.max)
 
