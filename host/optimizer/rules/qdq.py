@@ -94,6 +94,10 @@ def int32_bias(value: ir.Value | None, x: _Quant, w: _Quant) -> ir.Value | None 
     return node.inputs[0]
 
 
+def _onnx_opset(graph: ir.Graph) -> int:
+    return graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
+
+
 def _attrs(node: ir.Node, names) -> dict:
     return {k: v for k, v in node.attributes.items() if k in names}
 
@@ -212,7 +216,7 @@ class QdqSoftmax(_QdqRule):
 
     def fused(self, op, node, y_scale, y_zp):
         x = dequantized(node.inputs[0])
-        opset = node.graph.opset_imports.get("", node.graph.opset_imports.get("ai.onnx", 13))
+        opset = _onnx_opset(node.graph)
         # the `opset` attribute keeps Softmax-1/11's coerce-to-2-D semantics where the model has them
         axis = node.attributes.get_int("axis", -1 if opset >= 13 else 1)
         return op.QLinearSoftmax(x.value, x.scale, x.zero_point, y_scale, y_zp, axis=axis, opset=opset,
@@ -231,6 +235,8 @@ class DropQdq(_QdqRule):
     def group_ok(self, node, y_scale, y_zp):
         x = dequantized(node.inputs[0])
         ys, yz = constant_array(y_scale), constant_array(y_zp)
+        if self.op_type == "MaxPool" and (node.graph is None or _onnx_opset(node.graph) < 12):
+            return False  # MaxPool takes 8-bit integers from opset 12
         return (per_tensor(x) and x.value.dtype == y_zp.dtype and ys.dtype == x.scale_array.dtype
                 and ys.reshape(-1)[0] == x.scale_array.reshape(-1)[0] and yz.reshape(-1)[0] == x.zp_array.reshape(-1)[0])
 
