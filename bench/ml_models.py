@@ -57,11 +57,30 @@ def _sklearn_models(trees: int, features: int = 20):
 
 def _quantized_models(tmp: str) -> dict:
     """{name: (model, input shape)}: the CNN and the transformer block of tests/host/test_quantized.py,
-    quantized by onnxruntime in the three formats."""
+    quantized by onnxruntime in the three formats, and the CNN at 64x64 (where the kernels, not the
+    per-run cost, take the time)."""
     from tests.host.test_quantized import MODELS, _quantized
 
-    return {f"{name}_{fmt}": (onnx.load(_quantized(tmp, name, fmt)), MODELS[name][1])
-            for name in ("cnn", "transformer") for fmt in ("qop", "qdq", "dynamic")}
+    models = {f"{name}_{fmt}": (onnx.load(_quantized(tmp, name, fmt)), MODELS[name][1])
+              for name in ("cnn", "transformer") for fmt in ("qop", "qdq", "dynamic")}
+    for fmt in ("qop", "qdq"):
+        models[f"cnn64_{fmt}"] = (_cnn64(tmp, fmt), (1, 3, 64, 64))
+    return models
+
+
+def _cnn64(tmp: str, fmt: str) -> onnx.ModelProto:
+    from onnxruntime import quantization
+
+    from tests.host.test_quantized import _Reader, small_cnn
+
+    model = small_cnn()
+    for dim in model.graph.input[0].type.tensor_type.shape.dim[2:]:
+        dim.dim_value = 64
+    src, out = os.path.join(tmp, "cnn64.onnx"), os.path.join(tmp, f"cnn64_{fmt}.onnx")
+    onnx.save(model, src)
+    quant_format = quantization.QuantFormat.QDQ if fmt == "qdq" else quantization.QuantFormat.QOperator
+    quantization.quantize_static(src, out, _Reader((1, 3, 64, 64)), quant_format=quant_format)
+    return onnx.load(out)
 
 
 def _compare(name: str, model: onnx.ModelProto, feeds: dict, iters: int) -> str:
