@@ -77,3 +77,10 @@ def _qlinear_softmax(b: _Builder, node: ir.Node) -> list:
     x, xs, xz, ys = node.inputs[:4]
     y = b.op("Softmax", _dq(b, x, xs, xz), axis=_attr(node, "axis", -1))
     return [_q(b, y, ys, _input(node, 4))]
+
+
+@expansion(MS_DOMAIN, "MatMulIntegerToFloat")
+def _matmul_integer_to_float(b: _Builder, node: ir.Node) -> list:
+    a, w, a_s, ws = node.inputs[:4]
+    y = b.op("MatMul", _dq(b, a, a_s, _input(node, 4)), _dq(b, w, ws, _input(node, 5), axis=-1))
+    return [y if _input(node, 6) is None else b.op("Add", y, node.inputs[6])]

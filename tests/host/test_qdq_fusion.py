@@ -106,3 +106,29 @@ def test_unclaimed_integer_kernels_expand_back_to_the_qdq_group(qdq_models, name
     x = np.random.RandomState(0).rand(*MODELS[name][1]).astype(np.float32)
     off = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     np.testing.assert_array_equal(_ort(expanded, off).run(None, {"x": x})[0], _ort(path, off).run(None, {"x": x})[0])
+
+
+@pytest.mark.parametrize("per_column", [False, True])
+def test_matmul_with_a_float_result_becomes_matmul_integer_to_float(per_column):
+    """DQ(a), DQ(b) -> MatMul with no Q after it (a float output): com.microsoft MatMulIntegerToFloat,
+    as onnxruntime fuses it; the result within float32 rounding of the float MatMul's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.RandomState(5)
+    b_scale = (rng.rand(6) * 0.01 + 0.001).astype(np.float32) if per_column else np.float32(0.004)
+    inits = [numpy_helper.from_array(rng.randint(-127, 127, (8, 6)).astype(np.int8), "bq"),
+             numpy_helper.from_array(np.asarray(b_scale), "bs"),
+             numpy_helper.from_array(np.zeros(np.shape(b_scale), np.int8), "bz"),
+             numpy_helper.from_array(np.array(0.02, np.float32), "as"), numpy_helper.from_array(np.array(7, np.uint8), "az")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "as", "az"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "as", "az"], ["xf"]),
+             helper.make_node("DequantizeLinear", ["bq", "bs", "bz"], ["bf"], axis=1),
+             helper.make_node("MatMul", ["xf", "bf"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    ops = Counter(n.op_type for n in optimize(model, "ORT_ENABLE_EXTENDED").model.graph.node)
+    assert ops["MatMulIntegerToFloat"] == 1 and ops["MatMul"] == 0
+    x = rng.rand(3, 8).astype(np.float32) * 3
+    got = host.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, _ort(model).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ replace the group with the integer kernel on the quantized tensors:
 |---|---|
 | DQ -> Conv (int32 bias DQ) -> Q | QLinearConv (per-tensor or per-channel weights) |
 | DQ -> MatMul -> Q | QLinearMatMul (per-tensor or per-column weights) |
+| DQ -> MatMul (float result) | com.microsoft MatMulIntegerToFloat |
 | DQ -> Gemm (int32 bias DQ) -> Q | com.microsoft QGemm |
 | DQ -> Add / Mul -> Q | com.microsoft QLinearAdd / QLinearMul |
 | DQ -> GlobalAveragePool -> Q | com.microsoft QLinearGlobalAveragePool |
@@ -144,15 +145,20 @@ class QdqConv(_QdqRule):
                               *extra, **attrs)
 
 
+def matmul_group_ok(node: ir.Node) -> bool:
+    """MatMul of a per-tensor DQ and a per-tensor (or, for a 2-D B, per-column) DQ."""
+    a, b = dequantized(node.inputs[0]), dequantized(node.inputs[1])
+    if not per_tensor(a) or b is None or b.value.shape is None:
+        return False
+    # per-column weights only for a 2-D B (QLinearMatMul's b_scale is 1-D of N there)
+    return per_tensor(b) or (b.value.shape.rank() == 2 and per_axis(b, 1, 2))
+
+
 class QdqMatMul(_QdqRule):
     op_type = "MatMul"
 
     def group_ok(self, node, y_scale, y_zp):
-        a, b = dequantized(node.inputs[0]), dequantized(node.inputs[1])
-        if not per_tensor(a) or b is None or b.value.shape is None:
-            return False
-        # per-column weights only for a 2-D B (QLinearMatMul's b_scale is 1-D of N there)
-        return per_tensor(b) or (b.value.shape.rank() == 2 and per_axis(b, 1, 2))
+        return matmul_group_ok(node)
 
     def fused(self, op, node, y_scale, y_zp):
         a, b = dequantized(node.inputs[0]), dequantized(node.inputs[1])
@@ -245,11 +251,32 @@ class DropQdq(_QdqRule):
         return getattr(op, self.op_type)(x.value, *node.inputs[1:], **dict(node.attributes.items()))
 
 
+class QdqMatMulToFloat(pattern.RewriteRuleClassBase):
+    """DQ(a), DQ(b) -> MatMul with a float result (no Q after it) -> com.microsoft MatMulIntegerToFloat,
+    as onnxruntime does: the product on integers, scaled to float once."""
+
+    def pattern(self, op, a, b):
+        return op.MatMul(a, b, _outputs=["float_out"])
+
+    def check(self, context, a, b, float_out, **_):
+        result = pattern.MatchResult()
+        if any(use.node.op_type == "QuantizeLinear" for use in float_out.uses()):
+            return result.fail("a Q follows: left to QdqMatMul", float_out)
+        if not matmul_group_ok(float_out.producer()):
+            return result.fail("MatMul's inputs are not a fusable QDQ group", float_out)
+        return result
+
+    def rewrite(self, op, a, b, float_out, **_):
+        qa, qb = dequantized(a), dequantized(b)
+        return op.MatMulIntegerToFloat(qa.value, qb.value, qa.scale, qb.scale, qa.zero_point, qb.zero_point,
+                                       _domain=MS_DOMAIN)
+
+
 DROP_OPS = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze")
 
 
 def qdq_rules() -> list:
-    rules = [QdqConv.rule(), QdqMatMul.rule(), QdqGemm.rule(), QdqGlobalAveragePool.rule(), QdqSoftmax.rule()]
+    rules = [QdqConv.rule(), QdqMatMul.rule(), QdqMatMulToFloat.rule(), QdqGemm.rule(), QdqGlobalAveragePool.rule(), QdqSoftmax.rule()]
     rules += [QdqBinary.rule(op) for op in ("Add", "Mul")]
     return rules + [DropQdq.rule(op) for op in DROP_OPS]
 
@@ -258,4 +285,4 @@ QDQ = Family("QdqToInteger", qdq_rules, min_opset=10, triggers=frozenset({"Dequa
              requires=frozenset({"QuantizeLinear"}),
              emits=(("", "QLinearConv"), ("", "QLinearMatMul"), (MS_DOMAIN, "QGemm"), (MS_DOMAIN, "QLinearAdd"),
                     (MS_DOMAIN, "QLinearMul"), (MS_DOMAIN, "QLinearGlobalAveragePool"),
-                    (MS_DOMAIN, "QLinearSoftmax")))
+                    (MS_DOMAIN, "QLinearSoftmax"), (MS_DOMAIN, "MatMulIntegerToFloat")))
