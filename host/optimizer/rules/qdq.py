@@ -52,7 +52,9 @@ def dequantized(value: ir.Value | None) -> _Quant | None:
     if len(node.inputs) < 3 or node.inputs[2] is None or node.attributes.get_int("block_size", 0):
         return None
     q = _Quant(node)
-    if q.value.dtype not in INT8_TYPES or q.scale_array is None or q.zp_array is None:
+    # the integer kernels take float32 scales (a float16 scale makes a float16 group: left as written)
+    if q.value.dtype not in INT8_TYPES or q.scale.dtype != ir.DataType.FLOAT or q.scale_array is None \
+            or q.zp_array is None:
         return None
     return q
 
@@ -71,7 +73,7 @@ def per_axis(q: _Quant | None, axis: int, rank_: int) -> bool:
 
 def _output(y_scale: ir.Value, y_zero_point: ir.Value | None) -> bool:
     """The Q after the op: constant per-tensor scale and an 8-bit zero point."""
-    if y_zero_point is None or y_zero_point.dtype not in INT8_TYPES:
+    if y_zero_point is None or y_zero_point.dtype not in INT8_TYPES or y_scale.dtype != ir.DataType.FLOAT:
         return False
     s, z = constant_array(y_scale), constant_array(y_zero_point)
     return s is not None and z is not None and s.size == 1 and z.size == 1
