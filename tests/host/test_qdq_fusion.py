@@ -132,3 +132,28 @@ def test_matmul_with_a_float_result_becomes_matmul_integer_to_float(per_column):
     x = rng.rand(3, 8).astype(np.float32) * 3
     got = host.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, _ort(model).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_relu_before_a_q_that_clamps_at_zero_is_fused_away(qdq_models):
+    """DQ -> Conv -> Relu -> Q, the Q's zero point its type's minimum (int8 -128): the Q already clamps
+    negatives, so the group becomes QLinearConv alone, as onnxruntime fuses it; with another zero point
+    the Relu matters and the group stays."""
+    model = onnx.load(qdq_models["cnn", False])
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "r1")
+    conv = next(n for n in model.graph.node if n.op_type == "Conv" and n.output[0] == "r1")
+    conv.output[0] = "r1_pre_relu"
+    model.graph.node.insert(list(model.graph.node).index(q), onnx.helper.make_node("Relu", ["r1_pre_relu"], ["r1"]))
+    zp = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == q.input[2]))
+    assert int(zp) == -128
+    ops = Counter(n.op_type for n in optimize(model, "ORT_ENABLE_EXTENDED").model.graph.node)
+    assert ops["Relu"] == 0 and ops["QLinearConv"] == 2
+    x = np.random.RandomState(1).rand(1, 3, 8, 8).astype(np.float32)
+    got = host.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, _ort(model).run(None, {"x": x})[0])
+    shifted = onnx.ModelProto()
+    shifted.CopyFrom(model)
+    for t in shifted.graph.initializer:
+        if t.name == q.input[2]:
+            t.CopyFrom(onnx.numpy_helper.from_array(np.array(-100, np.int8), t.name))
+    ops = Counter(n.op_type for n in optimize(shifted, "ORT_ENABLE_EXTENDED").model.graph.node)
+    assert ops["Relu"] == 1

@@ -12,6 +12,7 @@ replace the group with the integer kernel on the quantized tensors:
 | DQ -> MatMul -> Q | QLinearMatMul (per-tensor or per-column weights) |
 | DQ -> MatMul (float result) | com.microsoft MatMulIntegerToFloat |
 | DQ -> Gemm (int32 bias DQ) -> Q | com.microsoft QGemm |
+| the three above with a Relu before the Q whose zero point is its type's minimum | the same (Relu is redundant) |
 | DQ -> Add / Mul -> Q | com.microsoft QLinearAdd / QLinearMul |
 | DQ -> GlobalAveragePool -> Q | com.microsoft QLinearGlobalAveragePool |
 | DQ -> Softmax -> Q | com.microsoft QLinearSoftmax |
@@ -79,6 +80,12 @@ def _output(y_scale: ir.Value, y_zero_point: ir.Value | None) -> bool:
     return s is not None and z is not None and s.size == 1 and z.size == 1
 
 
+def _clamps_at_zero(y_zero_point: ir.Value) -> bool:
+    """Whether Q saturates every negative value to its zero point (zero point = the type's minimum)."""
+    zp = constant_array(y_zero_point)
+    return int(zp.reshape(-1)[0]) == int(np.iinfo(zp.dtype).min)
+
+
 def int32_bias(value: ir.Value | None, x: _Quant, w: _Quant) -> ir.Value | None | bool:
     """The int32 input of the bias DQ (None when there is no bias), or False when the bias is not
     an int32 DQ with zero point 0 and scale x_scale * w_scale (the integer kernel adds it unscaled)."""
@@ -110,9 +117,18 @@ class _QdqRule(pattern.RewriteRuleClassBase):
 
     op_type = ""
 
+    def __init__(self, name: str | None = None, through_relu: bool = False):
+        # through_relu: Q(Relu(op)) where the Q's zero point is its type's minimum, so the Q already
+        # clamps what Relu would (onnxruntime's "redundant clip" of a QDQ group)
+        self.through_relu = through_relu
+        name = name or type(self).__name__
+        super().__init__(name=f"{name}Relu" if through_relu else name)
+
     def pattern(self, op, x, y_scale, y_zero_point):
         out = getattr(op, self.op_type)(x, _allow_other_inputs=True, _allow_other_attributes=True,
                                         _outputs=["float_out"])
+        if self.through_relu:
+            out = op.Relu(out)
         return op.QuantizeLinear(out, y_scale, y_zero_point, _allow_other_attributes=True)
 
     def check(self, context, float_out, y_scale, y_zero_point, **_):
@@ -120,6 +136,8 @@ class _QdqRule(pattern.RewriteRuleClassBase):
         node = float_out.producer()
         if not _output(y_scale, y_zero_point):
             return result.fail("the Q after the op is not 8-bit per tensor with constant parameters", y_scale)
+        if self.through_relu and not _clamps_at_zero(y_zero_point):
+            return result.fail("the Q's zero point is not its type's minimum: Relu is not redundant", y_zero_point)
         if len(node.outputs) != 1 or not self.group_ok(node, y_scale, y_zero_point):
             return result.fail(f"{self.op_type}'s inputs are not a fusable QDQ group", float_out)
         return result
@@ -253,6 +271,15 @@ class DropQdq(_QdqRule):
         return getattr(op, self.op_type)(x.value, *node.inputs[1:], **dict(node.attributes.items()))
 
 
+def _feeds_q(value: ir.Value) -> bool:
+    """Whether a Q (directly or through a Relu) reads the value: a QdqMatMul group, not a float result."""
+    for use in value.uses():
+        node = use.node
+        if node.op_type == "QuantizeLinear" or (node.op_type == "Relu" and _feeds_q(node.outputs[0])):
+            return True
+    return False
+
+
 class QdqMatMulToFloat(pattern.RewriteRuleClassBase):
     """DQ(a), DQ(b) -> MatMul with a float result (no Q after it) -> com.microsoft MatMulIntegerToFloat,
     as onnxruntime does: the product on integers, scaled to float once."""
@@ -262,7 +289,7 @@ class QdqMatMulToFloat(pattern.RewriteRuleClassBase):
 
     def check(self, context, a, b, float_out, **_):
         result = pattern.MatchResult()
-        if any(use.node.op_type == "QuantizeLinear" for use in float_out.uses()):
+        if _feeds_q(float_out):
             return result.fail("a Q follows: left to QdqMatMul", float_out)
         if not matmul_group_ok(float_out.producer()):
             return result.fail("MatMul's inputs are not a fusable QDQ group", float_out)
@@ -278,7 +305,9 @@ DROP_OPS = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze"
 
 
 def qdq_rules() -> list:
-    rules = [QdqConv.rule(), QdqMatMul.rule(), QdqMatMulToFloat.rule(), QdqGemm.rule(), QdqGlobalAveragePool.rule(), QdqSoftmax.rule()]
+    groups = (QdqConv, QdqMatMul, QdqGemm)
+    rules = [cls.rule(through_relu=relu) for cls in groups for relu in (False, True)]
+    rules += [QdqMatMulToFloat.rule(), QdqGlobalAveragePool.rule(), QdqSoftmax.rule()]
     rules += [QdqBinary.rule(op) for op in ("Add", "Mul")]
     return rules + [DropQdq.rule(op) for op in DROP_OPS]
 
