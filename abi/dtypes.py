@@ -11,12 +11,24 @@ FLOAT16, BFLOAT16 = 10, 16
 # NumPy has no bfloat16: ml_dtypes' (the one onnx's numpy_helper uses) is a 2-byte dtype of kind 'V'.
 BFLOAT16_DTYPE = np.dtype(ml_dtypes.bfloat16)
 
-# ONNX TensorProto.DataType values; 8-bit and 4-bit floats are not supported.
+# The 8-bit float and 4-bit integer types of onnx (17..22): ml_dtypes' scalar types, the ones onnx's
+# numpy_helper.to_array returns (it unpacks int4/uint4, stored two per byte, to one value per element).
+# They are storage types: quantization kernels and Cast read and write them, arithmetic does not.
+LOW_BIT_TYPES: dict[int, np.dtype] = {
+    17: np.dtype(ml_dtypes.float8_e4m3fn), 18: np.dtype(ml_dtypes.float8_e4m3fnuz),
+    19: np.dtype(ml_dtypes.float8_e5m2), 20: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    21: np.dtype(ml_dtypes.uint4), 22: np.dtype(ml_dtypes.int4),
+}
+# float4e2m1 (23), float8e8m0 (24), uint2 (25), int2 (26): in ml_dtypes 0.5 and later.
+LOW_BIT_TYPES.update({t: np.dtype(getattr(ml_dtypes, name)) for t, name in (
+    (23, "float4_e2m1fn"), (24, "float8_e8m0fnu"), (25, "uint2"), (26, "int2")) if hasattr(ml_dtypes, name)})
+
+# ONNX TensorProto.DataType values (complex types are not supported).
 ONNX_TO_NUMPY: dict[int, np.dtype] = {
     1: np.dtype(np.float32), 2: np.dtype(np.uint8), 3: np.dtype(np.int8), 4: np.dtype(np.uint16),
     5: np.dtype(np.int16), 6: np.dtype(np.int32), 7: np.dtype(np.int64), STRING: np.dtype(object),
     9: np.dtype(np.bool_), FLOAT16: np.dtype(np.float16), 11: np.dtype(np.float64), 12: np.dtype(np.uint32),
-    13: np.dtype(np.uint64), BFLOAT16: BFLOAT16_DTYPE,
+    13: np.dtype(np.uint64), BFLOAT16: BFLOAT16_DTYPE, **LOW_BIT_TYPES,
 }
 # The half-precision element types: stored in 2 bytes, computed in float32 where NumPy has no kernel.
 HALF_TYPES = frozenset({FLOAT16, BFLOAT16})

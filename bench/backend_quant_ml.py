@@ -13,6 +13,7 @@ from collections import Counter
 
 import numpy as np
 import onnxruntime
+from onnx import TensorProto, numpy_helper
 from onnx.backend.test.loader import load_model_tests
 
 from host.runtime.backend import EphostBackend
@@ -43,15 +44,20 @@ def _retarget(case) -> None:
             imp.version = 23
 
 
+def _arrays(values) -> list:
+    """A case's inputs or outputs as arrays: onnx keeps the low-bit ones (int4, float8, ...) as TensorProtos."""
+    return [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in values]
+
+
 def _run_ort(case):
     sess = onnxruntime.InferenceSession(case.model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
-    return sess.run(None, dict(zip(names, case.data_sets[0][0])))
+    return sess.run(None, dict(zip(names, _arrays(case.data_sets[0][0]))))
 
 
 def _run_ephost(case):
     rep = EphostBackend.prepare(case.model, "CPU")
-    return rep.run(case.data_sets[0][0])
+    return rep.run(_arrays(case.data_sets[0][0]))
 
 
 def _check(run, case) -> str:
@@ -59,7 +65,7 @@ def _check(run, case) -> str:
         outs = run(case)
     except Exception as exc:  # noqa: BLE001 - counted by reason
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
-    expected = case.data_sets[0][1]
+    expected = _arrays(case.data_sets[0][1])
     ok = len(outs) == len(expected) and all(_close(e, g, case.rtol, case.atol) for e, g in zip(expected, outs))
     return "pass" if ok else "mismatch"
 

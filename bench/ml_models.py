@@ -55,10 +55,32 @@ def _sklearn_models(trees: int, features: int = 20):
     }, features
 
 
-def _quantized_cnns(tmp: str) -> dict:
-    from tests.host.test_quantized import _quantized
+def _quantized_models(tmp: str) -> dict:
+    """{name: (model, input shape)}: the CNN and the transformer block of tests/host/test_quantized.py,
+    quantized by onnxruntime in the three formats, and the CNN at 64x64 (where the kernels, not the
+    per-run cost, take the time)."""
+    from tests.host.test_quantized import MODELS, _quantized
 
-    return {f"cnn_{fmt}": onnx.load(_quantized(tmp, "cnn", fmt)) for fmt in ("qop", "qdq", "dynamic")}
+    models = {f"{name}_{fmt}": (onnx.load(_quantized(tmp, name, fmt)), MODELS[name][1])
+              for name in ("cnn", "transformer") for fmt in ("qop", "qdq", "dynamic")}
+    for fmt in ("qop", "qdq"):
+        models[f"cnn64_{fmt}"] = (_cnn64(tmp, fmt), (1, 3, 64, 64))
+    return models
+
+
+def _cnn64(tmp: str, fmt: str) -> onnx.ModelProto:
+    from onnxruntime import quantization
+
+    from tests.host.test_quantized import _Reader, small_cnn
+
+    model = small_cnn()
+    for dim in model.graph.input[0].type.tensor_type.shape.dim[2:]:
+        dim.dim_value = 64
+    src, out = os.path.join(tmp, "cnn64.onnx"), os.path.join(tmp, f"cnn64_{fmt}.onnx")
+    onnx.save(model, src)
+    quant_format = quantization.QuantFormat.QDQ if fmt == "qdq" else quantization.QuantFormat.QOperator
+    quantization.quantize_static(src, out, _Reader((1, 3, 64, 64)), quant_format=quant_format)
+    return onnx.load(out)
 
 
 def _compare(name: str, model: onnx.ModelProto, feeds: dict, iters: int) -> str:
@@ -78,17 +100,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10000)
     parser.add_argument("--trees", type=int, default=100)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quant-only", action="store_true", help="only the quantized models")
     args = parser.parse_args()
     lines = ["| model | rows | onnxruntime ms | ephost ms | ratio |", "|---|---|---|---|---|"]
-    models, features = _sklearn_models(args.trees)
+    models, features = ({}, 0) if args.quant_only else _sklearn_models(args.trees)
     rng = np.random.RandomState(1)
     for name, model in models.items():
         for rows in (1, args.rows):
             feeds = {"X": rng.rand(rows, features).astype(np.float32)}
             lines.append(_compare(name, model, feeds, args.iters))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model in _quantized_cnns(tmp).items():
-            feeds = {"x": rng.rand(1, 3, 8, 8).astype(np.float32)}
+        for name, (model, shape) in _quantized_models(tmp).items():
+            feeds = {"x": rng.rand(*shape).astype(np.float32)}
             lines.append(_compare(name, model, feeds, args.iters * 10))
     print("\n".join(lines))
     print(f"\n(onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs)")

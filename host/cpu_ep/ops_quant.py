@@ -1,13 +1,18 @@
 """Quantized ops of the default domain: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear,
 MatMulInteger, ConvInteger, QLinearMatMul, QLinearConv.
 
-Integer products are exact: operands minus their zero points are small integers, so a float64 GEMM
-(BLAS) gives the int32 accumulator exactly (every partial sum stays far below 2**53). Requantization
+Integer products are exact: operands minus their zero points are small integers, so a float GEMM
+(BLAS) gives the int32 accumulator exactly: float32 (sgemm, half the memory traffic) where every partial
+sum is bounded below 2**24 (reduction length x the two operand spans: 8-bit operands up to K = 258),
+float64 otherwise (far below 2**53). Requantization
 follows onnxruntime's MLAS: the multiplier is computed in float32 (x_scale * w_scale / y_scale), the
 accumulator converted to float32, scaled, rounded half to even, offset by the zero point and saturated.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import numpy as np
 
@@ -24,15 +29,18 @@ def _float8_dtypes() -> dict:
         import ml_dtypes
     except ImportError:  # pragma: no cover - ml_dtypes is a dependency
         return {}
-    return {np.dtype(t): True for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
-                                         ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz)}
+    names = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn", "float8_e8m0fnu")
+    # float4_e2m1fn and float8_e8m0fnu came in ml_dtypes 0.5: the small float types quantize by a cast
+    return {np.dtype(getattr(ml_dtypes, n)): True for n in names if hasattr(ml_dtypes, n)}
 
 
 _FLOAT8 = _float8_dtypes()
 
 
+@functools.cache
 def int_range(dtype: np.dtype) -> tuple[int, int]:
-    """The saturation bounds of an integer type (int4/uint4 through ml_dtypes)."""
+    """The saturation bounds of an integer type (int4/uint4 through ml_dtypes); cached, as np.iinfo
+    costs microseconds and every quantized kernel asks on every run."""
     info = np.iinfo(dtype) if dtype.kind in "iu" else _ml_iinfo(dtype)
     return int(info.min), int(info.max)
 
@@ -147,11 +155,18 @@ class DynamicQuantizeLinear(OpKernel):
         return (y, np.array(scale, dtype=F32), np.array(zp, dtype=np.uint8))
 
 
-def centered(x: np.ndarray, zero_point) -> np.ndarray:
-    """x minus its zero point, as float64 (exact for every 8/16-bit value)."""
-    out = x.astype(F64)
+def exact_float(k: int, a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
+    """The float type in which a length-k dot product of centered a and b values is exact: float32 when
+    k * span(a) * span(b) < 2**24 (every partial sum is then an integer float32 holds), else float64."""
+    spans = [hi - lo for lo, hi in (int_range(np.dtype(a_dtype)), int_range(np.dtype(b_dtype)))]
+    return F32 if k * spans[0] * spans[1] < 2 ** 24 else F64
+
+
+def centered(x: np.ndarray, zero_point, dtype: np.dtype = F64) -> np.ndarray:
+    """x minus its zero point, as float64 (exact for every 8/16-bit value) or `dtype`."""
+    out = x.astype(dtype)
     if zero_point is not None:
-        out -= np.asarray(zero_point).astype(F64)
+        out -= np.asarray(zero_point).astype(dtype)
     return out
 
 
@@ -166,9 +181,10 @@ def matrix_zero_point(zp, n_rows_axis: int, x: np.ndarray):
 
 
 def int_matmul(a, b, a_zero_point=None, b_zero_point=None) -> np.ndarray:
-    """(a - a_zero_point) @ (b - b_zero_point) as an exact float64 array."""
-    a_c = centered(a, matrix_zero_point(a_zero_point, -2, a))
-    b_c = centered(b, matrix_zero_point(b_zero_point, -1, b))
+    """(a - a_zero_point) @ (b - b_zero_point) as an exact float32 or float64 array (exact_float)."""
+    ct = exact_float(a.shape[-1], a.dtype, b.dtype)
+    a_c = centered(a, matrix_zero_point(a_zero_point, -2, a), ct)
+    b_c = centered(b, matrix_zero_point(b_zero_point, -1, b), ct)
     return np.matmul(a_c, b_c)
 
 
@@ -205,10 +221,10 @@ def _channel(v, ndim: int) -> np.ndarray:
     return v.reshape(()) if v.size == 1 else v.reshape(1, -1, *[1] * (ndim - 2))
 
 
-def _weights_centered(w, w_zero_point) -> np.ndarray:
-    out = w.astype(F64)
+def _weights_centered(w, w_zero_point, dtype: np.dtype) -> np.ndarray:
+    out = w.astype(dtype)
     if w_zero_point is not None:
-        zp = np.asarray(w_zero_point).astype(F64)
+        zp = np.asarray(w_zero_point).astype(dtype)
         out -= zp.reshape(-1, *[1] * (w.ndim - 1)) if zp.size > 1 else zp.reshape(())
     return out
 
@@ -229,14 +245,15 @@ class _IntConv(OpKernel):
         self._bound_w = constants.get(self.weight_position)
 
     def accumulate(self, x, x_zp, w, w_zp) -> np.ndarray:
+        ct = exact_float(math.prod(w.shape[1:]), x.dtype, w.dtype)  # a window's reduction length
         cached = self._centered_w
-        if cached is not None and cached[0] is w and cached[1] is w_zp:
+        if cached is not None and cached[0] is w and cached[1] is w_zp and cached[2].dtype == ct:
             wc = cached[2]
         else:
-            wc = _weights_centered(w, w_zp)
+            wc = _weights_centered(w, w_zp, ct)
             if w is self._bound_w:
                 self._centered_w = (w, w_zp, wc)
-        return self.conv._run(centered(x, x_zp), wc)[0]
+        return self.conv._run(centered(x, x_zp, ct), wc)[0]
 
 
 @register("ConvInteger", since=10)

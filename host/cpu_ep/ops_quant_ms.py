@@ -208,7 +208,8 @@ class DynamicQuantizeMatMul(OpKernel):
 class QLinearSoftmax(OpKernel):
     """Dequantize, softmax in float32 along `axis` (the whole tail from `axis` where the op's `opset`
     attribute is below 13, as Softmax-1/11 coerce to 2-D), quantize. onnxruntime sums a table of
-    exponentials instead; the results agree within one quantization step."""
+    exponentials instead
+    (and scales by floor(1 / y_scale)); the results agree within one quantization step."""
 
     def __init__(self, node):
         super().__init__(node)
@@ -223,6 +224,8 @@ class QLinearSoftmax(OpKernel):
         # exp((q - max(q)) * scale): the zero point cancels out.
         shifted = (codes.astype(np.int32) - codes.max(axis=axis, keepdims=True).astype(np.int32)).astype(F32)
         e = np.exp(shifted * _f32(x_scale))
-        p = e / e.sum(axis=axis, keepdims=True)
-        y = saturate_round(p / _f32(y_scale), _f32(y_zp if y_zp is not None else 0), _out_dtype(y_zp, x.dtype))
+        # onnxruntime scales by floor(1 / y_scale), not 1 / y_scale (254, not 255, for a 1/255 scale)
+        steps = np.floor(np.float32(1) / _f32(y_scale)).astype(F32)
+        p = (e * steps) / e.sum(axis=axis, keepdims=True)
+        y = saturate_round(p, _f32(y_zp if y_zp is not None else 0), _out_dtype(y_zp, x.dtype))
         return (y.reshape(shape),)

@@ -299,3 +299,7 @@ def _expand(graph: ir.Graph, node: ir.Node, opset: int) -> None:
     if any(o.uses() or o.is_graph_output() for o, n in zip(node.outputs, outputs) if n is None):
         raise _unsupported(node, "an output that is used")
     ir.convenience.replace_nodes_and_values(graph, node, [node], b.tape.nodes, old, new)
+
+
+# The QDQ fusion's integer kernels: registered on import (the module needs the names above).
+from host.optimizer import fallback_qdq  # noqa: E402, F401

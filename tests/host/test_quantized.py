@@ -116,9 +116,9 @@ def test_quantized_model_matches_onnxruntime(quant_dir, name, fmt):
     got = host.InferenceSession(path).run(None, {"x": x})[0]
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if (name, fmt) == ("transformer", "qdq"):
-        # onnxruntime fuses DQ -> MatMul -> Q into integer QLinearMatMul; ephost computes the
-        # dequantized float MatMul: the quantized activations may round the other way, one step
-        # (the last Q before Softmax has scale 1/255-ish): the bound is one output quantization step.
+        # Both fuse QDQ groups into integer kernels (tests/host/test_qdq_fusion.py), but onnxruntime
+        # leaves the groups whose DQ feeds two nodes (the residual input) and the Adds in float; a
+        # quantized activation may round the other way there: the bound is one output quantization step.
         np.testing.assert_allclose(got, expected, atol=1 / 255 + 1e-6)
     else:
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
@@ -301,3 +301,15 @@ def test_unsupported_op_error_names_the_models_own_opset():
     with pytest.raises(host.errors.ModelError, match=r"^no execution provider supports 1 node\(s\): '.*' "
                                                      r"\(ai.onnx::MaxRoiPool, opset 12\)$"):
         host.InferenceSession(model.SerializeToString())
+
+
+@pytest.mark.parametrize("k", [258, 1000])
+def test_integer_matmul_stays_exact_past_float32_integers(k):
+    """Below K = 258 the 8-bit products accumulate in float32 exactly; past it partial sums pass 2**24
+    and the kernel must switch to float64 (odd sums there are not float32 values)."""
+    a = RNG.randint(200, 256, (3, k)).astype(np.uint8)
+    b = RNG.randint(-128, -100, (k, 4)).astype(np.int8)
+    node = helper.make_node("MatMulInteger", ["a", "b", "az"], ["y"])
+    model = _node_model(node, {"a": (U8, [3, k]), "b": (I8, [k, 4])}, {"y": (TensorProto.INT32, [3, 4])}, opset=13)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1, np.uint8), "az"))
+    _compare(model, {"a": a, "b": b})
