@@ -1,0 +1,114 @@
+"""A dynamic-axes export on the CUDA EP against PyTorch eager, shapes in turn (issue 23's table).
+
+BERT-base (12 layers, hidden 768, random weights from transformers) exported by the TorchScript
+exporter at opset 17 with dynamic batch and sequence, one ephost session with the CUDA EP, IOBinding
+(inputs in device memory, outputs allocated by the EP), float32 with TF32 off on both sides; the shapes
+(batch, seq) run in turn. Per shape: the first run's wall time (new shape), then the median of the
+timed runs, against PyTorch eager on the same weights; and the session's plan (compiled partitions,
+plan nodes, nodes the host's shape program absorbed).
+
+    python bench/dynamic_gpu.py [--layers 12] [--iters 30] [--shapes 1x16,8x128,3x50,8x128,1x16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def export_bert(torch, layers: int, path: Path):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=768, num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072,
+                     vocab_size=30522)
+    torch.manual_seed(0)
+    model = BertModel(cfg).eval()
+    ids = torch.ones((2, 8), dtype=torch.int64)
+    mask = torch.ones((2, 8), dtype=torch.int64)
+    axes = {0: "batch", 1: "seq"}
+    torch.onnx.export(model, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+                      output_names=["last_hidden_state"], opset_version=17, dynamo=False,
+                      dynamic_axes={"input_ids": axes, "attention_mask": axes, "last_hidden_state": axes})
+    return model
+
+
+def timed(fn, iters: int) -> float:
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return float(np.median(samples)) * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--shapes", default="1x16,8x128,3x50,8x128,1x16")
+    args = p.parse_args(argv)
+    import cupy as cp
+    import torch
+
+    from host.runtime.session import InferenceSession
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = Path(tempfile.mkdtemp()) / "bert_dynamic.onnx"
+    model = export_bert(torch, args.layers, path).cuda()
+    t0 = time.perf_counter()
+    sess = InferenceSession(str(path), providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
+    create_s = time.perf_counter() - t0
+    plan = sess.plan
+    compiled = sum(1 for n in plan.nodes if n.members)
+    absorbed = len(sess.shape_program.nodes)
+    on_cpu = sum(1 for n in plan.nodes if n.ep is None)
+    print(f"session {create_s:.1f} s; plan: {len(plan.nodes)} steps, {compiled} compiled partitions, "
+          f"{on_cpu} on the CPU EP, {absorbed} nodes in the host's shape program")
+    print("| (batch, seq) | first run ms | ephost eager ms | torch eager ms | ratio | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        b, s = (int(v) for v in shape.split("x"))
+        ids = rng.integers(0, 30522, (b, s)).astype(np.int64)
+        mask = np.ones((b, s), np.int64)
+        binding = sess.io_binding()
+        d_ids, d_mask = cp.asarray(ids), cp.asarray(mask)
+        binding.bind_input("input_ids", d_ids)
+        binding.bind_input("attention_mask", d_mask)
+        binding.bind_output("last_hidden_state")
+
+        def run(binding=binding):
+            sess.run_with_iobinding(binding)
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        run()
+        first = (time.perf_counter() - t) * 1e3
+        ours = timed(run, args.iters)
+        got = binding.copy_outputs_to_cpu()[0]
+        t_ids, t_mask = torch.from_numpy(ids).cuda(), torch.from_numpy(mask).cuda()
+
+        def torch_run(t_ids=t_ids, t_mask=t_mask):
+            with torch.inference_mode():
+                model(t_ids, attention_mask=t_mask)
+            torch.cuda.synchronize()
+        torch_run()
+        theirs = timed(torch_run, args.iters)
+        with torch.inference_mode():
+            ref = model(t_ids, attention_mask=t_mask).last_hidden_state.cpu().numpy()
+        print(f"| ({b}, {s}) | {first:.1f} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | "
+              f"{float(np.abs(got - ref).max()):.1e} |")
+    sess.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
