@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     create_s = time.perf_counter() - t0
     plan = sess.plan
     compiled = sum(1 for n in plan.nodes if n.members)
-    absorbed = len(sess.shape_program.nodes)
+    absorbed = len(sess.shape_program.nodes) if hasattr(sess, "shape_program") else 0
     on_cpu = sum(1 for n in plan.nodes if n.ep is None)
     print(f"session {create_s:.1f} s; plan: {len(plan.nodes)} steps, {compiled} compiled partitions, "
           f"{on_cpu} on the CPU EP, {absorbed} nodes in the host's shape program")
