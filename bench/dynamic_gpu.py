@@ -35,7 +35,16 @@ def export_bert(torch, layers: int, path: Path):
     ids = torch.ones((2, 8), dtype=torch.int64)
     mask = torch.ones((2, 8), dtype=torch.int64)
     axes = {0: "batch", 1: "seq"}
-    torch.onnx.export(model, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+
+    class Wrapped(torch.nn.Module):  # positional inputs, one tensor out, for the exporter
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    torch.onnx.export(Wrapped(model), (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
                       output_names=["last_hidden_state"], opset_version=17, dynamo=False,
                       dynamic_axes={"input_ids": axes, "attention_mask": axes, "last_hidden_state": axes})
     return model
