@@ -6,8 +6,9 @@ Every figure is the median of `--repeat` fresh interpreters (nothing is shared b
 files on disk):
 - `import host`: the whole process (interpreter start included), and the import alone;
 - `ephost --help`: the whole process (`python -m host.cli --help`);
+- `host.InferenceSession`'s runtime imports (numpy, onnx, cffi, the CPU EP), as `import onnxruntime`;
 - for three small zoo models (an MLP, a CNN, a transformer block): `InferenceSession(path)` alone, in a
-  process that has imported `host` and nothing else, **cold** (an empty optimized-model cache, as on a
+  process that has imported the runtime and nothing else, **cold** (an empty optimized-model cache, as on a
   first run) and **warm** (the cache holds the model, as on every later run); and the whole process
   (interpreter, imports, session) for the cold and warm cases.
 
@@ -29,12 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _PYCACHE = Path(tempfile.gettempdir()) / "ephost-startup-pycache"
 
-# Timed inside the child: the session alone, after `import host` (what a script that already imported
-# the package pays per session), printed as JSON.
+# Timed inside the child: the imports (`import host` and the runtime modules `host.InferenceSession`
+# loads, as `import onnxruntime` loads its own), then the session alone, printed as JSON.
 _SESSION = """
 import json, sys, time
 t0 = time.perf_counter()
 import host
+host.InferenceSession  # the attribute imports the runtime (numpy, onnx, the CPU EP)
 t1 = time.perf_counter()
 host.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 t2 = time.perf_counter()
@@ -111,6 +113,7 @@ def measure(repeat: int, folder: Path) -> dict[str, float]:
             add(f"{name}: process, cold cache", wall)
             wall, inner = _child(["-c", _SESSION, str(path)], warm_cache)
             add(f"{name}: session, warm cache", inner["session"])
+            add("runtime imports (import host; host.InferenceSession)", inner["import"])
             add(f"{name}: process, warm cache", wall)
     return {name: _median(values) for name, values in figures.items()}
 
