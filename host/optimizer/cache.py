@@ -48,6 +48,8 @@ _HERE = Path(__file__).resolve().parent
 _OTHER_SOURCES = (_HERE.parent / "runtime" / "dims.py",)
 # The cache is an optimization, never a reason to fail: a file it cannot read, write or remove is skipped.
 _ignored_os_errors = functools.partial(contextlib.suppress, OSError)
+# folder -> its size in bytes as this process last counted it, plus what it wrote since
+_TOTALS: dict[Path, int] = {}
 
 
 def enabled(entries: dict[str, str]) -> bool:
@@ -138,7 +140,7 @@ class OptimizedModelCache:
         return result
 
     def store(self, key: str, result: OptimizeResult, source: onnx.ModelProto) -> None:
-        """Write the entry for `key` (atomically), then evict down to the budget. A folder that cannot
+        """Write the entry for `key` (atomically), then keep the folder within the budget. A folder that cannot
         be written only costs the next session the optimization again."""
         data = _encode(result, unchanged=result.model is source)
         if len(data) > self.budget:
@@ -154,7 +156,13 @@ class OptimizedModelCache:
                 with _ignored_os_errors():
                     os.unlink(tmp)
                 raise
-            self.evict()
+            # The folder is scanned on a process's first write and whenever the running total says
+            # the budget is passed, not on every write (a test suite writes thousands of entries).
+            known = _TOTALS.get(self.folder)
+            if known is None or known + len(data) > self.budget:
+                self.evict()
+            else:
+                _TOTALS[self.folder] = known + len(data)
 
     def evict(self) -> None:
         """Remove the least recently used entries until the folder is within the budget."""
@@ -170,6 +178,7 @@ class OptimizedModelCache:
             with _ignored_os_errors():
                 path.unlink()
             total -= size
+        _TOTALS[self.folder] = total
 
 
 def _encode(result: OptimizeResult, unchanged: bool) -> bytes:
