@@ -11,9 +11,9 @@ result back instead. One file per entry, under `$EPHOST_CACHE_DIR/optimized` (de
 The fingerprint covers what changes the result besides the model and the level: ephost's optimizer
 sources, the onnx, onnxscript and onnx-ir installs, and this file format. Writes go to a temporary
 file then `os.replace`, so a reader sees a whole entry or none; an entry that does not read back
-(truncated, overwritten, another format) is a miss and is written again. The folder is bounded:
-after each write the least recently used entries (by mtime, refreshed on every hit) are removed until
-the folder holds at most `EPHOST_OPTIMIZED_CACHE_BYTES` (default 512 MiB).
+(truncated, overwritten, another format) is a miss and is written again. The folder is bounded: when
+a write takes it (as this process counts it) over `EPHOST_OPTIMIZED_CACHE_BYTES` (default 512 MiB),
+the least recently used entries (by mtime, refreshed on every hit) are removed until it fits.
 
 A session turns it off with `SessionOptions.add_session_config_entry("session.ephost.optimized_model_cache", "0")`.
 """

@@ -226,3 +226,19 @@ def test_a_bad_budget_is_refused(monkeypatch):
     with pytest.raises(InvalidArgument, match="^EPHOST_OPTIMIZED_CACHE_BYTES must be a byte count "
                                               r"\(an integer >= 0\); got 'lots'$"):
         cache.budget()
+
+
+def test_entries_written_by_another_process_are_counted_at_the_next_scan(tmp_path):
+    entries = [_result(seed) for seed in range(4)]
+    size = len(cache._encode(entries[0][1], unchanged=False))
+    store = cache.OptimizedModelCache(tmp_path, budget_bytes=int(2.5 * size))
+    keys = [store.key(src.SerializeToString(), ALL) for src, _ in entries]
+    store.store(keys[0], entries[0][1], entries[0][0])  # the first write counts the folder
+    other = store.path("written-by-another-process")
+    other.write_bytes(store.path(keys[0]).read_bytes())
+    for i, path in enumerate((store.path(keys[0]), other)):
+        os.utime(path, ns=(10**18 + i, 10**18 + i))
+    store.store(keys[1], entries[1][1], entries[1][0])
+    assert len(_entries(tmp_path)) == 3  # within the budget as this process counts: no scan
+    store.store(keys[2], entries[2][1], entries[2][0])  # over it: the scan sees all four
+    assert sorted(_entries(tmp_path)) == sorted([store.path(keys[1]), store.path(keys[2])])
