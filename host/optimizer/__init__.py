@@ -19,8 +19,8 @@ from host.optimizer.levels import LEVEL_NAMES, GraphOptimizationLevel, as_level
 
 # name -> module that defines it (loaded on first access)
 _LAZY = {
-    "OptimizeResult": "host.optimizer.pipeline",
-    "PassReport": "host.optimizer.pipeline",
+    "OptimizeResult": "host.optimizer.result",
+    "PassReport": "host.optimizer.result",
     "optimize": "host.optimizer.pipeline",
     "can_expand": "host.optimizer.fallback",
     "expand_unclaimed": "host.optimizer.fallback",

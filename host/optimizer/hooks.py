@@ -8,7 +8,7 @@ import onnx
 
 from host.errors import EphostError, InvalidArgument
 from host.optimizer.levels import GraphOptimizationLevel, as_level
-from host.optimizer.pipeline import OptimizeResult, optimize
+from host.optimizer.result import OptimizeResult
 from host.runtime.warn import warn_caller
 
 # The opsets the session loads (host/runtime/model.py); outside them the session reports the model.
@@ -38,11 +38,14 @@ def _loadable(proto: onnx.ModelProto) -> bool:
     return True
 
 
-def prepare(model, level, optimized_model_filepath: str = "") -> tuple[object, OptimizeResult | None]:
+def prepare(model, level, optimized_model_filepath: str = "", *,
+            cache: bool = True) -> tuple[object, OptimizeResult | None]:
     """The model the session partitions, and the optimizer's result (None when it did not run).
 
     `model` is what the session was given (path, bytes or ModelProto). A failure inside the
     optimizer (an onnxscript bug on some export) is a warning, and the model runs unoptimized.
+    With `cache`, a model optimized before at this level is read back from the optimized-model cache
+    (host/optimizer/cache.py) instead of optimized again.
     """
     level = as_level(level)
     if level == GraphOptimizationLevel.ORT_DISABLE_ALL and not optimized_model_filepath:
@@ -50,19 +53,35 @@ def prepare(model, level, optimized_model_filepath: str = "") -> tuple[object, O
     from host.runtime.model import load_model
 
     proto = load_model(model)
-    if not _loadable(proto):
+    if cache and level != GraphOptimizationLevel.ORT_DISABLE_ALL:
+        from host.optimizer.cache import optimize_cached
+
+        result = optimize_cached(proto, level, _optimize)
+    else:
+        result = _optimize(proto, level)
+    if result is None:
         return proto, None
+    if optimized_model_filepath:
+        save(result.model, optimized_model_filepath)
+    return result.model, result
+
+
+def _optimize(proto: onnx.ModelProto, level: GraphOptimizationLevel) -> OptimizeResult | None:
+    """The optimizer's result for a loaded model; None when the model is left as it is (one the
+    session's loader will refuse, or a failure inside the optimizer, which is a warning)."""
+    if not _loadable(proto):
+        return None
+    from host.optimizer.pipeline import optimize  # onnxscript and onnx-ir: about 0.3 s to import
+
     try:
         result = optimize(proto, level)
     except EphostError:
         raise
     except Exception as exc:  # noqa: BLE001 - optimization must never make a model unrunnable
         warn_caller(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized")
-        return proto, None
+        return None
     result.source_opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
-    if optimized_model_filepath:
-        save(result.model, optimized_model_filepath)
-    return result.model, result
+    return result
 
 
 def save(model: onnx.ModelProto, path) -> None:

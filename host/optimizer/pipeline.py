@@ -8,7 +8,6 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -22,6 +21,7 @@ from host.errors import InvalidArgument
 from host.optimizer.declared import declared_casts, keep_declared_output_types
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
+from host.optimizer.result import OptimizeResult, PassReport
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
@@ -31,47 +31,6 @@ from host.optimizer.subgraphs import eliminate_identities
 from host.runtime.warn import warn_caller
 
 _LOCK = threading.Lock()
-
-
-@dataclass
-class PassReport:
-    """What one pass changed: node counts and the op types it removed and added."""
-
-    name: str
-    nodes_before: int
-    nodes_after: int
-    removed: dict[str, int] = field(default_factory=dict)
-    added: dict[str, int] = field(default_factory=dict)
-    note: str = ""
-
-    def __str__(self) -> str:
-        parts = [f"{self.name}: {self.nodes_before} -> {self.nodes_after} nodes"]
-        if self.removed:
-            parts.append("removed " + ", ".join(f"{op} x{n}" for op, n in sorted(self.removed.items())))
-        if self.added:
-            parts.append("added " + ", ".join(f"{op} x{n}" for op, n in sorted(self.added.items())))
-        if self.note:
-            parts.append(self.note)
-        return "; ".join(parts)
-
-
-@dataclass
-class OptimizeResult:
-    """The optimized model and one PassReport per pass that changed something."""
-
-    model: onnx.ModelProto
-    level: GraphOptimizationLevel
-    report: list[PassReport]
-    nodes_before: int
-    nodes_after: int
-    # The opsets the model itself declares (domain -> version; '' for ai.onnx): the optimizer may
-    # convert the model to a newer opset, but messages name the user's own.
-    source_opsets: dict[str, int] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        lines = [f"optimizer ({self.level.name}): {self.nodes_before} -> {self.nodes_after} nodes"]
-        lines += [f"  {r}" for r in self.report]
-        return "\n".join(lines)
 
 
 # Level 1: removal of what computes nothing (onnxscript's no-op rules), redundant casts and
@@ -426,7 +385,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
         # (map types: skl2onnx's ZipMap outputs); the model still runs, just unoptimized.
         warn_caller(f"the optimizer cannot read this model ({_first_line(exc)}); "
                     "it runs unoptimized")
-        return OptimizeResult(model, level, [], count, count)
+        return OptimizeResult(model, level, [], count, count, cacheable=False)
     rec = _Recorder(ir_model, verbose)
     # Rule objects are shared and keep match state between check() and rewrite() (onnxscript's
     # rules do too), so sessions created on several threads optimize one at a time.

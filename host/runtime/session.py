@@ -216,6 +216,7 @@ class InferenceSession:
         """The model after host.optimizer at the session's graph_optimization_level (saved to
         optimized_model_filepath when set); `self.optimization` keeps the optimizer's report."""
         from host import optimizer  # onnxscript loads on first use, not with the session module
+        from host.optimizer import cache  # the optimized-model cache (docs/cli.md#start-up-time)
 
         model, self.contexts = epcontext.SavedContexts.split(model)  # ABI v7: a saved context model
         if self.contexts is not None:  # was optimized before it was saved
@@ -225,7 +226,8 @@ class InferenceSession:
         model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
-                                                         self.options.optimized_model_filepath)
+                                                         self.options.optimized_model_filepath,
+                                                         cache=cache.enabled(self.options.entries))
         if self._profiling:
             profiling.record_passes(self._profiler, self.optimization)
         return model

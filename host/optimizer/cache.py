@@ -1,0 +1,234 @@
+"""An on-disk cache of optimized models, so that a model optimized once is not optimized again.
+
+Optimizing costs the import of onnxscript and onnx-ir (about 0.3 s) and the passes themselves (from
+milliseconds to many seconds for a large export); a second session for the same model reads the
+result back instead. One file per entry, under `$EPHOST_CACHE_DIR/optimized` (default
+`~/.cache/ephost/optimized`, docs/cli.md#start-up-time):
+
+    key   = sha256(fingerprint of the optimizer, level, serialized input model)
+    entry = MAGIC | len(meta) (4 bytes) | meta (JSON: the report, counts, opsets, sha256 of the model) | model
+
+The fingerprint covers what changes the result besides the model and the level: ephost's optimizer
+sources, the onnx, onnxscript and onnx-ir installs, and this file format. Writes go to a temporary
+file then `os.replace`, so a reader sees a whole entry or none; an entry that does not read back
+(truncated, overwritten, another format) is a miss and is written again. The folder is bounded: when
+a write takes it (as this process counts it) over `EPHOST_OPTIMIZED_CACHE_BYTES` (default 512 MiB),
+the least recently used entries (by mtime, refreshed on every hit) are removed until it fits.
+
+A session turns it off with `SessionOptions.add_session_config_entry("session.ephost.optimized_model_cache", "0")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from host.errors import InvalidArgument
+from host.optimizer.levels import GraphOptimizationLevel
+from host.optimizer.result import OptimizeResult, PassReport
+
+CONFIG_KEY = "session.ephost.optimized_model_cache"
+BUDGET_ENV = "EPHOST_OPTIMIZED_CACHE_BYTES"
+DEFAULT_BUDGET = 512 << 20
+SUFFIX = ".onnxopt"
+MAGIC = b"EPHOST-OPTIMIZED\x01"
+_LENGTH = struct.Struct("<I")
+_HERE = Path(__file__).resolve().parent
+# Besides host/optimizer: the dim expressions the pipeline keeps from the source model.
+_OTHER_SOURCES = (_HERE.parent / "runtime" / "dims.py",)
+# The cache is an optimization, never a reason to fail: a file it cannot read, write or remove is skipped.
+_ignored_os_errors = functools.partial(contextlib.suppress, OSError)
+# folder -> its size in bytes as this process last counted it, plus what it wrote since
+_TOTALS: dict[Path, int] = {}
+
+
+def enabled(entries: dict[str, str]) -> bool:
+    """Whether a session with these config entries uses the cache (on unless the key says "0")."""
+    value = entries.get(CONFIG_KEY, "1")
+    if value not in ("0", "1"):
+        raise InvalidArgument(f"session config entry '{CONFIG_KEY}' must be \"0\" or \"1\"; got {value!r}")
+    return value == "1"
+
+
+def directory() -> Path:
+    """Where entries live: `optimized` in the per-user cache ($EPHOST_CACHE_DIR, else ~/.cache/ephost)."""
+    from abi.builder import cache_dir
+
+    return cache_dir() / "optimized"
+
+
+def budget() -> int:
+    """The folder's size bound in bytes ($EPHOST_OPTIMIZED_CACHE_BYTES, else 512 MiB)."""
+    text = os.environ.get(BUDGET_ENV, "")
+    if not text:
+        return DEFAULT_BUDGET
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgument(f"{BUDGET_ENV} must be a byte count (an integer >= 0); got {text!r}")
+    return value
+
+
+@functools.cache
+def fingerprint() -> bytes:
+    """A digest of everything besides the model and the level that the optimizer's output depends on
+    (computed once per process: about a millisecond, and no import of onnxscript or onnx-ir)."""
+    h = hashlib.sha256(MAGIC)
+    for path in sorted(_HERE.rglob("*.py")) + list(_OTHER_SOURCES):
+        h.update(path.relative_to(_HERE.parent).as_posix().encode() + b"\0" + path.read_bytes())
+    h.update(f"onnx {onnx.__version__}".encode())
+    for package in ("onnxscript", "onnx_ir"):
+        h.update(_install_fingerprint(package).encode())
+    return h.digest()
+
+
+def _install_fingerprint(package: str) -> str:
+    """Where `package` is installed, its version (the dist-info folder's name) and its __init__'s
+    size and mtime: a reinstall or an upgrade changes one of them."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return f"{package}: absent"
+    origin = Path(spec.origin)
+    stat = origin.stat()
+    prefix = package.replace("_", "-").lower(), package.lower()
+    site = origin.parent.parent
+    infos = sorted(n for n in os.listdir(site) if n.endswith(".dist-info") and n.lower().startswith(prefix))
+    return f"{package}: {origin} {stat.st_size} {stat.st_mtime_ns} {infos}"
+
+
+class OptimizedModelCache:
+    """The cache folder: `lookup` and `store` by key, bounded to `budget` bytes."""
+
+    def __init__(self, folder: Path | None = None, budget_bytes: int | None = None):
+        self.folder = Path(folder) if folder is not None else directory()
+        self.budget = budget() if budget_bytes is None else budget_bytes
+
+    @staticmethod
+    def key(model_bytes: bytes, level: GraphOptimizationLevel) -> str:
+        h = hashlib.sha256(fingerprint())
+        h.update(f"level {int(level)}\0".encode())
+        h.update(model_bytes)
+        return h.hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}{SUFFIX}"
+
+    def lookup(self, key: str, source: onnx.ModelProto, level: GraphOptimizationLevel) -> OptimizeResult | None:
+        """The stored result for `key` (the source model itself when the optimizer left it unchanged),
+        or None: no entry, or one that does not read back whole."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        result = _decode(data, source, level)
+        if result is not None:
+            with _ignored_os_errors():
+                os.utime(path)  # recently used: the last to be evicted
+        return result
+
+    def store(self, key: str, result: OptimizeResult, source: onnx.ModelProto) -> None:
+        """Write the entry for `key` (atomically), then keep the folder within the budget. A folder that cannot
+        be written only costs the next session the optimization again."""
+        data = _encode(result, unchanged=result.model is source)
+        if len(data) > self.budget:
+            return
+        with _ignored_os_errors():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=SUFFIX)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self.path(key))
+            except BaseException:
+                with _ignored_os_errors():
+                    os.unlink(tmp)
+                raise
+            # The folder is scanned on a process's first write and whenever the running total says
+            # the budget is passed, not on every write (a test suite writes thousands of entries).
+            known = _TOTALS.get(self.folder)
+            if known is None or known + len(data) > self.budget:
+                self.evict()
+            else:
+                _TOTALS[self.folder] = known + len(data)
+
+    def evict(self) -> None:
+        """Remove the least recently used entries until the folder is within the budget."""
+        entries = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            with _ignored_os_errors():
+                st = path.stat()
+                entries.append((st.st_mtime_ns, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries, key=lambda e: e[0]):
+            if total <= self.budget:
+                break
+            with _ignored_os_errors():
+                path.unlink()
+            total -= size
+        _TOTALS[self.folder] = total
+
+
+def _encode(result: OptimizeResult, unchanged: bool) -> bytes:
+    model = b"" if unchanged else result.model.SerializeToString()
+    meta = {
+        "unchanged": unchanged, "sha256": hashlib.sha256(model).hexdigest(), "level": int(result.level),
+        "nodes_before": result.nodes_before, "nodes_after": result.nodes_after,
+        "source_opsets": result.source_opsets,
+        "report": [vars(r) for r in result.report],
+    }
+    text = json.dumps(meta, sort_keys=True).encode()
+    return MAGIC + _LENGTH.pack(len(text)) + text + model
+
+
+def _decode(data: bytes, source: onnx.ModelProto, level: GraphOptimizationLevel) -> OptimizeResult | None:
+    """The result an entry holds, or None for anything that is not a whole entry of this format."""
+    start = len(MAGIC) + _LENGTH.size
+    if not data.startswith(MAGIC) or len(data) < start:
+        return None
+    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
+    try:
+        meta = json.loads(data[start:start + length])
+        model_bytes = data[start + length:]
+        if len(data) < start + length or hashlib.sha256(model_bytes).hexdigest() != meta["sha256"]:
+            return None
+        if meta["level"] != int(level):
+            return None
+        model = source if meta["unchanged"] else onnx.load_from_string(model_bytes)
+        report = [PassReport(**r) for r in meta["report"]]
+        return OptimizeResult(model, level, report, meta["nodes_before"], meta["nodes_after"],
+                              {str(k): int(v) for k, v in meta["source_opsets"].items()})
+    except Exception:  # noqa: BLE001 - any damage (bad JSON, fields, protobuf) makes it a miss
+        return None
+
+
+def optimize_cached(proto: onnx.ModelProto, level: GraphOptimizationLevel,
+                    optimize: Callable[[onnx.ModelProto, GraphOptimizationLevel], OptimizeResult | None],
+                    cache: OptimizedModelCache | None = None) -> OptimizeResult | None:
+    """`optimize(proto, level)`, read from the cache when it holds the answer and written to it when
+    not. A result that is None (the optimizer failed) or not cacheable is returned, not stored."""
+    try:
+        model_bytes = proto.SerializeToString(deterministic=True)
+    except Exception:  # noqa: BLE001 - over protobuf's 2 GiB: optimized every time, as before
+        return optimize(proto, level)
+    cache = cache or OptimizedModelCache()
+    key = cache.key(model_bytes, level)
+    hit = cache.lookup(key, proto, level)
+    if hit is not None:
+        return hit
+    result = optimize(proto, level)
+    if result is not None and result.cacheable:
+        cache.store(key, result, proto)
+    return result

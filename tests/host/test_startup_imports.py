@@ -1,0 +1,51 @@
+"""Start-up stays light: what `import host`, `ephost --help` and a session read from the optimized-model
+cache import, checked in fresh interpreters (sys.modules), not timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+
+from host.cli import zoo
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each costs from 0.05 s (rich) to 0.3 s (onnx-ir with sympy) to import.
+OPTIMIZER = ("onnxscript", "onnx_ir", "sympy")
+HEAVY = (*OPTIMIZER, "numpy", "onnx", "cffi", "rich", "tqdm", "ray", "cupy", "torch", "scipy")
+
+_REPORT = "import json, sys; print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))"
+
+
+def _imported(code: str, heavy=HEAVY, env: dict | None = None, *args: str) -> list[str]:
+    """The modules of `heavy` that a fresh interpreter has imported after running `code`."""
+    script = f"{code}\n{_REPORT.format(heavy=tuple(heavy))}"
+    out = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_host_imports_nothing_heavy():
+    assert _imported("import host") == []
+
+
+def test_ephost_help_imports_nothing_heavy():
+    code = ("import contextlib, io\nfrom host.cli.app import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "    main(['--help'])\n"
+            "assert 'make-model' in out.getvalue(), out.getvalue()")
+    assert _imported(code) == []
+
+
+def test_a_cached_session_does_not_import_the_optimizer(tmp_path):
+    path = tmp_path / "block.onnx"
+    onnx.save(zoo.transformer_block(seq=8, hidden=32, heads=4, ffn=64), path)
+    code = ("import sys, host\ns = host.InferenceSession(sys.argv[1])\n"
+            "assert s.optimization.nodes_after < s.optimization.nodes_before, s.optimization.summary()")
+    env = {"EPHOST_CACHE_DIR": str(tmp_path / "cache")}
+    assert _imported(code, OPTIMIZER, env, str(path)) == sorted(OPTIMIZER)  # the first one optimizes
+    assert _imported(code, OPTIMIZER, env, str(path)) == []  # the next ones read the cache
