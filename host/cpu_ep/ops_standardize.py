@@ -46,6 +46,15 @@ class BatchNormalization(OpKernel):
         return (y, running_mean.astype(stat_dtype), running_var.astype(stat_dtype))
 
 
+def read_norm_attrs(kernel: OpKernel) -> None:
+    """axis, epsilon and stash_type of LayerNormalization and RMSNormalization (same rules)."""
+    kernel.axis = kernel.attr_int("axis", -1)
+    kernel.epsilon = kernel.attr_float("epsilon", 1e-5)
+    kernel.stash_type = kernel.attr_int("stash_type", 1)
+    if kernel.stash_type not in (1, 11):
+        raise kernel.bad_attr("stash_type", kernel.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+
+
 @register("LayerNormalization", since=17)
 class LayerNormalization(OpKernel):
     """Normalizes over axes [axis, rank). Mean and InvStdDev come out in the stash type:
@@ -53,11 +62,7 @@ class LayerNormalization(OpKernel):
 
     def __init__(self, node):
         super().__init__(node)
-        self.axis = self.attr_int("axis", -1)
-        self.epsilon = self.attr_float("epsilon", 1e-5)
-        self.stash_type = self.attr_int("stash_type", 1)
-        if self.stash_type not in (1, 11):
-            raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+        read_norm_attrs(self)
         self._bound: dict[int, np.ndarray] = {}
         self._tiles: tuple[dict, dict] = ({}, {})
 

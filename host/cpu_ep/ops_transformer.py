@@ -13,7 +13,7 @@ from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_colum
 from host.cpu_ep.ops_attention import _FAST_SOFTMAX, Attention  # noqa: F401  (Attention: moved there)
 from host.cpu_ep.ops_elementwise import gelu
 from host.cpu_ep.ops_math import bound_gemm, chain_gemm_runner, matmul, native_matmul
-from host.cpu_ep.ops_standardize import fast_rows, standardize, standardize_rows
+from host.cpu_ep.ops_standardize import fast_rows, read_norm_attrs, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"
@@ -26,11 +26,7 @@ class RMSNormalization(OpKernel):
 
     def __init__(self, node):
         super().__init__(node)
-        self.axis = self.attr_int("axis", -1)
-        self.epsilon = self.attr_float("epsilon", 1e-5)
-        self.stash_type = self.attr_int("stash_type", 1)
-        if self.stash_type not in (1, 11):
-            raise self.bad_attr("stash_type", self.stash_type, "1 (FLOAT) or 11 (DOUBLE)")
+        read_norm_attrs(self)
         self._bound_scale = None
         self._tiles: dict[int, np.ndarray] = {}
         self._runs: dict[tuple, tuple | bool] = {}
