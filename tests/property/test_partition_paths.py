@@ -92,3 +92,22 @@ def test_shape_arithmetic_leaves_the_plan_and_follows_each_shape():
             got = sess.run(None, {"x": x})[0]
             np.testing.assert_array_equal(got, _ort(model, {"x": x})[0])
         assert [n.provider for n in sess.plan.nodes if n.op_type == "Relu"] == ["ExampleEP"]
+
+
+def test_a_sequence_output_beside_plugin_outputs_comes_back_as_a_list():
+    """run() hands non-tensor outputs (a sequence) back as lists of arrays, tensors as arrays, in one
+    plan where the plugin computes the tensor."""
+    x, y, z = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "xyz")
+    seq = helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2, 3])
+    nodes = [helper.make_node("Add", ["x", "y"], ["z"], name="add"),
+             helper.make_node("SequenceConstruct", ["x", "z"], ["s"], name="seq")]
+    model = _model(nodes, [x, y], [z, seq])
+    feeds = {"x": RNG.standard_normal((2, 3)).astype(np.float32), "y": RNG.standard_normal((2, 3)).astype(np.float32)}
+    with _example_session(model, "Add", optimize=False) as sess:
+        assert [n.provider for n in sess.plan.nodes if n.op_type == "Add"] == ["ExampleEP"]
+        got_z, got_s = sess.run(None, feeds)
+    want_z, want_s = _ort(model, feeds)
+    np.testing.assert_allclose(got_z, want_z, rtol=1e-6)
+    assert isinstance(got_s, list) and len(got_s) == len(want_s) == 2
+    for got, want in zip(got_s, want_s):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
