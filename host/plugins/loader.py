@@ -46,6 +46,23 @@ def unlock_cffi_embedding() -> None:
 
     ctypes.pythonapi.PyType_Modified(ctypes.py_object(type(datetime.datetime_CAPI)))
 
+# (table, negotiated version, struct_size) -> (slots that fit, mandatory slots, every slot name):
+# worked out once, since a table is negotiated often (one EpNotification per cross-stream wait).
+_LAYOUTS: dict[tuple[str, int, int], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _layout(table: str, negotiated: int, struct_size: int):
+    key = (table, negotiated, struct_size)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        fits = tuple(name for name in abi.slots_at(table, negotiated)
+                     if struct_size >= ffi.offsetof(table, name) + ffi.sizeof("void*"))
+        since = abi.since_table()[table]
+        required = tuple(name for name, (v, req) in since.items() if req and v <= negotiated)
+        hit = _LAYOUTS[key] = (fits, required, tuple(since))
+    return hit
+
+
 class Slots:
     """The callable slots of one plugin table, resolved once: each attribute is the C function,
     or None where the version, the struct_size or a NULL pointer says it must not be called."""
@@ -57,16 +74,15 @@ class Slots:
         self.struct_size = int(ptr.struct_size)
         self.negotiated = negotiated
         self.present: dict[str, object] = {}
-        for name in abi.slots_at(table, negotiated):
-            end = ffi.offsetof(table, name) + ffi.sizeof("void*")
-            if self.struct_size < end:
-                continue
+        fits, required, names = _layout(table, negotiated, self.struct_size)
+        for name in fits:
             fn = getattr(ptr, name)
             if fn != ffi.NULL:
                 self.present[name] = fn
-        for name, (since, required) in abi.since_table()[table].items():
-            if required and since <= negotiated and name not in self.present:
+        for name in required:
+            if name not in self.present:
                 raise AbiVersionError(f"{owner}: mandatory slot {table}.{name} is NULL")
+        for name in names:
             setattr(self, name, self.present.get(name))
 
     def has(self, name: str) -> bool:
