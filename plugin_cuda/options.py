@@ -69,6 +69,9 @@ class CudaOptions:
     debug_force_capture_failure: bool = False
     compiled_plan: bool = True  # ABI v6 hosts: run fused partitions as compiled plans (plugin_cuda/plan)
     plan_auto_graph: bool = False  # a plan captures its own launches after warm-up and replays them
+    plan_dynamic_shapes: bool = True  # claim partitions with symbolic dims: one plan per input-shape signature
+    plan_shape_cache: int = 8  # plans kept per dynamic partition (LRU over input-shape signatures)
+    plan_shape_cache_mb: int = 2048  # and their arenas' bytes per partition, in MiB
 
     @property
     def has_user_compute_stream(self) -> bool:
@@ -101,6 +104,9 @@ OPTION_TABLE = {
     "debug_force_capture_failure": ("debug_force_capture_failure", _bool),
     "compiled_plan": ("compiled_plan", _bool),
     "plan_auto_graph": ("plan_auto_graph", _bool),
+    "plan_dynamic_shapes": ("plan_dynamic_shapes", _bool),
+    "plan_shape_cache": ("plan_shape_cache", lambda key, raw: _int(key, raw, 1)),
+    "plan_shape_cache_mb": ("plan_shape_cache_mb", _int),
 }
 assert {f for f, _ in OPTION_TABLE.values()} == {f.name for f in fields(CudaOptions)}  # table and dataclass agree
 

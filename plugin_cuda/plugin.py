@@ -264,7 +264,7 @@ class CudaEp(sdk.EpBase):
         CUDA reuses a destroyed stream's address, and the next stream at that address must not
         find a dead stream's cuBLAS handle, arena or graphs."""
         for fn in self.__dict__.get("plan_functions", ()):
-            fn.plan.forget_stream(state.ptr)
+            fn.forget_stream(state.ptr)
         self.graphs.forget_state(state)
 
     def stream_state(self, handle) -> StreamState | None:
@@ -303,7 +303,8 @@ class CudaEp(sdk.EpBase):
 
     # -- compiled partitions (ABI v6): plugin_cuda/plan ------------------------------------------------
     def claim_fused(self, graph):
-        """Connected nodes a compiled plan can run (float32, static shapes), grouped without cycles."""
+        """Connected nodes a compiled plan can run (float32; static shapes, or symbolic ones with
+        plan_dynamic_shapes: a plan per input-shape signature), grouped without cycles."""
         if not self.opts.compiled_plan:
             return []
         from plugin_cuda.plan.partition import fusable_groups
@@ -314,16 +315,21 @@ class CudaEp(sdk.EpBase):
             outs = [v for v in node.outputs if v >= 0]
             return not (outs and all(v in shape_values for v in outs))
 
-        return fusable_groups(graph, accept)
+        return fusable_groups(graph, accept, dynamic=self.opts.plan_dynamic_shapes)
 
     def compile(self, fused):
-        """One plan per fused graph (plugin_cuda/plan/compute.py); closed with the EP."""
-        from plugin_cuda.plan.compute import PlanFunction
+        """One plan per fused graph (plugin_cuda/plan/compute.py), or one per input-shape signature
+        where the graph's inputs have symbolic dims; closed with the EP."""
+        from plugin_cuda.plan.compute import make_function
 
-        functions = [PlanFunction(self, fg) for fg in fused]
+        functions = [make_function(self, fg) for fg in fused]
         self.__dict__.setdefault("plan_functions", []).extend(functions)
         for fn in functions:  # the host learns plan sizes through its logger, never from our objects
-            d = fn.plan.describe()
+            d = fn.describe()
+            if d.get("dynamic"):
+                self.api.log(self.logger, 1, f"compiled partition '{fn.name}': {d['nodes']} nodes with symbolic "
+                                             "dims, planned per input-shape signature at run time")
+                continue
             self.api.log(self.logger, 1, f"compiled partition '{fn.name}': {d['nodes']} nodes -> {d['kernels']} "
                                          f"kernels + {d['cublas']} cuBLAS calls, arena {d['arena_bytes']} bytes, "
                                          f"built in {d['build_seconds'] * 1e3:.0f} ms")

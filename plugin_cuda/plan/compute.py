@@ -12,6 +12,18 @@ from abi import fused_blob
 from abi.sdk import PluginError
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
+from plugin_cuda.plan.signatures import ConstantStore, PlanCache, is_dynamic, specialize
+
+
+def build_options(opts) -> dict:
+    """Plan.build's run options for an EP's options."""
+    # The host's own graph capture (enable_cuda_graph) records the plan's launches; a plan
+    # capturing itself as well would nest captures, so auto-graph is off then.
+    auto = bool(getattr(opts, "plan_auto_graph", False)) and not opts.enable_cuda_graph
+    # One variant for every run of the session (capture or not), so one input gives one result
+    # whatever the run, thread or stream.
+    return {"auto_graph": auto, "warmup": max(1, opts.min_num_runs_before_cuda_graph_capture),
+            "capture": bool(auto or opts.enable_cuda_graph)}
 
 
 class PlanFunction:
@@ -23,16 +35,8 @@ class PlanFunction:
         # Saved as this partition's context (ABI v7; NVRTC output is in the disk cache), only when the
         # session writes a context model: the subgraph holds the weights in host memory.
         self.fused = fused if getattr(ep, "saves_contexts", False) else None
-        opts = ep.opts
-        # The host's own graph capture (enable_cuda_graph) records the plan's launches; a plan
-        # capturing itself as well would nest captures, so auto-graph is off then.
-        auto = bool(getattr(opts, "plan_auto_graph", False)) and not opts.enable_cuda_graph
         try:
-            # One variant for every run of the session (capture or not), so one input gives one
-            # result whatever the run, thread or stream.
-            self.plan = Plan.build(fused.graph, ep, auto_graph=auto,
-                                   warmup=max(1, opts.min_num_runs_before_cuda_graph_capture),
-                                   capture=bool(auto or opts.enable_cuda_graph))
+            self.plan = Plan.build(fused.graph, ep, **build_options(ep.opts))
         except PlanError as exc:
             raise PluginError(f"fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
         self._shapes = self.plan.output_shapes
@@ -46,15 +50,17 @@ class PlanFunction:
         return None if self.fused is None else fused_blob.to_bytes(self.fused)
 
     def compute(self, state, frame) -> None:
-        ep = self.ep
-        stream = frame.stream
-        st = ep.streams.get(stream)
         outs = frame.output_ptrs()
         if 0 in outs:  # outputs the host did not preallocate: static shapes, one callback each
             outs = [p or frame.allocate_output(i, self._shapes[i]) for i, p in enumerate(outs)]
-        ins = frame.input_ptrs()
+        self._run(self.plan, frame, frame.input_ptrs(), outs)
+
+    def _run(self, plan, frame, ins, outs) -> None:
+        ep = self.ep
+        stream = frame.stream
+        st = ep.streams.get(stream)
         if st is None:
-            self.plan.run(stream, ins, outs, frame.capturing)
+            plan.run(stream, ins, outs, frame.capturing)
             return
         graphs = ep.graphs
         if ep.run_streams.__dict__.get("state") is not st:
@@ -62,22 +68,100 @@ class PlanFunction:
         try:
             graphs.before_kernel(st)  # begins the host-orchestrated capture at the run's first launch
             capturing = frame.capturing or graphs.capturing()
-            self.plan.run(stream, ins, outs, capturing)
+            plan.run(stream, ins, outs, capturing)
         except Exception as exc:
             if not graphs.capturing():
                 raise
             graphs.abort_capture(exc)  # ends capture and re-runs what was recorded, eagerly
-            self.plan.run(stream, ins, outs, True)
+            plan.run(stream, ins, outs, True)
             return
-        graphs.record(self, (stream, ins, outs), st)
+        graphs.record(self, (plan, stream, ins, outs), st)
 
     def launch_recorded(self, call, state) -> None:
         """Re-run a recorded call eagerly (GraphManager.abort_capture)."""
-        stream, ins, outs = call
-        self.plan.run(stream, ins, outs, True)
+        plan, stream, ins, outs = call
+        plan.run(stream, ins, outs, True)
+
+    def forget_stream(self, stream: int) -> None:
+        """Drop what the plan keeps for a stream the EP is about to destroy (Plan.forget_stream)."""
+        self.plan.forget_stream(stream)
+
+    def describe(self) -> dict:
+        return self.plan.describe()
 
     def release_state(self, state) -> None:
         return None
 
     def close(self) -> None:
         self.plan.close()
+
+
+class ShapePlanFunction(PlanFunction):
+    """ComputeFunction of a fused node whose inputs have symbolic dims: a plan per input-shape
+    signature (plugin_cuda/plan/signatures.py), built at the first call with that signature."""
+
+    def __init__(self, ep, fused):
+        self.ep = ep
+        self.name = fused.name
+        self.fused = fused if getattr(ep, "saves_contexts", False) else None
+        graph = fused.graph
+        self._graph = graph
+        self._input_ids = list(graph.input_ids) or [graph.values.index(v) for v in graph.inputs]
+        self._options = build_options(ep.opts)
+        self.constants = ConstantStore(self._upload)
+        self.cache = PlanCache(self._build, ep.opts.plan_shape_cache, ep.opts.plan_shape_cache_mb << 20)
+        self.num_nodes = len(graph.nodes)
+
+    def _build(self, signature):
+        if not all(shape is not None and all(d is not None and d >= 0 for d in shape) for shape in signature):
+            raise PluginError(f"fused node '{self.name}': input shapes {list(signature)} are not all known",
+                              abi.EP_INVALID_ARGUMENT)
+        graph = specialize(self._graph, self._input_ids, signature)
+        try:
+            return Plan.build(graph, self.ep, constants=self.constants, **self._options)
+        except PlanError as exc:
+            raise PluginError(f"fused node '{self.name}' at input shapes {list(signature)}: {exc}",
+                              abi.EP_FAIL) from None
+
+    def _upload(self, host):
+        ep = self.ep
+        cp = ep.cupy
+        with cp.cuda.Device(ep.device_id):
+            block = ep.memory.malloc(max(host.nbytes, 1))
+            block.copy_from_host(host.ctypes.data, host.nbytes)
+            cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
+        return block
+
+    def compute(self, state, frame) -> None:
+        signature = tuple(t.shape for t in frame.inputs)
+        plan = self.cache.acquire(signature)
+        try:
+            outs = frame.output_ptrs()
+            if 0 in outs:
+                shapes = plan.output_shapes
+                outs = [p or frame.allocate_output(i, shapes[i]) for i, p in enumerate(outs)]
+            self._run(plan, frame, frame.input_ptrs(), outs)
+        finally:
+            self.cache.release(signature, plan)
+
+    def forget_stream(self, stream: int) -> None:
+        for plan in self.cache.plans():
+            plan.forget_stream(stream)
+
+    def describe(self) -> dict:
+        c = self.cache
+        return {"nodes": self.num_nodes, "dynamic": True, "signatures": len(c), "builds": c.stats["builds"],
+                "evictions": c.stats["evictions"], "arena_bytes": c.bytes, "const_bytes": self.constants.nbytes}
+
+    def close(self) -> None:
+        self.cache.close()
+        self.constants.close()
+
+
+def make_function(ep, fused):
+    """The compute function of one fused node: per signature when its inputs have symbolic dims."""
+    graph = fused.graph
+    ids = list(graph.input_ids) or [graph.values.index(v) for v in graph.inputs]
+    if is_dynamic(graph, ids):
+        return ShapePlanFunction(ep, fused)
+    return PlanFunction(ep, fused)

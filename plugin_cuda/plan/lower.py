@@ -19,6 +19,9 @@ from plugin_cuda.plan.program import Program, Value
 
 FLOAT32 = 1  # ONNX TensorProto.FLOAT
 MAX_OPSET = 23
+# The size a node's symbolic dims take when its lowering rule is checked at claim time (a plan is
+# then built per input-shape signature): small and odd, so no rule passes only on a round size.
+PROBE_DIM = 7
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
@@ -33,10 +36,12 @@ def _elem_type(v) -> int | None:
     return getattr(v, "dtype", None) if t is None else t
 
 
-def unsupported_reason(graph, node, need_static: bool = True) -> str:
+def unsupported_reason(graph, node, need_static: bool = True, probe: int | None = None) -> str:
     """'' when a plan can run `node` (op, opset, float32, static shapes); otherwise the reason.
 
-    need_static: also ask for static shapes of every input (the planner infers the rest itself)."""
+    need_static: also ask for static shapes of every input (the planner infers the rest itself).
+    probe: accept symbolic dims (-1) too, checking the lowering rule with each of them set to
+    `probe` (the partition is then planned per input-shape signature)."""
     key = (domain_of(node), node.op_type)
     if key not in LOWERINGS:
         return f"no plan lowering for {key[0] or 'ai.onnx'}::{node.op_type}"
@@ -53,29 +58,34 @@ def unsupported_reason(graph, node, need_static: bool = True) -> str:
             continue
         if _elem_type(v) not in (FLOAT32, 0, None) or need_static and _elem_type(v) != FLOAT32:
             return f"input {pos} has element type {_elem_type(v)}; plans run float32"
-        if need_static and (v.shape is None or any(d is None or d < 0 for d in v.shape)):
+        if need_static and v.shape is None:
+            return f"input {pos} has no static shape"
+        if need_static and probe is None and any(d is None or d < 0 for d in v.shape):
             return f"input {pos} has no static shape"
     for vid in node.outputs:
         if vid >= 0 and _elem_type(graph.values[vid]) not in (FLOAT32, 0, None):
             return f"an output has element type {_elem_type(graph.values[vid])}; plans run float32"
-    return _lowering_error(graph, node) if need_static else ""
+    return _lowering_error(graph, node, probe) if need_static else ""
 
 
-def _value(i: int, v) -> Value:
+def _value(i: int, v, probe: int | None = None) -> Value:
     const = None if v.constant is None else np.asarray(v.constant)
     if const is not None and const.dtype == np.float64:
         const = const.astype(np.float32)
-    shape = None if v.shape is None else tuple(-1 if d is None else int(d) for d in v.shape)
+    unknown = -1 if probe is None else probe
+    shape = None if v.shape is None else tuple(unknown if d is None or d < 0 else int(d) for d in v.shape)
     if const is not None:
         shape = tuple(const.shape)
     return Value(i, v.name, shape, const)
 
 
-def _lowering_error(graph, node) -> str:
+def _lowering_error(graph, node, probe: int | None = None) -> str:
     """'' when the node's lowering rule accepts it alone (attributes, axes, shapes), else its
-    PlanError: a claimed group then never fails to compile because of one of its nodes."""
-    ids = [v for v in list(node.inputs) + list(node.outputs) if v >= 0]
-    ctx = LowerCtx(Program({i: _value(i, graph.values[i]) for i in ids}, [], [], []), graph, set())
+    PlanError: a claimed group then never fails to compile because of one of its nodes.
+    `probe`: the size symbolic input dims take for the check (outputs keep theirs unknown)."""
+    values = {v: _value(v, graph.values[v]) for v in node.outputs if v >= 0}
+    values.update({v: _value(v, graph.values[v], probe) for v in node.inputs if v >= 0})
+    ctx = LowerCtx(Program(values, [], [], []), graph, set())
     try:
         run_rule(ctx, node)
     except PlanError as exc:

@@ -7,18 +7,19 @@ node (the fused graph would otherwise have a cycle: group -> outside node -> gro
 
 from __future__ import annotations
 
-from plugin_cuda.plan.lower import topo_order, unsupported_reason
+from plugin_cuda.plan.lower import PROBE_DIM, topo_order, unsupported_reason
 
 
-def fusable_groups(graph, accept=None, min_size: int = 1) -> list:
-    """Node-index groups for claim_fused. `accept(node) -> bool` adds a further filter (the EP's own)."""
+def fusable_groups(graph, accept=None, min_size: int = 1, dynamic: bool = False) -> list:
+    """Node-index groups for claim_fused. `accept(node) -> bool` adds a further filter (the EP's own).
+    `dynamic`: nodes whose inputs have symbolic dims are taken too (checked at a probe size)."""
     producer = {v: n.index for n in graph.nodes for v in n.outputs if v >= 0}
     group_of: dict = {}  # node index -> group id
     exits: dict = {}  # node index -> group ids this node depends on through a node outside them
     members: dict = {}  # group id -> node indices
     next_id = 0
     for node in topo_order(graph):
-        ok = not unsupported_reason(graph, node) and (accept is None or accept(node))
+        ok = not unsupported_reason(graph, node, probe=PROBE_DIM if dynamic else None) and (accept is None or accept(node))
         parents = [producer[v] for v in node.inputs if v >= 0 and v in producer]
         blocked = set()
         for p in parents:

@@ -56,7 +56,7 @@ class Plan:
     @classmethod
     def build(cls, graph, ep=None, *, inputs=None, outputs=None, cupy=None, device_id: int | None = None,
               use_tf32: bool | None = None, auto_graph: bool = False, warmup: int = 2,
-              capture: bool | None = None) -> Plan:
+              capture: bool | None = None, constants=None) -> Plan:
         """Compile `graph` (a GraphSpec; `inputs`/`outputs` name the partition's values when the
         graph does not carry them). `ep`: the CudaEp whose memory, device and cuBLAS handles to use
         (None: CuPy's defaults, for tests and benchmarks).
@@ -66,10 +66,14 @@ class Plan:
         graph variant only, False the eager variant only; None (direct use: tests, benchmarks)
         keeps both, eager runs computing with the eager one and captures recording the graph one.
         The two compute the same function with different GEMM kernels, so their results differ in
-        rounding (TF32 cuBLAS against float32 generated kernels)."""
+        rounding (TF32 cuBLAS against float32 generated kernels).
+
+        `constants`: a signatures.ConstantStore holding the device copies of constants shared with
+        other plans of the same partition (its per-shape plans); None: the plan uploads its own."""
         t0 = time.perf_counter()
         self = cls()
         self.ep = ep
+        self._store = constants
         cp = cupy if cupy is not None else (ep.cupy if ep is not None else _import_cupy())
         self.cupy = cp
         self.device_id = int(device_id if device_id is not None else (ep.device_id if ep is not None else
@@ -152,6 +156,9 @@ class Plan:
         return used
 
     def _upload_constants(self) -> None:
+        if self._store is not None:
+            self._shared_constants()
+            return
         consts, offsets, top = [], {}, 0
         for vid in self._used_values():
             base = self._base(vid)
@@ -177,6 +184,22 @@ class Plan:
             self._const_mem.copy_from_host(host.ctypes.data, top)
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         self._const_base = int(self._const_mem.ptr)
+
+    def _shared_constants(self) -> None:
+        """Constants from the shared store: a location's offset is then the address itself."""
+        bases = []
+        for vid in self._used_values():
+            base = self._base(vid)
+            if self.prog.values[base].const is not None and base not in self._in_index and base not in bases:
+                bases.append(base)
+        items = [(self.prog.values[b].name, np.ascontiguousarray(np.asarray(self.prog.values[b].const, np.float32)))
+                 for b in bases]
+        with self.cupy.cuda.Device(self.device_id):
+            addresses = self._store.addresses(items, ALIGN)
+        self._const_offsets = dict(zip(bases, addresses))
+        self._const_base = 0
+        self._const_mem = None
+        self.const_bytes = 0
 
     def _plan_memory(self, steps):
         prog = self.prog
