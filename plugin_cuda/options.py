@@ -70,7 +70,7 @@ class CudaOptions:
     compiled_plan: bool = True  # ABI v6 hosts: run fused partitions as compiled plans (plugin_cuda/plan)
     plan_auto_graph: bool = False  # a plan captures its own launches after warm-up and replays them
     plan_dynamic_shapes: bool = True  # claim partitions with symbolic dims: one plan per input-shape signature
-    plan_shape_cache: int = 8  # plans kept per dynamic partition (LRU over input-shape signatures)
+    plan_shape_cache: int = 32  # plans kept per dynamic partition (LRU over input-shape signatures)
     plan_shape_cache_mb: int = 2048  # and their arenas' bytes per partition, in MiB
 
     @property

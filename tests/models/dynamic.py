@@ -22,7 +22,9 @@ def _ints(name: str, values) -> onnx.TensorProto:
 
 def _model(nodes, inputs, outputs, inits, value_info=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "dynamic", inputs, outputs, inits, value_info=list(value_info))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 10  # what every onnxruntime the suites meet reads (a newer onnx writes a newer one)
+    return model
 
 
 def _dims_of(x: str, prefix: str, axes) -> list:

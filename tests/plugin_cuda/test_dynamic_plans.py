@@ -62,7 +62,8 @@ def test_each_new_shape_gets_a_plan_and_a_shape_seen_before_reuses_it(model, gen
         d = fn.describe()
         assert d["builds"] == 3 and d["signatures"] == 3, d
     assert compiles[3] == compiles[2] and compiles[4] == compiles[3]  # shapes seen before compile nothing
-    assert "CPUExecutionProvider" not in {ep for n, ep in sess.node_assignment().items() if "MatMul" in n}
+    on_cpu = {n.op_type for n in sess.plan.nodes if n.ep is None}
+    assert not on_cpu & {"MatMul", "FusedMatMul", "Attention", "LayerNormalization", "SkipLayerNormalization"}, on_cpu
 
 
 def test_weights_are_uploaded_once_for_every_shape(model, genv, ort_session):
