@@ -22,7 +22,7 @@ try:
 except Exception:  # noqa: BLE001 - no CuPy (or a broken CUDA install) means zero devices, not a crash
     cupy = None
 
-__all__ = ["OPTIONS", "PROBE", "KernelLibrary", "Module", "clear", "elementwise_table", "load", "source_hash",
+__all__ = ["OPTIONS", "PROBE", "CompileError", "KernelLibrary", "Module", "clear", "elementwise_table", "load", "source_hash",
            "stats"]
 
 OPTIONS = ("--std=c++17",)
@@ -63,6 +63,10 @@ class Module:
         return ptr
 
 
+class CompileError(RuntimeError):
+    """NVRTC refused a source (the message holds its log)."""
+
+
 def load(cp, source: str, device_id: int, probe: str | None = None) -> Module:
     """The module for `source` on `device_id` (compiled at most once per process and device).
     `probe`: a function of the source looked up now, so that compiling (or loading from CuPy's
@@ -75,10 +79,15 @@ def load(cp, source: str, device_id: int, probe: str | None = None) -> Module:
             stats["hits"] += 1
             return mod
         t0 = time.perf_counter()
-        with cp.cuda.Device(device_id):
-            mod = Module(cp.RawModule(code=source, options=OPTIONS), digest)
-            if probe is not None:
-                mod.function(probe)
+        try:
+            with cp.cuda.Device(device_id):
+                mod = Module(cp.RawModule(code=source, options=OPTIONS), digest)
+                if probe is not None:
+                    mod.function(probe)
+        except Exception as exc:
+            if type(exc).__name__ != "CompileException":  # cupy.cuda.compiler's: NVRTC's log inside
+                raise
+            raise CompileError(str(exc)) from None
         stats["compiles"] += 1
         stats["compile_seconds"] += time.perf_counter() - t0
         _modules[key] = mod

@@ -16,6 +16,7 @@ import numpy as np
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
 from plugin_cuda.plan.program import Program, f32_literal, strides
+from plugin_cuda.plan.symint import SymInt
 from plugin_cuda.plan.templates import TILED_GEMM
 from plugin_cuda.semantics import GELU_CUDA
 
@@ -222,7 +223,7 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     op = g.head
     a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
     k_dim, n_dim = b_shape
-    m_dim = math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1
+    m_dim = int(math.prod(a_shape[:-1]) if len(a_shape) > 1 else 1)  # sizes register and shared arrays
     ks = 32 if k_dim >= 128 else 8
     alpha = float(op.attrs.get("alpha", 1.0))
     _check_size(prog, list(op.inputs) + g.leaves + g.exports)
@@ -264,8 +265,21 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return KernelSpec(name, body.params, (-(-n_dim // 32), 1, 1), (32, ks, 1), src, step)
 
 
+SYMBOLIC_ROW_BLOCK = 128
+
+
 def _row_block(cols: int) -> int:
-    return min(256, max(32, -(-cols // 32) * 32))
+    """Threads per row (a launch bound: a literal). A row length that is symbolic (an attention
+    row over the sequence) gets one block size for every length, so its source does not change
+    with the shape; the kernels loop over the row in steps of the block either way."""
+    if isinstance(cols, SymInt):
+        return SYMBOLIC_ROW_BLOCK
+    return int(min(256, max(32, -(-cols // 32) * 32)))
+
+
+def _ll(x) -> str:
+    """`x` as a 64-bit C operand: a literal with LL, or a symbolic size's expression cast."""
+    return f"(long long){x}" if isinstance(x, SymInt) else f"{x}LL"
 
 
 def _softmax_logit(op) -> tuple[str, str, list]:
@@ -277,7 +291,7 @@ def _softmax_logit(op) -> tuple[str, str, list]:
     mb, mh, mi = op.attrs["mask_strides"]
     q_len, heads = op.attrs["q_len"], op.attrs["heads"]
     setup = (f"  const long long ri = blockIdx.x % {q_len}, rbh = blockIdx.x / {q_len};\n"
-             f"  const float* mr = p2 + (rbh / {heads}) * {mb}LL + (rbh % {heads}) * {mh}LL + ri * {mi}LL;\n")
+             f"  const float* mr = p2 + (rbh / {heads}) * {_ll(mb)} + (rbh % {heads}) * {_ll(mh)} + ri * {_ll(mi)};\n")
     return setup, f"(c < {op.attrs['mask_len']} ? xr[c] + mr[c] : -EP_INF)", [op.inputs[1]]
 
 
@@ -302,7 +316,7 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     src = (f'extern "C" __global__ void __launch_bounds__({block}) {name}('
            "const float* __restrict__ p0, float* __restrict__ p1"
            + (", const float* __restrict__ p2" if extra else "") + ") {\n"
-           f"  enum {{ C = {cols}, B = {block} }};\n"
+           f"  const int C = {cols}; constexpr int B = {block};\n"
            "  __shared__ float sh[32];\n"
            "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
            "  float* yr = p1 + (long long)blockIdx.x * C;\n"
@@ -333,7 +347,7 @@ def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     out = f"p{len(decls)}"
     decls.append(f"float* __restrict__ {out}")
     head = (f'extern "C" __global__ void __launch_bounds__({block}) {name}({", ".join(decls)}) {{\n'
-            f"  enum {{ C = {cols}, B = {block} }};\n"
+            f"  const int C = {cols}; constexpr int B = {block};\n"
             "  __shared__ float sh[32];\n"
             "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
             f"  float* yr = {out} + (long long)blockIdx.x * C;\n")
@@ -539,6 +553,15 @@ GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "
               "mean": mean_kernel, "pool": pool_kernel, "place": place_kernel}
 
 
+def _take_symbols(spec: KernelSpec, symbols: list) -> None:
+    """Declare the plan's symbols S0, S1, ... as the kernel's first parameters (every kernel of a
+    symbolic plan takes them, used or not: one argument layout for all its launches)."""
+    head = f"{spec.name}("
+    at = spec.source.index(head) + len(head)
+    decls = ", ".join(f"const int {s.expr}" for s in symbols)
+    spec.source = f"{spec.source[:at]}{decls}, {spec.source[at:]}"
+
+
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:
     """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`;
     kernels are named `prefix` + step index."""
@@ -550,6 +573,8 @@ def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = T
             specs.append(None)
             continue
         spec = gen(prog, step, f"{prefix}{i}")
+        if prog.symbols:
+            _take_symbols(spec, prog.symbols)
         parts.append(f"/* {step.name} */\n" + spec.source)
         specs.append(spec)
     return "\n".join(parts), specs

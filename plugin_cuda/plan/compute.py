@@ -10,6 +10,7 @@ from __future__ import annotations
 import abi
 from abi import fused_blob
 from abi.sdk import PluginError
+from plugin_cuda.device import nvrtc
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
 from plugin_cuda.plan.signatures import ConstantStore, PlanCache, is_dynamic, specialize
@@ -111,17 +112,33 @@ class ShapePlanFunction(PlanFunction):
         self.constants = ConstantStore(self._upload)
         self.cache = PlanCache(self._build, ep.opts.plan_shape_cache, ep.opts.plan_shape_cache_mb << 20)
         self.num_nodes = len(graph.nodes)
+        self.stats = {"symbolic": 0, "literal": 0}
+        self.last_symbolic_error = None
 
     def _build(self, signature):
         if not all(shape is not None and all(d is not None and d >= 0 for d in shape) for shape in signature):
             raise PluginError(f"fused node '{self.name}': input shapes {list(signature)} are not all known",
                               abi.EP_INVALID_ARGUMENT)
-        graph = specialize(self._graph, self._input_ids, signature)
         try:
-            return Plan.build(graph, self.ep, constants=self.constants, **self._options)
+            return self._build_symbolic(signature)
         except PlanError as exc:
             raise PluginError(f"fused node '{self.name}' at input shapes {list(signature)}: {exc}",
                               abi.EP_FAIL) from None
+
+    def _build_symbolic(self, signature):
+        """The plan with symbolic sizes as kernel arguments (one module for every signature that
+        plans the same way); where such a module does not compile (a size the source needs as a
+        literal), the plan of this signature with every size a literal."""
+        graph = specialize(self._graph, self._input_ids, signature)
+        try:
+            plan = Plan.build(graph, self.ep, constants=self.constants, **self._options)
+            self.stats["symbolic"] += 1
+            return plan
+        except nvrtc.CompileError as exc:
+            self.stats["literal"] += 1
+            self.last_symbolic_error = str(exc)[:2000]
+        graph = specialize(self._graph, self._input_ids, signature, symbolic=False)
+        return Plan.build(graph, self.ep, constants=self.constants, **self._options)
 
     def _upload(self, host):
         ep = self.ep
@@ -151,6 +168,7 @@ class ShapePlanFunction(PlanFunction):
     def describe(self) -> dict:
         c = self.cache
         return {"nodes": self.num_nodes, "dynamic": True, "signatures": len(c), "builds": c.stats["builds"],
+                "symbolic_builds": self.stats["symbolic"], "literal_builds": self.stats["literal"],
                 "evictions": c.stats["evictions"], "arena_bytes": c.bytes, "const_bytes": self.constants.nbytes}
 
     def close(self) -> None:

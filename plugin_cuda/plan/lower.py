@@ -16,6 +16,7 @@ from plugin_cuda.plan import lower_conv, lower_layout, lower_math, lower_rows  #
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import LOWERINGS, LowerCtx, domain_of, run_rule
 from plugin_cuda.plan.program import Program, Value
+from plugin_cuda.plan.symint import dim, symbols_of
 
 FLOAT32 = 1  # ONNX TensorProto.FLOAT
 MAX_OPSET = 23
@@ -73,7 +74,7 @@ def _value(i: int, v, probe: int | None = None) -> Value:
     if const is not None and const.dtype == np.float64:
         const = const.astype(np.float32)
     unknown = -1 if probe is None else probe
-    shape = None if v.shape is None else tuple(unknown if d is None or d < 0 else int(d) for d in v.shape)
+    shape = None if v.shape is None else tuple(unknown if d is None or d < 0 else dim(d) for d in v.shape)
     if const is not None:
         shape = tuple(const.shape)
     return Value(i, v.name, shape, const)
@@ -165,7 +166,7 @@ def lower(graph, inputs=None, outputs=None) -> Program:
         if shape is None or any(d < 0 for d in shape):
             raise PlanError(f"partition input '{values[vid].name}' has shape {shape}; a compiled plan needs "
                             "static shapes")
-    prog = Program(values, [], ins, outs)
+    prog = Program(values, [], ins, outs, symbols_of(values[v].shape for v in ins))
     ctx = LowerCtx(prog, graph, set(outs))
     for node in topo_order(graph):
         reason = unsupported_reason(graph, node, need_static=False)

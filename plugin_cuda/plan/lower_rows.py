@@ -18,6 +18,7 @@ from plugin_cuda.plan.lowering import (
     present,
     view,
 )
+from plugin_cuda.plan.symint import dim
 from plugin_cuda.semantics import shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def _norm(ctx, node, x: int, scale: int, bias: int | None, kind: str, default_ep
     shape = ctx.shape(x)
     attrs = attributes(node)
     axis = norm_axis(node, attrs.integer("axis", -1), max(len(shape), 1))
-    cols = int(math.prod(shape[axis:]))
+    cols = dim(math.prod(shape[axis:]))
     for vid, what in ((scale, "scale"), (bias, "bias")):
         if vid is not None and ctx.prog.values[vid].size != cols:
             raise PlanError(f"{node.op_type} node '{node.name}': {what} has shape {ctx.shape(vid)}; "
@@ -156,7 +157,7 @@ def _mean(ctx, node, axes: list) -> None:
     keep = attributes(node).flag("keepdims", 1)
     out = shape[:first] + ((1,) * (len(shape) - first) if keep else ())
     ctx.set_shape(node, node.outputs[0], out)
-    ctx.emit("mean", node, [node.inputs[0]], [node.outputs[0]], inner=int(math.prod(shape[first:])))
+    ctx.emit("mean", node, [node.inputs[0]], [node.outputs[0]], inner=dim(math.prod(shape[first:])))
 
 
 @lowers("ReduceMean")

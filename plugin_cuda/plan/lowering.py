@@ -11,6 +11,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.program import Op, Program
+from plugin_cuda.plan.symint import dim
 from plugin_cuda.semantics import Attributes, OpError, shapes
 
 __all__ = ["EPHOST_DOMAIN", "LOWERINGS", "LowerCtx", "attributes", "broadcast", "domain_of", "ew", "lowers",
@@ -67,7 +68,7 @@ class LowerCtx:
 
     def set_shape(self, node, vid: int, shape: tuple) -> None:
         """Record an inferred output shape; a static shape the graph gave must agree with it."""
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(dim(d) for d in shape)
         v = self.prog.values[vid]
         known = v.shape
         if known is not None and (len(known) != len(shape) or any(k not in (-1, s) for k, s in zip(known, shape))):

@@ -104,6 +104,8 @@ class Plan:
         hits = nvrtc.stats["hits"]
         self.module = nvrtc.load(cp, self.source, self.device_id, probe="ep_probe")
         self.cache_hit = nvrtc.stats["hits"] > hits
+        # The values of the symbols S0, S1, ... (plan/symint.py): the first arguments of every kernel.
+        self._symbol_cells = [driver.ffi.new("int*", int(s)) for s in prog.symbols]
         self.input_shapes = [prog.values[v].shape for v in prog.inputs]
         self.output_shapes = [prog.values[v].shape for v in prog.outputs]
         self.input_names = [prog.values[v].name for v in prog.inputs]
@@ -379,7 +381,7 @@ class _Instance:
 
     def _pack_kernel(self, spec, variant) -> tuple:
         ffi = driver.ffi
-        cells = []
+        cells = list(self.plan._symbol_cells)
         for vid in spec.params:
             j, addr = self.address(vid, variant)
             if j is not None:

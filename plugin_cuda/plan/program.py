@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from plugin_cuda.plan.symint import dim
+
 __all__ = ["Op", "Program", "Value", "f32_literal", "strides"]
 
 
@@ -54,13 +56,14 @@ class Program:
     ops: list
     inputs: list  # value ids, in the partition's input order
     outputs: list
+    symbols: list = field(default_factory=list)  # SymInts S0, S1, ...: kernel parameters (plan/symint.py)
 
     def new_value(self, name: str, shape: tuple, const=None) -> int:
         vid = max(self.values, default=-1) + 1
         vid = max(vid, 1 << 20)  # synthetic ids never collide with the graph's value indices
         while vid in self.values:
             vid += 1
-        self.values[vid] = Value(vid, name, tuple(int(d) for d in shape), const)
+        self.values[vid] = Value(vid, name, tuple(dim(d) for d in shape), const)
         return vid
 
     def const_value(self, name: str, array: np.ndarray) -> int:

@@ -25,6 +25,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from plugin_cuda.plan.symint import SymInt
+
 __all__ = ["ConstantStore", "PlanCache", "is_dynamic", "specialize"]
 
 
@@ -37,14 +39,25 @@ def is_dynamic(graph, input_ids) -> bool:
     return False
 
 
-def specialize(graph, input_ids, shapes):
+def specialize(graph, input_ids, shapes, symbolic: bool = True):
     """A copy of the GraphSpec `graph` whose partition inputs have the concrete `shapes`.
 
     Only the inputs change (lowering infers every other shape from them); values and constants are
-    shared with `graph`, so constant arrays keep their identity across specializations."""
+    shared with `graph`, so constant arrays keep their identity across specializations.
+    `symbolic`: each dim unknown in `graph` becomes a SymInt S0, S1, ... (in input order), so the
+    plan's source takes it as a kernel argument (plan/symint.py); else a plain int."""
     values = list(graph.values)
+    k = 0
     for vid, shape in zip(input_ids, shapes):
-        values[vid] = replace(values[vid], shape=tuple(int(d) for d in shape))
+        declared = values[vid].shape or (None,) * len(shape)
+        dims = []
+        for d, known in zip(shape, declared):
+            if symbolic and (known is None or known < 0):
+                dims.append(SymInt(int(d), f"S{k}"))
+                k += 1
+            else:
+                dims.append(int(d))
+        values[vid] = replace(values[vid], shape=tuple(dims))
     inputs = [values[v] for v in input_ids]
     return replace(graph, values=values, inputs=inputs)
 

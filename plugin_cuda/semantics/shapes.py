@@ -45,8 +45,9 @@ def normalize_axis(axis: int, rank: int, where: str, name: str = "axis", allow_e
 
 @functools.lru_cache(maxsize=4096)
 def broadcast_shape(*shapes: tuple) -> tuple:
-    """numpy.broadcast_shapes, memoised (shapes repeat from call to call); ValueError when they do not."""
-    return tuple(np.broadcast_shapes(*shapes))
+    """numpy.broadcast_shapes; ValueError when they do not. Symbolic sizes (int subclasses) keep
+    their type where the result takes their value."""
+    return _keep_symbolic(tuple(np.broadcast_shapes(*shapes)), shapes)
 
 
 def broadcast(where: str, *shapes) -> tuple:
@@ -55,6 +56,20 @@ def broadcast(where: str, *shapes) -> tuple:
         return broadcast_shape(*(tuple(s) for s in shapes))
     except ValueError:
         raise OpError(f"{where}: input shapes {[tuple(s) for s in shapes]} do not broadcast") from None
+
+
+def _keep_symbolic(out: tuple, shapes) -> tuple:
+    """`out` with each dim taken from an input that has it as an int subclass (a compiled plan's
+    symbolic size, plugin_cuda/plan/symint.py), so that the size keeps its expression."""
+    if all(type(d) is int for s in shapes for d in s):
+        return out
+    res = list(out)
+    for s in shapes:
+        off = len(res) - len(s)
+        for i, d in enumerate(s):
+            if type(d) is not int and isinstance(d, int) and int(d) == res[off + i] and type(res[off + i]) is int:
+                res[off + i] = d
+    return tuple(res)
 
 
 def reshape_shape(in_shape: tuple, shape: tuple, allowzero: bool, where: str) -> tuple:

@@ -216,9 +216,23 @@ def test_a_specialized_graph_lowers_to_the_signatures_shapes(batch, seq):
     assert prog.values[prog.outputs[0]].shape == (batch, 2, seq, 4)
     w = next(v for v in special.values if v.name == "W")
     assert next(v for v in spec.values if v.name == "W").constant is w.constant  # shared, not copied
-    steps = build_steps(prog, tiled=True)
-    source, specs = codegen.generate(prog, steps, "ep_k")
-    assert f"{batch * seq * 8}" in source  # sizes are literals of this signature's module
+    assert [s.expr for s in prog.symbols] == ["S0", "S1"] and list(prog.symbols) == [batch, seq]
+
+
+def _source(batch, seq, symbolic=True):
+    spec = spec_from_onnx(_dynamic_model())
+    ins, outs = partition_io(spec)
+    special = specialize(spec, ins, [(batch, seq, 8)], symbolic=symbolic)
+    prog = lower(special, [special.values[i] for i in ins], [special.values[o] for o in outs])
+    return codegen.generate(prog, build_steps(prog, tiled=True), "ep_k")[0]
+
+
+def test_the_source_of_a_symbolic_plan_is_the_same_for_every_signature_that_plans_alike():
+    a, b = _source(3, 50), _source(8, 128)
+    assert a == b  # one NVRTC compile serves both
+    assert "const int S0, const int S1, " in a and "(S0*S1)" in a
+    assert _source(3, 50, symbolic=False) != _source(8, 128, symbolic=False)  # literals: one module each
+    assert "400" in _source(8, 50, symbolic=False)  # 8 * 50 rows, baked
 
 
 def test_a_graph_without_symbolic_dims_is_not_dynamic():
