@@ -155,8 +155,11 @@ def _mask_layout(node: str, shape, batch, heads, q_len, kv_len):
     if dims[3] > kv_len:
         raise ValueError(f"{node}: attn_mask has {dims[3]} keys; the keys number {kv_len}")
     strides, step = [], 1
-    for d in reversed(dims):
-        strides.append(step if d != 1 else 0)
+    for d, t in reversed(list(zip(dims, (batch, heads, q_len, kv_len)))):
+        # A size that is symbolic in a compiled plan (an int subclass) and equals its target keeps its
+        # stride even when it is 1 this time, so the plan's source holds for every size.
+        symbolic = type(d) is not int and isinstance(d, int) and d == t
+        strides.append(step if d != 1 or symbolic else 0)
         step *= d
     strides.reverse()
     strides[3] = 1  # a last dim of 1 is one key followed by padding (masked), not a broadcast

@@ -75,27 +75,43 @@ class KernelSpec:
     step: Step
 
 
+def _literal_one(d) -> bool:
+    """A dim that is 1 for every signature: a literal 1 (a symbolic size of 1 this time is not)."""
+    return type(d) is int and d == 1
+
+
+def _same_dims(a: tuple, b: tuple) -> bool:
+    """Equal for every signature: equal values, and each pair both literal or both symbolic."""
+    return len(a) == len(b) and all(x == y and (type(x) is int) == (type(y) is int) for x, y in zip(a, b))
+
+
 def index_expr(out_shape: tuple, leaf_shape: tuple, i: str = "i") -> str:
-    """The flat index into a leaf broadcast against `out_shape`, for flat output index `i`."""
+    """The flat index into a leaf broadcast against `out_shape`, for flat output index `i`.
+
+    Symbolic sizes (plan/symint.py) that are 1 this time are not taken for broadcasts, so the
+    expression holds for every size they take."""
     r = len(out_shape)
     if len(leaf_shape) > r:
         raise PlanError(f"leaf shape {leaf_shape} has a higher rank than its output {out_shape}")
     leaf = (1,) * (r - len(leaf_shape)) + tuple(leaf_shape)
-    if math.prod(leaf) == 1:
+    if all(_literal_one(d) for d in leaf):
         return "0"
-    if leaf == tuple(out_shape):
+    if _same_dims(leaf, tuple(out_shape)):
         return i
     # A suffix of the output's dims (a bias over the last axis): a plain modulo.
     for j in range(r):
-        if all(leaf[d] == 1 for d in range(j)) and leaf[j:] == tuple(out_shape[j:]):
+        if all(_literal_one(leaf[d]) for d in range(j)) and _same_dims(leaf[j:], tuple(out_shape[j:])):
             return f"({i} % {math.prod(out_shape[j:])})"
     ostr, lstr = strides(tuple(out_shape)), strides(leaf)
     terms = []
     for d in range(r):
-        if leaf[d] != 1 and out_shape[d] != 1:
-            if leaf[d] != out_shape[d]:
+        lo, od = leaf[d], out_shape[d]
+        if lo != od:
+            if lo != 1:
                 raise PlanError(f"leaf shape {leaf_shape} does not broadcast to {out_shape}")
-            terms.append(f"(({i} / {ostr[d]}) % {out_shape[d]}) * {lstr[d]}")
+            continue  # broadcast along d
+        if not (_literal_one(lo) or _literal_one(od)):
+            terms.append(f"(({i} / {ostr[d]}) % {od}) * {lstr[d]}")
     return "(" + " + ".join(terms) + ")" if terms else "0"
 
 
@@ -376,7 +392,8 @@ def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     n = math.prod(out_shape)
     _check_size(prog, op.inputs + op.outputs)
     ostr, istr = strides(out_shape), strides(in_shape)
-    terms = [f"((i / {ostr[d]}) % {out_shape[d]}) * {istr[perm[d]]}" for d in range(len(perm)) if out_shape[d] != 1]
+    terms = [f"((i / {ostr[d]}) % {out_shape[d]}) * {istr[perm[d]]}" for d in range(len(perm))
+             if not _literal_one(out_shape[d])]
     src_index = " + ".join(terms) if terms else "0"
     src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}('
            "const float* __restrict__ p0, float* __restrict__ p1) {\n"
@@ -403,7 +420,7 @@ def _strided_copy(prog: Program, step: Step, name: str, shape: tuple, other: lis
     _check_size(prog, op.inputs + op.outputs)
     own = strides(shape)
     index = " + ".join([str(op.attrs["offset"])] + [f"((i / {own[d]}) % {shape[d]}) * {other[d]}"
-                                                    for d in range(len(shape)) if shape[d] != 1])
+                                                    for d in range(len(shape)) if not _literal_one(shape[d])])
     line = f"  p1[i] = p0[{index}];\n" if gather else f"  p1[{index}] = p0[i];\n"
     return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(shape), line, step)
 

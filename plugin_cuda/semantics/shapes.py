@@ -44,10 +44,17 @@ def normalize_axis(axis: int, rank: int, where: str, name: str = "axis", allow_e
 
 
 @functools.lru_cache(maxsize=4096)
+def _broadcast_ints(*shapes: tuple) -> tuple:
+    return tuple(np.broadcast_shapes(*shapes))
+
+
 def broadcast_shape(*shapes: tuple) -> tuple:
-    """numpy.broadcast_shapes; ValueError when they do not. Symbolic sizes (int subclasses) keep
-    their type where the result takes their value."""
-    return _keep_symbolic(tuple(np.broadcast_shapes(*shapes)), shapes)
+    """numpy.broadcast_shapes, memoised (shapes repeat from call to call); ValueError when they do
+    not. Symbolic sizes (a compiled plan's int subclasses) keep their type where the result takes
+    their value; the memo is keyed by plain ints, which compare equal to them."""
+    if all(type(d) is int for s in shapes for d in s):
+        return _broadcast_ints(*shapes)
+    return _keep_symbolic(_broadcast_ints(*(tuple(int(d) for d in s) for s in shapes)), shapes)
 
 
 def broadcast(where: str, *shapes) -> tuple:

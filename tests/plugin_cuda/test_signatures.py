@@ -230,6 +230,7 @@ def _source(batch, seq, symbolic=True):
 def test_the_source_of_a_symbolic_plan_is_the_same_for_every_signature_that_plans_alike():
     a, b = _source(3, 50), _source(8, 128)
     assert a == b  # one NVRTC compile serves both
+    assert _source(1, 16) == a  # a batch of 1 is not taken for a broadcast
     assert "const int S0, const int S1, " in a and "(S0*S1)" in a
     assert _source(3, 50, symbolic=False) != _source(8, 128, symbolic=False)  # literals: one module each
     assert "400" in _source(8, 50, symbolic=False)  # 8 * 50 rows, baked
@@ -243,3 +244,14 @@ def test_a_graph_without_symbolic_dims_is_not_dynamic():
     ins, _ = partition_io(spec)
     assert not is_dynamic(spec, ins)
     assert [len(g) for g in fusable_groups(spec)] == [6]
+
+
+def test_index_expressions_hold_for_every_size_of_a_symbolic_dim():
+    from plugin_cuda.plan.codegen import index_expr
+    from plugin_cuda.plan.symint import SymInt
+
+    b1, s = SymInt(1, "S0"), SymInt(5, "S1")
+    assert index_expr((b1, s, 4), (s, 4)) == "(i % (S1*4))"  # as for any batch, not "i"
+    assert index_expr((b1, s, 4), (b1, s, 4)) == "i"
+    assert index_expr((SymInt(8, "S0"), s, 4), (SymInt(1, "S2"), s, 4)) == "(((i / 4) % S1) * 4 + ((i / 1) % 4) * 1)"
+    assert index_expr((1, 5, 4), (5, 4)) == "i"  # literal sizes keep the shortest form
