@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--shapes", default="1x16,8x128,3x50,8x128,1x16")
     p.add_argument("--option", action="append", default=[], help="CUDA provider option KEY=VALUE (repeatable)")
+    p.add_argument("--churn", type=int, default=0, metavar="N",
+                   help="after the table, N runs over N/5 distinct random shapes: device memory and errors")
     args = p.parse_args(argv)
     import cupy as cp
     import torch
@@ -124,8 +126,35 @@ def main(argv=None) -> int:
         ref = ort_sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
         print(f"| ({b}, {s}) | {first:.1f} | {compiles} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | "
               f"{float(np.abs(got - ref).max()):.1e} |")
+    if args.churn:
+        churn(sess, cp, args.churn)
     sess.close()
     return 0
+
+
+def churn(sess, cp, runs: int) -> None:
+    """`runs` runs over runs // 5 distinct (batch, seq) shapes, in a random order: the plan caches
+    stay bounded, so device memory returns to a plateau; prints memory in use every 20% of the runs."""
+    rng = np.random.default_rng(1)
+    shapes = list({(int(b), int(s)) for b, s in zip(rng.integers(1, 9, 4 * runs), rng.integers(4, 129, 4 * runs))})
+    shapes = shapes[:max(1, runs // 5)]
+    order = [shapes[i % len(shapes)] for i in rng.permutation(runs)]
+    pool = cp.get_default_memory_pool()
+    errors, marks = 0, []
+    t0 = time.perf_counter()
+    for k, (b, s) in enumerate(order):
+        feeds = {"input_ids": rng.integers(0, 30522, (b, s)).astype(np.int64), "attention_mask": np.ones((b, s), np.int64)}
+        try:
+            sess.run(None, feeds)
+        except Exception as exc:  # noqa: BLE001 - counted and shown once
+            errors += 1
+            if errors == 1:
+                print(f"first error at run {k} shape {(b, s)}: {type(exc).__name__}: {exc}")
+        if (k + 1) % max(1, runs // 5) == 0:
+            free, total = cp.cuda.runtime.memGetInfo()
+            marks.append(f"{(total - free) >> 20} MiB")
+    print(f"churn: {runs} runs over {len(shapes)} shapes in {time.perf_counter() - t0:.1f} s, {errors} errors; "
+          f"device memory in use after each fifth: {', '.join(marks)} (CuPy pool {pool.used_bytes() >> 20} MiB)")
 
 
 if __name__ == "__main__":
