@@ -85,7 +85,10 @@ class Plan:
         self.prog = prog = lower(graph, inputs, outputs)
         # Two ways to run: eager (mid-size GEMMs as generated kernels: fewest launches) and graph
         # (those GEMMs on cuBLAS: fastest kernels, launches being free in a graph). Often the same.
-        if auto_graph:
+        if auto_graph or prog.symbols:
+            # A plan with symbolic sizes runs its GEMMs on cuBLAS (m, n, k per call) whatever the
+            # size: generated GEMV / tiled GEMMs are chosen by size, so the module would change with
+            # the shape and be compiled again (plan/symint.py).
             capture = True
         eager_steps = build_steps(prog, tiled=capture is not True)
         graph_steps = build_steps(prog, tiled=capture is False)
