@@ -20,9 +20,9 @@ from host.runtime import (
     epcontext_save,
     ort_api,
     profiling,
-    range_lengths,
     shape_program,
     stages,
+    symbolic_shapes,
     threads,
     types,
 )
@@ -223,7 +223,7 @@ class InferenceSession:
             self.optimization = None
             return model
         stages.enter(stages.OPTIMIZING)
-        model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
+        model = symbolic_shapes.annotate(load_model(model))  # dims ONNX inference misses (docs/dynamic_shapes.md)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,
