@@ -212,6 +212,8 @@ def follow(node, env, scalar, shapes) -> list | None:
         return None
     if op == "Reshape" and len(args) == 2:  # of a small 1-D value: the same values
         return args[0]
+    if op == "Div" and len(args) == 2:  # Llama's head_dim // 2 (integer Div truncates; dims are >= 0)
+        return _pairwise(args, _divide)
     if op == "Equal" and len(args) == 2:
         return _pairwise(args, _equal)
     if op == "Where" and len(args) == 3:
@@ -231,6 +233,14 @@ def _pairwise(args, fn):
         return None
     out = [fn(x, y) for x, y in zip(a, b)]
     return None if any(t is None for t in out) else out
+
+
+def _divide(x, y):
+    if not isinstance(y, int) or isinstance(y, bool) or y <= 0:
+        return None
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x // y if x >= 0 else None
+    return f"({x} // {y})" if isinstance(x, str) else None
 
 
 def _equal(x, y):

@@ -73,7 +73,7 @@ def _fixed_point(model: onnx.ModelProto, symbols: set[str]) -> dict[str, tuple[i
     for name, shape in shapes.items():
         if name in graph_io or name not in types or _computable(first.get(name), symbols):
             continue
-        if _computable(shape, symbols) and any(isinstance(d, str) for d in shape):
+        if _computable(shape, symbols):
             out[name] = (types[name], shape)
     return out
 
