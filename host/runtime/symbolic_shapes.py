@@ -130,12 +130,17 @@ def _refine(model: onnx.ModelProto, shapes: dict, types: dict, symbols: set[str]
               if t.data_type in range_lengths._INT_TYPES and np.prod(t.dims, dtype=np.int64) <= 64}
     env: dict[str, list] = {k: [int(x) for x in np.ravel(v)] for k, v in consts.items()}
     scalar = {k for k, v in consts.items() if v.ndim == 0}
+    opsets = {o.domain: o.version for o in model.opset_import}
+    data = {t.name: t for t in model.graph.initializer if np.prod(t.dims, dtype=np.int64) <= 64}
     out = {}
     for node in model.graph.node:
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Constant":
             range_lengths._constant(node, env, scalar)
+            for a in node.attribute:
+                if a.name == "value":
+                    data[node.output[0]] = a.t
             continue
         if node.op_type != "Range":
             value = follow(node, env, scalar, shapes)
@@ -151,6 +156,40 @@ def _refine(model: onnx.ModelProto, shapes: dict, types: dict, symbols: set[str]
         if shape is not None and _better(shape, shapes.get(name), symbols):
             out[name] = (types[name], tuple(shape))
             shapes[name] = tuple(shape)  # later nodes of this walk see it
+        elif any(x in out for x in node.input):
+            # An input's shape changed in this walk: ONNX's inference of this node alone, so that one
+            # walk carries a refined dim through every layer (a round per layer otherwise).
+            for oname, oshape in _node_inference(node, shapes, types, opsets, data).items():
+                oshape = _combine(oshape, shapes.get(oname), symbols)
+                if oname in types and _better(oshape, shapes.get(oname), symbols):
+                    out[oname] = (types[oname], oshape)
+                    shapes[oname] = oshape
+    return out
+
+
+def _combine(new: tuple, old, symbols) -> tuple:
+    """`new`, with `old`'s known dims where `new` has none (one node's inference knows less than the
+    whole graph's: a Split without its sizes)."""
+    if old is None or len(old) != len(new):
+        return new
+    return tuple(n if known(n, symbols) or not known(o, symbols) else o for n, o in zip(new, old))
+
+
+def _node_inference(node, shapes: dict, types: dict, opsets: dict[str, int], data: dict) -> dict[str, tuple]:
+    """ONNX shape inference of one node from the current shapes of its inputs (and the values of its
+    small constant inputs); {} where it cannot."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+        ins = {x: onnx.helper.make_tensor_type_proto(types[x], shapes.get(x)) for x in node.input if x}
+        values = {x: data[x] for x in node.input if x in data}
+        result = shape_inference.infer_node_outputs(schema, node, ins, values)
+    except Exception:  # noqa: BLE001 - an op ONNX cannot infer alone (unknown input, custom domain)
+        return {}
+    out = {}
+    for name, tp in result.items():
+        t = tp.tensor_type
+        if tp.HasField("tensor_type") and t.HasField("shape"):
+            out[name] = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
     return out
 
 
