@@ -223,7 +223,9 @@ class InferenceSession:
             self.optimization = None
             return model
         stages.enter(stages.OPTIMIZING)
-        model = symbolic_shapes.annotate(load_model(model))  # dims ONNX inference misses (docs/dynamic_shapes.md)
+        # Dims ONNX inference misses, and the shape values they make constant (docs/dynamic_shapes.md).
+        fold = int(self.options.graph_optimization_level) > 0  # DISABLE_ALL changes no node
+        model = symbolic_shapes.annotate(load_model(model), fold=fold)
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,

@@ -25,24 +25,26 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
-from host.runtime import dims, range_lengths
+from host.runtime import dims, range_lengths, shape_constants
 from host.runtime.symbolic_rules import RULES, follow, known
 
 MAX_ROUNDS = 8  # each round adds what the previous one made inferable; real exports settle in 2-4
 
 
-def annotate(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` with value_info entries for the values whose symbolic dims this can name; the same
-    object when there is nothing to add. Never raises: a model this cannot read is left to the
+def annotate(model: onnx.ModelProto, fold: bool = True) -> onnx.ModelProto:
+    """`model` with value_info entries for the values whose symbolic dims this can name and, with
+    `fold`, the shape values they make constant folded (host/runtime/shape_constants.py); the same
+    object when there is nothing to change. Never raises: a model this cannot read is left to the
     loader's checks."""
     symbols = set(dims.input_symbols(range_lengths._InputMeta.of(model)))
     if not symbols:
         return model
     try:
-        found = _fixed_point(model, symbols)
+        found, env, shapes, types = _fixed_point(model, symbols)
+        plan = shape_constants.find(model, env, shapes, types, symbols) if fold else {}
     except Exception:  # noqa: BLE001 - an annotation is a hint; the loader reports broken models
         return model
-    if not found:
+    if not found and not plan:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -51,19 +53,20 @@ def annotate(model: onnx.ModelProto) -> onnx.ModelProto:
     out.graph.value_info.extend(kept)
     for name, (elem_type, shape) in found.items():
         out.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem_type, list(shape)))
+    shape_constants.apply(out, plan)
     return out
 
 
-def _fixed_point(model: onnx.ModelProto, symbols: set[str]) -> dict[str, tuple[int, tuple]]:
-    """name -> (elem type, dims) for each intermediate value whose dims were not all computable after
-    plain ONNX inference and are now."""
+def _fixed_point(model: onnx.ModelProto, symbols: set[str]):
+    """(name -> (elem type, dims) for each intermediate value whose dims were not all computable after
+    plain ONNX inference and are now; the last walk's symbolic values, shapes and element types)."""
     light = _light(model, symbols)
     hints: dict[str, tuple[int, tuple]] = {}
     first = None
     for _ in range(MAX_ROUNDS):
         shapes, types = _infer(light, hints)
         first = first if first is not None else dict(shapes)
-        new = _refine(model, shapes, types, symbols)
+        new, env = _refine(model, shapes, types, symbols)
         changed = {k: v for k, v in new.items() if hints.get(k) != v}
         if not changed:
             break
@@ -75,7 +78,7 @@ def _fixed_point(model: onnx.ModelProto, symbols: set[str]) -> dict[str, tuple[i
             continue
         if _computable(shape, symbols):
             out[name] = (types[name], shape)
-    return out
+    return out, env, shapes, types
 
 
 def _computable(shape, symbols) -> bool:
@@ -123,7 +126,7 @@ def _infer(light: onnx.ModelProto, hints: dict) -> tuple[dict[str, tuple], dict[
     return shapes, types
 
 
-def _refine(model: onnx.ModelProto, shapes: dict, types: dict, symbols: set[str]) -> dict[str, tuple[int, tuple]]:
+def _refine(model: onnx.ModelProto, shapes: dict, types: dict, symbols: set[str]) -> tuple[dict, dict]:
     """One walk over the nodes: the symbolic integer values (range_lengths' env) and, for each output
     whose shape has an unknown dim, what the rule of its op finds."""
     consts = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer
@@ -164,7 +167,7 @@ def _refine(model: onnx.ModelProto, shapes: dict, types: dict, symbols: set[str]
                 if oname in types and _better(oshape, shapes.get(oname), symbols):
                     out[oname] = (types[oname], oshape)
                     shapes[oname] = oshape
-    return out
+    return out, env
 
 
 def _combine(new: tuple, old, symbols) -> tuple:
