@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from host.runtime import dims, symbolic_rules, symbolic_shapes
+from host.runtime import dims, shape_constants, symbolic_rules, symbolic_shapes
 from host.runtime.session import InferenceSession
 
 DIR = Path(__file__).resolve().parents[1] / "models" / "dynamic_hf"
@@ -186,3 +186,18 @@ def test_annotated_dims_match_run_time_shapes(name):
             assert computed == list(np.shape(got)), (name, value, want_dims, batch, seq)
         for (value, constant), got in zip(folded.items(), outs[len(found):]):
             np.testing.assert_array_equal(constant, got, err_msg=f"{name}: {value} at {batch}x{seq}")
+
+
+@pytest.mark.parametrize(("op", "terms", "data", "want"), [
+    ("Reshape", ["batch", "seq", 4, 16], ["batch", "seq", 64], [0, 0, 4, 16]),  # split into heads
+    ("Reshape", ["batch", "(seq * 4)", 16], ["batch", "seq", 64], [0, -1, 16]),  # the one dim left
+    ("Reshape", ["seq", "batch", 64], ["batch", "seq", 64], None),  # two dims left: no constant
+    ("Reshape", [4, 16], [4, 16], None),  # already constant
+    ("Expand", ["batch", 2, 2, "seq", 16], ["batch", 2, 1, "seq", 16], [1, 2, 2, 1, 16]),  # GQA repeat_kv
+    ("Expand", ["batch", 1, 64], [1, 1, 64], None),  # ViT's class token: batch is no dim of the input
+    ("Expand", ["seq", 8], ["batch", "seq", 8], None),  # a target shorter than the input: invalid
+])
+def test_constant_targets(op, terms, data, want):
+    node = onnx.helper.make_node(op, ["x", "shape"], ["y"])
+    got = shape_constants._target(node, terms, data, {"batch", "seq"})
+    assert (got is None) if want is None else (got is not None and got.tolist() == want)
