@@ -205,8 +205,10 @@ def follow(node, env, scalar, shapes) -> list | None:
         count = 1
         for t in args[0]:
             count *= t
-        attr = range_lengths._attr(node, "value")
-        fill = 0 if attr is None else int(onnx.numpy_helper.to_array(attr).ravel()[0])
+        attr = range_lengths._attr(node, "value")  # absent: a float 0, no shape value
+        if attr is None or attr.data_type not in range_lengths._INT_TYPES:
+            return None
+        fill = int(onnx.numpy_helper.to_array(attr).ravel()[0])
         return [fill] * count if count <= 64 else None
     if any(a is None for a in args):
         return None
