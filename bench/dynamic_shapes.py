@@ -2,14 +2,15 @@
 
     python -m bench.dynamic_shapes [--shapes 1x16,8x128,3x50,8x128,1x16] [--iters 50] [--warmup 5]
                                    [--model bert_like | PATH.onnx] [--threads N] [--json out.json]
-                                   [--sides ephost,ephost_nodes,ephost_static]
+                                   [--sides ephost,ephost_nodes,ephost_plain,ephost_static]
 
 One session per side for the whole list (as a server sees shapes come and go): ephost with the shape
 program (host/runtime/shape_program.py, the default), ephost with it off (session config
 session.ephost.shape_cache_signatures=0: shape arithmetic as CPU-EP nodes, as before issue 23), and
 onnxruntime; beside them, ephost on a static copy of the model at each shape (its input dims fixed: what
-a static export runs), the mark a dynamic export should reach; `--sides` keeps some of the three ephost
-sides (BERT-base at 8x128 takes seconds a run on one thread). Per shape: the first run (a new shape signature for the session, or a cached one when the
+a static export runs), the mark a dynamic export should reach; ephost_plain is ephost without symbolic
+shapes (session.ephost.symbolic_shapes=0: Range lengths only, as before they came). `--sides` keeps
+some of the ephost sides (BERT-base at 8x128 takes seconds a run on one thread). Per shape: the first run (a new shape signature for the session, or a cached one when the
 shape came before) and the p50 of `iters` runs, timed in rounds so load on a shared machine hits every
 side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.0 = parity). The first
 shape's first run of the side that runs first (ephost with the program) also pays the process's one-time
@@ -31,7 +32,7 @@ import onnxruntime as ort
 from bench.cpu_models import in_rounds
 from host.cli.session_cmds import parse_shapes
 from host.cli.zoo import random_inputs
-from host.runtime import shape_program
+from host.runtime import shape_program, symbolic_shapes
 from host.runtime.dims import input_symbols
 from host.runtime.model import build_graph
 from host.runtime.options import SessionOptions
@@ -56,19 +57,23 @@ def _feeds(model: onnx.ModelProto, sizes: dict[str, int], seed: int) -> dict[str
     return random_inputs(model, seed=seed, sizes=sizes)
 
 
-SIDES = ("ephost", "ephost_nodes", "ephost_static")
+SIDES = ("ephost", "ephost_nodes", "ephost_plain", "ephost_static")
+# Session config per ephost side: ephost_nodes has no shape program (shape arithmetic as CPU-EP nodes),
+# ephost_plain no symbolic shapes (Range lengths only: the inference before they came).
+_CONFIG = {"ephost": {}, "ephost_nodes": {shape_program.CACHE_KEY: "0"},
+           "ephost_plain": {symbolic_shapes.ENABLE_KEY: "0"}}
 
 
 def sessions(model: onnx.ModelProto, threads: int, sides=SIDES) -> dict:
     data = model.SerializeToString()
     out = {}
-    for label, cache in (("ephost", None), ("ephost_nodes", "0")):
+    for label, entries in _CONFIG.items():
         if label not in sides:
             continue
         so = SessionOptions()
         so.intra_op_num_threads = threads
-        if cache is not None:
-            so.add_session_config_entry(shape_program.CACHE_KEY, cache)
+        for key, value in entries.items():
+            so.add_session_config_entry(key, value)
         out[label] = InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -135,12 +140,12 @@ def bench(model: onnx.ModelProto, shapes: str, iters: int, warmup: int, threads:
 
 
 _TITLES = {"ephost": "ephost, shape program", "ephost_nodes": "ephost, shapes as nodes",
-           "ephost_static": "ephost, static export of the shape"}
+           "ephost_plain": "ephost, no symbolic shapes", "ephost_static": "ephost, static export of the shape"}
 
 
 def table(rows: list[dict]) -> str:
-    sides = [s for s in ("ephost_nodes", "ephost", "ephost_static") if f"{s}_p50_us" in rows[0]]
-    firsts = [s for s in ("onnxruntime", "ephost_nodes", "ephost") if f"{s}_first_ms" in rows[0]]
+    sides = [s for s in ("ephost_nodes", "ephost_plain", "ephost", "ephost_static") if f"{s}_p50_us" in rows[0]]
+    firsts = [s for s in ("onnxruntime", "ephost_nodes", "ephost_plain", "ephost") if f"{s}_first_ms" in rows[0]]
     lines = ["| shape | onnxruntime p50 | " + " | ".join(f"{_TITLES[s]} p50 (ratio)" for s in sides)
              + " | first run: " + " / ".join(firsts) + " |",
              "|---|---|" + "---|" * len(sides) + "---|"]

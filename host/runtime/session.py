@@ -20,6 +20,7 @@ from host.runtime import (
     epcontext_save,
     ort_api,
     profiling,
+    range_lengths,
     shape_program,
     stages,
     symbolic_shapes,
@@ -225,7 +226,10 @@ class InferenceSession:
         stages.enter(stages.OPTIMIZING)
         # Dims ONNX inference misses, and the shape values they make constant (docs/dynamic_shapes.md).
         fold = int(self.options.graph_optimization_level) > 0  # DISABLE_ALL changes no node
-        model = symbolic_shapes.annotate(load_model(model), fold=fold)
+        if symbolic_shapes.enabled(self.options.entries):
+            model = symbolic_shapes.annotate(load_model(model), fold=fold)
+        else:
+            model = range_lengths.annotate(load_model(model))
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,

@@ -25,10 +25,22 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
+from host.errors import InvalidArgument
 from host.runtime import dims, range_lengths, shape_constants
 from host.runtime.symbolic_rules import RULES, follow, known
 
+ENABLE_KEY = "session.ephost.symbolic_shapes"  # session config entry: "0" infers Range lengths only
 MAX_ROUNDS = 8  # each round adds what the previous one made inferable; real exports settle in 2-4
+
+
+def enabled(entries: dict[str, str]) -> bool:
+    """The session config entry: "1" (default) or "0" (only Range lengths, as before issue 23's
+    symbolic shapes: a way back should these rules ever misread a model)."""
+    text = entries.get(ENABLE_KEY, "1")
+    if text not in ("0", "1"):
+        raise InvalidArgument(f"session config '{ENABLE_KEY}' = {text!r}: expected '1' (default: infer "
+                              "symbolic shapes) or '0' (Range lengths only)")
+    return text == "1"
 
 
 def annotate(model: onnx.ModelProto, fold: bool = True) -> onnx.ModelProto:

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from host.errors import InvalidArgument
 from host.runtime import dims, shape_constants, symbolic_rules, symbolic_shapes
 from host.runtime.session import InferenceSession
 
@@ -201,3 +202,29 @@ def test_constant_targets(op, terms, data, want):
     node = onnx.helper.make_node(op, ["x", "shape"], ["y"])
     got = shape_constants._target(node, terms, data, {"batch", "seq"})
     assert (got is None) if want is None else (got is not None and got.tolist() == want)
+
+
+def _with_entry(value: str):
+    import host
+
+    so = host.SessionOptions()
+    so.add_session_config_entry(symbolic_shapes.ENABLE_KEY, value)
+    return host.InferenceSession(str(DIR / "bert_ts.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def test_symbolic_shapes_can_be_turned_off():
+    # "0": Range lengths only, as before: BERT's position-ids Slice keeps an unknown length, Shape
+    # nodes stay in the plan and the Attention fusion misses; the results are the same.
+    off = _with_entry("0")
+    ops = collections.Counter(n.op_type for n in off.plan.nodes)
+    assert ops["Shape"] > 0 and ops["Attention"] == 0
+    model = onnx.load(DIR / "bert_ts.onnx")
+    feeds = _feeds(model, 3, 50)
+    want = ort.InferenceSession(str(DIR / "bert_ts.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(off.run(None, feeds)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_symbolic_shapes_entry_is_refused():
+    with pytest.raises(InvalidArgument, match=r"^session config 'session\.ephost\.symbolic_shapes' = 'yes': "
+                                              r"expected '1' \(default: infer symbolic shapes\) or '0'"):
+        _with_entry("yes")
