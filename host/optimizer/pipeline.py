@@ -283,7 +283,7 @@ def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _symbolic_over_inputs(vi: onnx.ValueInfoProto, model: onnx.ModelProto) -> bool:
     """A value_info entry whose every dim is an int or an expression over the graph inputs' symbols,
-    one at least symbolic (host/runtime/dims.py)."""
+    one at least symbolic or the inputs' shapes symbolic (host/runtime/dims.py)."""
     from host.runtime import dims
 
     t = vi.type.tensor_type
@@ -292,7 +292,9 @@ def _symbolic_over_inputs(vi: onnx.ValueInfoProto, model: onnx.ModelProto) -> bo
     names = {d.dim_param for i in model.graph.input for d in i.type.tensor_type.shape.dim
              if d.dim_param.isidentifier()}
     params = [d.dim_param for d in t.shape.dim if not d.HasField("dim_value")]
-    return bool(params) and all(dims.compile_dim(p, names) is not None for p in params)
+    # In a model with symbolic inputs, all-int entries count too: host/runtime/symbolic_shapes.py
+    # writes them where inference could not find them (a rotary Expand to [1, 8, 1]).
+    return bool(params or names) and all(dims.compile_dim(p, names) is not None for p in params)
 
 
 # Ops the BASIC rules rewrite or fold whatever their inputs, and the binary ops whose constant operand

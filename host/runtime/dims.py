@@ -106,6 +106,8 @@ def term_add(a, b):
 def term_sub(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a - b
+    if a == b:  # GPT-2's key_length - query_length: 0 for any size
+        return 0
     if b == 0:
         return a
     return f"({a} - {b})"

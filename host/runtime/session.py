@@ -23,6 +23,7 @@ from host.runtime import (
     range_lengths,
     shape_program,
     stages,
+    symbolic_shapes,
     threads,
     types,
 )
@@ -223,7 +224,12 @@ class InferenceSession:
             self.optimization = None
             return model
         stages.enter(stages.OPTIMIZING)
-        model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
+        # Dims ONNX inference misses, and the shape values they make constant (docs/dynamic_shapes.md).
+        fold = int(self.options.graph_optimization_level) > 0  # DISABLE_ALL changes no node
+        if symbolic_shapes.enabled(self.options.entries):
+            model = symbolic_shapes.annotate(load_model(model), fold=fold)
+        else:
+            model = range_lengths.annotate(load_model(model))
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,

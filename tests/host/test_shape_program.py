@@ -50,7 +50,10 @@ def test_exporter_patterns_match_onnxruntime_at_every_shape(pattern, level):
     build, width, must = PATTERNS[pattern]
     model = build()
     s, ref = _session(model, level), _reference(model)
-    assert must <= _absorbed_ops(s)
+    # Absorbed by the program, or (optimizing) folded away: reshape_heads' targets are the input's own
+    # dims, a constant [0, 0, heads, -1] (host/runtime/shape_constants.py).
+    folded = level != GraphOptimizationLevel.ORT_DISABLE_ALL and pattern == "reshape_heads"
+    assert not must & {n.op_type for n in s.plan.nodes} if folded else must <= _absorbed_ops(s)
     planned = {n.index for n in s.plan.nodes}
     assert not planned & s.shape_program.nodes  # absorbed nodes are not plan steps
     rng = np.random.default_rng(0)
@@ -59,7 +62,8 @@ def test_exporter_patterns_match_onnxruntime_at_every_shape(pattern, level):
         got, want = s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0]
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert s.shape_program.evaluations == len(set(SHAPES))  # a shape seen before is not evaluated again
+    # A shape seen before is not evaluated again (nothing is evaluated where the arithmetic was folded).
+    assert s.shape_program.evaluations == (0 if folded else len(set(SHAPES)))
 
 
 @pytest.mark.parametrize("level", [GraphOptimizationLevel.ORT_DISABLE_ALL, GraphOptimizationLevel.ORT_ENABLE_ALL])
@@ -97,7 +101,7 @@ def test_absorbed_nodes_leave_no_profile_events(tmp_path):
 
 
 def test_the_cache_is_bounded_and_least_recently_used_goes_first():
-    model = dynamic.reshape_heads()
+    model = dynamic.class_token()  # reshape_heads' arithmetic is folded
     s, ref = _session(model, **{shape_program.CACHE_KEY: "2"}), _reference(model)
     # (1,4) was used after (2,4): (3,4) evicts (2,4), so (1,4) is still there (first-in-first-out would
     # have evicted it: 4 evaluations).
@@ -110,7 +114,7 @@ def test_the_cache_is_bounded_and_least_recently_used_goes_first():
 
 
 def test_cache_size_zero_runs_shapes_as_nodes():
-    model = dynamic.reshape_heads()
+    model = dynamic.class_token()  # reshape_heads' arithmetic is folded
     s = _session(model, **{shape_program.CACHE_KEY: "0"})
     assert not s.shape_program.nodes and "Shape" in {n.op_type for n in s.plan.nodes}
     x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
@@ -165,7 +169,7 @@ def test_dims_compile_only_arithmetic_over_known_symbols():
 
 
 def test_values_are_shared_read_only_between_runs():
-    s = _session(dynamic.reshape_heads())
+    s = _session(dynamic.class_token())  # reshape_heads' arithmetic is folded (shape_constants.py)
     feeds = s._feeds({"X": np.ones((2, 3, 8), np.float32)})
     first = s.shape_program.with_values(feeds)
     again = s.shape_program.with_values(feeds)
