@@ -1,0 +1,134 @@
+"""com.microsoft MatMulNBits: blocked 2/4/8-bit weight-only quantization, as onnxruntime's
+`matmul_nbits_quantizer` (MatMul4BitsQuantizer) writes it, and as the optimizer fuses a blocked
+DequantizeLinear -> MatMul into (host/optimizer/rules/qdq_nbits.py).
+
+Y = A @ dequantize(B)^T (+ bias). B is (N, k_blocks, block_size * bits / 8) bytes: each column n of the
+weight, cut into blocks of `block_size` rows along K, packed low bits first; `scales` is (N, k_blocks);
+`zero_points` is packed the same way (uint8, one row of ceil(k_blocks * bits / 8) bytes per column) or
+one float per block (the scales' type), and defaults to 2**(bits - 1). `g_idx` (deprecated in
+onnxruntime) names each row's block instead of row // block_size.
+
+The weight is dequantized to a float32 (K, N) matrix once, when it is an initializer and the matrix
+fits DENSE_LIMIT_BYTES, and every run is one BLAS sgemm: NumPy has no 4-bit or int8 GEMM, and a
+dequantize per run costs more than the product itself at the sizes a session runs repeatedly (the
+matrix takes 8x the memory of the 4-bit weight: the limit keeps that bounded). Larger or non-constant
+weights are dequantized at each run, in slices of columns. `accuracy_level` is accepted and does not
+change the arithmetic: ephost always computes in float32 (onnxruntime's level 4 quantizes A to int8
+first, so its results there differ from the float product by A's quantization error).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from abi.nbits import unpack_codes
+from host.cpu_ep.base import OpKernel
+from host.cpu_ep.registry import register
+
+MS = "com.microsoft"
+F32 = np.dtype(np.float32)
+DENSE_LIMIT_BYTES = 256 << 20  # a dequantized weight kept per node up to this size
+SLICE_BYTES = 32 << 20  # the per-run dequantization works in column slices of about this size
+
+
+class NBitsLayout:
+    """The attributes of a MatMulNBits node and the shapes they imply."""
+
+    def __init__(self, k: int, n: int, bits: int, block_size: int):
+        self.k, self.n, self.bits, self.block_size = k, n, bits, block_size
+        self.k_blocks = -(-k // block_size)
+        self.blob = block_size * bits // 8
+        self.zp_bytes = -(-self.k_blocks * bits // 8)
+
+    def check(self, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> None:
+        want = {"B": (b, self.n * self.k_blocks * self.blob), "scales": (scales, self.n * self.k_blocks)}
+        if zero_points is not None:
+            per_col = self.k_blocks if zero_points.dtype.kind == "f" else self.zp_bytes
+            want["zero_points"] = (zero_points, self.n * per_col)
+        for name, (arr, size) in want.items():
+            if arr.size != size:
+                raise ValueError(f"input {name} has {arr.size} elements (shape {list(arr.shape)}); K={self.k}, "
+                                 f"N={self.n}, bits={self.bits}, block_size={self.block_size} need {size}")
+
+    def row_blocks(self, g_idx: np.ndarray | None) -> np.ndarray:
+        """The block of each of the K rows: row // block_size, or g_idx where the model gives it."""
+        if g_idx is None:
+            return np.arange(self.k) // self.block_size
+        idx = np.asarray(g_idx).reshape(-1).astype(np.intp)
+        if idx.size != self.k or (idx.size and (idx.min() < 0 or idx.max() >= self.k_blocks)):
+            raise ValueError(f"g_idx must hold K={self.k} block indices in [0, {self.k_blocks}); got "
+                             f"{idx.size} values")
+        return idx
+
+    def dequantize(self, b, scales, zero_points, g_idx, columns: slice = slice(None)) -> np.ndarray:
+        """The float32 weight (K, columns) that B, scales and zero points encode."""
+        self.check(b, scales, zero_points)
+        rows = self.row_blocks(g_idx)
+        b3 = b.reshape(self.n, self.k_blocks * self.blob)[columns]
+        codes = unpack_codes(b3, self.bits, self.k_blocks * self.block_size)[:, :self.k]
+        scale = scales.reshape(self.n, self.k_blocks)[columns].astype(F32)
+        if zero_points is None:
+            zp = np.float32(1 << (self.bits - 1))
+        elif zero_points.dtype.kind == "f":
+            zp = zero_points.reshape(self.n, self.k_blocks)[columns].astype(F32)[:, rows]
+        else:
+            packed = zero_points.reshape(self.n, self.zp_bytes)[columns]
+            zp = unpack_codes(packed, self.bits, self.k_blocks).astype(F32)[:, rows]
+        w_t = (codes.astype(F32) - zp) * scale[:, rows]
+        return np.ascontiguousarray(w_t.T)
+
+
+@register("MatMulNBits", domain=MS)
+class MatMulNBits(OpKernel):
+    """Y = A @ dequantize(B)^T + bias, in float32 (see the module docstring)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        bits = self.attr_int("bits", 4)
+        if bits not in (2, 4, 8):
+            raise self.bad_attr("bits", bits, "2, 4 or 8")
+        block_size = self.attr_int("block_size", lo=16)
+        if block_size & (block_size - 1):
+            raise self.bad_attr("block_size", block_size, "a power of 2 >= 16")
+        self.attr_int("accuracy_level", 0, lo=0, hi=4)  # checked, then unused: the product is float32
+        self.layout = NBitsLayout(self.attr_int("K", lo=1), self.attr_int("N", lo=1), bits, block_size)
+        self._bound: dict[int, np.ndarray] = {}
+        self._dense: np.ndarray | None = None
+
+    def bind_constants(self, constants):
+        self._bound = {pos: constants[pos] for pos in (1, 2, 3, 4) if pos in constants}
+        self._dense = None
+
+    def _cached(self, b, scales, zero_points, g_idx) -> np.ndarray | None:
+        """The weight dequantized once, when every weight input is the bound initializer."""
+        bound = self._bound
+        args = {1: b, 2: scales, 3: zero_points, 4: g_idx}
+        if any(bound.get(pos) is not arr for pos, arr in args.items() if arr is not None or pos in bound):
+            return None
+        if self._dense is None and self.layout.k * self.layout.n * 4 <= DENSE_LIMIT_BYTES:
+            self._dense = self.layout.dequantize(b, scales, zero_points, g_idx)
+        return self._dense
+
+    def _run(self, a, b, scales, zero_points=None, g_idx=None, bias=None):
+        layout = self.layout
+        if a.shape[-1:] != (layout.k,):
+            raise ValueError(f"input A has shape {list(a.shape)}; its last dimension must be K={layout.k}")
+        a32 = a.astype(F32, copy=False)
+        w = self._cached(b, scales, zero_points, g_idx)
+        if w is not None:
+            y = np.matmul(a32, w)
+        else:
+            y = self._sliced(a32, b, scales, zero_points, g_idx)
+        if bias is not None:
+            y += bias.astype(F32, copy=False)
+        return (y.astype(a.dtype, copy=False),)
+
+    def _sliced(self, a32, b, scales, zero_points, g_idx) -> np.ndarray:
+        """A @ W, dequantizing W a slice of columns at a time (the whole of W may not fit)."""
+        layout = self.layout
+        y = np.empty((*a32.shape[:-1], layout.n), F32)
+        step = max(1, SLICE_BYTES // (4 * layout.k))
+        for start in range(0, layout.n, step):
+            cols = slice(start, min(start + step, layout.n))
+            y[..., cols] = np.matmul(a32, layout.dequantize(b, scales, zero_points, g_idx, cols))
+        return y
