@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from abi.nbits import unpack_codes
+from abi.nbits import NBitsLayout
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.registry import register
 
@@ -29,53 +29,6 @@ MS = "com.microsoft"
 F32 = np.dtype(np.float32)
 DENSE_LIMIT_BYTES = 256 << 20  # a dequantized weight kept per node up to this size
 SLICE_BYTES = 32 << 20  # the per-run dequantization works in column slices of about this size
-
-
-class NBitsLayout:
-    """The attributes of a MatMulNBits node and the shapes they imply."""
-
-    def __init__(self, k: int, n: int, bits: int, block_size: int):
-        self.k, self.n, self.bits, self.block_size = k, n, bits, block_size
-        self.k_blocks = -(-k // block_size)
-        self.blob = block_size * bits // 8
-        self.zp_bytes = -(-self.k_blocks * bits // 8)
-
-    def check(self, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> None:
-        want = {"B": (b, self.n * self.k_blocks * self.blob), "scales": (scales, self.n * self.k_blocks)}
-        if zero_points is not None:
-            per_col = self.k_blocks if zero_points.dtype.kind == "f" else self.zp_bytes
-            want["zero_points"] = (zero_points, self.n * per_col)
-        for name, (arr, size) in want.items():
-            if arr.size != size:
-                raise ValueError(f"input {name} has {arr.size} elements (shape {list(arr.shape)}); K={self.k}, "
-                                 f"N={self.n}, bits={self.bits}, block_size={self.block_size} need {size}")
-
-    def row_blocks(self, g_idx: np.ndarray | None) -> np.ndarray:
-        """The block of each of the K rows: row // block_size, or g_idx where the model gives it."""
-        if g_idx is None:
-            return np.arange(self.k) // self.block_size
-        idx = np.asarray(g_idx).reshape(-1).astype(np.intp)
-        if idx.size != self.k or (idx.size and (idx.min() < 0 or idx.max() >= self.k_blocks)):
-            raise ValueError(f"g_idx must hold K={self.k} block indices in [0, {self.k_blocks}); got "
-                             f"{idx.size} values")
-        return idx
-
-    def dequantize(self, b, scales, zero_points, g_idx, columns: slice = slice(None)) -> np.ndarray:
-        """The float32 weight (K, columns) that B, scales and zero points encode."""
-        self.check(b, scales, zero_points)
-        rows = self.row_blocks(g_idx)
-        b3 = b.reshape(self.n, self.k_blocks * self.blob)[columns]
-        codes = unpack_codes(b3, self.bits, self.k_blocks * self.block_size)[:, :self.k]
-        scale = scales.reshape(self.n, self.k_blocks)[columns].astype(F32)
-        if zero_points is None:
-            zp = np.float32(1 << (self.bits - 1))
-        elif zero_points.dtype.kind == "f":
-            zp = zero_points.reshape(self.n, self.k_blocks)[columns].astype(F32)[:, rows]
-        else:
-            packed = zero_points.reshape(self.n, self.zp_bytes)[columns]
-            zp = unpack_codes(packed, self.bits, self.k_blocks).astype(F32)[:, rows]
-        w_t = (codes.astype(F32) - zp) * scale[:, rows]
-        return np.ascontiguousarray(w_t.T)
 
 
 @register("MatMulNBits", domain=MS)

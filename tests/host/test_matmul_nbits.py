@@ -275,3 +275,17 @@ def test_wrong_weight_size_is_a_kernel_error():
     with pytest.raises(KernelError, match=r"^node '.*' \(MatMulNBits\) on CPUExecutionProvider failed: input B has "
                                           r"64 elements \(shape \[4, 2, 8\]\); K=48, N=4, bits=4, block_size=16 need 96"):
         host.InferenceSession(model.SerializeToString()).run(None, {"a": np.ones((1, 48), np.float32)})
+
+
+def test_unclaimed_matmul_nbits_expands_to_a_float_matmul():
+    from host.optimizer.fallback import expand_unclaimed
+
+    k, n, bits, block_size = 40, 6, 4, 16
+    inputs = _random_node(k, n, bits, block_size, "float")
+    inputs["bias"] = np.linspace(-1, 1, n).astype(np.float32)
+    model = _nbits_node_model(k, n, bits, block_size, inputs)
+    expanded = expand_unclaimed(model, ["MatMulNBits_0"])  # the session's name for the unnamed node
+    assert Counter(nd.op_type for nd in expanded.graph.node) == {"Constant": 1, "MatMul": 1, "Add": 1}
+    a = np.random.RandomState(7).randn(3, k).astype(np.float32)
+    w = _reference_weight(inputs["b"], inputs["scales"], inputs["zp"], k, n, bits, block_size)
+    _close(_ort(expanded).run(None, {"a": a})[0], a @ w + inputs["bias"])
