@@ -25,6 +25,12 @@ F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 
 
+try:  # the clip ufunc itself: np.clip's Python wrapper costs more than the clipping on small tensors
+    from numpy._core.umath import clip as _clip  # numpy >= 2
+except ImportError:  # pragma: no cover - numpy 1.26
+    from numpy.core.umath import clip as _clip
+
+
 def _float8_dtypes() -> dict:
     try:
         import ml_dtypes
@@ -76,16 +82,16 @@ class Saturate:
         lo, hi = int_range(np.dtype(dtype))
         self.lo, self.hi, self.dtype = np.float32(lo), np.float32(hi), np.dtype(dtype)
 
-    def __call__(self, values: np.ndarray) -> np.ndarray:
-        """`values` (float, owned by the caller: overwritten) quantized."""
+    def __call__(self, values: np.ndarray, zero_point: np.ndarray | None = None) -> np.ndarray:
+        """`values` (float, owned by the caller: overwritten) quantized; `zero_point` (0-d float32)
+        instead of the built one where the run computes it (DynamicQuantizeLinear)."""
         np.rint(values, out=values)
-        zp = self.zero_point
+        zp = self.zero_point if zero_point is None else zero_point
         if zp is not None and zp.ndim == 0:
             np.add(values, zp, out=values, casting="unsafe")
         elif zp is not None:  # per axis or blocked: may broadcast values to a larger shape
             values = values + zp
-        np.minimum(values, self.hi, out=values, casting="unsafe")
-        np.maximum(values, self.lo, out=values, casting="unsafe")
+        _clip(values, self.lo, self.hi, out=values, casting="unsafe")
         return values.astype(self.dtype)
 
 
@@ -204,7 +210,7 @@ class DequantizeLinear(BoundParams, OpKernel):
     def _run(self, x, x_scale, x_zero_point=None):
         fast = self.derived((1, 2), (x_scale, x_zero_point), self._per_tensor) if x.dtype.kind in "iu" else None
         if fast is not None:
-            y = np.subtract(x, fast[0], dtype=F32)  # exact: 8/16-bit integers in float32
+            y = minus(x, fast[0], F32)  # exact: 8/16-bit integers in float32
             return (np.multiply(y, fast[1], out=y),)
         scale = broadcast_param(x_scale, x, self.axis, self.block_size)
         ct = F32 if scale.dtype != F64 else F64
@@ -226,9 +232,12 @@ class DynamicQuantizeLinear(OpKernel):
         scale = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(255))
         if scale == 0:
             scale = np.float32(1)  # an all-zero tensor: any scale maps it to the zero point
-        zp = np.clip(np.rint(np.float32(0) - np.float32(lo) / scale), 0, 255)
-        y = saturate_round(x / scale, np.float32(zp), np.dtype(np.uint8))
+        zp = np.float32(min(max(float(np.rint(np.float32(0) - np.float32(lo) / scale)), 0.0), 255.0))
+        y = _TO_UINT8(np.divide(x, scale), zp)
         return (y, np.array(scale, dtype=F32), np.array(zp, dtype=np.uint8))
+
+
+_TO_UINT8 = Saturate(None, np.dtype(np.uint8))
 
 
 def exact_float(k: int, a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
@@ -243,6 +252,15 @@ def centered(x: np.ndarray, zero_point, dtype: np.dtype = F64) -> np.ndarray:
     out = x.astype(dtype)
     if zero_point is not None:
         out -= np.asarray(zero_point).astype(dtype)
+    return out
+
+
+def minus(x: np.ndarray, zero_point, dtype: np.dtype) -> np.ndarray:
+    """x - zero_point as a new `dtype` array: a cast, then the subtraction in place (a ufunc that casts
+    on the fly costs about twice as much on small tensors). `zero_point` must not broadcast x larger."""
+    out = x.astype(dtype)
+    if zero_point is not None:
+        np.subtract(out, zero_point, out=out)
     return out
 
 
@@ -311,7 +329,7 @@ class CenteredB:
     def times(self, a, a_zero_point) -> np.ndarray:
         """(a - a_zero_point) @ B, exact."""
         zp = matrix_zero_point(a_zero_point, -2, a)
-        ac = a.astype(self.ct) if zp is None else np.subtract(a, zp, dtype=self.ct)
+        ac = minus(a, zp, self.ct)
         return np.matmul(ac, self.values)
 
 
@@ -386,7 +404,7 @@ class _IntConv(BoundParams, OpKernel):
             ct, wc, _ = self._centered_weights(x.dtype)(w, w_zp)
         elif wc is not self.conv._bound_w and self._memos.get((pos, pos + 2), (0, (0, None)))[1][1] is wc:
             self.conv.bind_constants({1: wc})  # the Conv's own per-shape preparation of these weights
-        xc = x.astype(ct) if x_zp is None else np.subtract(x, np.asarray(x_zp).reshape(()), dtype=ct)
+        xc = minus(x, None if x_zp is None else np.asarray(x_zp).reshape(()), ct)
         return self.conv._run(xc, wc)[0]
 
 

@@ -23,6 +23,7 @@ from host.cpu_ep.ops_quant import (
     IntGemm,
     Requantize,
     Saturate,
+    minus,
     saturate_round,
 )
 from host.cpu_ep.registry import register
@@ -61,9 +62,11 @@ class QLinearAdd(BoundParams, OpKernel):
                                                     self._params)
         if c_zp is None and sat.dtype != a.dtype:
             sat = Saturate(None, a.dtype)
-        values = np.multiply(a, ratio_a, dtype=F32)
+        values = a.astype(F32)
+        values *= ratio_a
         values += fixed
-        scaled_b = np.multiply(b, ratio_b, dtype=F32)
+        scaled_b = b.astype(F32)
+        scaled_b *= ratio_b
         if values.shape == scaled_b.shape:
             values += scaled_b
         else:
@@ -85,7 +88,7 @@ class QLinearMul(BoundParams, OpKernel):
         if c_zp is None and sat.dtype != a.dtype:
             sat = Saturate(None, a.dtype)
         # the centered integers are exact in float32, as are their products (|x| <= 2**16)
-        values = np.subtract(a, zp_a, dtype=F32) * np.subtract(b, zp_b, dtype=F32)
+        values = minus(a, zp_a, F32) * minus(b, zp_b, F32)
         values *= mult
         return (sat(values),)
 
