@@ -1,7 +1,7 @@
 """Expansions of the integer kernels the QDQ fusion (rules/qdq.py) emits, back to the
 DequantizeLinear -> float op -> QuantizeLinear group they replaced (for an EP that claims the group's
-float ops but not the integer kernel); and of MatMulNBits (rules/qdq_nbits.py) to a MatMul by its
-dequantized float weight."""
+float ops but not the integer kernel); of MatMulNBits (rules/qdq_nbits.py) to a MatMul by its
+dequantized float weight; of DynamicQuantizeMatMul (rules/qdq_dynamic.py) to quantize_dynamic's chain."""
 
 from __future__ import annotations
 
@@ -100,3 +100,13 @@ def _matmul_nbits(b: _Builder, node: ir.Node) -> list:
     w = layout.dequantize(*weights)
     y = b.op("MatMul", node.inputs[0], b.const(w.astype(node.inputs[2].dtype.numpy())))
     return [y if _input(node, 5) is None else b.op("Add", y, node.inputs[5])]
+
+
+@expansion(MS_DOMAIN, "DynamicQuantizeMatMul")
+def _dynamic_quantize_matmul(b: _Builder, node: ir.Node) -> list:
+    x, w, w_scale = node.inputs[:3]
+    x_q, x_scale, x_zp = b.tape.op_multi_out("DynamicQuantizeLinear", [x], num_outputs=3,
+                                             name=f"{b.prefix}/DynamicQuantizeLinear")
+    product = b.op("MatMulInteger", x_q, w, x_zp, _input(node, 3))
+    y = b.op("Mul", b.op("Cast", product, to=ir.DataType.FLOAT), b.op("Mul", x_scale, w_scale))
+    return [y if _input(node, 4) is None else b.op("Add", y, node.inputs[4])]
