@@ -391,21 +391,26 @@ class _IntConv(BoundParams, OpKernel):
         super().__init__(node)
         self.conv = Conv(node)
 
-    def _centered_weights(self, x_dtype):
-        def make(w, w_zp):
-            ct = exact_float(math.prod(w.shape[1:]), x_dtype, w.dtype)  # a window's reduction length
-            return ct, _weights_centered(w, w_zp, ct), np.dtype(x_dtype)
-        return make
+    def bind_constants(self, constants):
+        super().bind_constants(constants)
+        pos = self.weight_position
+        inputs = self.node.inputs
+        has_zp = len(inputs) > pos + 2 and bool(inputs[pos + 2])
+        if constants.get(pos) is not None and (not has_zp or pos + 2 in constants):
+            _, wc = self.derived((pos, pos + 2), (constants[pos], constants.get(pos + 2)), _centered_weights)
+            self.conv.bind_constants({1: wc})  # the Conv's own per-shape preparation of these weights
 
     def accumulate(self, x, x_zp, w, w_zp) -> np.ndarray:
         pos = self.weight_position
-        ct, wc, x_dtype = self.derived((pos, pos + 2), (w, w_zp), self._centered_weights(x.dtype))
-        if x_dtype != x.dtype:
-            ct, wc, _ = self._centered_weights(x.dtype)(w, w_zp)
-        elif wc is not self.conv._bound_w and self._memos.get((pos, pos + 2), (0, (0, None)))[1][1] is wc:
-            self.conv.bind_constants({1: wc})  # the Conv's own per-shape preparation of these weights
+        ct, wc = self.derived((pos, pos + 2), (w, w_zp), _centered_weights)
         xc = minus(x, None if x_zp is None else np.asarray(x_zp).reshape(()), ct)
         return self.conv._run(xc, wc)[0]
+
+
+def _centered_weights(w, w_zp) -> tuple:
+    """(float type, w - w_zp in it) for an 8-bit input (int8 and uint8 have the same span)."""
+    ct = exact_float(math.prod(w.shape[1:]), np.dtype(np.uint8), w.dtype)  # a window's reduction length
+    return ct, _weights_centered(w, w_zp, ct)
 
 
 @register("ConvInteger", since=10)
