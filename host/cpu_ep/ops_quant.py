@@ -227,14 +227,27 @@ class DynamicQuantizeLinear(OpKernel):
 
     def _run(self, x):
         x = x.astype(F32, copy=False)
-        lo = min(float(x.min()), 0.0) if x.size else 0.0
-        hi = max(float(x.max()), 0.0) if x.size else 0.0
-        scale = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(255))
-        if scale == 0:
-            scale = np.float32(1)  # an all-zero tensor: any scale maps it to the zero point
-        zp = np.float32(min(max(float(np.rint(np.float32(0) - np.float32(lo) / scale)), 0.0), 255.0))
+        lo = min(float(np.minimum.reduce(x, axis=None)), 0.0) if x.size else 0.0
+        hi = max(float(np.maximum.reduce(x, axis=None)), 0.0) if x.size else 0.0
+        scale, zp = dynamic_params(lo, hi)
         y = _TO_UINT8(np.divide(x, scale), zp)
         return (y, np.array(scale, dtype=F32), np.array(zp, dtype=np.uint8))
+
+
+def dynamic_params(lo: float, hi: float) -> tuple[np.float32, np.float32]:
+    """The float32 scale (hi - lo) / 255 and zero point clip(rint(0 - lo / scale), 0, 255) that onnxruntime
+    computes in float32. In Python floats: they hold the float32 inputs exactly, and one double operation
+    rounded to float32 is the float32 operation (53 >= 2 * 24 + 2 bits), at a tenth of the cost of
+    NumPy scalar arithmetic."""
+    f32 = np.float32
+    if not math.isfinite(hi - lo):  # NaN or inf in x: NumPy's float32 arithmetic, whatever it gives
+        scale = f32((f32(hi) - f32(lo)) / f32(255))
+        zp = np.clip(np.rint(f32(0) - f32(lo) / (scale or f32(1))), 0, 255)
+        return (scale or f32(1)), f32(zp)
+    scale = f32(float(f32(hi - lo)) / 255.0)
+    if scale == 0:
+        return f32(1), f32(0)  # an all-zero tensor: any scale maps it to the zero point
+    return scale, f32(min(max(round(-float(f32(lo / float(scale)))), 0), 255))
 
 
 _TO_UINT8 = Saturate(None, np.dtype(np.uint8))

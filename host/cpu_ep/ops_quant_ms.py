@@ -261,7 +261,7 @@ class DynamicQuantizeMatMul(IntGemm):
     def _run(self, a, b, b_scale, b_zp=None, bias=None):
         qa, a_scale, a_zp = self.quantize._run(a)
         acc = self.int_product(qa, b, a_zp, b_zp)
-        y = acc.astype(F32) * (a_scale * _per_column(b_scale))
+        y = acc.astype(F32) * (a_scale * self.derived((2,), (b_scale,), _per_column))
         if bias is not None:
             y += bias
         return (y.astype(F32),)

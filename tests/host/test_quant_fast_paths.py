@@ -119,3 +119,19 @@ def test_maxpool_over_whole_tiles(kernel, dtype):
     expected = _ort(model).run(None, {"x": x})[0]
     assert got.dtype == expected.dtype and got.shape == expected.shape
     np.testing.assert_array_equal(got, expected)
+
+
+def test_dynamic_quantization_parameters_are_the_float32_ones():
+    """DynamicQuantizeLinear's scale and zero point in Python floats (ops_quant.dynamic_params) against
+    the float32 formula in NumPy, over ranges of every magnitude, an all-zero range and a one-sided one."""
+    from host.cpu_ep.ops_quant import dynamic_params
+
+    f32 = np.float32
+    rng = np.random.RandomState(0)
+    lows = -np.abs(rng.randn(3000)) * 2.0 ** rng.randint(-30, 30, 3000) * (rng.rand(3000) < 0.9)
+    highs = np.abs(rng.randn(3000)) * 2.0 ** rng.randint(-30, 30, 3000)
+    for lo, hi in [*zip(lows.astype(f32), highs.astype(f32)), (f32(0), f32(0)), (f32(0), f32(3.5))]:
+        scale = f32((f32(hi) - f32(lo)) / f32(255))
+        scale = scale if scale != 0 else f32(1)
+        zp = f32(np.clip(np.rint(f32(0) - f32(lo) / scale), 0, 255))
+        assert dynamic_params(float(lo), float(hi)) == (scale, zp), (lo, hi)
