@@ -8,8 +8,8 @@ weight, cut into blocks of `block_size` rows along K, packed low bits first; `sc
 one float per block (the scales' type), and defaults to 2**(bits - 1). `g_idx` (deprecated in
 onnxruntime) names each row's block instead of row // block_size.
 
-The weight is dequantized to a float32 (K, N) matrix once, when it is an initializer and the matrix
-fits DENSE_LIMIT_BYTES, and every run is one BLAS sgemm: NumPy has no 4-bit or int8 GEMM, and a
+The weight is dequantized to a float32 (K, N) matrix once, when the plan binds it (it is an
+initializer) and the matrix fits DENSE_LIMIT_BYTES, and every run is one BLAS sgemm: NumPy has no 4-bit or int8 GEMM, and a
 dequantize per run costs more than the product itself at the sizes a session runs repeatedly (the
 matrix takes 8x the memory of the 4-bit weight: the limit keeps that bounded). Larger or non-constant
 weights are dequantized at each run, in slices of columns. `accuracy_level` is accepted and does not
@@ -49,8 +49,16 @@ class MatMulNBits(OpKernel):
         self._dense: np.ndarray | None = None
 
     def bind_constants(self, constants):
+        """Dequantizes the weight here, at plan time, when all its inputs are initializers."""
         self._bound = {pos: constants[pos] for pos in (1, 2, 3, 4) if pos in constants}
         self._dense = None
+        inputs = self.node.inputs
+        named = [pos for pos in (1, 2, 3, 4) if len(inputs) > pos and inputs[pos]]
+        if all(pos in self._bound for pos in named) and self.layout.k * self.layout.n * 4 <= DENSE_LIMIT_BYTES:
+            try:
+                self._dense = self.layout.dequantize(*(self._bound.get(pos) for pos in (1, 2, 3, 4)))
+            except ValueError:
+                pass  # wrong sizes: the run reports them, naming the node
 
     def _cached(self, b, scales, zero_points, g_idx) -> np.ndarray | None:
         """The weight dequantized once, when every weight input is the bound initializer."""
