@@ -297,8 +297,9 @@ class QLinearSoftmax(BoundParams, OpKernel):
         table, steps, sat = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), self._params)
         if y_zp is None and sat.dtype != x.dtype:
             sat = Saturate(None, x.dtype)
-        # max - code >= 0 fits the unsigned type of the codes' width
-        distance = np.subtract(codes.max(axis=axis, keepdims=True), codes, dtype=np.int32)
+        top = np.maximum.reduce(codes, axis=axis, keepdims=True)
+        # max - code >= 0: exact in uint8 itself for uint8 codes, in int32 for signed ones
+        distance = top - codes if codes.dtype == np.uint8 else np.subtract(top, codes, dtype=np.int32)
         e = table[distance]
         p = np.multiply(e, steps)
         p /= e.sum(axis=axis, keepdims=True)
