@@ -300,7 +300,7 @@ class QLinearSoftmax(BoundParams, OpKernel):
         top = np.maximum.reduce(codes, axis=axis, keepdims=True)
         # max - code >= 0: exact in uint8 itself for uint8 codes, in int32 for signed ones
         distance = top - codes if codes.dtype == np.uint8 else np.subtract(top, codes, dtype=np.int32)
-        e = table[distance]
+        e = table.take(distance)
         p = np.multiply(e, steps)
         p /= e.sum(axis=axis, keepdims=True)
         return (sat(p).reshape(shape),)
