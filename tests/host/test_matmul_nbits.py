@@ -289,3 +289,30 @@ def test_unclaimed_matmul_nbits_expands_to_a_float_matmul():
     a = np.random.RandomState(7).randn(3, k).astype(np.float32)
     w = _reference_weight(inputs["b"], inputs["scales"], inputs["zp"], k, n, bits, block_size)
     _close(_ort(expanded).run(None, {"a": a})[0], a @ w + inputs["bias"])
+
+
+@pytest.mark.parametrize("dtype,with_zp", [(TensorProto.INT8, False), (TensorProto.UINT8, True),
+                                           (TensorProto.UINT4, False), (TensorProto.INT4, True)])
+def test_blocked_dq_of_other_types_fuses_exactly(dtype, with_zp):
+    """Forms the weight-only quantizer does not write: 8-bit blocked weights, uint4 without a zero point
+    (zero, not MatMulNBits' default), int4 with one."""
+    k, n, block_size = 40, 6, 16
+    lo, hi = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255), TensorProto.UINT4: (0, 15),
+              TensorProto.INT4: (-8, 7)}[dtype]
+    rng = np.random.RandomState(dtype)
+    weight = helper.make_tensor("w", dtype, [k, n], rng.randint(lo, hi + 1, k * n).tolist())
+    scales = numpy_helper.from_array((rng.rand(3, n) * 0.1 + 0.01).astype(np.float32), "s")
+    inits, dq_inputs = [weight, scales], ["w", "s"]
+    if with_zp:
+        inits.append(helper.make_tensor("z", dtype, [3, n], rng.randint(lo, hi + 1, 3 * n).tolist()))
+        dq_inputs.append("z")
+    nodes = [helper.make_node("DequantizeLinear", dq_inputs, ["wf"], axis=0, block_size=block_size),
+             helper.make_node("MatMul", ["x", "wf"], ["y"])]
+    graph = helper.make_graph(nodes, "dq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert Counter(nd.op_type for nd in optimize(model, "ORT_ENABLE_EXTENDED").model.graph.node) == {"MatMulNBits": 1}
+    x = np.random.RandomState(9).randn(5, k).astype(np.float32)
+    want = _ort(model, optimized=False).run(None, {"x": x})[0]
+    _close(host.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0], want)
+    _close(_ort(_only_nbits_fusion(model), optimized=False).run(None, {"x": x})[0], want)
