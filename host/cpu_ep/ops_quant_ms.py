@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from host.cpu_ep.base import OpKernel, normalize_axis
+from host.cpu_ep.base import OpKernel, constant_column, normalize_axis
 from host.cpu_ep.ops_pool import AveragePool
 from host.cpu_ep.ops_quant import (
     F32,
@@ -104,8 +104,13 @@ class QLinearGlobalAveragePool(BoundParams, OpKernel):
     def _run(self, x, x_scale, x_zp, y_scale, y_zp=None):
         axes = tuple(range(1, x.ndim - 1)) if self.channels_last else tuple(range(2, x.ndim))
         size = math.prod(x.shape[a] for a in axes)
-        # float32 sums are exact integers while size * 255 < 2**24; float64 beyond
-        acc = x.sum(axis=axes, keepdims=True, dtype=F32 if size * 256 < 1 << 24 else np.float64)
+        # float32 sums are exact integers while size * 255 < 2**24 (in any order: one BLAS product with a
+        # column of ones where the image is the last axes, about half the cost of the reduction); float64 beyond
+        if size * 256 < 1 << 24 and not self.channels_last and x.flags.c_contiguous:
+            rows = x.reshape(-1, size).astype(F32)
+            acc = (rows @ constant_column(size, 1.0, F32)).reshape(*x.shape[:2], *[1] * (x.ndim - 2))
+        else:
+            acc = x.sum(axis=axes, keepdims=True, dtype=F32 if size * 256 < 1 << 24 else np.float64)
         # per image size: the zero point's share of a sum and the requantization (the params are bound)
         per_size, params = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), lambda *p: ({}, p))
         entry = per_size.get((size, x.dtype))
