@@ -31,6 +31,7 @@ from host.cpu_ep import (  # noqa: F401  (registration)
     ops_pool,
     ops_quant,
     ops_quant_ms,
+    ops_quant_nbits,
     ops_recent,
     ops_reduce,
     ops_resize,

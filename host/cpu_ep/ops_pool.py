@@ -32,8 +32,26 @@ class MaxPool(_Pool):
         super().__init__(node)
         self.storage_order = self.attr_int("storage_order", 0, lo=0, hi=1)
         self.want_indices = self.n_outputs > 1 and bool(node.outputs[1])
+        self._tiled: dict[tuple, bool] = {}  # input shape -> whether the windows tile it (_tiles)
+
+    def _tiles(self, x) -> bool:
+        """Whether the 2-D windows cut x into whole tiles (kernel = strides, no padding or dilation): the
+        max is then one np.maximum per extra kernel row and column over strided views, instead of the
+        padded window taps (a 2x2 pool of a small 8-bit image: 25 -> 6 us)."""
+        if self.want_indices or x.ndim != 4 or x.dtype.kind not in "fiu":
+            return False
+        g, strides, dilations = self._params(x, self.kernel_shape)
+        return (list(strides) == list(self.kernel_shape) and set(dilations) == {1} and not any(g.begin + g.end + g.extra)
+                and all(o * k == d for o, k, d in zip(g.out, self.kernel_shape, x.shape[2:])) and 0 not in g.out)
 
     def _run(self, x):
+        tiles = self._tiled.get(x.shape)
+        if tiles is None:
+            tiles = self._tiles(x)
+            if len(self._tiled) < 16:
+                self._tiled[x.shape] = tiles
+        if tiles:
+            return (_tile_max(x, *self.kernel_shape),)
         g, strides, dilations = self._params(x, self.kernel_shape)
         nd = len(self.kernel_shape)
         if x.dtype.kind not in "fiu":
@@ -68,6 +86,20 @@ class MaxPool(_Pool):
             local = np.arange(size, dtype=np.int64).reshape(spatial[::-1]).T
         block = np.arange(shape[0] * shape[1], dtype=np.int64).reshape(shape[0], shape[1], *[1] * len(spatial))
         return block * size + local
+
+
+def _tile_max(x: np.ndarray, kh: int, kw: int) -> np.ndarray:
+    """Max over the (kh, kw) tiles of an N-C-H-W tensor that they cut exactly."""
+    n, c, h, w = x.shape
+    rows = x.reshape(n * c, h // kh, kh, w)
+    y = rows[:, :, 0]
+    for i in range(1, kh):
+        y = np.maximum(y, rows[:, :, i])
+    cols = y.reshape(n * c, h // kh, w // kw, kw)
+    z = cols[..., 0]
+    for j in range(1, kw):
+        z = np.maximum(z, cols[..., j])
+    return np.ascontiguousarray(z).reshape(n, c, h // kh, w // kw)
 
 
 @register("AveragePool")

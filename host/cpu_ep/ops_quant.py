@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 
@@ -22,6 +23,12 @@ from host.cpu_ep.registry import register
 
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
+
+
+try:  # the clip ufunc itself: np.clip's Python wrapper costs more than the clipping on small tensors
+    from numpy._core.umath import clip as _clip  # numpy >= 2
+except ImportError:  # pragma: no cover - numpy 1.26
+    from numpy.core.umath import clip as _clip
 
 
 def _float8_dtypes() -> dict:
@@ -58,11 +65,61 @@ def saturate_round(values: np.ndarray, zero_point, dtype: np.dtype) -> np.ndarra
     """round-half-even(values) + zero_point, saturated to `dtype` (integer) or cast (float8)."""
     if dtype in _FLOAT8:
         return (values + np.asarray(zero_point).astype(values.dtype)).astype(dtype)
-    lo, hi = int_range(dtype)
-    q = np.rint(values)
-    q += np.asarray(zero_point).astype(q.dtype)
-    np.clip(q, lo, hi, out=q)
-    return q.astype(dtype)
+    return Saturate(zero_point, dtype)(np.rint(values))
+
+
+class Saturate:
+    """The end of every quantizing kernel: round half to even, add the zero point, saturate to the
+    integer type, convert. Built once per set of constant parameters (the zero point as the float
+    type of the values, the bounds as float32 scalars), so a run is five ufunc calls in place
+    (np.clip's Python wrapper alone costs more than a ufunc on these small tensors)."""
+
+    __slots__ = ("zero_point", "lo", "hi", "dtype")
+
+    def __init__(self, zero_point, dtype: np.dtype):
+        zp = np.asarray(0 if zero_point is None else zero_point)
+        self.zero_point = None if not zp.any() else (zp.reshape(()) if zp.size == 1 else zp).astype(F32)
+        lo, hi = int_range(np.dtype(dtype))
+        self.lo, self.hi, self.dtype = np.float32(lo), np.float32(hi), np.dtype(dtype)
+
+    def __call__(self, values: np.ndarray, zero_point: np.ndarray | None = None) -> np.ndarray:
+        """`values` (float, owned by the caller: overwritten) quantized; `zero_point` (0-d float32)
+        instead of the built one where the run computes it (DynamicQuantizeLinear)."""
+        np.rint(values, out=values)
+        zp = self.zero_point if zero_point is None else zero_point
+        if zp is not None and zp.ndim == 0:
+            np.add(values, zp, out=values, casting="unsafe")
+        elif zp is not None:  # per axis or blocked: may broadcast values to a larger shape
+            values = values + zp
+        _clip(values, self.lo, self.hi, out=values, casting="unsafe")
+        return values.astype(self.dtype)
+
+
+class BoundParams:
+    """Mixin of the quantized kernels: what they derive from their scale, zero-point and weight inputs
+    (multipliers, a Saturate, centered weights) is made once when those inputs are the initializers
+    the run loop bound (bind_constants), and at every call otherwise (a feed may override an
+    initializer)."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self._bound: dict = {}
+        self._memos: dict = {}
+
+    def bind_constants(self, constants):
+        self._bound = dict(constants)
+        self._memos = {}
+
+    def derived(self, positions: tuple, args: tuple, make):
+        """make(*args), remembered (per `positions`) while `args` are the bound inputs at `positions`."""
+        memo = self._memos.get(positions)
+        if memo is not None and all(map(operator.is_, args, memo[0])):
+            return memo[1]
+        value = make(*args)
+        bound = self._bound
+        if all(bound.get(p) is a for p, a in zip(positions, args)):
+            self._memos[positions] = (args, value)
+        return value
 
 
 def broadcast_param(param: np.ndarray, x: np.ndarray, axis: int, block_size: int) -> np.ndarray:
@@ -86,7 +143,7 @@ def broadcast_param(param: np.ndarray, x: np.ndarray, axis: int, block_size: int
 
 
 @register("QuantizeLinear", since=10)
-class QuantizeLinear(OpKernel):
+class QuantizeLinear(BoundParams, OpKernel):
     """y = saturate(round(x / y_scale) + y_zero_point); per tensor, per axis (13) or blocked (21)."""
 
     def __init__(self, node):
@@ -97,8 +154,21 @@ class QuantizeLinear(OpKernel):
         out_dtype = self.attr_int("output_dtype", 0, lo=0)
         self.out_dtype = _onnx_dtype(out_dtype) if out_dtype else None
 
+    def _per_tensor(self, y_scale, y_zero_point) -> tuple | None:
+        """(float32 scale, Saturate) for a per-tensor integer quantization, else None."""
+        dtype = self._dtype(y_zero_point)
+        if y_scale.size != 1 or (y_zero_point is not None and y_zero_point.size != 1) or not _is_integer(dtype):
+            return None
+        return y_scale.astype(F32).reshape(()), Saturate(y_zero_point, dtype)
+
+    def _dtype(self, y_zero_point) -> np.dtype:
+        return (y_zero_point.dtype if y_zero_point is not None else self.out_dtype) or np.dtype(np.uint8)
+
     def _run(self, x, y_scale, y_zero_point=None):
-        dtype = (y_zero_point.dtype if y_zero_point is not None else self.out_dtype) or np.dtype(np.uint8)
+        fast = self.derived((1, 2), (y_scale, y_zero_point), self._per_tensor) if x.dtype == F32 else None
+        if fast is not None and y_scale.dtype == F32:
+            return (fast[1](np.divide(x, fast[0])),)
+        dtype = self._dtype(y_zero_point)
         scale = broadcast_param(y_scale, x, self.axis, self.block_size)
         zp = 0 if y_zero_point is None else broadcast_param(y_zero_point, x, self.axis, self.block_size)
         if not isinstance(zp, int):
@@ -121,7 +191,7 @@ def _onnx_dtype(elem_type: int) -> np.dtype:
 
 
 @register("DequantizeLinear", since=10)
-class DequantizeLinear(OpKernel):
+class DequantizeLinear(BoundParams, OpKernel):
     """y = (x - x_zero_point) * x_scale, in the scale's type; per tensor, per axis or blocked."""
 
     def __init__(self, node):
@@ -129,7 +199,19 @@ class DequantizeLinear(OpKernel):
         self.axis = self.attr_int("axis", 1)
         self.block_size = self.attr_int("block_size", 0, lo=0)
 
+    @staticmethod
+    def _per_tensor(x_scale, x_zero_point) -> tuple | None:
+        """(float32 zero point, float32 scale) of a per-tensor float32 dequantization, else None."""
+        if x_scale.size != 1 or x_scale.dtype != F32 or (x_zero_point is not None and x_zero_point.size != 1):
+            return None
+        zp = np.float32(0) if x_zero_point is None else x_zero_point.astype(F32).reshape(())
+        return zp, x_scale.reshape(())
+
     def _run(self, x, x_scale, x_zero_point=None):
+        fast = self.derived((1, 2), (x_scale, x_zero_point), self._per_tensor) if x.dtype.kind in "iu" else None
+        if fast is not None:
+            y = minus(x, fast[0], F32)  # exact: 8/16-bit integers in float32
+            return (np.multiply(y, fast[1], out=y),)
         scale = broadcast_param(x_scale, x, self.axis, self.block_size)
         ct = F32 if scale.dtype != F64 else F64
         values = x.astype(ct)
@@ -145,14 +227,30 @@ class DynamicQuantizeLinear(OpKernel):
 
     def _run(self, x):
         x = x.astype(F32, copy=False)
-        lo = min(float(x.min()), 0.0) if x.size else 0.0
-        hi = max(float(x.max()), 0.0) if x.size else 0.0
-        scale = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(255))
-        if scale == 0:
-            scale = np.float32(1)  # an all-zero tensor: any scale maps it to the zero point
-        zp = np.clip(np.rint(np.float32(0) - np.float32(lo) / scale), 0, 255)
-        y = saturate_round(x / scale, np.float32(zp), np.dtype(np.uint8))
+        lo = min(float(np.minimum.reduce(x, axis=None)), 0.0) if x.size else 0.0
+        hi = max(float(np.maximum.reduce(x, axis=None)), 0.0) if x.size else 0.0
+        scale, zp = dynamic_params(lo, hi)
+        y = _TO_UINT8(np.divide(x, scale), zp)
         return (y, np.array(scale, dtype=F32), np.array(zp, dtype=np.uint8))
+
+
+def dynamic_params(lo: float, hi: float) -> tuple[np.float32, np.float32]:
+    """The float32 scale (hi - lo) / 255 and zero point clip(rint(0 - lo / scale), 0, 255) that onnxruntime
+    computes in float32. In Python floats: they hold the float32 inputs exactly, and one double operation
+    rounded to float32 is the float32 operation (53 >= 2 * 24 + 2 bits), at a tenth of the cost of
+    NumPy scalar arithmetic."""
+    f32 = np.float32
+    if not math.isfinite(hi - lo):  # NaN or inf in x: NumPy's float32 arithmetic, whatever it gives
+        scale = f32((f32(hi) - f32(lo)) / f32(255))
+        zp = np.clip(np.rint(f32(0) - f32(lo) / (scale or f32(1))), 0, 255)
+        return (scale or f32(1)), f32(zp)
+    scale = f32(float(f32(hi - lo)) / 255.0)
+    if scale == 0:
+        return f32(1), f32(0)  # an all-zero tensor: any scale maps it to the zero point
+    return scale, f32(min(max(round(-float(f32(lo / float(scale)))), 0), 255))
+
+
+_TO_UINT8 = Saturate(None, np.dtype(np.uint8))
 
 
 def exact_float(k: int, a_dtype: np.dtype, b_dtype: np.dtype) -> np.dtype:
@@ -167,6 +265,15 @@ def centered(x: np.ndarray, zero_point, dtype: np.dtype = F64) -> np.ndarray:
     out = x.astype(dtype)
     if zero_point is not None:
         out -= np.asarray(zero_point).astype(dtype)
+    return out
+
+
+def minus(x: np.ndarray, zero_point, dtype: np.dtype) -> np.ndarray:
+    """x - zero_point as a new `dtype` array: a cast, then the subtraction in place (a ufunc that casts
+    on the fly costs about twice as much on small tensors). `zero_point` must not broadcast x larger."""
+    out = x.astype(dtype)
+    if zero_point is not None:
+        np.subtract(out, zero_point, out=out)
     return out
 
 
@@ -195,24 +302,81 @@ def requantize(acc: np.ndarray, multiplier, zero_point, dtype: np.dtype) -> np.n
     return saturate_round(values, 0 if zero_point is None else np.asarray(zero_point).astype(F32), dtype)
 
 
+class Requantize:
+    """requantize() with its multiplier and Saturate made once: scales the accumulator in place."""
+
+    __slots__ = ("multiplier", "saturate")
+
+    def __init__(self, multiplier, zero_point, dtype: np.dtype):
+        mult = np.asarray(multiplier, dtype=F32)
+        self.multiplier = mult.reshape(()) if mult.size == 1 else mult
+        self.saturate = Saturate(zero_point, dtype)
+
+    def __call__(self, acc: np.ndarray) -> np.ndarray:
+        """`acc` (a float accumulator the caller owns) requantized."""
+        values = acc if acc.dtype == F32 else acc.astype(F32)
+        if self.multiplier.ndim == 0 or values.ndim >= self.multiplier.ndim:
+            np.multiply(values, self.multiplier, out=values)
+        else:
+            values = values * self.multiplier
+        return self.saturate(values)
+
+
 def output_multiplier(a_scale, b_scale, y_scale) -> np.ndarray:
     """a_scale * b_scale / y_scale in float32, as onnxruntime computes it."""
     return (np.asarray(a_scale, F32) * np.asarray(b_scale, F32) / np.asarray(y_scale, F32)).astype(F32)
 
 
+class CenteredB:
+    """The B operand of an integer GEMM minus its zero point, in the float type in which the product
+    is exact (exact_float); built once per constant B (BoundParams)."""
+
+    __slots__ = ("a_dtype", "ct", "values")
+
+    def __init__(self, b, b_zero_point, a_dtype: np.dtype):
+        self.a_dtype = np.dtype(a_dtype)
+        k = b.shape[-2] if b.ndim > 1 else b.shape[0]
+        self.ct = exact_float(k, self.a_dtype, b.dtype)
+        self.values = centered(b, matrix_zero_point(b_zero_point, -1, b), self.ct)
+
+    def times(self, a, a_zero_point) -> np.ndarray:
+        """(a - a_zero_point) @ B, exact."""
+        zp = matrix_zero_point(a_zero_point, -2, a)
+        ac = minus(a, zp, self.ct)
+        return np.matmul(ac, self.values)
+
+
+class IntGemm(BoundParams, OpKernel):
+    """Integer GEMMs: B centered once per constant B (input positions b_pos, b_zp_pos)."""
+
+    b_pos, b_zp_pos = 1, 3
+
+    def int_product(self, a, b, a_zp, b_zp) -> np.ndarray:
+        side = self.derived((self.b_pos, self.b_zp_pos), (b, b_zp), lambda b_, z: CenteredB(b_, z, a.dtype))
+        if side.a_dtype != a.dtype:
+            return int_matmul(a, b, a_zp, b_zp)
+        return side.times(a, a_zp)
+
+
 @register("MatMulInteger", since=10)
-class MatMulInteger(OpKernel):
+class MatMulInteger(IntGemm):
     def _run(self, a, b, a_zero_point=None, b_zero_point=None):
-        return (int_matmul(a, b, a_zero_point, b_zero_point).astype(np.int32),)
+        return (self.int_product(a, b, a_zero_point, b_zero_point).astype(np.int32),)
 
 
 @register("QLinearMatMul", since=10)
-class QLinearMatMul(OpKernel):
-    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp):
-        acc = int_matmul(a, b, a_zp, b_zp)
+class QLinearMatMul(IntGemm):
+    b_pos, b_zp_pos = 3, 5
+
+    @staticmethod
+    def _output(a_scale, b_scale, y_scale, y_zp) -> Requantize:
         b_scale = np.asarray(b_scale)
         mult = output_multiplier(a_scale, b_scale.reshape(1, -1) if b_scale.size > 1 else b_scale, y_scale)
-        return (requantize(acc, mult, y_zp, np.asarray(y_zp).dtype),)
+        return Requantize(mult, y_zp, np.asarray(y_zp).dtype)
+
+    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp):
+        acc = self.int_product(a, b, a_zp, b_zp)
+        return (self.derived((1, 4, 6, 7), (a_scale, b_scale, y_scale, y_zp), self._output)(acc),)
 
 
 def _channel(v, ndim: int) -> np.ndarray:
@@ -229,31 +393,37 @@ def _weights_centered(w, w_zero_point, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-class _IntConv(OpKernel):
-    """An exact integer convolution: the float Conv kernel on float64 operands minus their zero
-    points (zero padding of centered values is padding with the zero point)."""
+class _IntConv(BoundParams, OpKernel):
+    """An exact integer convolution: the float Conv kernel on operands minus their zero points (zero
+    padding of centered values is padding with the zero point), in float32 where exact_float allows.
+    Constant weights are centered once and bound to the inner Conv, which then takes its prepared path."""
 
     weight_position = 1
 
     def __init__(self, node):
         super().__init__(node)
         self.conv = Conv(node)
-        self._bound_w = None
-        self._centered_w: tuple | None = None  # (w, w_zero_point, centered w) of the bound weights
 
     def bind_constants(self, constants):
-        self._bound_w = constants.get(self.weight_position)
+        super().bind_constants(constants)
+        pos = self.weight_position
+        inputs = self.node.inputs
+        has_zp = len(inputs) > pos + 2 and bool(inputs[pos + 2])
+        if constants.get(pos) is not None and (not has_zp or pos + 2 in constants):
+            _, wc = self.derived((pos, pos + 2), (constants[pos], constants.get(pos + 2)), _centered_weights)
+            self.conv.bind_constants({1: wc})  # the Conv's own per-shape preparation of these weights
 
     def accumulate(self, x, x_zp, w, w_zp) -> np.ndarray:
-        ct = exact_float(math.prod(w.shape[1:]), x.dtype, w.dtype)  # a window's reduction length
-        cached = self._centered_w
-        if cached is not None and cached[0] is w and cached[1] is w_zp and cached[2].dtype == ct:
-            wc = cached[2]
-        else:
-            wc = _weights_centered(w, w_zp, ct)
-            if w is self._bound_w:
-                self._centered_w = (w, w_zp, wc)
-        return self.conv._run(centered(x, x_zp, ct), wc)[0]
+        pos = self.weight_position
+        ct, wc = self.derived((pos, pos + 2), (w, w_zp), _centered_weights)
+        xc = minus(x, None if x_zp is None else np.asarray(x_zp).reshape(()), ct)
+        return self.conv._run(xc, wc)[0]
+
+
+def _centered_weights(w, w_zp) -> tuple:
+    """(float type, w - w_zp in it) for an 8-bit input (int8 and uint8 have the same span)."""
+    ct = exact_float(math.prod(w.shape[1:]), np.dtype(np.uint8), w.dtype)  # a window's reduction length
+    return ct, _weights_centered(w, w_zp, ct)
 
 
 @register("ConvInteger", since=10)
@@ -270,7 +440,15 @@ class QLinearConv(_IntConv):
 
     def _run(self, x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp, bias=None):
         acc = self.accumulate(x, x_zp, w, w_zp)
-        if bias is not None:
-            acc += _channel(bias, acc.ndim).astype(F64)
-        mult = output_multiplier(x_scale, _channel(w_scale, acc.ndim), y_scale)
-        return (requantize(acc, mult, y_zp, np.asarray(y_zp).dtype),)
+        out = self.derived((1, 4, 6, 7, 8), (x_scale, w_scale, y_scale, y_zp, bias),
+                           lambda xs, ws, ys, yz, b: self._requantizer(xs, ws, ys, yz, b, acc.ndim))
+        bias64, requant = out
+        if bias64 is not None:
+            acc += bias64  # in float64, then rounded once: float32(acc + bias) is MLAS's int32 sum
+        return (requant(acc),)
+
+    @staticmethod
+    def _requantizer(x_scale, w_scale, y_scale, y_zp, bias, ndim: int) -> tuple:
+        bias64 = None if bias is None else _channel(np.asarray(bias).astype(F64), ndim)
+        mult = output_multiplier(x_scale, _channel(w_scale, ndim), y_scale)
+        return bias64, Requantize(mult, y_zp, np.asarray(y_zp).dtype)

@@ -13,13 +13,17 @@ import math
 
 import numpy as np
 
-from host.cpu_ep.base import OpKernel, normalize_axis
+from host.cpu_ep.base import OpKernel, constant_column, normalize_axis
 from host.cpu_ep.ops_pool import AveragePool
 from host.cpu_ep.ops_quant import (
     F32,
+    BoundParams,
+    CenteredB,
     DynamicQuantizeLinear,
-    int_matmul,
-    requantize,
+    IntGemm,
+    Requantize,
+    Saturate,
+    minus,
     saturate_round,
 )
 from host.cpu_ep.registry import register
@@ -41,29 +45,56 @@ def _out_dtype(zero_point, fallback) -> np.dtype:
 
 
 @register("QLinearAdd", domain=MS)
-class QLinearAdd(OpKernel):
+class QLinearAdd(BoundParams, OpKernel):
     """MLAS's form, which its rounding depends on: the zero points folded into one float32
     constant, zp_c - (ratio_a * zp_a + ratio_b * zp_b), plus ratio_a * a + ratio_b * b."""
 
-    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c_scale, c_zp=None):
-        ratio_a = _f32(a_scale) / _f32(c_scale)
-        ratio_b = _f32(b_scale) / _f32(c_scale)
-        zp_a, zp_b, zp_c = (_f32(z if z is not None else 0) for z in (a_zp, b_zp, c_zp))
+    @staticmethod
+    def _params(a_scale, a_zp, b_scale, b_zp, c_scale, c_zp) -> tuple:
+        ratio_a = (_f32(a_scale) / _f32(c_scale)).reshape(())
+        ratio_b = (_f32(b_scale) / _f32(c_scale)).reshape(())
+        zp_a, zp_b, zp_c = (_f32(z if z is not None else 0).reshape(()) for z in (a_zp, b_zp, c_zp))
         fixed = zp_c - (ratio_a * zp_a + ratio_b * zp_b)
-        values = (a.astype(F32) * ratio_a + fixed) + b.astype(F32) * ratio_b
-        return (saturate_round(values, np.float32(0), _out_dtype(c_zp, a.dtype)),)
+        return ratio_a, ratio_b, fixed, Saturate(None, _out_dtype(c_zp, np.uint8))
+
+    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c_scale, c_zp=None):
+        ratio_a, ratio_b, fixed, sat = self.derived((1, 2, 4, 5, 6, 7), (a_scale, a_zp, b_scale, b_zp, c_scale, c_zp),
+                                                    self._params)
+        if c_zp is None and sat.dtype != a.dtype:
+            sat = Saturate(None, a.dtype)
+        values = a.astype(F32)
+        values *= ratio_a
+        values += fixed
+        scaled_b = b.astype(F32)
+        scaled_b *= ratio_b
+        if values.shape == scaled_b.shape:
+            values += scaled_b
+        else:
+            values = values + scaled_b
+        return (sat(values),)
 
 
 @register("QLinearMul", domain=MS)
-class QLinearMul(OpKernel):
+class QLinearMul(BoundParams, OpKernel):
+    @staticmethod
+    def _params(a_scale, a_zp, b_scale, b_zp, c_scale, c_zp) -> tuple:
+        mult = (_f32(a_scale) * _f32(b_scale) / _f32(c_scale)).reshape(())
+        zp_a, zp_b = (_f32(z if z is not None else 0).reshape(()) for z in (a_zp, b_zp))
+        return zp_a, zp_b, mult, Saturate(c_zp, _out_dtype(c_zp, np.uint8))
+
     def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c_scale, c_zp=None):
-        mult = _f32(a_scale) * _f32(b_scale) / _f32(c_scale)
-        values = (_centered32(a, a_zp) * _centered32(b, b_zp)) * mult
-        return (saturate_round(values, _f32(c_zp if c_zp is not None else 0), _out_dtype(c_zp, a.dtype)),)
+        zp_a, zp_b, mult, sat = self.derived((1, 2, 4, 5, 6, 7), (a_scale, a_zp, b_scale, b_zp, c_scale, c_zp),
+                                             self._params)
+        if c_zp is None and sat.dtype != a.dtype:
+            sat = Saturate(None, a.dtype)
+        # the centered integers are exact in float32, as are their products (|x| <= 2**16)
+        values = minus(a, zp_a, F32) * minus(b, zp_b, F32)
+        values *= mult
+        return (sat(values),)
 
 
 @register("QLinearGlobalAveragePool", domain=MS)
-class QLinearGlobalAveragePool(OpKernel):
+class QLinearGlobalAveragePool(BoundParams, OpKernel):
     """int32 sums per channel, requantized by x_scale / (y_scale * image size)."""
 
     def __init__(self, node):
@@ -73,10 +104,28 @@ class QLinearGlobalAveragePool(OpKernel):
     def _run(self, x, x_scale, x_zp, y_scale, y_zp=None):
         axes = tuple(range(1, x.ndim - 1)) if self.channels_last else tuple(range(2, x.ndim))
         size = math.prod(x.shape[a] for a in axes)
-        acc = x.astype(np.int64).sum(axis=axes, keepdims=True)
-        acc -= int(np.asarray(x_zp if x_zp is not None else 0)) * size
+        # float32 sums are exact integers while size * 255 < 2**24 (in any order: one BLAS product with a
+        # column of ones where the image is the last axes, about half the cost of the reduction); float64 beyond
+        if size * 256 < 1 << 24 and not self.channels_last and x.flags.c_contiguous:
+            rows = x.reshape(-1, size).astype(F32)
+            acc = (rows @ constant_column(size, 1.0, F32)).reshape(*x.shape[:2], *[1] * (x.ndim - 2))
+        else:
+            acc = x.sum(axis=axes, keepdims=True, dtype=F32 if size * 256 < 1 << 24 else np.float64)
+        # per image size: the zero point's share of a sum and the requantization (the params are bound)
+        per_size, params = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), lambda *p: ({}, p))
+        entry = per_size.get((size, x.dtype))
+        if entry is None:
+            entry = per_size.setdefault((size, x.dtype), self._params(*params, size, x.dtype))
+        zp_sum, requant = entry
+        if zp_sum:
+            acc -= zp_sum
+        return (requant(acc),)
+
+    @staticmethod
+    def _params(x_scale, x_zp, y_scale, y_zp, size: int, x_dtype) -> tuple:
+        zp_sum = 0 if x_zp is None else np.float64(int(np.asarray(x_zp).reshape(-1)[0]) * size)
         scale = _f32(x_scale) / (_f32(y_scale) * np.float32(size))
-        return (requantize(acc, scale, y_zp, _out_dtype(y_zp, x.dtype)),)
+        return zp_sum, Requantize(scale, y_zp, _out_dtype(y_zp, x_dtype))
 
 
 @register("QLinearAveragePool", domain=MS)
@@ -147,9 +196,11 @@ class QLinearConcat(OpKernel):
 
 
 @register("QGemm", domain=MS)
-class QGemm(OpKernel):
+class QGemm(IntGemm):
     """alpha * A' @ B' over zero-point-centered integers plus the int32 bias C; quantized output when
     y_scale is given, float32 otherwise."""
+
+    b_pos, b_zp_pos = 3, 5
 
     def __init__(self, node):
         super().__init__(node)
@@ -157,19 +208,32 @@ class QGemm(OpKernel):
         self.trans_a = self.attr_bool("transA", 0)
         self.trans_b = self.attr_bool("transB", 0)
 
-    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c=None, y_scale=None, y_zp=None):
-        a2 = a.T if self.trans_a else a
-        b2 = b.T if self.trans_b else b
-        b_zp2 = None if b_zp is None else np.asarray(b_zp).reshape(-1)
-        acc = int_matmul(a2, b2, a_zp, b_zp2)
-        if c is not None:
-            acc += np.asarray(c).astype(np.float64)
+    def _centered_b(self, a_dtype):
+        def make(b, b_zp):
+            b_zp2 = None if b_zp is None else np.asarray(b_zp).reshape(-1)
+            return CenteredB(b.T if self.trans_b else b, b_zp2, a_dtype)
+        return make
+
+    def _output(self, a_scale, b_scale, c, y_scale, y_zp) -> tuple:
         b_scale = np.asarray(b_scale, F32).reshape(1, -1) if np.asarray(b_scale).size > 1 else _f32(b_scale)
         scale = _f32(a_scale) * b_scale * self.alpha
+        bias64 = None if c is None else np.asarray(c).astype(np.float64)
         if y_scale is None:
+            return bias64, scale.astype(F32), None
+        return bias64, None, Requantize((scale / _f32(y_scale)).astype(F32), y_zp, _out_dtype(y_zp, np.uint8))
+
+    def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, c=None, y_scale=None, y_zp=None):
+        a2 = a.T if self.trans_a else a
+        side = self.derived((3, 5), (b, b_zp), self._centered_b(a.dtype))
+        if side.a_dtype != a.dtype:
+            side = self._centered_b(a.dtype)(b, b_zp)
+        acc = side.times(a2, a_zp)
+        bias64, scale, requant = self.derived((1, 4, 6, 7, 8), (a_scale, b_scale, c, y_scale, y_zp), self._output)
+        if bias64 is not None:
+            acc += bias64  # in float64, rounded once: float32(acc + c) as MLAS's int32 sum
+        if requant is None:
             return ((acc.astype(F32) * scale).astype(F32),)
-        mult = (scale / _f32(y_scale)).astype(F32)
-        return (requantize(acc, mult, y_zp, _out_dtype(y_zp, np.uint8)),)
+        return (requant(acc),)
 
 
 def _per_column(v) -> np.ndarray:
@@ -178,9 +242,11 @@ def _per_column(v) -> np.ndarray:
 
 
 @register("MatMulIntegerToFloat", domain=MS)
-class MatMulIntegerToFloat(OpKernel):
+class MatMulIntegerToFloat(IntGemm):
+    b_pos, b_zp_pos = 1, 5
+
     def _run(self, a, b, a_scale, b_scale, a_zp=None, b_zp=None, bias=None):
-        acc = int_matmul(a, b, a_zp, b_zp)
+        acc = self.int_product(a, b, a_zp, b_zp)
         y = acc.astype(F32) * (_f32(a_scale) * _per_column(b_scale))
         if bias is not None:
             y += bias
@@ -188,8 +254,10 @@ class MatMulIntegerToFloat(OpKernel):
 
 
 @register("DynamicQuantizeMatMul", domain=MS)
-class DynamicQuantizeMatMul(OpKernel):
+class DynamicQuantizeMatMul(IntGemm):
     """A quantized to uint8 on the fly (as DynamicQuantizeLinear), then MatMulIntegerToFloat."""
+
+    b_pos, b_zp_pos = 1, 3
 
     def __init__(self, node):
         super().__init__(node)
@@ -197,35 +265,47 @@ class DynamicQuantizeMatMul(OpKernel):
 
     def _run(self, a, b, b_scale, b_zp=None, bias=None):
         qa, a_scale, a_zp = self.quantize._run(a)
-        acc = int_matmul(qa, b, a_zp, b_zp)
-        y = acc.astype(F32) * (a_scale * _per_column(b_scale))
+        acc = self.int_product(qa, b, a_zp, b_zp)
+        y = acc.astype(F32) * (a_scale * self.derived((2,), (b_scale,), _per_column))
         if bias is not None:
             y += bias
         return (y.astype(F32),)
 
 
 @register("QLinearSoftmax", domain=MS)
-class QLinearSoftmax(OpKernel):
+class QLinearSoftmax(BoundParams, OpKernel):
     """Dequantize, softmax in float32 along `axis` (the whole tail from `axis` where the op's `opset`
     attribute is below 13, as Softmax-1/11 coerce to 2-D), quantize. onnxruntime sums a table of
-    exponentials instead
-    (and scales by floor(1 / y_scale)); the results agree within one quantization step."""
+    exponentials instead (and scales by floor(1 / y_scale)); the results agree within one
+    quantization step. The exponentials are a table too: exp(-d * x_scale) for each distance d from
+    the row's maximum code (the zero point cancels out), the same float32 values the formula gives."""
 
     def __init__(self, node):
         super().__init__(node)
         self.axis = self.attr_int("axis", -1)
         self.flatten = self.attr_int("opset", 13) < 13
 
+    @staticmethod
+    def _params(x_scale, x_zp, y_scale, y_zp) -> tuple:
+        width = np.asarray(x_zp).dtype.itemsize * 8 if x_zp is not None else 16
+        distances = -np.arange(1 << width, dtype=np.int32).astype(F32)  # every distance between two codes
+        table = np.exp(distances * _f32(x_scale).reshape(()))
+        # onnxruntime scales by floor(1 / y_scale), not 1 / y_scale (254, not 255, for a 1/255 scale)
+        steps = np.floor(np.float32(1) / _f32(y_scale)).astype(F32).reshape(())
+        return table, steps, Saturate(y_zp, _out_dtype(y_zp, np.uint8))
+
     def _run(self, x, x_scale, x_zp, y_scale, y_zp=None):
         axis = normalize_axis(self.axis, x.ndim)
         shape = x.shape
         codes = x.reshape(*shape[:axis], -1) if self.flatten else x
         axis = codes.ndim - 1 if self.flatten else axis
-        # exp((q - max(q)) * scale): the zero point cancels out.
-        shifted = (codes.astype(np.int32) - codes.max(axis=axis, keepdims=True).astype(np.int32)).astype(F32)
-        e = np.exp(shifted * _f32(x_scale))
-        # onnxruntime scales by floor(1 / y_scale), not 1 / y_scale (254, not 255, for a 1/255 scale)
-        steps = np.floor(np.float32(1) / _f32(y_scale)).astype(F32)
-        p = (e * steps) / e.sum(axis=axis, keepdims=True)
-        y = saturate_round(p, _f32(y_zp if y_zp is not None else 0), _out_dtype(y_zp, x.dtype))
-        return (y.reshape(shape),)
+        table, steps, sat = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), self._params)
+        if y_zp is None and sat.dtype != x.dtype:
+            sat = Saturate(None, x.dtype)
+        top = np.maximum.reduce(codes, axis=axis, keepdims=True)
+        # max - code >= 0: exact in uint8 itself for uint8 codes, in int32 for signed ones
+        distance = top - codes if codes.dtype == np.uint8 else np.subtract(top, codes, dtype=np.int32)
+        e = table.take(distance)
+        p = np.multiply(e, steps)
+        p /= e.sum(axis=axis, keepdims=True)
+        return (sat(p).reshape(shape),)

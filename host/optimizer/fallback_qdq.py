@@ -1,12 +1,15 @@
 """Expansions of the integer kernels the QDQ fusion (rules/qdq.py) emits, back to the
 DequantizeLinear -> float op -> QuantizeLinear group they replaced (for an EP that claims the group's
-float ops but not the integer kernel)."""
+float ops but not the integer kernel); of MatMulNBits (rules/qdq_nbits.py) to a MatMul by its
+dequantized float weight; of DynamicQuantizeMatMul (rules/qdq_dynamic.py) to quantize_dynamic's chain."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from host.optimizer.fallback import _attr, _Builder, _input, expansion
+from abi.nbits import NBitsLayout
+from host.optimizer.fallback import _attr, _Builder, _input, _unsupported, expansion
+from host.optimizer.rules.base import constant_array
 from host.optimizer.rules.qdq import MS_DOMAIN
 
 _CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
@@ -84,3 +87,26 @@ def _matmul_integer_to_float(b: _Builder, node: ir.Node) -> list:
     a, w, a_s, ws = node.inputs[:4]
     y = b.op("MatMul", _dq(b, a, a_s, _input(node, 4)), _dq(b, w, ws, _input(node, 5), axis=-1))
     return [y if _input(node, 6) is None else b.op("Add", y, node.inputs[6])]
+
+
+@expansion(MS_DOMAIN, "MatMulNBits")
+def _matmul_nbits(b: _Builder, node: ir.Node) -> list:
+    """MatMul by the weight dequantized here (any bits, zero points, g_idx), plus the bias."""
+    layout = NBitsLayout(_attr(node, "K", 0), _attr(node, "N", 0), _attr(node, "bits", 4), _attr(node, "block_size", 0))
+    weights = [None if _input(node, i) is None else constant_array(node.inputs[i]) for i in (1, 2, 3, 4)]
+    if weights[0] is None or weights[1] is None or any(w is None and _input(node, i + 1) is not None
+                                                       for i, w in enumerate(weights)):
+        raise _unsupported(node, "weights, scales, zero points or g_idx that are not constants")
+    w = layout.dequantize(*weights)
+    y = b.op("MatMul", node.inputs[0], b.const(w.astype(node.inputs[2].dtype.numpy())))
+    return [y if _input(node, 5) is None else b.op("Add", y, node.inputs[5])]
+
+
+@expansion(MS_DOMAIN, "DynamicQuantizeMatMul")
+def _dynamic_quantize_matmul(b: _Builder, node: ir.Node) -> list:
+    x, w, w_scale = node.inputs[:3]
+    x_q, x_scale, x_zp = b.tape.op_multi_out("DynamicQuantizeLinear", [x], num_outputs=3,
+                                             name=f"{b.prefix}/DynamicQuantizeLinear")
+    product = b.op("MatMulInteger", x_q, w, x_zp, _input(node, 3))
+    y = b.op("Mul", b.op("Cast", product, to=ir.DataType.FLOAT), b.op("Mul", x_scale, w_scale))
+    return [y if _input(node, 4) is None else b.op("Add", y, node.inputs[4])]

@@ -72,10 +72,15 @@ EXTRA_CASES = {
                          epsilon=1e-5),
         {"x": _R.standard_normal((2, 3, 8)).astype(np.float32), "skip": _R.standard_normal((2, 3, 8)).astype(np.float32),
          "scale": _R.uniform(0.5, 1.5, 8).astype(np.float32), "bias": _R.standard_normal(8).astype(np.float32)}),
+    "com.microsoft:MatMulNBits": (
+        helper.make_node("MatMulNBits", ["a", "b", "scales"], ["y"], domain="com.microsoft", K=8, N=4, bits=4,
+                         block_size=16),
+        {"a": _R.standard_normal((3, 8)).astype(np.float32), "b": _R.integers(0, 256, (4, 1, 8)).astype(np.uint8),
+         "scales": _R.uniform(0.05, 0.2, 4).astype(np.float32)}),
 }
 # The output shapes of the cases whose op onnx cannot infer (other domains).
 _EXTRA_SHAPES = {"ai.ephost:FusedMatMul": [2, 3, 5], "ai.ephost:BiasGelu": [2, 3, 8],
-                 "ai.ephost:SkipLayerNormalization": [2, 3, 8]}
+                 "ai.ephost:SkipLayerNormalization": [2, 3, 8], "com.microsoft:MatMulNBits": [3, 4]}
 
 
 def _layer_norm(v, scale, bias, eps=1e-5):
@@ -126,7 +131,8 @@ NUMPY_REFERENCE = {
 def _extra_case(op: str) -> tuple[onnx.ModelProto, list[np.ndarray]]:
     node, feeds = EXTRA_CASES[op]
     if op in _EXTRA_SHAPES:  # another domain: no schema, no inference
-        inputs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()]
+        inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                  for k, v in feeds.items()]
         out = helper.make_tensor_value_info("y", TensorProto.FLOAT, _EXTRA_SHAPES[op])
         graph = helper.make_graph([node], f"test_{node.op_type.lower()}_half", inputs, [out])
         opsets = [helper.make_opsetid("", 21), helper.make_opsetid(node.domain, 1)]

@@ -20,7 +20,7 @@ replace the group with the integer kernel on the quantized tensors:
 
 Only 8-bit groups with constant scales and zero points are fused (onnxruntime's conditions); a
 blocked DQ, a 16-bit or 4-bit type, or a bias whose scale is not input scale x weight scale stays as
-written (it runs in float).
+written (it runs in float; a blocked weight-only DQ -> MatMul becomes MatMulNBits: rules/qdq_nbits.py).
 """
 
 from __future__ import annotations
