@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..device.nvrtc import elementwise_table
-from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, num_outputs, register
+from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, is_half, num_outputs, register
 
 try:
     import cupy
@@ -40,7 +40,6 @@ SOURCES = {
 elementwise = elementwise_table(SOURCES)
 _I64 = np.dtype(np.int64)
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 
 
 @register("Split", 2)
@@ -207,7 +206,7 @@ class ConstantOfShape(CudaKernel):
             value = np.zeros(1, np.float32)
         value = np.asarray(value)
         if value.size != 1 or value.dtype.name not in ALL:
-            raise self.bad_attr("value", value, "a one-element tensor of float32, float16, int32, int64 or bool")
+            raise self.bad_attr("value", value, "a one-element tensor of float32, float16, bfloat16, int32, int64 or bool")
         self.value = value.reshape(-1)[0]
 
     def _compute(self, ctx):
@@ -367,7 +366,8 @@ class CumSum(CudaKernel):
         flip = (slice(None),) * axis + (slice(None, None, -1),)
         src = x[flip] if self.reverse else x
         dst = out[flip] if self.reverse else out
-        total = cupy.cumsum(src, axis=axis, dtype=_F32 if x.dtype == _F16 else None)
+        # CuPy's cumsum has no bfloat16 loop; both half types accumulate in float32.
+        total = cupy.cumsum(src, axis=axis, dtype=_F32 if is_half(x.dtype) else None)
         if self.exclusive:
             head = (slice(None),) * axis + (slice(0, 1),)
             dst[head] = 0
