@@ -16,12 +16,12 @@ except Exception as e:  # noqa: BLE001
 print("bf16 exp", cupy.exp(a).dtype, "sum f32", float(a.sum(dtype=cupy.float32)))
 PY
 echo "== half kernel tests (test_half_kernels.py: Cast, odd sizes, capture, converted transformers)"
-timeout 150 python3 -m pytest tests/plugin_cuda/test_half_kernels.py -m gpu -q -rf --timeout=120 \
+timeout 150 python3 -m pytest tests/plugin_cuda/test_half_kernels.py -m gpu -q -rf --timeout=120 -n 8 \
   -p no:cacheprovider 2>&1 | tail -40
 echo "== the per-op kernel tests in float16 and bfloat16 (the BOTH parameter)"
 timeout 150 python3 -m pytest tests/plugin_cuda/test_kernels.py tests/plugin_cuda/test_kernels_fused.py \
   tests/plugin_cuda/test_kernels_math_logic.py tests/plugin_cuda/test_kernels_data_movement.py \
-  -m gpu -k "bf16 or f16" -q -rf --timeout=120 -p no:cacheprovider 2>&1 | tail -40
+  -m gpu -k "bf16 or f16" -q -rf --timeout=120 -n 8 -p no:cacheprovider 2>&1 | tail -40
 echo "== converted fixtures: assignment, accuracy vs onnxruntime float32, capture"
 timeout 90 python3 bench/half_gpu.py check bert_torchscript llama_dynamo vit_dynamo 2>&1 | tail -12
 echo "== BERT-base fp16 batch 8 seq 128: ephost per-node vs torch"
