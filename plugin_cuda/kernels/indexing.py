@@ -367,7 +367,7 @@ class CumSum(CudaKernel):
         src = x[flip] if self.reverse else x
         dst = out[flip] if self.reverse else out
         # CuPy's cumsum has no bfloat16 loop; both half types accumulate in float32.
-        total = cupy.cumsum(src, axis=axis, dtype=_F32 if is_half(x.dtype) else None)
+        total = cupy.cumsum(src.astype(_F32) if is_half(x.dtype) else src, axis=axis)
         if self.exclusive:
             head = (slice(None),) * axis + (slice(0, 1),)
             dst[head] = 0

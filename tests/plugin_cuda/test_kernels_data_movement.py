@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.plugin_cuda.test_kernels import (
+    BF16,
     BOTH,
     F16,
     F32,
@@ -182,7 +183,7 @@ def test_scatter_nd(cp, reduction):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [F32, F16, np.int64], ids=["f32", "f16", "i64"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, np.int64], ids=["f32", "f16", "bf16", "i64"])
 @pytest.mark.parametrize("exclusive", [0, 1])
 @pytest.mark.parametrize("reverse", [0, 1])
 @pytest.mark.parametrize("axis", [0, -1])
@@ -198,7 +199,7 @@ def test_cumsum(cp, dtype, exclusive, reverse, axis):
 @gpu
 @pytest.mark.parametrize("op_type", ["ArgMax", "ArgMin"])
 @pytest.mark.parametrize("axis,keepdims,last", [(0, 1, 0), (1, 0, 0), (-1, 1, 1), (1, 0, 1)], ids=str)
-@pytest.mark.parametrize("dtype", [F32, F16, np.int64], ids=["f32", "f16", "i64"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, np.int64], ids=["f32", "f16", "bf16", "i64"])
 def test_arg_reduce(cp, op_type, axis, keepdims, last, dtype):
     x = ints(3, 4, 5, seed=9, low=-2, high=3).astype(dtype)  # ties, so select_last_index matters
     exact(cp, op_type, [x], {"axis": axis, "keepdims": keepdims, "select_last_index": last}, 13)
