@@ -115,8 +115,8 @@ def test_range(cp, start, limit, delta):
 
 
 @gpu
-@pytest.mark.parametrize("value", [None, np.array([3], I64), np.array([2.5], F16), np.array([True])],
-                         ids=["default", "i64", "f16", "bool"])
+@pytest.mark.parametrize("value", [None, np.array([3], I64), np.array([2.5], F16), np.array([2.5], BF16),
+                                   np.array([True])], ids=["default", "i64", "f16", "bf16", "bool"])
 def test_constant_of_shape(cp, value):
     from onnx import numpy_helper
 
