@@ -171,6 +171,7 @@ def bench_bert(precision: str, batch: int, seq: int, iters: int, warmup: int, en
         half = convert_precision(exported, precision).SerializeToString()
     res: dict = {"model": f"bert-base b{batch} s{seq}", "precision": precision,
                  "export_s": round(time.perf_counter() - t0, 1), "device": torch.cuda.get_device_name()}
+    print(f"  exported and converted in {res['export_s']} s", flush=True)
     tmodel = model.to("cuda", tdtype)
     targs = (torch.from_numpy(ids).cuda(), torch.from_numpy(mask).cuda())
     with torch.inference_mode():
@@ -181,6 +182,7 @@ def bench_bert(precision: str, batch: int, seq: int, iters: int, warmup: int, en
             tmodel(*targs)
         torch.cuda.synchronize()
     res["torch_eager_us"] = _timed(torch_eager, iters, warmup)
+    print(f"  torch eager {res['torch_eager_us']:.0f} us", flush=True)
     try:
         res["torch_graph_us"] = _timed(_torch_graph(torch, tmodel, targs), iters, warmup)
     except Exception as exc:  # noqa: BLE001 - transformers modules may refuse capture
@@ -208,6 +210,8 @@ def bench_bert(precision: str, batch: int, seq: int, iters: int, warmup: int, en
         res[f"ephost_{mode}_us"] = _timed(lambda s=session, b=binding: s.run_with_iobinding(b), iters, warmup)
         if mode == "replay":
             res["captured"] = session.fallbacks["graph_captured"]
+        print(f"  ephost {mode} {res[f'ephost_{mode}_us']:.0f} us (nodes {res['nodes']}, off CUDA "
+              f"{len(res['off_cuda'])})", flush=True)
         session.close()
     res["eager_ratio"] = round(res["ephost_eager_us"] / res["torch_eager_us"], 2)
     if "torch_graph_us" in res:
