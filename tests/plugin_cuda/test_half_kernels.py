@@ -12,8 +12,8 @@ adds what those do not cover:
   ml_dtypes' own conversions); the fused kernels on odd sizes; the fused kernels captured in a CUDA
   graph and replayed on new values in both half types; four transformer fixtures converted to float16
   and bfloat16, run node by node (compiled_plan=0) fully on the CUDA EP, outputs of the declared
-  half type, close to onnxruntime CPU on the float32 model (max |diff| / max |ref| <= 2e-2 float16,
-  4e-2 bfloat16), and captured with enable_cuda_graph=1 then replayed on new inputs.
+  half type, close to onnxruntime CPU on the float32 model (max |diff| / max |ref| <= 2e-2, issue 24's
+  goal), and captured with enable_cuda_graph=1 then replayed on new inputs.
 
 References are float32 computations (the ONNX reference evaluator, NumPy, onnxruntime CPU) on the same
 half-rounded inputs: onnxruntime's CPU provider has no bfloat16 kernels.
@@ -283,7 +283,9 @@ def test_half_kernels_capture_and_replay(cp, op_type, domain, opset, make, attrs
 
 
 MODELS = ["bert_torchscript", "gpt2_dynamo", "llama_dynamo", "vit_dynamo"]
-MODEL_TOL = {"fp16": 2e-2, "bf16": 4e-2}
+# Issue 24's accuracy goal. The CPU EP rounding every value to its declared type, as the per-node GPU
+# path does (EPHOST_HALF_ROUNDING=node), is within 1.4e-3 (float16) and 9.4e-3 (bfloat16) on these four.
+MODEL_TOL = {"fp16": 2e-2, "bf16": 2e-2}
 KERNELS_ONLY = {"compiled_plan": "0", "use_tf32": "0"}  # compiled plans are float32 only
 
 
