@@ -394,3 +394,34 @@ def test_device_bfloat16_arrays_bind_as_bfloat16(own, expected):
 
     tensor = as_device_tensor(_CaiArray(own if isinstance(own, np.dtype) else TorchDtype()))
     assert tensor.dtype == expected and tensor.shape == (2, 3)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_torch_half_exports_are_claimed_whole(tmp_path, dtype_name):
+    """A BERT exported by torch from `model.half()` / `model.to(torch.bfloat16)` (TorchScript exporter,
+    opset 17: the export issue 24 found SkipLayerNormalization of on the CPU EP): after the optimizer,
+    no data node the CUDA kernels would refuse, and the CPU EP returns the declared half type."""
+    torch = pytest.importorskip("torch", reason="torch exports the model")
+    pytest.importorskip("transformers", reason="the BERT module comes from transformers")
+    from transformers import BertConfig, BertModel
+
+    from host.runtime.session import InferenceSession
+    from tests.models import export
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64)
+    model = export._wrap(torch, export._from_config(BertModel, config), 2).eval().to(getattr(torch, dtype_name))
+    ids = np.random.default_rng(0).integers(0, 200, size=(1, 16), dtype=np.int64)
+    mask = np.ones((1, 16), np.int64)
+    mask[0, -3:] = 0
+    path = tmp_path / "bert_half.onnx"
+    torch.onnx.export(model, (torch.from_numpy(ids), torch.from_numpy(mask)), str(path), dynamo=False,
+                      opset_version=17, input_names=["input_ids", "attention_mask"], output_names=["y"],
+                      do_constant_folding=True)
+    session = InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert "SkipLayerNormalization" in {n.op_type for n in session.graph.nodes}
+    assert unclaimed_data_nodes(session.graph) == []
+    (y,) = session.run(None, {"input_ids": ids, "attention_mask": mask})
+    assert y.dtype.name == dtype_name
+    session.close()
