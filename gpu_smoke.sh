@@ -23,6 +23,6 @@ timeout 150 python3 -m pytest tests/plugin_cuda/test_kernels.py tests/plugin_cud
   tests/plugin_cuda/test_kernels_math_logic.py tests/plugin_cuda/test_kernels_data_movement.py \
   -m gpu -k "bf16 or f16" -q -rf --timeout=120 -n 8 -p no:cacheprovider 2>&1 | tail -40
 echo "== converted fixtures: assignment, accuracy vs onnxruntime float32, capture"
-timeout 60 python3 bench/half_gpu.py check bert_torchscript llama_dynamo vit_dynamo 2>&1 | tail -12
+timeout 90 python3 bench/half_gpu.py check bert_torchscript llama_dynamo vit_dynamo 2>&1 | tail -12
 echo "== BERT-base fp16 batch 8 seq 128: ephost per-node vs torch"
 timeout 180 python3 bench/half_gpu.py bert --precision fp16 --iters 30 2>&1 | tail -5
