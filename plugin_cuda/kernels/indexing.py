@@ -341,6 +341,12 @@ class ScatterND(CudaKernel):
                              f"{list(indices.shape)} and data shape {list(data.shape)}")
         if self.reduction == "none":
             rows[lin] = upd
+        elif is_half(out.dtype):
+            # Half types reduce in float32 (one rounding at the end; CuPy's scatter has no bfloat16
+            # atomics), then are stored back in their own type.
+            wide = rows.astype(_F32)
+            _SCATTER_UFUNCS[self.reduction].at(wide, lin, upd.astype(_F32))
+            cupy.copyto(rows, wide, casting="unsafe")
         else:
             # ufunc.at applies repeated indices one after another, as ScatterND's reductions require.
             _SCATTER_UFUNCS[self.reduction].at(rows, lin, upd)

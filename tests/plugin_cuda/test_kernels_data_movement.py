@@ -173,13 +173,14 @@ def test_gather_nd(cp, shape, indices, batch_dims, dtype):
 
 
 @gpu
+@BOTH
 @pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
-def test_scatter_nd(cp, reduction):
+def test_scatter_nd(cp, reduction, dtype):
     data = rand(4, 3, 2)
     indices = np.array([[1], [3], [0]], I64) if reduction == "none" else np.array([[1], [3], [1]], I64)
     updates = rand(3, 3, 2, seed=5)
-    check(cp, "ScatterND", [data, indices, updates], {"reduction": reduction}, 18)
-    check(cp, "ScatterND", [data, np.array([[0, 2], [-1, 1]], I64), rand(2, 2, seed=6)], {}, 13)
+    check(cp, "ScatterND", [data, indices, updates], {"reduction": reduction}, 18, dtype)
+    check(cp, "ScatterND", [data, np.array([[0, 2], [-1, 1]], I64), rand(2, 2, seed=6)], {}, 13, dtype)
 
 
 @gpu
