@@ -12,7 +12,9 @@ opset (many ops admit bfloat16 only since opset 13) stays in float32 like a bloc
   `DEFAULT_OP_BLOCK_LIST`). An initializer that only blocked ops read stays float32.
 - `keep_io_types=True` keeps float32 graph inputs and outputs, with Casts at the edges.
 - float16 has a narrow range (max 65504): finite float32 initializers beyond it are clipped to it, as
-  the attention masks' `finfo(float32).min` must stay finite; bfloat16 has float32's range.
+  the attention masks' `finfo(float32).min` must stay finite; bfloat16 has float32's exponent but not
+  its largest values (`finfo(float32).max` rounds to infinity in bfloat16), so it is clipped too, to
+  bfloat16's largest finite value.
 - Graphs with subgraphs (If, Loop, Scan) are refused: their bodies are not converted yet.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -43,7 +46,9 @@ DEFAULT_OP_BLOCK_LIST = frozenset({
 _TYPE_ATTRS = ("to", "dtype", "output_dtype", "output_datatype")
 # Ops kept in float32 whatever the block list says: BitCast reinterprets the bits of its input's type.
 _ALWAYS_FLOAT32 = frozenset({"BitCast"})
-_FP16_MAX = float(np.finfo(np.float16).max)
+# The largest finite value of each half type: finite float32 constants beyond it are clipped to it
+# (an attention mask's finfo(float32).min must not become -inf, whose product with 0 is NaN).
+_HALF_MAX = {FLOAT16: float(np.finfo(np.float16).max), BFLOAT16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
 
 
 def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: bool = False,
@@ -123,9 +128,8 @@ def _admits(node: onnx.NodeProto, half: int, opsets: dict[str, int]) -> bool:
 
 
 def _half_array(arr: np.ndarray, half: int) -> np.ndarray:
-    if half == FLOAT16:
-        finite = np.isfinite(arr)
-        arr = np.where(finite, np.clip(arr, -_FP16_MAX, _FP16_MAX), arr)
+    finite = np.isfinite(arr)
+    arr = np.where(finite, np.clip(arr, -_HALF_MAX[half], _HALF_MAX[half]), arr)
     return arr.astype(to_numpy(half))
 
 

@@ -569,6 +569,10 @@ class CudaKernelAdapter(sdk.KernelBase):
             self.kernel.compute(call)
 
     def output(self, context, index: int, shape: tuple, dtype):
+        declared = self.dtypes[index] if index < len(self.dtypes) else None
+        if declared is not None and dtype != declared:  # the host allocated the declared type's bytes
+            raise PluginError(f"node '{self.node.name}' ({self.node.op_type}): the kernel writes output {index} as "
+                              f"{dtype}; the graph declares {declared}")
         ffi = self.ffi
         out = ffi.new("EpTensor**")
         self.api.check(self._get_output(context, index, ffi.new("int64_t[]", shape or (0,)), len(shape), out))

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 import abi
-from abi.dtypes import to_numpy, to_onnx
+from abi.dtypes import BFLOAT16_DTYPE, to_numpy, to_onnx
 from host.errors import InvalidArgument, OutOfMemoryError
 from host.plugins.hostapi import STATUSES, ffi
 
@@ -157,8 +157,19 @@ def as_device_tensor(obj) -> DeviceTensor | None:
         device_id = int(dev.id)
     elif dev is not None and hasattr(dev, "index") and dev.index is not None:
         device_id = int(dev.index)
-    return DeviceTensor(int(cai["data"][0]), tuple(cai["shape"]), np.dtype(cai["typestr"]),
+    return DeviceTensor(int(cai["data"][0]), tuple(cai["shape"]), _cai_dtype(obj, cai["typestr"]),
                         abi.DEVICE_GPU, device_id, owner=obj)
+
+
+def _cai_dtype(obj, typestr: str) -> np.dtype:
+    """The element type of a __cuda_array_interface__ object. bfloat16 has no typestr of its own (CuPy
+    and torch both write '<V2'), so a 2-byte void is bfloat16 when the array's own dtype says so."""
+    dtype = np.dtype(typestr)
+    if dtype.kind == "V" and dtype.itemsize == 2:
+        own = getattr(obj, "dtype", None)
+        if (isinstance(own, np.dtype) and own == BFLOAT16_DTYPE) or str(own) == "torch.bfloat16":
+            return BFLOAT16_DTYPE
+    return dtype
 
 
 def _contiguous_strides(shape, itemsize: int) -> tuple:

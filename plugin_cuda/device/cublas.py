@@ -21,6 +21,7 @@ import weakref
 import cffi
 import numpy as np
 
+from abi.dtypes import BFLOAT16_DTYPE
 from plugin_cuda.device.streams import stream_scope
 from plugin_cuda.semantics import shapes
 
@@ -52,6 +53,7 @@ CUBLAS_OP_N = 0
 CUBLAS_OP_T = 1
 CUDA_R_32F = 0
 CUDA_R_16F = 2
+CUDA_R_16BF = 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_COMPUTE_32F_FAST_TF32 = 77
 CUBLAS_GEMM_DEFAULT = -1
@@ -368,12 +370,15 @@ class CublasHandle:
 
 
 def gemm_types(dtype, use_tf32: bool):
-    """(cudaDataType, cublasComputeType) for an operand dtype; FP16 accumulates in FP32."""
+    """(cudaDataType, cublasComputeType) for an operand dtype; FP16 and BF16 accumulate in FP32 (on
+    tensor cores)."""
     if dtype == np.float32:
         return CUDA_R_32F, (CUBLAS_COMPUTE_32F_FAST_TF32 if use_tf32 else CUBLAS_COMPUTE_32F)
     if dtype == np.float16:
         return CUDA_R_16F, CUBLAS_COMPUTE_32F
-    raise ValueError(f"cuBLAS GEMM got dtype {dtype}; allowed: float32, float16")
+    if dtype == BFLOAT16_DTYPE:
+        return CUDA_R_16BF, CUBLAS_COMPUTE_32F
+    raise ValueError(f"cuBLAS GEMM got dtype {dtype}; allowed: float32, float16, bfloat16")
 
 
 def _scalar(value: float):
@@ -491,7 +496,8 @@ def _contiguous(x):
 
 
 def matmul(handle: CublasHandle, a, b, out) -> None:
-    """out = a @ b with ONNX MatMul semantics, for float32 (TF32 when the handle says so) or float16.
+    """out = a @ b with ONNX MatMul semantics, for float32 (TF32 when the handle says so), float16 or
+    bfloat16.
 
     `out` must be a C-contiguous CuPy array of matmul_shape(a.shape, b.shape) and the dtype of `a`.
     """

@@ -4,7 +4,7 @@ the attention mask (bool or additive float, broadcast, shorter than the keys = p
 and the softmax, in float32.
 
 Covered: Q/K/V 4-D (B, H, S, D) or 3-D (B, S, H*D) with q_num_heads/kv_num_heads, grouped-query
-attention (q heads a multiple of kv heads), attn_mask bool/float32/float16, is_causal, scale,
+attention (q heads a multiple of kv heads), attn_mask bool/float32/float16/bfloat16, is_causal, scale,
 softcap, outputs Y and present_key/present_value (no past). Not claimed: past_key/past_value,
 the qk_matmul_output output. A fully masked row gives zeros, as the ONNX reference does.
 
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from abi.dtypes import BFLOAT16_DTYPE
+
 from ..device import cublas
 from ..device.nvrtc import KernelLibrary
 from ..device.streams import row_threads
@@ -38,8 +40,9 @@ except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still lo
 
 __all__ = ["SOURCE", "AttentionPlan", "attention_plan", "function", "launch_attention"]
 
-MASK_NONE, MASK_BOOL, MASK_F32, MASK_F16 = 0, 1, 2, 3
-_MASK_KINDS = {np.dtype(np.bool_): MASK_BOOL, np.dtype(np.float32): MASK_F32, np.dtype(np.float16): MASK_F16}
+MASK_NONE, MASK_BOOL, MASK_F32, MASK_F16, MASK_BF16 = 0, 1, 2, 3, 4
+_MASK_KINDS = {np.dtype(np.bool_): MASK_BOOL, np.dtype(np.float32): MASK_F32, np.dtype(np.float16): MASK_F16,
+               BFLOAT16_DTYPE: MASK_BF16}
 
 SOURCE = r"""
 // One block per row (b, h, i) of scores laid out (B, H, Sq, Skv), float32, already scaled.
@@ -55,7 +58,8 @@ __device__ __forceinline__ float attn_logit(const float* sr, const void* mask, i
       const i64 at = mrow + (i64)j * mj;
       if (kind == 1) allowed = allowed && ((const unsigned char*)mask)[at] != 0;
       else if (kind == 2) v += ((const float*)mask)[at];
-      else v += to_f(((const half_bits*)mask)[at]);
+      else if (kind == 3) v += to_f(((const half_bits*)mask)[at]);
+      else v += to_f(((const bf16_bits*)mask)[at]);
     }
   }
   return allowed ? v : EPHOST_NEG_INF;
@@ -197,7 +201,7 @@ def attention_plan(q_shape, k_shape, v_shape, mask_shape, mask_dtype, q_num_head
     mask_strides, mask_len = _mask_layout(node, mask_shape, batch, hq, sq, skv)
     mask_kind = MASK_NONE if mask_shape is None else _MASK_KINDS.get(np.dtype(mask_dtype))
     if mask_kind is None:
-        raise ValueError(f"{node}: attn_mask dtype {np.dtype(mask_dtype)}; allowed: bool, float32, float16")
+        raise ValueError(f"{node}: attn_mask dtype {np.dtype(mask_dtype)}; allowed: bool, float32, float16, bfloat16")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if not seq_major:
         rows = g * sq  # the g query heads of one kv head are one matrix of g * sq rows

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from abi.dtypes import BFLOAT16_DTYPE
 from plugin_cuda.semantics import Attributes, shapes
 
 try:
@@ -34,17 +35,23 @@ __all__ = [
     "ALL",
     "EPHOST_DOMAIN",
     "FLOAT",
+    "HALF",
     "INDEX",
     "KERNELS",
     "CudaKernel",
     "UnsupportedOpError",
     "claimable",
+    "is_half",
     "lookup",
+    "numpy_dtype",
     "register",
     "supported_ops",
 ]
 
-FLOAT = frozenset({"float32", "float16"})
+# float16 and bfloat16 are stored in 2 bytes and computed in float32 (CuPy 14 takes ml_dtypes'
+# bfloat16 as an array dtype, `__nv_bfloat16` in its kernels; the raw kernels convert the bits).
+HALF = frozenset({"float16", "bfloat16"})
+FLOAT = frozenset({"float32"}) | HALF
 INDEX = frozenset({"int32", "int64"})
 BOOL = frozenset({"bool"})
 ALL = FLOAT | INDEX | BOOL
@@ -56,8 +63,19 @@ _PLAN_LIMIT = 256
 # ONNX TensorProto.DataType -> NumPy dtype name.
 ONNX_DTYPES = {
     1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64",
-    9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64",
+    9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 16: "bfloat16",
 }
+_HALF_DTYPES = frozenset({np.dtype(np.float16), BFLOAT16_DTYPE})
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name of this module ('bfloat16' is ml_dtypes' type)."""
+    return BFLOAT16_DTYPE if name == "bfloat16" else np.dtype(name)
+
+
+def is_half(dtype) -> bool:
+    """True for float16 and bfloat16 (computed in float32, stored in 2 bytes)."""
+    return dtype in _HALF_DTYPES
 
 
 class UnsupportedOpError(LookupError):

@@ -11,7 +11,7 @@ import numpy as np
 from ..device import cublas
 from ..device.nvrtc import elementwise_table
 from ..semantics.shapes import AUTO_PADS, output_geometry
-from .base import FLOAT, CudaKernel, num_outputs, register
+from .base import FLOAT, CudaKernel, is_half, num_outputs, register
 
 try:
     import cupy
@@ -112,7 +112,6 @@ SOURCES = {
 elementwise = elementwise_table(SOURCES)
 
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 _I64 = np.dtype(np.int64)
 
 
@@ -285,7 +284,7 @@ class GlobalAveragePool(CudaKernel):
         x = ctx.inputs[0]
         axes, out_shape = self.plan((x.shape,), self._plan)
         out = ctx.output(0, out_shape, x.dtype)
-        if x.dtype == _F16:
+        if is_half(x.dtype):
             cupy.copyto(out, cupy.mean(x, axis=axes, dtype=_F32, keepdims=True))
         else:
             cupy.mean(x, axis=axes, keepdims=True, out=out)

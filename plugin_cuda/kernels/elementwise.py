@@ -2,7 +2,8 @@
 
 CuPy ufuncs write straight into the output (`out=`) and broadcast; the few ops without a ufunc
 are ElementwiseKernels, built on first use and compiled by CuPy once per device and dtype.
-float16 math runs in float32 registers and is stored back as float16.
+float16 and bfloat16 math runs in float32 registers and is stored back in the half type (CuPy 14
+takes ml_dtypes' bfloat16 as `__nv_bfloat16`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 from ..device.nvrtc import elementwise_table
 from ..semantics import GELU_CUDA
 from ..semantics.shapes import broadcast_shape
-from .base import ALL, BOOL, FLOAT, INDEX, NUMERIC, ONNX_DTYPES, CudaKernel, register
+from .base import ALL, BOOL, FLOAT, INDEX, NUMERIC, ONNX_DTYPES, CudaKernel, numpy_dtype, register
 
 try:
     import cupy
@@ -435,7 +436,7 @@ CAST_TYPES = FLOAT | INDEX | BOOL
 
 @register("Cast", 6)
 class Cast(CudaKernel):
-    """Cast between float32/float16/int32/int64/bool (the plugin's claim() leaves casts of shape
+    """Cast between float32/float16/bfloat16/int32/int64/bool (the plugin's claim() leaves casts of shape
     values, which are computed on the host, to the CPU)."""
 
     input_types = (CAST_TYPES,)
@@ -445,8 +446,8 @@ class Cast(CudaKernel):
         to = self.attr_int("to")
         name = ONNX_DTYPES.get(to) if to is not None else None
         if name not in CAST_TYPES:
-            raise self.bad_attr("to", to, "1 (float), 10 (float16), 6 (int32), 7 (int64), 9 (bool)")
-        self.to = np.dtype(name)
+            raise self.bad_attr("to", to, "1 (float), 10 (float16), 16 (bfloat16), 6 (int32), 7 (int64), 9 (bool)")
+        self.to = numpy_dtype(name)
 
     def _compute(self, ctx):
         x = ctx.inputs[0]

@@ -3,13 +3,14 @@ SkipLayerNormalization, ai.ephost BiasGelu, ai.ephost FusedMatMul (cuBLAS GEMM +
 kernel), RotaryEmbedding, and a one-kernel Softmax/LogSoftmax over the last axis.
 
 One CUDA source (SOURCE) is compiled by NVRTC once per device and element type (float32, and
-float16 handled as raw 16-bit values converted with PTX `cvt`, so no CUDA header is needed);
+float16 and bfloat16 handled as raw 16-bit values converted with PTX `cvt` or bit arithmetic, so no
+CUDA header is needed);
 math runs in float32 registers. Every launch is capturable: no allocation, no synchronisation,
 no host-to-device copy (all sizes are kernel arguments).
 
 Launch helpers, shared by the per-node kernels below and by the compiled plans (plugin_cuda/plan/).
 Pointers are device addresses as Python ints (0 for an absent optional tensor); `dtype` is the
-element type of the T tensors (numpy.float32 or numpy.float16); each launches one kernel on CuPy's
+element type of the T tensors (numpy.float32, numpy.float16 or ml_dtypes.bfloat16); each launches one kernel on CuPy's
 *current* stream (enter `with stream:` or `cupy.cuda.ExternalStream(ptr)` first), on the current
 device:
 
@@ -32,6 +33,8 @@ Kernel classes register themselves for the per-node path; attention.py adds Atte
 from __future__ import annotations
 
 import numpy as np
+
+from abi.dtypes import BFLOAT16_DTYPE
 
 from ..device import cublas
 from ..device.nvrtc import KernelLibrary
@@ -61,7 +64,8 @@ __all__ = [
 ACT_NONE, ACT_RELU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2, 3
 ACTIVATIONS = {"": ACT_NONE, "Relu": ACT_RELU, "Gelu": ACT_GELU, "GeluTanh": ACT_GELU_TANH}
 
-# Device helpers shared with attention.py's source. T is `float` or `unsigned short` (float16 bits).
+# Device helpers shared with attention.py's source. T is `float`, `half_bits` (float16 bits) or
+# `bf16_bits` (bfloat16 bits).
 PRELUDE = GELU_CUDA + r"""
 typedef long long i64;
 typedef unsigned short half_bits;
@@ -74,6 +78,16 @@ __device__ __forceinline__ float to_f(half_bits h) {
 __device__ __forceinline__ void put(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void put(half_bits* p, i64 i, float v) {
   half_bits h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v)); p[i] = h;
+}
+// bfloat16: the high 16 bits of a float32. A struct, so that its overloads differ from float16's.
+struct bf16_bits { unsigned short bits; };
+__device__ __forceinline__ float to_f(bf16_bits h) { return __uint_as_float((unsigned)h.bits << 16); }
+__device__ __forceinline__ void put(bf16_bits* p, i64 i, float v) {
+  const unsigned u = __float_as_uint(v);
+  bf16_bits h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) h.bits = (unsigned short)((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+  else h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+  p[i] = h;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -221,7 +235,7 @@ extern "C" __global__ void ephost_softmax(const T* __restrict__ x, T* __restrict
 }
 """
 
-_C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half_bits"}
+_C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half_bits", BFLOAT16_DTYPE: "bf16_bits"}
 _F32 = np.dtype(np.float32)
 
 
@@ -229,7 +243,7 @@ def source_for(body: str, dtype) -> str:
     """Full CUDA source of `body` for element type `dtype` (the PRELUDE plus `typedef ... T`)."""
     ctype = _C_TYPES.get(np.dtype(dtype))
     if ctype is None:
-        raise ValueError(f"fused CUDA kernels got dtype {np.dtype(dtype)}; allowed: float32, float16")
+        raise ValueError(f"fused CUDA kernels got dtype {np.dtype(dtype)}; allowed: float32, float16, bfloat16")
     return f"{PRELUDE}\ntypedef {ctype} T;\n{body}"
 
 

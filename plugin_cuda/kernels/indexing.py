@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..device.nvrtc import elementwise_table
-from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, num_outputs, register
+from .base import ALL, INDEX, NUMERIC, CudaKernel, host_ints, is_half, num_outputs, register
 
 try:
     import cupy
@@ -40,7 +40,6 @@ SOURCES = {
 elementwise = elementwise_table(SOURCES)
 _I64 = np.dtype(np.int64)
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 
 
 @register("Split", 2)
@@ -207,7 +206,7 @@ class ConstantOfShape(CudaKernel):
             value = np.zeros(1, np.float32)
         value = np.asarray(value)
         if value.size != 1 or value.dtype.name not in ALL:
-            raise self.bad_attr("value", value, "a one-element tensor of float32, float16, int32, int64 or bool")
+            raise self.bad_attr("value", value, "a one-element tensor of float32, float16, bfloat16, int32, int64 or bool")
         self.value = value.reshape(-1)[0]
 
     def _compute(self, ctx):
@@ -342,6 +341,12 @@ class ScatterND(CudaKernel):
                              f"{list(indices.shape)} and data shape {list(data.shape)}")
         if self.reduction == "none":
             rows[lin] = upd
+        elif is_half(out.dtype):
+            # Half types reduce in float32 (one rounding at the end; CuPy's scatter has no bfloat16
+            # atomics), then are stored back in their own type.
+            wide = rows.astype(_F32)
+            _SCATTER_UFUNCS[self.reduction].at(wide, lin, upd.astype(_F32))
+            cupy.copyto(rows, wide, casting="unsafe")
         else:
             # ufunc.at applies repeated indices one after another, as ScatterND's reductions require.
             _SCATTER_UFUNCS[self.reduction].at(rows, lin, upd)
@@ -367,7 +372,8 @@ class CumSum(CudaKernel):
         flip = (slice(None),) * axis + (slice(None, None, -1),)
         src = x[flip] if self.reverse else x
         dst = out[flip] if self.reverse else out
-        total = cupy.cumsum(src, axis=axis, dtype=_F32 if x.dtype == _F16 else None)
+        # CuPy's cumsum has no bfloat16 loop; both half types accumulate in float32.
+        total = cupy.cumsum(src.astype(_F32) if is_half(x.dtype) else src, axis=axis)
         if self.exclusive:
             head = (slice(None),) * axis + (slice(0, 1),)
             dst[head] = 0

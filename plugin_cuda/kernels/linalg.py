@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import cublas
-from .base import FLOAT, CudaKernel, register
+from .base import FLOAT, CudaKernel, is_half, register
 
 try:
     import cupy
@@ -115,7 +115,8 @@ class Einsum(CudaKernel):
         inputs = ctx.inputs
         if len(inputs) == 1:
             x = inputs[0]
-            y = cupy.einsum(self.equation, x)
+            # A one-operand Einsum may sum: half inputs are summed in float32, then rounded.
+            y = cupy.einsum(self.equation, x.astype(np.float32) if is_half(x.dtype) else x)
             cupy.copyto(ctx.output(0, y.shape, x.dtype), y)
             return
         a, b = inputs

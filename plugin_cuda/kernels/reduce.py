@@ -1,15 +1,15 @@
 """ReduceSum, ReduceMean, ReduceMax.
 
 Axes are an attribute until ReduceSum-13 / ReduceMean-18 / ReduceMax-18 and an optional host input
-from then on; keepdims and noop_with_empty_axes as in the spec. float16 sums and means accumulate
-in float32 and are cast back.
+from then on; keepdims and noop_with_empty_axes as in the spec. float16 and bfloat16 sums and means
+accumulate in float32 and are cast back.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .base import FLOAT, INDEX, CudaKernel, host_ints, register
+from .base import FLOAT, INDEX, CudaKernel, host_ints, is_half, register
 
 try:
     import cupy
@@ -17,7 +17,6 @@ except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still lo
     cupy = None
 
 _F32 = np.dtype(np.float32)
-_F16 = np.dtype(np.float16)
 
 
 class _Reduce(CudaKernel):
@@ -59,7 +58,7 @@ class _Reduce(CudaKernel):
         out = ctx.output(0, out_shape, x.dtype)
         if norm is None:
             cupy.copyto(out, x)
-        elif x.dtype == _F16 and self.accumulate_f32:
+        elif self.accumulate_f32 and is_half(x.dtype):
             cupy.copyto(out, self._fn(x, axis=norm, dtype=_F32, keepdims=self.keepdims))
         else:
             self._fn(x, axis=norm, keepdims=self.keepdims, out=out)
@@ -80,4 +79,4 @@ class ReduceMean(_Reduce):
 class ReduceMax(_Reduce):
     axes_input_since = 18
     reducer = "amax"
-    accumulate_f32 = False  # max is exact in float16
+    accumulate_f32 = False  # max is exact in float16 and bfloat16

@@ -5,13 +5,16 @@ float32 GEMM-based ops (MatMul, Gemm, Conv) rtol 1e-2 / atol 2e-2 because cuBLAS
 (inputs rounded to a 10-bit mantissa, FP32 accumulate: ~5e-4 relative error per product, growing like
 sqrt(K); K <= 24 here), except where a test uses the plain-FP32 handle (1e-4); float16 outputs rtol/atol
 1e-2 (float16 has an 11-bit mantissa, and the reference sees the same float16-rounded inputs computed
-in float32); LayerNormalization in float32 1e-4 (mean and variance are summed in another order).
+in float32); bfloat16 outputs 2e-2 (an 8-bit mantissa: one rounding of the output is 2^-8 relative,
+and the reference's float32 result rounded to bfloat16 may land one unit away); LayerNormalization
+in float32 1e-4 (mean and variance are summed in another order).
 
 Tests without the gpu mark (claimable, attribute validation, registry) run on any machine.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -23,7 +26,10 @@ from plugin_cuda.kernels import base
 gpu = pytest.mark.gpu
 F32 = np.float32
 F16 = np.float16
-TOL = {np.dtype(F32): dict(rtol=1e-5, atol=1e-6), np.dtype(F16): dict(rtol=1e-2, atol=1e-2)}
+BF16 = ml_dtypes.bfloat16
+HALF = (np.dtype(F16), np.dtype(BF16))
+TOL = {np.dtype(F32): dict(rtol=1e-5, atol=1e-6), np.dtype(F16): dict(rtol=1e-2, atol=1e-2),
+       np.dtype(BF16): dict(rtol=2e-2, atol=2e-2)}
 TF32_TOL = dict(rtol=1e-2, atol=2e-2)
 
 
@@ -49,7 +55,7 @@ class FakeContext:
         out = self._cp.empty(tuple(shape), dtype=dtype)
         dtype = np.dtype(dtype)
         # Poison: an element the kernel forgets to write shows up in the comparison.
-        out.fill(np.nan if dtype.kind == "f" else (False if dtype.kind == "b" else 77))
+        out.fill(np.nan if is_float(dtype) else (False if dtype.kind == "b" else 77))
         self.outputs[index] = out
         return out
 
@@ -90,7 +96,7 @@ def check(cp, op_type, inputs, attrs=None, opset=17, dtype=F32, num_outputs=1, h
         x.astype(dtype) if isinstance(x, np.ndarray) and x.dtype == F32 else x for x in inputs
     ]
     ref_inputs = [
-        x.astype(F32) if isinstance(x, np.ndarray) and x.dtype == dtype and dtype == F16 else x
+        x.astype(F32) if isinstance(x, np.ndarray) and x.dtype == dtype and dtype in HALF else x
         for x in device_inputs
     ]
     got = run_kernel(cp, op_type, device_inputs, attrs, opset, handle, num_outputs)
@@ -98,9 +104,9 @@ def check(cp, op_type, inputs, attrs=None, opset=17, dtype=F32, num_outputs=1, h
     for i, (g, w) in enumerate(zip(got, want)):
         w = np.asarray(w)
         assert g.shape == w.shape, f"{op_type} output {i}: shape {g.shape} != reference {w.shape}"
-        if w.dtype.kind == "f" and dtype == F16 and g.dtype == F16:
-            w = w.astype(F16)
-        if g.dtype.kind == "f":
+        if w.dtype.kind == "f" and dtype in HALF and g.dtype == dtype:
+            w = w.astype(dtype)  # the reference's float32 result rounded as the kernel's output is
+        if is_float(g.dtype):
             np.testing.assert_allclose(g.astype(F32), w.astype(F32), **(tol or TOL[dtype]),
                                        err_msg=f"{op_type} output {i}")
         else:
@@ -112,12 +118,19 @@ def rand(*shape, seed=0, low=-2.0, high=2.0):
     return np.random.default_rng(seed).uniform(low, high, size=shape).astype(F32)
 
 
-BOTH = pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+def is_float(dtype) -> bool:
+    """float32/float16 (NumPy kind 'f') or ml_dtypes' bfloat16 (kind 'V')."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == np.dtype(BF16)
+
+
+# float32 and both half types (the name predates bfloat16).
+BOTH = pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
 
 
 I64 = np.int64
 # GEMM-based kernels on the plain-FP32 cuBLAS handle; float16 products carry an 11-bit mantissa.
-GEMM_TOL = {np.dtype(F32): dict(rtol=1e-4, atol=1e-4), np.dtype(F16): dict(rtol=2e-2, atol=2e-2)}
+GEMM_TOL = {np.dtype(F32): dict(rtol=1e-4, atol=1e-4), np.dtype(F16): dict(rtol=2e-2, atol=2e-2),
+            np.dtype(BF16): dict(rtol=4e-2, atol=4e-2)}
 
 
 def ints(*shape, seed=0, low=-5, high=6, dtype=I64):
@@ -525,7 +538,7 @@ def test_gemm(cp, cublas_handle, trans_a, trans_b, c_shape, dtype):
     inputs = [a, b] if c_shape is None else [a, b, rand(*c_shape, seed=3)]
     attrs = {"transA": trans_a, "transB": trans_b, "alpha": 0.5, "beta": 2.0}
     check(cp, "Gemm", inputs, attrs, 13, dtype, handle=cublas_handle,
-          tol=TF32_TOL if dtype == F32 else dict(rtol=1e-2, atol=3e-2))
+          tol=TF32_TOL if dtype == F32 else GEMM_TOL[np.dtype(dtype)])
 
 
 @gpu

@@ -125,7 +125,7 @@ def test_cuda_sources_are_plain_text_for_each_dtype():
         for body in (fused.SOURCE, attention_module.SOURCE):
             text = fused.source_for(body, dtype)
             assert ("typedef float T;" in text) == (dtype == F32)
-    with pytest.raises(ValueError, match=r"^fused CUDA kernels got dtype float64; allowed: float32, float16$"):
+    with pytest.raises(ValueError, match=r"^fused CUDA kernels got dtype float64; allowed: float32, float16, bfloat16$"):
         fused.source_for(fused.SOURCE, np.float64)
 
 

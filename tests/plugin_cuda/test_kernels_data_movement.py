@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.plugin_cuda.test_kernels import (
+    BF16,
     BOTH,
     F16,
     F32,
@@ -114,8 +115,8 @@ def test_range(cp, start, limit, delta):
 
 
 @gpu
-@pytest.mark.parametrize("value", [None, np.array([3], I64), np.array([2.5], F16), np.array([True])],
-                         ids=["default", "i64", "f16", "bool"])
+@pytest.mark.parametrize("value", [None, np.array([3], I64), np.array([2.5], F16), np.array([2.5], BF16),
+                                   np.array([True])], ids=["default", "i64", "f16", "bf16", "bool"])
 def test_constant_of_shape(cp, value):
     from onnx import numpy_helper
 
@@ -172,17 +173,18 @@ def test_gather_nd(cp, shape, indices, batch_dims, dtype):
 
 
 @gpu
+@BOTH
 @pytest.mark.parametrize("reduction", ["none", "add", "max", "min"])
-def test_scatter_nd(cp, reduction):
+def test_scatter_nd(cp, reduction, dtype):
     data = rand(4, 3, 2)
     indices = np.array([[1], [3], [0]], I64) if reduction == "none" else np.array([[1], [3], [1]], I64)
     updates = rand(3, 3, 2, seed=5)
-    check(cp, "ScatterND", [data, indices, updates], {"reduction": reduction}, 18)
-    check(cp, "ScatterND", [data, np.array([[0, 2], [-1, 1]], I64), rand(2, 2, seed=6)], {}, 13)
+    check(cp, "ScatterND", [data, indices, updates], {"reduction": reduction}, 18, dtype)
+    check(cp, "ScatterND", [data, np.array([[0, 2], [-1, 1]], I64), rand(2, 2, seed=6)], {}, 13, dtype)
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [F32, F16, np.int64], ids=["f32", "f16", "i64"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, np.int64], ids=["f32", "f16", "bf16", "i64"])
 @pytest.mark.parametrize("exclusive", [0, 1])
 @pytest.mark.parametrize("reverse", [0, 1])
 @pytest.mark.parametrize("axis", [0, -1])
@@ -198,7 +200,7 @@ def test_cumsum(cp, dtype, exclusive, reverse, axis):
 @gpu
 @pytest.mark.parametrize("op_type", ["ArgMax", "ArgMin"])
 @pytest.mark.parametrize("axis,keepdims,last", [(0, 1, 0), (1, 0, 0), (-1, 1, 1), (1, 0, 1)], ids=str)
-@pytest.mark.parametrize("dtype", [F32, F16, np.int64], ids=["f32", "f16", "i64"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, np.int64], ids=["f32", "f16", "bf16", "i64"])
 def test_arg_reduce(cp, op_type, axis, keepdims, last, dtype):
     x = ints(3, 4, 5, seed=9, low=-2, high=3).astype(dtype)  # ties, so select_last_index matters
     exact(cp, op_type, [x], {"axis": axis, "keepdims": keepdims, "select_last_index": last}, 13)

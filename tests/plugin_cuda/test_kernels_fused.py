@@ -15,6 +15,7 @@ import pytest
 
 from plugin_cuda import kernels
 from tests.plugin_cuda.test_kernels import (
+    BF16,
     BOTH,
     F16,
     F32,
@@ -29,7 +30,8 @@ from tests.plugin_cuda.test_kernels import (
 )
 
 gpu = pytest.mark.gpu
-FUSED_TOL = {np.dtype(F32): dict(rtol=1e-4, atol=1e-5), np.dtype(F16): dict(rtol=1e-2, atol=1e-2)}
+FUSED_TOL = {np.dtype(F32): dict(rtol=1e-4, atol=1e-5), np.dtype(F16): dict(rtol=1e-2, atol=1e-2),
+             np.dtype(BF16): dict(rtol=2e-2, atol=2e-2)}
 
 # ---------------------------------------------------------------------------------------------
 # Fused kernels

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from tests.plugin_cuda.test_kernels import BOTH, F16, F32, bools, check, exact, ints, rand
+from tests.plugin_cuda.test_kernels import BF16, BOTH, F16, F32, bools, check, exact, ints, rand
 
 gpu = pytest.mark.gpu
 
@@ -70,7 +70,7 @@ def test_integer_unary_and_mod(cp):
 
 @gpu
 @pytest.mark.parametrize("op_type", ["Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Equal"])
-@pytest.mark.parametrize("dtype", [F32, F16, np.int64, np.int32], ids=["f32", "f16", "i64", "i32"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, np.int64, np.int32], ids=["f32", "f16", "bf16", "i64", "i32"])
 def test_comparisons(cp, op_type, dtype):
     a = ints(3, 4, seed=4, low=-2, high=3).astype(dtype)
     b = ints(4, seed=5, low=-2, high=3).astype(dtype)
@@ -85,7 +85,7 @@ def test_logic(cp, op_type):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [np.int64, np.bool_, F16], ids=["i64", "bool", "f16"])
+@pytest.mark.parametrize("dtype", [np.int64, np.bool_, F16, BF16], ids=["i64", "bool", "f16", "bf16"])
 def test_where_any_dtype(cp, dtype):
     a, b = ints(3, 4, seed=1).astype(dtype), ints(1, 4, seed=2).astype(dtype)
     exact(cp, "Where", [bools(3, 1, seed=3), a, b], {}, 16)
