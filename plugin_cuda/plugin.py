@@ -276,8 +276,9 @@ class CudaEp(sdk.EpBase):
     # -- capability and kernels -----------------------------------------------------------------
     def claim(self, graph):
         from plugin_cuda import kernels
+        from plugin_cuda.plan.partition import shape_arithmetic_values
 
-        shape_values = _shape_values(graph)
+        shape_values = shape_arithmetic_values(graph)
         chosen = []
         for node in graph.nodes:
             if node.domain not in ("", "ai.onnx", kernels.EPHOST_DOMAIN):
@@ -307,9 +308,9 @@ class CudaEp(sdk.EpBase):
         plan_dynamic_shapes: a plan per input-shape signature), grouped without cycles."""
         if not self.opts.compiled_plan:
             return []
-        from plugin_cuda.plan.partition import fusable_groups
+        from plugin_cuda.plan.partition import fusable_groups, shape_arithmetic_values
 
-        shape_values = _shape_values(graph)
+        shape_values = shape_arithmetic_values(graph)
 
         def accept(node):  # shape arithmetic stays on the host (ALLOW_CPU_FOR_SHAPES)
             outs = [v for v in node.outputs if v >= 0]
@@ -435,35 +436,6 @@ class CudaEp(sdk.EpBase):
             handle.close()
         self.blocks.clear()
         self.memory.close()
-
-
-_SHAPE_SOURCES = ("Shape", "Size")
-_INT64 = 7
-
-
-def _shape_values(graph) -> set[int]:
-    """Values that are shape arithmetic: Shape/Size outputs and int64 results computed only from
-    them and constants. The host runs these on the CPU (the ALLOW_CPU_FOR_SHAPES policy), where
-    the shape-reading inputs (Reshape's shape, Slice's bounds) of this EP's kernels must be."""
-    shape: set[int] = set()
-    changed = True
-    while changed:  # nodes are usually in topological order: one pass, a second to confirm
-        changed = False
-        for node in graph.nodes:
-            outputs = [v for v in node.outputs if v >= 0]
-            if not outputs or all(v in shape for v in outputs):
-                continue
-            inputs = [v for v in node.inputs if v >= 0]
-            if node.op_type in _SHAPE_SOURCES and node.domain in ("", "ai.onnx"):
-                derived = True
-            else:
-                derived = (any(v in shape for v in inputs)
-                           and all(v in shape or graph.values[v].constant is not None for v in inputs)
-                           and all(graph.values[v].elem_type == _INT64 for v in outputs))
-            if derived:
-                shape.update(outputs)
-                changed = True
-    return shape
 
 
 def _thread_allocator_functions(cp):

@@ -1,4 +1,5 @@
-"""Which nodes of a graph a compiled plan takes, and in which groups (CudaEp.claim_fused).
+"""Which nodes of a graph a compiled plan takes, and in which groups (CudaEp.claim_fused), and which
+values are shape arithmetic the host keeps on the CPU (CudaEp.claim, claim_fused).
 
 Pure Python (no CuPy). Connected runnable nodes form one group, visited in dependency order; a
 node joins a producer's group only when no path leaves that group and comes back through this
@@ -45,3 +46,32 @@ def fusable_groups(graph, accept=None, min_size: int = 1, dynamic: bool = False)
                 mine.add(g)
         exits[node.index] = mine
     return [sorted(m) for m in members.values() if len(m) >= min_size]
+
+
+_SHAPE_SOURCES = ("Shape", "Size")
+_INT64 = 7
+
+
+def shape_arithmetic_values(graph) -> set[int]:
+    """Values that are shape arithmetic: Shape/Size outputs and int64 results computed only from
+    them and constants. The host runs these on the CPU (the ALLOW_CPU_FOR_SHAPES policy), where
+    the shape-reading inputs (Reshape's shape, Slice's bounds) of this EP's kernels must be."""
+    shape: set[int] = set()
+    changed = True
+    while changed:  # nodes are usually in topological order: one pass, a second to confirm
+        changed = False
+        for node in graph.nodes:
+            outputs = [v for v in node.outputs if v >= 0]
+            if not outputs or all(v in shape for v in outputs):
+                continue
+            inputs = [v for v in node.inputs if v >= 0]
+            if node.op_type in _SHAPE_SOURCES and node.domain in ("", "ai.onnx"):
+                derived = True
+            else:
+                derived = (any(v in shape for v in inputs)
+                           and all(v in shape or graph.values[v].constant is not None for v in inputs)
+                           and all(graph.values[v].elem_type == _INT64 for v in outputs))
+            if derived:
+                shape.update(outputs)
+                changed = True
+    return shape
