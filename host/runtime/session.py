@@ -21,6 +21,7 @@ from host.runtime import (
     ort_api,
     profiling,
     range_lengths,
+    shape_graphs,
     shape_program,
     stages,
     threads,
@@ -185,7 +186,8 @@ class InferenceSession:
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps)
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
-                                    None if self.executor.concurrent else self._lock)
+                                    None if self.executor.concurrent else self._lock,
+                                    shape_graphs.capacity(self.options.entries))
 
     def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
         for name, options in providers:
