@@ -16,6 +16,7 @@ from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.runtime import (
+    buckets,
     epcontext,
     epcontext_save,
     ort_api,
@@ -181,6 +182,8 @@ class InferenceSession:
         """The executor of the plan (its steps observed when profiling) and the capture driver."""
         self.input_metas = {v.name: v for v in self.graph.inputs}
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
+        if self.buckets is not None:
+            self.buckets.bind(self.plan.input_ids, self.plan.output_ids)
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
@@ -223,9 +226,11 @@ class InferenceSession:
         model, self.contexts = epcontext.SavedContexts.split(model)  # ABI v7: a saved context model
         if self.contexts is not None:  # was optimized before it was saved
             self.optimization = None
+            self.buckets = buckets.Buckets.for_model(load_model(model), self.options.entries)
             return model
         stages.enter(stages.OPTIMIZING)
         model = range_lengths.annotate(load_model(model))  # Range lengths as symbolic dims (docs/dynamic_shapes.md)
+        self.buckets = buckets.Buckets.for_model(model, self.options.entries)  # opt-in padding, checked here
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,
@@ -355,10 +360,14 @@ class InferenceSession:
         ro = run_options or _DEFAULT_RUN_OPTIONS
         _check_terminate(ro)
         run_flags(ro)  # a malformed gpu_graph_id is an error here too (parsed once per RunOptions)
+        if self.buckets is not None:
+            fed, real = self.buckets.pad(fed)  # shape buckets: padded here, cut back below
         st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
         to_host = self.executor.to_host
         objects = self.plan.object_ids
         outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
+        if self.buckets is not None:
+            outs = self.buckets.unpad(outs, ids, real)
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
         # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
         feed_ids = {id(v) for v in fed.values()}
