@@ -290,6 +290,22 @@ class GraphCapture:
         self._graphs.pop(key, None)
         self._verified.pop(key, None)
 
+    def forget(self, binding) -> None:
+        """Release the calling thread's graphs captured on `binding`'s buffers, which are about to be freed
+        (host/runtime/bucket_graphs.py evicting a staging entry)."""
+        shape, sig, tid = shape_graphs.shape_signature(binding), self._signature(binding), self._thread()
+        for key, graphs in list(self._graphs.items()):
+            graph = graphs.by_shape.get(shape) if key[0] == tid else None
+            if graph is None or graph.binding != sig:
+                continue
+            graphs.remove(shape)
+            hostapi.check(self.ep.slots.ReleaseCapturedGraph(self.ep.ptr, graph.internal_id),
+                          f"{self.ep.owner}: ReleaseCapturedGraph")
+            self.fallbacks["graph_evicted"] += 1
+            seen = self._verified.get(key)
+            if seen is not None and seen[1] is graph:
+                del self._verified[key]
+
     def close(self) -> None:
         if self.enabled and self.ep.slots.ReleaseCapturedGraph is not None:
             for gid in list(self.signatures):

@@ -16,6 +16,7 @@ from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.runtime import (
+    bucket_graphs,
     buckets,
     epcontext,
     epcontext_save,
@@ -182,8 +183,6 @@ class InferenceSession:
         """The executor of the plan (its steps observed when profiling) and the capture driver."""
         self.input_metas = {v.name: v for v in self.graph.inputs}
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
-        if self.buckets is not None:
-            self.buckets.bind(self.plan.input_ids, self.plan.output_ids)
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
@@ -191,6 +190,10 @@ class InferenceSession:
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
                                     None if self.executor.concurrent else self._lock,
                                     shape_graphs.capacity(self.options.entries))
+        self.bucket_graphs = None
+        if self.buckets is not None:
+            self.buckets.bind(self.plan.input_ids, self.plan.output_ids)
+            self.bucket_graphs = bucket_graphs.BucketGraphs.create(self)  # run() replays a graph per bucket
 
     def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
         for name, options in providers:
@@ -360,12 +363,16 @@ class InferenceSession:
         ro = run_options or _DEFAULT_RUN_OPTIONS
         _check_terminate(ro)
         run_flags(ro)  # a malformed gpu_graph_id is an error here too (parsed once per RunOptions)
+        outs = None
         if self.buckets is not None:
             fed, real = self.buckets.pad(fed)  # shape buckets: padded here, cut back below
-        st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
-        to_host = self.executor.to_host
+            if self.bucket_graphs is not None:
+                outs = self.bucket_graphs.run(fed, ids, ro)  # None: this run goes eagerly
         objects = self.plan.object_ids
-        outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
+        if outs is None:
+            st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
+            to_host = self.executor.to_host
+            outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
         if self.buckets is not None:
             outs = self.buckets.unpad(outs, ids, real)
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
@@ -493,6 +500,8 @@ class InferenceSession:
             return
         self._closed = True
         try:
+            if self.bucket_graphs is not None:
+                self.bucket_graphs.close()
             self.capture.close()
             self.executor.close()
         finally:

@@ -84,6 +84,9 @@ class GraphsOfId:
         self.by_shape[shape] = graph
         return graph
 
+    def remove(self, shape: tuple) -> None:
+        self.by_shape.pop(shape).binding = None
+
     def oldest(self) -> Graph:
         return next(iter(self.by_shape.values()))
 

@@ -5,6 +5,7 @@ EP), strict mode, threads, an EP that cannot release, and the refused ids and op
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -12,11 +13,14 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper
 
+import abi
 import host
 from host.errors import GraphCaptureError, InvalidArgument
+from host.plugins.ep import CPU_LOCATION
 from host.runtime import shape_graphs
 from host.runtime.session import InferenceSession, RunOptions
 from tests.conftest import example_record
+from tests.plugins.example_ep import MOCK_DEVICE_ENV
 
 RELEASE = "Ep.ReleaseCapturedGraph"
 
@@ -201,4 +205,76 @@ def test_reserved_ids_and_bad_config_are_refused(example_plugin):
     with pytest.raises(InvalidArgument, match=r"^session config 'session.ephost.graphs_per_id' = '-1': expected a "
                                               r"decimal integer >= 0"):
         session(env, per_id=-1)
+    env.close()
+
+
+# ---- run() with shape buckets replays a graph per bucket (host/runtime/bucket_graphs.py) ----------------
+def bucket_session(env, per_id=None):
+    so = host.SessionOptions()
+    so.add_session_config_entry("session.ephost.shape_buckets", "batch:pow2")
+    if per_id is not None:
+        so.add_session_config_entry(shape_graphs.CONFIG_KEY, str(per_id))
+    return InferenceSession(dynamic_chain(), so, providers=[("ExampleEP", {"enable_graph": "1", "min_runs": "1"})],
+                            env=env)
+
+
+def _feeds(rng, rows):
+    return {n: rng.standard_normal((rows, 3)).astype(np.float32) for n in "XY"}
+
+
+@pytest.fixture(params=["host", "mock_device"])
+def bucket_env(request, example_plugin):
+    old = os.environ.get(MOCK_DEVICE_ENV)
+    if request.param == "mock_device":
+        os.environ[MOCK_DEVICE_ENV] = "1"  # read at registration: staging buffers in "device" memory
+    try:
+        env = env_for(example_plugin)
+    finally:
+        os.environ.pop(MOCK_DEVICE_ENV, None)
+        if old is not None:
+            os.environ[MOCK_DEVICE_ENV] = old
+    yield env
+    gc.collect()
+    env.close()
+
+
+def test_run_with_buckets_replays_each_buckets_graph(bucket_env, reference):
+    rec = example_record(5)
+    rec.clear()
+    sess = bucket_session(bucket_env)
+    rng = np.random.default_rng(5)
+    results = []
+    for rows in (3, 4, 3, 4, 5, 7, 1, 8):  # buckets 4, 4, 4, 4, 8, 8, 1, 8
+        feeds = _feeds(rng, rows)
+        (z,) = sess.run(None, feeds)
+        assert z.shape == (rows, 3)
+        np.testing.assert_allclose(z, reference.run(None, feeds)[0], rtol=1e-6)
+        results.append(z)
+    # Per bucket: the first run is eager (it sizes the staging), the second captures, then replays.
+    assert sess.fallbacks["graph_captured"] == 2  # buckets 4 and 8; 1 ran once
+    assert rec.slot_calls["replayed_steps"] == 3 * 3  # bucket 4: runs 3 and 4; bucket 8: run 8
+    assert not np.shares_memory(results[2], results[3])  # results are the caller's, not the staging
+    if sess.capture.ep.location != CPU_LOCATION:  # the mock device: feeds copied into device staging
+        assert rec.host_calls[f"copy {abi.DEVICE_CPU}->{abi.DEVICE_GPU}"] >= 3 * 2
+    sess.close()
+
+
+def test_run_with_buckets_evicts_staging_and_its_graph(example_plugin, reference):
+    env = env_for(example_plugin)
+    rec = example_record(5)
+    rec.clear()
+    sess = bucket_session(env, per_id=1)
+    rng = np.random.default_rng(6)
+    for rows in (2, 2, 2, 4, 4, 2, 2):  # bucket 2 captured; 4 evicts it (released); 2 evicts 4
+        feeds = _feeds(rng, rows)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-6)
+    assert sess.fallbacks["graph_captured"] == 3
+    assert rec.slot_calls[RELEASE] == sess.fallbacks["graph_evicted"] == 2
+    eager = RunOptions()
+    eager.add_run_config_entry("gpu_graph_id", "-1")
+    before = rec.slot_calls["replayed_steps"]
+    feeds = _feeds(rng, 2)
+    np.testing.assert_allclose(sess.run(None, feeds, eager)[0], reference.run(None, feeds)[0], rtol=1e-6)
+    assert rec.slot_calls["replayed_steps"] == before  # -1: eager, as without buckets
+    sess.close()
     env.close()
