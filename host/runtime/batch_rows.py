@@ -43,7 +43,10 @@ SHAPE_FLOW = frozenset({"Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Ca
 
 def refusal(model: onnx.ModelProto, batch: str) -> str | None:
     """Why padding `batch` (the symbol of the inputs' dim 0) would change `model`'s results, or None."""
-    model = shape_inference.infer_shapes(model, data_prop=True)
+    try:
+        model = shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - onnx raises several kinds; the check then cannot vouch
+        return f"the model cannot be checked (ONNX shape inference failed: {type(exc).__name__}: {exc})"
     g = model.graph
     dims = _dims(g)
     consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
