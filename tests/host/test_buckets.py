@@ -151,3 +151,22 @@ def test_inputs_that_disagree_on_the_padded_axis_are_refused(bert):
     with pytest.raises(InvalidArgument, match=r"^inputs disagree on the seq axis that 'session.ephost.shape_buckets' "
                                               r"pads: \{'input_ids': 16, 'attention_mask': 20\}"):
         sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("case", ["matmul", "gather"])
+def test_ops_that_mix_rows_without_changing_shapes_are_refused(case):
+    """Shapes that keep the batch as dim 0 are not enough: M @ X contracts X's rows, X[I] permutes them."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])
+    if case == "matmul":
+        other = helper.make_tensor_value_info("M", TensorProto.FLOAT, ["batch", "batch"])
+        node = helper.make_node("MatMul", ["M", "X"], ["Y"], name="mm")
+        why = r"node 'mm' \(MatMul\) contracts the batch axis \(it is the right operand's row axis\)"
+    else:
+        other = helper.make_tensor_value_info("I", TensorProto.INT64, ["batch"])
+        node = helper.make_node("Gather", ["X", "I"], ["Y"], axis=0, name="rows")
+        why = r"node 'rows' \(Gather\) selects along the batch axis"
+    model = _model([node], [x, other], [y])
+    with pytest.raises(ModelError, match=rf"^'{KEY}' batch: padding the batch axis 'batch' would change the "
+                                         rf"results: {why}\. Remove the batch rule"):
+        session(model, "batch:pow2")
