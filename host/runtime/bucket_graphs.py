@@ -64,9 +64,12 @@ class BucketGraphs:
         return cls(session)
 
     def run(self, feeds: dict[int, object], ids: list[int], ro):
-        """The outputs `ids` of a run on `feeds` (already padded), as host arrays of the caller's own;
-        None when this run cannot use a graph (gpu_graph_id=-1, feeds that are not host arrays)."""
-        if run_flags(ro)[0] == -1 or not all(isinstance(v, np.ndarray) for v in feeds.values()):
+        """The outputs `ids` of a run on `feeds` (already padded), as host arrays;
+        None when this run cannot use a graph: gpu_graph_id=-1, feeds that are not host arrays, or
+        disable_synchronize_execution_providers=1 (the outputs are read back right after the replay,
+        which must then have finished)."""
+        gid, sync = run_flags(ro)
+        if gid == -1 or not sync or not all(isinstance(v, np.ndarray) for v in feeds.values()):
             return None
         entries = self._entries()
         shape = tuple(sorted((vid, v.shape, v.dtype.str) for vid, v in feeds.items()))

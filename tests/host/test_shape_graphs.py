@@ -276,5 +276,9 @@ def test_run_with_buckets_evicts_staging_and_its_graph(example_plugin, reference
     feeds = _feeds(rng, 2)
     np.testing.assert_allclose(sess.run(None, feeds, eager)[0], reference.run(None, feeds)[0], rtol=1e-6)
     assert rec.slot_calls["replayed_steps"] == before  # -1: eager, as without buckets
+    unsynced = RunOptions()
+    unsynced.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    np.testing.assert_allclose(sess.run(None, feeds, unsynced)[0], reference.run(None, feeds)[0], rtol=1e-6)
+    assert rec.slot_calls["replayed_steps"] == before  # outputs are read at once: no asynchronous replay
     sess.close()
     env.close()
