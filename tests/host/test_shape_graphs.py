@@ -282,3 +282,33 @@ def test_run_with_buckets_evicts_staging_and_its_graph(example_plugin, reference
     assert rec.slot_calls["replayed_steps"] == before  # outputs are read at once: no asynchronous replay
     sess.close()
     env.close()
+
+
+def test_random_shapes_follow_an_lru_reference(example_plugin, reference):
+    """30 runs over 6 sizes with room for 3 graphs: captures, evictions (= releases in the EP) and the
+    graphs kept equal those of a plain LRU model of the same sequence; every result is onnxruntime's."""
+    from collections import OrderedDict
+
+    env = env_for(example_plugin)
+    rec = example_record(5)
+    rec.clear()
+    sess = session(env, per_id=3)
+    b, bufs = sess.io_binding(), Buffers(7)
+    lru, captures, evictions = OrderedDict(), 0, 0
+    for rows in np.random.default_rng(11).integers(1, 7, 30):
+        rows = int(rows)
+        if rows in lru:
+            lru.move_to_end(rows)
+        else:
+            captures += 1
+            if len(lru) == 3:
+                lru.popitem(last=False)
+                evictions += 1
+            lru[rows] = True
+        feeds, z = bufs.run(sess, b, rows)
+        np.testing.assert_allclose(z, reference.run(None, feeds)[0], rtol=1e-6)
+    assert (sess.fallbacks["graph_captured"], sess.fallbacks["graph_evicted"]) == (captures, evictions)
+    assert rec.slot_calls[RELEASE] == evictions
+    assert [s[0][1][0] for s in sess.capture.graphs(0)] == list(lru)
+    sess.close()
+    env.close()
