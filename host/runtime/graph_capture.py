@@ -3,8 +3,9 @@
 An EP takes part only when its v3 slots are present and IsGraphCaptureEnabled says yes. The
 EP counts warm-up runs itself and captures in OnRunStart/OnRunEnd; the host drives the runs
 (the first run_with_iobinding for an id runs as many times as the EP needs, bounded), checks the
-node-assignment policy once, and replays afterwards. Unlike ONNX Runtime, a replay whose bound
-buffers differ from the captured ones is an error instead of stale results.
+node-assignment policy once, and replays afterwards. Each input-shape signature under an id gets its
+own graph (host/runtime/shape_graphs.py). Unlike ONNX Runtime, a replay whose bound buffers moved
+from the captured ones is an error instead of stale results.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import numpy as np
 import abi
 from host.errors import GraphCaptureError, InvalidArgument
 from host.plugins import hostapi
+from host.runtime import shape_graphs
+from host.runtime.shape_graphs import Graph, GraphsOfId
 from host.runtime.warn import warn_caller
 
 _log = logging.getLogger("ephost")
@@ -41,6 +44,9 @@ def parse_graph_id(value: str | None) -> int:
     if gid is None or gid < -1:
         raise InvalidArgument(f"run option gpu_graph_id must be an integer >= -1 (-1 runs without capture); "
                               f"got {value!r}")
+    if gid >= shape_graphs.INTERNAL_BASE:
+        raise InvalidArgument(f"run option gpu_graph_id must be an integer >= -1 and < {shape_graphs.INTERNAL_BASE} "
+                              f"(larger ids name the per-shape graphs ephost captures itself); got {value!r}")
     return gid
 
 
@@ -55,22 +61,26 @@ def run_flags(ro) -> tuple[int, bool]:
 
 
 class GraphCapture:
-    """Per-session capture state: the capturing EP, captured ids and their bindings.
+    """Per-session capture state: the capturing EP and, per thread and gpu_graph_id, its graphs by shape.
 
     `run_bound(binding, run_options, graph_id)` is the session's eager run of a binding (warm-up and
-    capture runs go through it); `lock` serialises replays where the session serialises runs."""
+    capture runs go through it); `lock` serialises replays where the session serialises runs;
+    `per_id` bounds the graphs per id (shape_graphs.capacity: 0 is one graph per id, strictly)."""
 
-    def __init__(self, eps: list, plan, fallbacks, run_bound, lock: threading.Lock | None):
+    def __init__(self, eps: list, plan, fallbacks, run_bound, lock: threading.Lock | None,
+                 per_id: int = shape_graphs.DEFAULT_GRAPHS_PER_ID):
         self.plan = plan
         self.fallbacks = fallbacks
         self._run_bound = run_bound
         self._lock = lock
+        self.per_id = per_id
         self.ep = None
         self.enabled = False
         # Graphs belong to the thread that captured them (the EP replays on that thread's stream).
-        self._signatures: dict[tuple[int, int], dict[str, tuple]] = {}
-        # (binding serial, version) last found equal to a graph's signature: replays skip the re-check.
-        self._verified: dict[tuple[int, int], tuple[int, int]] = {}
+        self._graphs: dict[tuple[int, int], GraphsOfId] = {}
+        # (binding serial, version) last found equal to a graph's binding, and that graph: replays skip
+        # the re-check and the shape signature.
+        self._verified: dict[tuple[int, int], tuple[tuple[int, int], Graph]] = {}
         self._tls = threading.local()
         # Every EP the session asked for, also one that got no node: capture was asked of it, and
         # its policy decides whether a session without it on the EP is allowed.
@@ -104,9 +114,22 @@ class GraphCapture:
 
     @property
     def signatures(self) -> dict[int, dict[str, tuple]]:
-        """Captured graph ids of the calling thread and the bindings they were captured with."""
+        """Captured graph ids of the calling thread and the binding of each id's most recently used graph."""
         tid = self._thread()
-        return {gid: sig for (t, gid), sig in self._signatures.items() if t == tid}
+        out = {}
+        for (t, gid), graphs in self._graphs.items():
+            graph = graphs.newest_captured() if t == tid else None
+            if graph is not None:
+                out[gid] = graph.binding
+        return out
+
+    def graphs(self, gid: int = 0) -> dict[tuple, int]:
+        """The calling thread's captured graphs under `gid`: shape signature -> the EP's graph id, least
+        recently used first."""
+        graphs = self._graphs.get(self._key(gid))
+        if graphs is None:
+            return {}
+        return {shape: g.internal_id for shape, g in graphs.by_shape.items() if g.binding is not None}
 
     def _thread(self) -> int:
         """A key for the calling thread. Not threading.get_ident(), which a new thread can inherit
@@ -114,7 +137,7 @@ class GraphCapture:
         token = getattr(self._tls, "token", None)
         if token is None:
             token = self._tls.token = _ThreadToken()
-            weakref.finalize(token, _forget_thread, self._signatures, self._verified, id(token))
+            weakref.finalize(token, _forget_thread, self._graphs, self._verified, id(token))
         return id(token)
 
     def _key(self, gid: int) -> tuple[int, int]:
@@ -134,16 +157,69 @@ class GraphCapture:
             self._run_bound(binding, ro, "-1")
             return
         key = self._key(gid)
-        # A signature is recorded only once the EP reports the graph captured and is dropped when
-        # it is released: no IsGraphCaptured crossing per replay.
-        if key in self._signatures:
-            self._replay(binding, parsed[1], gid, key)
+        # The binding replayed last under this id, unchanged since: no signature, no IsGraphCaptured crossing.
+        seen = self._verified.get(key)
+        if seen is not None and seen[0] == (binding.serial, binding.version) and seen[1].binding is not None:
+            self._graphs[key].touch(seen[1])
+            self._replay(binding, parsed[1], seen[1].internal_id)
             return
         self._require_bound_outputs(binding)
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            graphs = self._graphs[key] = GraphsOfId(gid, self.per_id)
+        shape = shape_graphs.shape_signature(binding)
+        graph = graphs.get(shape)
+        if graph is None:
+            self._refuse_unless_new_shape(binding, gid, graphs)
+        if graph is not None and graph.binding is not None:
+            self._check_binding(binding, gid, graph)
+            self._verified[key] = ((binding.serial, binding.version), graph)
+            self._replay(binding, parsed[1], graph.internal_id)
+            return
+        graph = graph or self._new_graph(key, graphs, shape)
+        if graph is None:
+            self._run_bound(binding, ro, "-1")  # no room and nothing the EP can release: eager
+            return
+        self._capture(binding, ro, gid, graph)
+
+    def _refuse_unless_new_shape(self, binding, gid: int, graphs: GraphsOfId) -> None:
+        """A binding that matches no graph of the id captures a new one only when it binds every model input
+        (an unbound input is not a shape) and the session keeps graphs per shape; otherwise it gets the
+        error against the id's last captured binding."""
+        last = graphs.newest_captured()
+        if last is None:
+            return
+        if self.per_id == 0 or binding.inputs.keys() != self.plan.input_ids.keys():
+            self._check_binding(binding, gid, last)
+
+    def _new_graph(self, key, graphs: GraphsOfId, shape: tuple) -> Graph | None:
+        """A graph for a new shape under `graphs`' id, evicting (and releasing) the least recently used
+        one when the id holds its bound; None when full and the EP cannot release a graph (ABI v3)."""
+        if not graphs.full:
+            return graphs.add(shape)
+        release = self.ep.slots.ReleaseCapturedGraph
+        if release is None:
+            self.fallbacks["graphs_per_id_full_eager"] += 1
+            if self.fallbacks["graphs_per_id_full_eager"] == 1:
+                warn_caller(f"{self.ep.name} (ABI v{self.ep.slots.negotiated}) cannot release a captured graph, "
+                            f"and gpu_graph_id {graphs.gid} holds {graphs.limit} ('{shape_graphs.CONFIG_KEY}'); "
+                            "new input shapes under it run eagerly")
+            return None
+        old = graphs.oldest()
+        hostapi.check(release(self.ep.ptr, old.internal_id), f"{self.ep.owner}: ReleaseCapturedGraph")
+        self.fallbacks["graph_evicted"] += 1
+        seen = self._verified.get(key)
+        if seen is not None and seen[1] is old:
+            del self._verified[key]
+        return graphs.evict(shape)
+
+    def _capture(self, binding, ro, gid: int, graph: Graph) -> None:
+        """Warm-up and capture runs under the graph's internal id, until the EP reports it captured."""
+        iid = graph.internal_id
         for _ in range(MAX_INTERNAL_RUNS):
-            self._run_bound(binding, ro, str(gid))
-            if self.captured(gid):
-                self._signatures[self._key(gid)] = self._signature(binding)
+            self._run_bound(binding, ro, str(iid))
+            if self.captured(iid):
+                graph.binding = self._signature(binding)
                 self.fallbacks["graph_captured"] += 1
                 return
         self.fallbacks["capture_not_reached"] += 1
@@ -161,10 +237,9 @@ class GraphCapture:
         sig.update({f"output '{k}'": _signature_of(v) for k, v in binding.outputs.items() if v is not None})
         return sig
 
-    def _check_binding(self, binding, gid: int) -> None:
-        self._require_bound_outputs(binding)
+    def _check_binding(self, binding, gid: int, graph: Graph) -> None:
         now = self._signature(binding)
-        then = self._signatures[self._key(gid)]
+        then = graph.binding
         for key in sorted(set(then) | set(now)):
             a, b = then.get(key), now.get(key)
             if a == b:
@@ -176,23 +251,19 @@ class GraphCapture:
                 f"graph {gid} was captured with {key} at a fixed buffer; it {what}. Copy new data into "
                 f"the bound buffer instead of rebinding, or use another gpu_graph_id")
 
-    def _replay(self, binding, sync: bool, gid: int, key) -> None:
-        stamp = (binding.serial, binding.version)
-        if self._verified.get(key) != stamp:
-            self._check_binding(binding, gid)
-            self._verified[key] = stamp
+    def _replay(self, binding, sync: bool, iid: int) -> None:
         ep = self.ep
         lock = self._lock
         if lock is not None:
             lock.acquire()
         try:
             if ep.slots.ReplayGraphWithSync is not None:
-                status = ep.slots.ReplayGraphWithSync(ep.ptr, gid, int(sync))
+                status = ep.slots.ReplayGraphWithSync(ep.ptr, iid, int(sync))
                 if status != hostapi.ffi.NULL:  # the message is built only on failure
                     hostapi.check(status, f"{ep.owner}: ReplayGraphWithSync")
                 self.fallbacks["replay_stream_sync" if sync else "replay_async"] += 1
             else:
-                hostapi.check(ep.slots.ReplayGraph(ep.ptr, gid), f"{ep.owner}: ReplayGraph")
+                hostapi.check(ep.slots.ReplayGraph(ep.ptr, iid), f"{ep.owner}: ReplayGraph")
                 if sync and ep.slots.Sync is not None:
                     hostapi.check(ep.slots.Sync(ep.ptr), f"{ep.owner}: Sync")
                 self.fallbacks["replay_device_sync" if sync else "replay_async"] += 1
@@ -204,16 +275,36 @@ class GraphCapture:
 
     # -- release -----------------------------------------------------------------------------------
     def release(self, gid: int) -> None:
-        """Free graph `gid` and its memory (v4 ReleaseCapturedGraph); the next run captures again."""
+        """Free the graphs of `gid` (every shape's) and their memory (v4 ReleaseCapturedGraph); the next
+        run captures again."""
         if not self.enabled:
             raise GraphCaptureError("graph capture is not enabled for this session")
         fn = self.ep.slots.ReleaseCapturedGraph
         if fn is None:
             raise GraphCaptureError(f"{self.ep.name} (ABI v{self.ep.slots.negotiated}) cannot release a single "
                                     "graph (ReleaseCapturedGraph is v4); close the session instead")
-        hostapi.check(fn(self.ep.ptr, gid), f"{self.ep.owner}: ReleaseCapturedGraph")
-        self._signatures.pop(self._key(gid), None)
-        self._verified.pop(self._key(gid), None)
+        key = self._key(gid)
+        graphs = self._graphs.get(key)
+        for iid in (graphs.internal_ids() if graphs is not None and graphs.by_shape else [gid]):
+            hostapi.check(fn(self.ep.ptr, iid), f"{self.ep.owner}: ReleaseCapturedGraph")
+        self._graphs.pop(key, None)
+        self._verified.pop(key, None)
+
+    def forget(self, binding) -> None:
+        """Release the calling thread's graphs captured on `binding`'s buffers, which are about to be freed
+        (host/runtime/bucket_graphs.py evicting a staging entry)."""
+        shape, sig, tid = shape_graphs.shape_signature(binding), self._signature(binding), self._thread()
+        for key, graphs in list(self._graphs.items()):
+            graph = graphs.by_shape.get(shape) if key[0] == tid else None
+            if graph is None or graph.binding != sig:
+                continue
+            graphs.remove(shape)
+            hostapi.check(self.ep.slots.ReleaseCapturedGraph(self.ep.ptr, graph.internal_id),
+                          f"{self.ep.owner}: ReleaseCapturedGraph")
+            self.fallbacks["graph_evicted"] += 1
+            seen = self._verified.get(key)
+            if seen is not None and seen[1] is graph:
+                del self._verified[key]
 
     def close(self) -> None:
         if self.enabled and self.ep.slots.ReleaseCapturedGraph is not None:
@@ -223,7 +314,7 @@ class GraphCapture:
                 except Exception as exc:  # noqa: BLE001 - closing must go on
                     _log.warning("releasing graph %s failed: %s", gid, exc)
         # Graphs of other threads go with the EP, which the session releases next.
-        self._signatures.clear()
+        self._graphs.clear()
         self._verified.clear()
 
 
@@ -231,7 +322,7 @@ class _ThreadToken:
     __slots__ = ("__weakref__",)
 
 
-def _forget_thread(signatures: dict, verified: dict, tid: int) -> None:
-    for d in (signatures, verified):
+def _forget_thread(graphs: dict, verified: dict, tid: int) -> None:
+    for d in (graphs, verified):
         for key in [k for k in d if k[0] == tid]:
             d.pop(key, None)

@@ -16,11 +16,14 @@ from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
 from host.runtime import (
+    bucket_graphs,
+    buckets,
     epcontext,
     epcontext_save,
     ort_api,
     profiling,
     range_lengths,
+    shape_graphs,
     shape_program,
     stages,
     symbolic_shapes,
@@ -186,7 +189,12 @@ class InferenceSession:
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps)
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
-                                    None if self.executor.concurrent else self._lock)
+                                    None if self.executor.concurrent else self._lock,
+                                    shape_graphs.capacity(self.options.entries))
+        self.bucket_graphs = None
+        if self.buckets is not None:
+            self.buckets.bind(self.plan.input_ids, self.plan.output_ids)
+            self.bucket_graphs = bucket_graphs.BucketGraphs.create(self)  # run() replays a graph per bucket
 
     def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
         for name, options in providers:
@@ -222,6 +230,7 @@ class InferenceSession:
         model, self.contexts = epcontext.SavedContexts.split(model)  # ABI v7: a saved context model
         if self.contexts is not None:  # was optimized before it was saved
             self.optimization = None
+            self.buckets = buckets.Buckets.for_model(load_model(model), self.options.entries)
             return model
         stages.enter(stages.OPTIMIZING)
         # Dims ONNX inference misses, and the shape values they make constant (docs/dynamic_shapes.md).
@@ -230,6 +239,7 @@ class InferenceSession:
             model = symbolic_shapes.annotate(load_model(model), fold=fold)
         else:
             model = range_lengths.annotate(load_model(model))
+        self.buckets = buckets.Buckets.for_model(model, self.options.entries)  # opt-in padding, checked here
         with self._profiler.span("optimization", level=int(self.options.graph_optimization_level)):
             model, self.optimization = optimizer.prepare(model, self.options.graph_optimization_level,
                                                          self.options.optimized_model_filepath,
@@ -359,10 +369,18 @@ class InferenceSession:
         ro = run_options or _DEFAULT_RUN_OPTIONS
         _check_terminate(ro)
         run_flags(ro)  # a malformed gpu_graph_id is an error here too (parsed once per RunOptions)
-        st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
-        to_host = self.executor.to_host
+        outs = None
+        if self.buckets is not None:
+            fed, real = self.buckets.pad(fed)  # shape buckets: padded here, cut back below
+            if self.bucket_graphs is not None:
+                outs = self.bucket_graphs.run(fed, ids, ro)  # None: this run goes eagerly
         objects = self.plan.object_ids
-        outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
+        if outs is None:
+            st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
+            to_host = self.executor.to_host
+            outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
+        if self.buckets is not None:
+            outs = self.buckets.unpad(outs, ids, real)
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
         # Identity of an input) are copied, so results are the caller's own, as in onnxruntime.
         feed_ids = {id(v) for v in fed.values()}
@@ -488,6 +506,8 @@ class InferenceSession:
             return
         self._closed = True
         try:
+            if self.bucket_graphs is not None:
+                self.bucket_graphs.close()
             self.capture.close()
             self.executor.close()
         finally:

@@ -55,10 +55,10 @@ class ServedModel:
                  buckets):
         self.name = model_name
         self.backend = spec.backend
-        self.session = open_session(spec)
+        sizes = resolve_buckets(buckets, max_batch_size, spec.uses_gpu)
+        self.session = open_session(spec, pad_batch=bool(sizes))  # the session's buckets: a graph per bucket
         self.signature = Signature.from_session(self.session)
-        self.policy = BatchPolicy(self.signature, max_batch_size,
-                                  resolve_buckets(buckets, max_batch_size, spec.uses_gpu))
+        self.policy = BatchPolicy(self.signature, max_batch_size, sizes)
         self._infer_batch.set_max_batch_size(max_batch_size)
         self._infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.replica = _replica_name()
