@@ -40,6 +40,19 @@ def _int(key: str, raw: str, minimum: int = 0) -> int:
     return v
 
 
+ALGO_SEARCHES = ("HEURISTIC", "EXHAUSTIVE", "DEFAULT")
+
+
+def _algo_search(key: str, raw: str) -> str:
+    # onnxruntime's names and meanings: cuDNN's heuristic, a timed search of every algorithm, or
+    # cuDNN's implicit-precomputed-GEMM algorithm without asking.
+    v = raw.strip().upper()
+    if v not in ALGO_SEARCHES:
+        raise OptionError(f"option {key}={raw!r}: expected a cuDNN algorithm search; allowed: "
+                          f"{', '.join(ALGO_SEARCHES)}")
+    return v
+
+
 def _pointer(key: str, raw: str) -> int:
     text = raw.strip().lower()
     if not (_HEX.fullmatch(text) or _DECIMAL.fullmatch(text)):
@@ -69,6 +82,7 @@ class CudaOptions:
     debug_force_capture_failure: bool = False
     compiled_plan: bool = True  # ABI v6 hosts: run fused partitions as compiled plans (plugin_cuda/plan)
     plan_auto_graph: bool = False  # a plan captures its own launches after warm-up and replays them
+    cudnn_conv_algo_search: str = "HEURISTIC"  # how cuDNN convolutions pick their algorithm
 
     @property
     def has_user_compute_stream(self) -> bool:
@@ -101,6 +115,7 @@ OPTION_TABLE = {
     "debug_force_capture_failure": ("debug_force_capture_failure", _bool),
     "compiled_plan": ("compiled_plan", _bool),
     "plan_auto_graph": ("plan_auto_graph", _bool),
+    "cudnn_conv_algo_search": ("cudnn_conv_algo_search", _algo_search),
 }
 assert {f for f, _ in OPTION_TABLE.values()} == {f.name for f in fields(CudaOptions)}  # table and dataclass agree
 

@@ -1,0 +1,139 @@
+"""The pure-Python parts of the cuDNN convolutions (no GPU): geometry, math types, the plan's ReLU /
+residual folding, the provider option and the message when cuDNN cannot be loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from host.runtime.node import NodeInfo
+from plugin_cuda.device import cudnn, cudnn_conv
+from plugin_cuda.kernels.conv_transpose import transpose_output
+from plugin_cuda.options import OptionError, parse_options
+from plugin_cuda.plan import cudnn_step
+from plugin_cuda.plan.program import Op, Program, Value
+
+
+def test_forward_geometry_2d_passes_through_and_asymmetric_pads_are_refused():
+    geo = cudnn_conv.forward_geometry((2, 8, 9, 9), (4, 4, 3, 3), (2, 4, 5, 5), 2, (1, 1), (1, 1), (2, 2), (1, 1))
+    assert geo == cudnn_conv.ConvGeometry((2, 8, 9, 9), (4, 4, 3, 3), (2, 4, 5, 5), (1, 1), (2, 2), (1, 1), 2)
+    assert cudnn_conv.forward_geometry((1, 4, 9, 9), (4, 4, 3, 3), (1, 4, 8, 8), 1, (0, 1), (1, 1), (1, 1),
+                                       (1, 1)) is None
+    assert cudnn_conv.forward_geometry((1, 4, 9, 9, 9, 9), (4, 4, 3, 3, 3, 3), (1, 4, 7, 7, 7, 7), 1,
+                                       (0,) * 4, (0,) * 4, (1,) * 4, (1,) * 4) is None
+
+
+def test_forward_geometry_lifts_1d_to_a_unit_height():
+    geo = cudnn_conv.forward_geometry((2, 6, 31), (8, 6, 5), (2, 8, 16), 1, (2,), (2,), (2,), (3,))
+    assert geo.x_shape == (2, 6, 1, 31) and geo.w_shape == (8, 6, 1, 5) and geo.y_shape == (2, 8, 1, 16)
+    assert (geo.pads, geo.strides, geo.dilations) == ((0, 2), (1, 2), (1, 3))
+
+
+def _cpu_transpose(x_shape, w_shape, **attrs):
+    """The CPU EP's ConvTranspose geometry (an independent implementation) as (begin, out)."""
+    from host.cpu_ep.ops_conv_transpose import ConvTranspose
+
+    attrs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in attrs.items()}
+    geo = ConvTranspose(NodeInfo("t", "ConvTranspose", "", 17, attrs, ("x", "w"), ("y",)))._geometry(x_shape, w_shape)
+    return geo.begin, geo.out
+
+
+TRANSPOSES = [
+    ((2, 16, 9, 9), (16, 8, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1], output_padding=[1, 1])),
+    ((1, 4, 5, 5), (4, 4, 3, 3), dict(strides=[2, 2], pads=[0, 1, 2, 0])),
+    ((1, 4, 5, 5), (4, 4, 3, 3), dict(strides=[2, 2], output_shape=[10, 11])),
+    ((1, 4, 5, 6), (4, 2, 4, 4), dict(strides=[2, 2], auto_pad="SAME_UPPER")),
+    ((1, 4, 5, 6), (4, 2, 3, 3), dict(strides=[3, 2], auto_pad="SAME_LOWER")),
+    ((1, 8, 6, 6), (8, 3, 3, 3), dict(dilations=[2, 2], pads=[1, 1, 1, 1])),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", TRANSPOSES)
+def test_transpose_geometry_matches_the_cpu_ep_and_maps_back_onto_the_input(x_shape, w_shape, attrs):
+    nd = len(x_shape) - 2
+    get = lambda k, d: tuple(attrs.get(k, (d,) * nd))  # noqa: E731
+    geo = transpose_output("t", x_shape, w_shape[2:], get("strides", 1), get("dilations", 1),
+                           tuple(attrs.get("pads", (0,) * 2 * nd)), get("output_padding", 0),
+                           attrs.get("output_shape"), attrs.get("auto_pad", "NOTSET"))
+    assert (geo.begin, geo.out) == _cpu_transpose(x_shape, w_shape, **attrs)
+    conv, crop = cudnn_conv.transpose_geometry(x_shape, w_shape, geo.out, 1, geo.begin, geo.strides,
+                                               geo.dilations)
+    taps = [(k - 1) * d + 1 for k, d in zip(w_shape[2:], geo.dilations)]
+    # cuDNN's consistency rule: the matching Conv of the result maps back onto the input's size.
+    for dx, p, t, s, size in zip(conv.x_shape[2:], conv.pads, taps, geo.strides, x_shape[2:]):
+        assert (dx + 2 * p - t) // s + 1 == size
+    if crop is None:
+        assert conv.x_shape[2:] == geo.out and conv.pads == geo.begin
+    else:
+        assert conv.pads == (0,) * nd
+        assert all(c + o <= dx for c, o, dx in zip(crop, geo.out, conv.x_shape[2:]))
+
+
+def test_transpose_output_refuses_output_padding_past_the_stride():
+    with pytest.raises(ValueError, match=r"^t: output_padding\[0\] = 2 must be less than max\(stride, dilation\) = 2$"):
+        transpose_output("t", (1, 1, 4, 4), (3, 3), (2, 2), (1, 1), (0,) * 4, (2, 0), None, "NOTSET")
+
+
+def test_math_types_strict_tf32_and_half():
+    assert cudnn_conv.math_type(np.float32, False) == cudnn.CUDNN_FMA_MATH == 3
+    assert cudnn_conv.math_type(np.float32, True) == cudnn.CUDNN_DEFAULT_MATH == 0
+    assert cudnn_conv.math_type(np.float16, False) == cudnn.CUDNN_TENSOR_OP_MATH == 1
+    assert cudnn.data_type(np.float16) == 2
+    with pytest.raises(cudnn.CudnnError, match="^cuDNN convolution got dtype float64; allowed: float32, float16, "
+                                               "bfloat16$"):
+        cudnn.data_type(np.float64)
+
+
+def _program(ops_spec, residual=False):
+    values = {i: Value(i, f"v{i}", (1, 4, 5, 5)) for i in range(8)}
+    values[1] = Value(1, "w", (4, 4, 3, 3), np.zeros((4, 4, 3, 3), np.float32))
+    values[2] = Value(2, "b", (4,), np.zeros(4, np.float32))
+    return Program(values, ops_spec, [0, 5] if residual else [0], [7])
+
+
+def test_fold_relu_and_residual_into_the_cudnn_conv():
+    conv = Op("cudnn_conv", "c", [0, 1, 2], [3], {"group": 1})
+    add = Op("ew", "a", [3, 5], [6], {"expr": cudnn_step.ADD})
+    relu = Op("ew", "r", [6], [7], {"expr": cudnn_step.RELU})
+    folded = cudnn_step.fold_epilogues(_program([conv, add, relu], residual=True))
+    assert [(op.kind, op.inputs, op.outputs, op.attrs.get("relu")) for op in folded.ops] == [
+        ("cudnn_conv", [0, 1, 2, 5], [7], True)]
+    plain = cudnn_step.fold_epilogues(_program([conv, Op("ew", "r", [3], [7], {"expr": cudnn_step.RELU})]))
+    assert [(op.inputs, op.outputs, op.attrs.get("relu")) for op in plain.ops] == [([0, 1, 2], [7], True)]
+
+
+def test_no_fold_without_bias_or_when_the_result_has_other_readers():
+    no_bias = Op("cudnn_conv", "c", [0, 1], [3], {})
+    relu = Op("ew", "r", [3], [7], {"expr": cudnn_step.RELU})
+    assert cudnn_step.fold_epilogues(_program([no_bias, relu])).ops == [no_bias, relu]
+    conv = Op("cudnn_conv", "c", [0, 1, 2], [3], {})
+    other = Op("ew", "n", [3], [4], {"expr": "(-{0})"})
+    prog = _program([conv, relu, other])
+    assert cudnn_step.fold_epilogues(prog).ops == [conv, relu, other]
+
+
+def test_algo_search_option():
+    assert parse_options({}, 1).cudnn_conv_algo_search == "HEURISTIC"
+    assert parse_options({"cudnn_conv_algo_search": "exhaustive"}, 1).cudnn_conv_algo_search == "EXHAUSTIVE"
+    assert parse_options({"ep.cuda.cudnn_conv_algo_search": "DEFAULT"}, 1).cudnn_conv_algo_search == "DEFAULT"
+    with pytest.raises(OptionError, match=r"^option cudnn_conv_algo_search='FAST': expected a cuDNN algorithm "
+                                          r"search; allowed: HEURISTIC, EXHAUSTIVE, DEFAULT$"):
+        parse_options({"cudnn_conv_algo_search": "FAST"}, 1)
+
+
+def test_load_failure_is_a_typed_error_naming_what_was_tried(monkeypatch):
+    saved = cudnn._lib, cudnn._lib_path, cudnn._load_error, cudnn._warned
+    cudnn.reset_for_tests()
+    monkeypatch.setattr(cudnn, "candidates", lambda tried: tried.append("nvidia.cudnn: not installed") or
+                        ["/nonexistent/libcudnn.so.9"])
+    try:
+        with pytest.raises(cudnn.CudnnError, match=r"^cannot load cuDNN 9: install the nvidia-cudnn-cu13 wheel "
+                                                   r"\(pip install nvidia-cudnn-cu13\) matching CuPy's CUDA version; "
+                                                   r"tried: nvidia.cudnn: not installed; /nonexistent/libcudnn.so.9: "):
+            cudnn.load_library()
+        with pytest.warns(RuntimeWarning, match="^CUDA plugin: convolutions run on the plugin's own kernels: "
+                                                "cannot load cuDNN 9"):
+            assert cudnn.availability().startswith("cannot load cuDNN 9")
+        assert cudnn.HandlePool(True, "HEURISTIC").take(0) is None  # no handle, no second warning
+    finally:
+        cudnn._lib, cudnn._lib_path, cudnn._load_error, cudnn._warned = saved
