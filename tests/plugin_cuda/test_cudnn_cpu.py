@@ -137,3 +137,44 @@ def test_load_failure_is_a_typed_error_naming_what_was_tried(monkeypatch):
         assert cudnn.HandlePool(True, "HEURISTIC").take(0) is None  # no handle, no second warning
     finally:
         cudnn._lib, cudnn._lib_path, cudnn._load_error, cudnn._warned = saved
+
+
+def _conv_relu_model(x_shape, w_shape, **attrs):
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones(w_shape, np.float32), "W")
+    b = numpy_helper.from_array(np.ones(w_shape[0], np.float32), "B")
+    nodes = [helper.make_node("Conv", ["X", "W", "B"], ["C"], name="conv", **attrs),
+             helper.make_node("Relu", ["C"], ["Y"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [w, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("x_shape, pads, on_cudnn", [
+    ((8, 64, 56, 56), [1, 1, 1, 1], True),  # 8 * 64 * 56 * 56 * 576 multiply-adds
+    ((1, 4, 8, 8), [1, 1, 1, 1], False),  # too small: a generated kernel with its epilogue
+    ((8, 64, 56, 56), [0, 0, 1, 1], False),  # asymmetric pads: cuDNN pads symmetrically
+])
+def test_plan_lowering_chooses_cudnn_and_folds_the_relu(monkeypatch, x_shape, pads, on_cudnn):
+    from plugin_cuda.plan import fuse, lower
+    from plugin_cuda.plan.onnx_spec import spec_from_onnx
+
+    monkeypatch.setattr(cudnn, "availability", lambda: None)  # as on a machine where cuDNN loads
+    prog = lower.lower(spec_from_onnx(_conv_relu_model(x_shape, (x_shape[1], x_shape[1], 3, 3), pads=pads)))
+    steps = fuse.build_steps(prog)
+    kinds = [s.kind for s in steps]
+    if on_cudnn:
+        assert kinds == ["cudnn_conv"] and steps[0].op.attrs["relu"] is True
+        assert steps[0].writes == prog.outputs
+    else:
+        assert "cudnn_conv" not in kinds
+
+
+def test_no_cudnn_keeps_the_generated_convolution(monkeypatch):
+    from plugin_cuda.plan import lower
+    from plugin_cuda.plan.onnx_spec import spec_from_onnx
+
+    monkeypatch.setattr(cudnn, "availability", lambda: "cannot load cuDNN 9: (test)")
+    prog = lower.lower(spec_from_onnx(_conv_relu_model((8, 64, 56, 56), (64, 64, 3, 3), pads=[1, 1, 1, 1])))
+    assert "cudnn_conv" not in [op.kind for op in prog.ops] and "conv" in [op.kind for op in prog.ops]
