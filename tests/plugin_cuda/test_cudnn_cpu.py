@@ -178,3 +178,13 @@ def test_no_cudnn_keeps_the_generated_convolution(monkeypatch):
     monkeypatch.setattr(cudnn, "availability", lambda: "cannot load cuDNN 9: (test)")
     prog = lower.lower(spec_from_onnx(_conv_relu_model((8, 64, 56, 56), (64, 64, 3, 3), pads=[1, 1, 1, 1])))
     assert "cudnn_conv" not in [op.kind for op in prog.ops] and "conv" in [op.kind for op in prog.ops]
+
+
+def test_two_convolutions_meeting_in_one_add_fold_only_the_first():
+    first = Op("cudnn_conv", "c3", [0, 1, 2], [3], {})
+    second = Op("cudnn_conv", "ds", [0, 1, 2], [4], {})
+    add = Op("ew", "a", [3, 4], [6], {"expr": cudnn_step.ADD})
+    relu = Op("ew", "r", [6], [7], {"expr": cudnn_step.RELU})
+    folded = cudnn_step.fold_epilogues(_program([first, second, add, relu]))
+    assert [(op.node, op.inputs, op.outputs, op.attrs.get("relu")) for op in folded.ops] == [
+        ("ds", [0, 1, 2], [4], None), ("c3", [0, 1, 2, 4], [7], True)]
