@@ -6,5 +6,5 @@ nvidia-smi --query-gpu=name --format=csv,noheader || true
 python3 -c "import cupy, torch, onnxruntime, nvidia.cudnn; print('cupy', cupy.__version__, 'torch', torch.__version__, 'ort', onnxruntime.__version__, 'torch cudnn', torch.backends.cudnn.version())"
 export PYTHONUNBUFFERED=1
 timeout 60 python3 bench/conv_gpu.py check
-python3 -m pytest tests/plugin_cuda/test_cudnn_gpu.py -m gpu -q -rf -x --timeout=120 -p no:cacheprovider 2>&1 | tail -40
+python3 -m pytest tests/plugin_cuda/test_cudnn_gpu.py -m gpu -q -rf --timeout=120 -p no:cacheprovider 2>&1 | tail -40
 timeout 120 python3 bench/conv_gpu.py resnet50 --iters 20
