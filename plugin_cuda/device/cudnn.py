@@ -254,8 +254,30 @@ def candidates(tried: list) -> list:
     return found + list(_SONAMES)
 
 
+# The shim loads these on its first call and ABORTS the process when one is missing, so they are
+# checked before any call: beside a shim given by path, or through the loader's search path.
+_SUBLIBRARIES = ("libcudnn_graph.so.9", "libcudnn_ops.so.9", "libcudnn_cnn.so.9")
+
+
+def missing_sublibrary(path: str) -> str | None:
+    """The first sub-library the shim at `path` would not find, or None."""
+    folder = os.path.dirname(path)
+    for name in _SUBLIBRARIES:
+        if folder and os.path.exists(os.path.join(folder, name)):
+            continue
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            return name
+    return None
+
+
 def _open(paths, tried: list):
     for path in paths:
+        missing = missing_sublibrary(path)
+        if missing is not None:
+            tried.append(f"{path}: {missing} not found beside it nor on the loader's path")
+            continue
         try:
             lib = ffi.dlopen(path)
             lib.cudnnCreate  # noqa: B018 - a library that is not cuDNN 9 fails here, early

@@ -188,3 +188,18 @@ def test_two_convolutions_meeting_in_one_add_fold_only_the_first():
     folded = cudnn_step.fold_epilogues(_program([first, second, add, relu]))
     assert [(op.node, op.inputs, op.outputs, op.attrs.get("relu")) for op in folded.ops] == [
         ("ds", [0, 1, 2], [4], None), ("c3", [0, 1, 2, 4], [7], True)]
+
+
+def test_a_shim_without_its_sublibraries_is_skipped_before_any_call(tmp_path, monkeypatch):
+    # libcudnn.so.9 aborts the process at its first call when libcudnn_graph.so.9 is missing.
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(cudnn.ctypes, "CDLL", no_library)
+    (tmp_path / "libcudnn.so.9").write_bytes(b"")
+    assert cudnn.missing_sublibrary(str(tmp_path / "libcudnn.so.9")) == "libcudnn_graph.so.9"
+    for name in ("libcudnn_graph.so.9", "libcudnn_ops.so.9"):
+        (tmp_path / name).write_bytes(b"")
+    assert cudnn.missing_sublibrary(str(tmp_path / "libcudnn.so.9")) == "libcudnn_cnn.so.9"
+    (tmp_path / "libcudnn_cnn.so.9").write_bytes(b"")
+    assert cudnn.missing_sublibrary(str(tmp_path / "libcudnn.so.9")) is None
