@@ -159,6 +159,9 @@ int cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alpha, cudnnF
                                  cudnnConvolutionDescriptor_t convDesc, int algo, void* workSpace,
                                  size_t workSpaceSizeInBytes, const void* beta,
                                  cudnnTensorDescriptor_t dxDesc, void* dx);
+int cudnnActivationForward(cudnnHandle_t handle, cudnnActivationDescriptor_t activationDesc, const void* alpha,
+                           cudnnTensorDescriptor_t xDesc, const void* x, const void* beta,
+                           cudnnTensorDescriptor_t yDesc, void* y);
 int cudnnAddTensor(cudnnHandle_t handle, const void* alpha, cudnnTensorDescriptor_t aDesc, const void* A,
                    const void* beta, cudnnTensorDescriptor_t cDesc, void* C);
 """

@@ -198,6 +198,9 @@ class ConvSetup:
         out = geo.y_shape if kind == "forward" else geo.x_shape
         self.bias = d.tensor((1, out[1]) + (1,) * (len(out) - 2), code)
         self._relu = None
+        # Whether cudnnConvolutionBiasActivationForward runs this algorithm (cleared at its first
+        # NOT_SUPPORTED: the call is then made of the plain convolution, additions and activation).
+        self.fused_ok = True
         self.algo = -1
         self.workspace_bytes = 0
 
@@ -342,18 +345,25 @@ def forward(handle, s: ConvSetup, x: int, w: int, y: int, workspace: int, bias: 
     bias as cudnnAddTensor. `z` (a residual of y's shape, 0: none) only with relu."""
     lib, raw = handle.lib, handle.raw
     ws = _vp(workspace) if workspace else NULL
-    if relu:
+    if relu and s.fused_ok:
         if not bias:
             raise CudnnError("cuDNN fused convolution + ReLU needs a bias")
-        check(lib.cudnnConvolutionBiasActivationForward(
+        status = lib.cudnnConvolutionBiasActivationForward(
             raw, ONE, s.x, _vp(x), s.w, _vp(w), s.conv, s.algo, ws, s.workspace_bytes,
-            ONE if z else ZERO, s.y, _vp(z if z else y), s.bias, _vp(bias), s.relu(), s.y, _vp(y)),
-            "cudnnConvolutionBiasActivationForward")
-        return
+            ONE if z else ZERO, s.y, _vp(z if z else y), s.bias, _vp(bias), s.relu(), s.y, _vp(y))
+        if status // 1000 != 3:  # anything but NOT_SUPPORTED: done, or an error
+            check(status, "cudnnConvolutionBiasActivationForward")
+            return
+        s.fused_ok = False
     check(lib.cudnnConvolutionForward(raw, ONE, s.x, _vp(x), s.w, _vp(w), s.conv, s.algo, ws,
                                       s.workspace_bytes, ZERO, s.y, _vp(y)), "cudnnConvolutionForward")
     if bias:
         check(lib.cudnnAddTensor(raw, ONE, s.bias, _vp(bias), ONE, s.y, _vp(y)), "cudnnAddTensor (Conv bias)")
+    if z:
+        check(lib.cudnnAddTensor(raw, ONE, s.y, _vp(z), ONE, s.y, _vp(y)), "cudnnAddTensor (residual)")
+    if relu:
+        check(lib.cudnnActivationForward(raw, s.relu(), ONE, s.y, _vp(y), ZERO, s.y, _vp(y)),
+              "cudnnActivationForward (ReLU)")
 
 
 def backward_data(handle, s: ConvSetup, x: int, w: int, y: int, workspace: int, bias: int = 0) -> None:
