@@ -120,11 +120,73 @@ class CudnnStep:
         self.operands = [inst.address(v, variant) if v is not None else (None, 0)
                          for v in (op.inputs[0], op.inputs[1], op.outputs[0], bias, residual)]
 
+        self.calls = None  # prepared after the first run (which settles setup.fused_ok)
+
     def __call__(self) -> None:
+        calls = self.calls
+        if calls is None:
+            self._first_run()
+            return
+        ext = self.inst.ext
+        cast = cudnn.ffi.cast
+        for fn, args, dynamic in calls:
+            if dynamic:
+                args = list(args)
+                for pos, j in dynamic:
+                    args[pos] = cast("void *", ext[j])
+            status = fn(*args)
+            if status:
+                self._failed(status)
+
+    def _first_run(self) -> None:
         ext = self.inst.ext
         x, w, y, b, z = (addr if j is None else ext[j] for j, addr in self.operands)
         try:
             cudnn_conv.forward(self.handle, self.setup, x, w, y, self.workspace, bias=b, relu=self.relu, z=z)
+        except cudnn.CudnnError as e:
+            e.add_note(f"in plan step '{self.name}' (cuDNN convolution)")
+            raise
+        self.calls = self._prepare()
+
+    def _prepare(self) -> list:
+        """The cuDNN calls of a run with every argument fixed but the call's own inputs/outputs:
+        [(function, args, [(position, ext index)])], the same calls cudnn_conv.forward makes."""
+        s, lib, raw = self.setup, self.handle.lib, self.handle.raw
+        ffi, one, zero = cudnn.ffi, cudnn.ONE, cudnn.ZERO
+        ws = ffi.cast("void *", self.workspace) if self.workspace else cudnn.NULL
+        slots = {}
+
+        def arg(name, index):
+            j, addr = self.operands[index]
+            if j is None:
+                return ffi.cast("void *", addr)
+            slots.setdefault(name, []).append(j)
+            return name
+
+        x, w, y, b, z = (arg(n, i) for i, n in enumerate("xwybz"))
+        has_bias, has_z = self.operands[3] != (None, 0), self.operands[4] != (None, 0)
+        if self.relu and s.fused_ok:
+            raw_calls = [(lib.cudnnConvolutionBiasActivationForward,
+                          [raw, one, s.x, x, s.w, w, s.conv, s.algo, ws, s.workspace_bytes, one if has_z else zero,
+                           s.y, z if has_z else y, s.bias, b, s.relu(), s.y, y])]
+        else:
+            raw_calls = [(lib.cudnnConvolutionForward,
+                          [raw, one, s.x, x, s.w, w, s.conv, s.algo, ws, s.workspace_bytes, zero, s.y, y])]
+            if has_bias:
+                raw_calls.append((lib.cudnnAddTensor, [raw, one, s.bias, b, one, s.y, y]))
+            if has_z:
+                raw_calls.append((lib.cudnnAddTensor, [raw, one, s.y, z, one, s.y, y]))
+            if self.relu:
+                raw_calls.append((lib.cudnnActivationForward, [raw, s.relu(), one, s.y, y, zero, s.y, y]))
+        calls = []
+        for fn, args in raw_calls:
+            dynamic = [(pos, slots[a][0]) for pos, a in enumerate(args) if isinstance(a, str)]
+            calls.append((fn, args, dynamic))
+        return calls
+
+    def _failed(self, status: int) -> None:
+        try:
+            cudnn.check(status, "cuDNN convolution")
         except cudnn.CudnnError as e:
             e.add_note(f"in plan step '{self.name}' (cuDNN convolution)")
             raise
