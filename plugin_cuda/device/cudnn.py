@@ -430,17 +430,26 @@ class HandlePool:
         self._spare: list[CudnnHandle] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.failed: str | None = None  # why a handle could not be made (then none is tried again)
 
     def take(self, stream_ptr: int) -> CudnnHandle | None:
         """A handle bound to `stream_ptr`, or None when cuDNN is not available (warned once)."""
         if availability() is not None:
             return None
+        if self.failed is not None:
+            return None
         with self._lock:
             handle = self._spare.pop() if self._spare else None
-        if handle is None:
-            return CudnnHandle(stream_ptr, self.use_tf32, self.algo_search)
-        handle.set_stream(stream_ptr)
-        return handle
+        try:
+            if handle is None:
+                return CudnnHandle(stream_ptr, self.use_tf32, self.algo_search)
+            handle.set_stream(stream_ptr)
+            return handle
+        except CudnnError as e:  # loaded but unusable here (driver, device): the own kernels run
+            self.failed = str(e)
+            warnings.warn(f"CUDA plugin: convolutions run on the plugin's own kernels: {e}", RuntimeWarning,
+                          stacklevel=2)
+            return None
 
     def give_back(self, handle: CudnnHandle) -> None:
         # CUDA hands a destroyed stream's address to the next stream created: bind it again then.

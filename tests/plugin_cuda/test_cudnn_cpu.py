@@ -203,3 +203,16 @@ def test_a_shim_without_its_sublibraries_is_skipped_before_any_call(tmp_path, mo
     assert cudnn.missing_sublibrary(str(tmp_path / "libcudnn.so.9")) == "libcudnn_cnn.so.9"
     (tmp_path / "libcudnn_cnn.so.9").write_bytes(b"")
     assert cudnn.missing_sublibrary(str(tmp_path / "libcudnn.so.9")) is None
+
+
+def test_a_handle_that_cannot_be_made_means_the_own_kernels_and_one_warning(monkeypatch):
+    def refuse(*args):
+        raise cudnn.CudnnError("cudnnCreate failed: CUDNN_STATUS_NOT_INITIALIZED (1001)", 1001)
+
+    monkeypatch.setattr(cudnn, "availability", lambda: None)
+    monkeypatch.setattr(cudnn, "CudnnHandle", refuse)
+    pool = cudnn.HandlePool(False, "HEURISTIC")
+    with pytest.warns(RuntimeWarning, match=r"^CUDA plugin: convolutions run on the plugin's own kernels: "
+                                            r"cudnnCreate failed: CUDNN_STATUS_NOT_INITIALIZED \(1001\)$"):
+        assert pool.take(0) is None
+    assert pool.take(0) is None and pool.failed.startswith("cudnnCreate failed")
