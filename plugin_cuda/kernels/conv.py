@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from ..device import cublas, cudnn_conv
+from ..device import cublas, cudnn, cudnn_conv
 from ..device.nvrtc import elementwise_table
 from ..semantics.shapes import AUTO_PADS, output_geometry
 from .base import FLOAT, CudaKernel, num_outputs, register
@@ -17,6 +19,8 @@ try:
     import cupy
 except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still loads
     cupy = None
+
+_log = logging.getLogger(__name__)
 
 _GEOMETRY = "int32 H, int32 W, int32 OH, int32 OW, int32 KH, int32 KW, int32 SH, int32 SW, " \
             "int32 PH, int32 PW, int32 DH, int32 DW"
@@ -230,8 +234,15 @@ class Conv(_Spatial):
             return
         handle = getattr(ctx, "cudnn", None)
         if handle is not None and p.cudnn_geo is not None:
-            self._cudnn(handle, p.cudnn_geo, x, w, b, out)
-            return
+            try:
+                setup = cudnn_conv.setup(handle, "forward", p.cudnn_geo, x.dtype)
+            except cudnn.CudnnError as e:  # no descriptor or algorithm for this case: im2col runs it
+                _log.warning("Conv node '%s': cuDNN cannot run %s (%s); im2col + cuBLAS instead",
+                             self.node_name, p.cudnn_geo, e)
+                p.cudnn_geo = None
+            else:
+                self._cudnn(handle, setup, x, w, b, out)
+                return
         if p.direct:
             col = x.reshape(p.col_shape)  # a 1x1, stride-1, unpadded conv needs no im2col
         else:
@@ -243,8 +254,7 @@ class Conv(_Spatial):
             cupy.add(out, b.reshape(p.bias_shape), out=out)
 
     @staticmethod
-    def _cudnn(handle, geo, x, w, b, out) -> None:
-        setup = cudnn_conv.setup(handle, "forward", geo, x.dtype)
+    def _cudnn(handle, setup, x, w, b, out) -> None:
         # The workspace comes from the current (the EP's, stream-ordered) pool, as im2col's buffer does.
         ws = cupy.cuda.alloc(setup.workspace_bytes) if setup.workspace_bytes else None
         x, w = cupy.ascontiguousarray(x), cupy.ascontiguousarray(w)
