@@ -8,5 +8,6 @@ export PYTHONUNBUFFERED=1
 timeout 60 python3 bench/conv_gpu.py check
 python3 -m pytest tests/plugin_cuda/test_cudnn_gpu.py -m gpu -q -rf --timeout=120 -p no:cacheprovider 2>&1 | tail -40
 timeout 120 python3 bench/conv_gpu.py resnet50 --iters 20
-timeout 70 python3 bench/conv_gpu.py layers --layer "3x3 64 @56" --layer "depthwise 3x3 96 @56" \
-    --layer "depthwise 3x3 576 @7 b1" --layer "tiny 3x3 8 @8 b1" --layer "mid 3x3 32 @32 b1"
+timeout 80 python3 bench/conv_gpu.py layers --layer "3x3 64 @56" --layer "depthwise 3x3 96 @56" \
+    --layer "depthwise 3x3 576 @7 b1" --layer "tiny 3x3 8 @8 b1" --layer "1x1 16->64 @112 b1" \
+    --layer "3x3 64 @28 b1" --layer "3x3 64 @56 b1"

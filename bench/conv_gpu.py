@@ -117,6 +117,9 @@ LAYERS = [  # (label, x shape, w shape, attrs)
     ("tiny 3x3 8 @8 b1", (1, 8, 8, 8), (8, 8, 3, 3), dict(pads=[1, 1, 1, 1])),
     ("small 3x3 16 @16 b1", (1, 16, 16, 16), (16, 16, 3, 3), dict(pads=[1, 1, 1, 1])),
     ("mid 3x3 32 @32 b1", (1, 32, 32, 32), (32, 32, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ("1x1 16->64 @112 b1", (1, 16, 112, 112), (64, 16, 1, 1), {}),
+    ("3x3 64 @28 b1", (1, 64, 28, 28), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
+    ("3x3 64 @56 b1", (1, 64, 56, 56), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1])),
 ]
 
 
@@ -126,6 +129,7 @@ def layers(env, names=None) -> None:
     from plugin_cuda.plan import cudnn_step
 
     rng = np.random.default_rng(2)
+    default_floor = cudnn_step.CUDNN_MIN_MACS
     for label, xs, ws, attrs in LAYERS:
         if names and label not in names:
             continue
@@ -146,7 +150,7 @@ def layers(env, names=None) -> None:
                     if use == "own" and mode == "per-node":
                         cudnn.reset_for_tests()
                         cudnn._lib = saved
-    cudnn_step.CUDNN_MIN_MACS = 1 << 22
+    cudnn_step.CUDNN_MIN_MACS = default_floor
 
 
 def _resnet_onnx(batch: int):

@@ -21,7 +21,7 @@ from plugin_cuda.plan.program import Op, Program
 
 KIND = "cudnn_conv"
 # Multiply-adds from which a convolution runs on cuDNN rather than as a generated direct kernel.
-CUDNN_MIN_MACS = 1 << 22
+CUDNN_MIN_MACS = 1 << 24
 RELU = "ep_relu({0})"
 ADD = "({0} + {1})"
 
