@@ -108,7 +108,7 @@ class ConvTranspose(CudaKernel):
             return (default,) * n
         if len(value) != n:
             raise ValueError(f"ConvTranspose node '{self.node_name}': attribute '{name}' is {list(value)}; "
-                             f"allowed: {n} integers for {n // (2 if name == 'pads' else 1)} spatial dims")
+                             f"allowed: {n} values for an input of {n // (2 if name == 'pads' else 1)} spatial dims")
         return tuple(value)
 
     def _plan(self, x_shape, w_shape):

@@ -216,3 +216,17 @@ def test_a_handle_that_cannot_be_made_means_the_own_kernels_and_one_warning(monk
                                             r"cudnnCreate failed: CUDNN_STATUS_NOT_INITIALIZED \(1001\)$"):
         assert pool.take(0) is None
     assert pool.take(0) is None and pool.failed.startswith("cudnnCreate failed")
+
+
+def test_conv_transpose_plan_errors_name_the_node_and_what_fits():
+    from plugin_cuda.kernels.conv_transpose import ConvTranspose
+
+    kernel = ConvTranspose({"strides": [2, 2]}, 17, "up")
+    with pytest.raises(ValueError, match=r"^ConvTranspose node 'up': weight \(8, 4, 3, 3\) must have the input's 4 "
+                                         r"channels first, a multiple of group 1$"):
+        kernel._plan((1, 4, 5, 5), (8, 4, 3, 3))
+    with pytest.raises(ValueError, match=r"^ConvTranspose node 'up': attribute 'strides' is \[2, 2\]; allowed: 1 "
+                                         r"values for an input of 1 spatial dims$"):
+        kernel._plan((1, 4, 5), (4, 4, 3))
+    plan = kernel._plan((1, 4, 5, 5), (4, 6, 3, 3))
+    assert plan.out_shape == (1, 6, 11, 11) and plan.crop is None and plan.geo.pads == (0, 0)
