@@ -230,3 +230,29 @@ def test_conv_transpose_plan_errors_name_the_node_and_what_fits():
         kernel._plan((1, 4, 5), (4, 4, 3))
     plan = kernel._plan((1, 4, 5, 5), (4, 6, 3, 3))
     assert plan.out_shape == (1, 6, 11, 11) and plan.crop is None and plan.geo.pads == (0, 0)
+
+
+def test_descriptors_of_the_gpu_cases_build_and_give_the_onnx_output_shapes():
+    """Descriptor calls are host-only: where the cuDNN wheel is installed this checks, without a GPU, that
+    every geometry of test_cudnn_gpu.py makes valid descriptors whose output shape is ONNX's
+    (ConvSetup compares cudnnGetConvolutionNdForwardOutputDim with it)."""
+    from plugin_cuda.kernels.conv import Conv
+    from plugin_cuda.kernels.conv_transpose import ConvTranspose
+    from tests.plugin_cuda.test_cudnn_gpu import CONV_CASES, TRANSPOSE_CASES
+
+    try:
+        lib = cudnn.load_library()
+    except cudnn.CudnnError as e:
+        pytest.skip(f"cuDNN 9 is not installed here (pip install nvidia-cudnn-cu13): {str(e)[:80]}")
+    on_cudnn = 0
+    for name, xs, ws, attrs in CONV_CASES:
+        plan = Conv(attrs, 17, name)._plan(xs, ws)
+        if plan.cudnn_geo is not None:
+            on_cudnn += 1
+            for dtype in (np.float32, np.float16):
+                setup = cudnn_conv.ConvSetup(lib, "forward", plan.cudnn_geo, dtype, False)
+                assert setup.geo.y_shape[:2] == plan.out_shape[:2]
+    assert on_cudnn == len(CONV_CASES) - 2  # the two asymmetric-pad cases stay on im2col
+    for name, xs, ws, attrs in TRANSPOSE_CASES:
+        plan = ConvTranspose(attrs, 17, name)._plan(xs, ws)
+        cudnn_conv.ConvSetup(lib, "backward_data", plan.geo, np.float32, False)
