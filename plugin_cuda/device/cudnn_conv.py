@@ -251,8 +251,12 @@ def _query(handle, s: ConvSetup, search: str):
     perfs = ffi.new(perf_t, max(count[0], 1))
     returned = ffi.new("int *")
     if search == "EXHAUSTIVE" and not _capturing(handle.stream_ptr or 0):
-        _find(handle, s, count[0], returned, perfs)
-    elif fwd:
+        try:
+            _find(handle, s, count[0], returned, perfs)
+            return _pick(perfs, returned[0], s.strict)
+        except CudnnError:  # the search could not run here (memory, an algorithm failing): ask the heuristic
+            returned[0] = 0
+    if fwd:
         check(lib.cudnnGetConvolutionForwardAlgorithm_v7(raw, s.x, s.w, s.conv, s.y, count[0], returned, perfs),
               "cudnnGetConvolutionForwardAlgorithm_v7")
     else:
@@ -351,10 +355,10 @@ def forward(handle, s: ConvSetup, x: int, w: int, y: int, workspace: int, bias: 
         status = lib.cudnnConvolutionBiasActivationForward(
             raw, ONE, s.x, _vp(x), s.w, _vp(w), s.conv, s.algo, ws, s.workspace_bytes,
             ONE if z else ZERO, s.y, _vp(z if z else y), s.bias, _vp(bias), s.relu(), s.y, _vp(y))
-        if status // 1000 != 3:  # anything but NOT_SUPPORTED: done, or an error
+        if status // 1000 not in (2, 3):  # done, or an execution error; else the separate calls below
             check(status, "cudnnConvolutionBiasActivationForward")
             return
-        s.fused_ok = False
+        s.fused_ok = False  # BAD_PARAM / NOT_SUPPORTED for this algorithm: nothing was launched
     check(lib.cudnnConvolutionForward(raw, ONE, s.x, _vp(x), s.w, _vp(w), s.conv, s.algo, ws,
                                       s.workspace_bytes, ZERO, s.y, _vp(y)), "cudnnConvolutionForward")
     if bias:

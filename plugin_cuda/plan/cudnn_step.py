@@ -26,12 +26,23 @@ RELU = "ep_relu({0})"
 ADD = "({0} + {1})"
 
 
-def wants_cudnn(x_shape, w_shape, out_shape, begin, end) -> bool:
-    """Whether a plan's 2-D convolution goes to cuDNN: big enough, symmetric pads, cuDNN loads."""
+def wants_cudnn(x_shape, w_shape, out_shape, begin, end, group: int = 1, strides=(1, 1), dilations=(1, 1)) -> bool:
+    """Whether a plan's 2-D convolution goes to cuDNN: big enough, symmetric pads, cuDNN loads and
+    takes its descriptors (host-side calls: a geometry cuDNN refuses stays a generated kernel)."""
     macs = math.prod(out_shape) * math.prod(w_shape[1:])
-    if macs < CUDNN_MIN_MACS or tuple(begin) != tuple(end):
+    if macs < CUDNN_MIN_MACS or tuple(begin) != tuple(end) or cudnn.availability() is not None:
         return False
-    return cudnn.availability() is None
+    return descriptors_ok(cudnn_conv.forward_geometry(x_shape, w_shape, out_shape, group, begin, end, strides,
+                                                      dilations))
+
+
+def descriptors_ok(geo) -> bool:
+    """Whether cuDNN takes the descriptors of `geo` (host-side calls, no device work)."""
+    try:
+        cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, np.float32, False)
+    except cudnn.CudnnError:
+        return False
+    return True
 
 
 def _only_reader(users: dict, prog: Program, vid: int, expr: str):

@@ -68,7 +68,7 @@ def _conv(ctx, node):
     geometry = dict(group=group, strides=strides_, dilations=dil, pads=tuple(begin))
     slices = conv_slices(math.prod(out_shape), ws[1], ws[2] * ws[3])
     extra = [bias] if bias is not None else []
-    if cudnn_step.wants_cudnn(xs, ws, out_shape, begin, end):
+    if cudnn_step.wants_cudnn(xs, ws, out_shape, begin, end, group, strides_, dil):
         ctx.emit(cudnn_step.KIND, node, [x, w] + extra, [node.outputs[0]], **geometry)
         return
     if slices == 1:
