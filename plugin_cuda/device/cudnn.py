@@ -329,11 +329,30 @@ def availability() -> str | None:
         return str(e)
 
 
+_probe: str | None | bool = False  # False: not probed; None: a handle could be made; else why not
+
+
+def usable() -> bool:
+    """Whether cuDNN loads and a handle can be made on the current device (probed once per process):
+    compiled plans commit to cuDNN at build time only then."""
+    global _probe
+    if availability() is not None:
+        return False
+    if _probe is False:
+        try:
+            CudnnHandle(0).close()
+            _probe = None
+        except Exception as e:  # noqa: BLE001 - any failure means: not here
+            _probe = f"{type(e).__name__}: {e}"
+    return _probe is None
+
+
 def reset_for_tests() -> None:
     """Forget the loaded library and the cached failure (tests that simulate a missing cuDNN)."""
-    global _lib, _lib_path, _load_error, _warned
+    global _lib, _lib_path, _load_error, _warned, _probe
     _lib = _lib_path = _load_error = None
     _warned = False
+    _probe = False
 
 
 def version() -> dict:

@@ -27,10 +27,10 @@ ADD = "({0} + {1})"
 
 
 def wants_cudnn(x_shape, w_shape, out_shape, begin, end, group: int = 1, strides=(1, 1), dilations=(1, 1)) -> bool:
-    """Whether a plan's 2-D convolution goes to cuDNN: big enough, symmetric pads, cuDNN loads and
-    takes its descriptors (host-side calls: a geometry cuDNN refuses stays a generated kernel)."""
+    """Whether a plan's 2-D convolution goes to cuDNN: big enough, symmetric pads, cuDNN usable here
+    (cudnn.usable) and taking its descriptors (host-side calls: a geometry cuDNN refuses stays a generated kernel)."""
     macs = math.prod(out_shape) * math.prod(w_shape[1:])
-    if macs < CUDNN_MIN_MACS or tuple(begin) != tuple(end) or cudnn.availability() is not None:
+    if macs < CUDNN_MIN_MACS or tuple(begin) != tuple(end) or not cudnn.usable():
         return False
     return descriptors_ok(cudnn_conv.forward_geometry(x_shape, w_shape, out_shape, group, begin, end, strides,
                                                       dilations))

@@ -160,7 +160,7 @@ def test_plan_lowering_chooses_cudnn_and_folds_the_relu(monkeypatch, x_shape, pa
     from plugin_cuda.plan import fuse, lower
     from plugin_cuda.plan.onnx_spec import spec_from_onnx
 
-    monkeypatch.setattr(cudnn, "availability", lambda: None)  # as on a machine where cuDNN loads
+    monkeypatch.setattr(cudnn, "usable", lambda: True)  # as on a machine where cuDNN loads
     monkeypatch.setattr(cudnn_step, "descriptors_ok", lambda geo: geo is not None)
     prog = lower.lower(spec_from_onnx(_conv_relu_model(x_shape, (x_shape[1], x_shape[1], 3, 3), pads=pads)))
     steps = fuse.build_steps(prog)
@@ -176,7 +176,7 @@ def test_no_cudnn_keeps_the_generated_convolution(monkeypatch):
     from plugin_cuda.plan import lower
     from plugin_cuda.plan.onnx_spec import spec_from_onnx
 
-    monkeypatch.setattr(cudnn, "availability", lambda: "cannot load cuDNN 9: (test)")
+    monkeypatch.setattr(cudnn, "usable", lambda: False)
     prog = lower.lower(spec_from_onnx(_conv_relu_model((8, 64, 56, 56), (64, 64, 3, 3), pads=[1, 1, 1, 1])))
     assert "cudnn_conv" not in [op.kind for op in prog.ops] and "conv" in [op.kind for op in prog.ops]
 
