@@ -236,13 +236,15 @@ class Conv(_Spatial):
         if handle is not None and p.cudnn_geo is not None:
             try:
                 setup = cudnn_conv.setup(handle, "forward", p.cudnn_geo, x.dtype)
-            except cudnn.CudnnError as e:  # no descriptor or algorithm for this case: im2col runs it
+                self._cudnn(handle, setup, x, w, b, out)
+                return
+            except cudnn.CudnnError as e:
+                if e.status is not None and e.status // 1000 not in (2, 3):
+                    raise  # an execution error: the device, not the case
+                # No descriptor, algorithm or kernel for this case (nothing was launched): im2col runs it.
                 _log.warning("Conv node '%s': cuDNN cannot run %s (%s); im2col + cuBLAS instead",
                              self.node_name, p.cudnn_geo, e)
                 p.cudnn_geo = None
-            else:
-                self._cudnn(handle, setup, x, w, b, out)
-                return
         if p.direct:
             col = x.reshape(p.col_shape)  # a 1x1, stride-1, unpadded conv needs no im2col
         else:
