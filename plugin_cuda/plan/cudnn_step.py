@@ -130,7 +130,6 @@ class CudnnStep:
         residual = op.inputs[3] if len(op.inputs) > 3 else None
         self.operands = [inst.address(v, variant) if v is not None else (None, 0)
                          for v in (op.inputs[0], op.inputs[1], op.outputs[0], bias, residual)]
-
         self.calls = None  # prepared after the first run (which settles setup.fused_ok)
 
     def __call__(self) -> None:
