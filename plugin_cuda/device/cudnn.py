@@ -330,21 +330,27 @@ def availability() -> str | None:
 
 
 _probe: str | None | bool = False  # False: not probed; None: a handle could be made; else why not
+_probe_handle = None
 
 
 def usable() -> bool:
     """Whether cuDNN loads and a handle can be made on the current device (probed once per process):
     compiled plans commit to cuDNN at build time only then."""
-    global _probe
+    global _probe, _probe_handle
     if availability() is not None:
         return False
     if _probe is False:
         try:
-            CudnnHandle(0).close()
+            _probe_handle = CudnnHandle(0, use_tf32=False)
             _probe = None
         except Exception as e:  # noqa: BLE001 - any failure means: not here
             _probe = f"{type(e).__name__}: {e}"
     return _probe is None
+
+
+def probe_handle():
+    """The handle usable() made (host-side queries at plan build: heuristics), or None."""
+    return _probe_handle if usable() else None
 
 
 def reset_for_tests() -> None:

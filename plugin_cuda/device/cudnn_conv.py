@@ -284,7 +284,8 @@ def _find(handle, s: ConvSetup, requested: int, returned, perfs) -> None:
             returned, perfs, vp(ws.data.ptr), WORKSPACE_LIMIT), "cudnnFindConvolutionBackwardDataAlgorithmEx")
 
 
-def _choose(handle, s: ConvSetup, search: str) -> None:
+def choose(handle, s: ConvSetup, search: str) -> None:
+    """Set s.algo (and its math type) by `search`, and s.workspace_bytes."""
     lib, raw = handle.lib, handle.raw
     fwd = s.kind == "forward"
     perf = None if search == "DEFAULT" else _query(handle, s, search)
@@ -322,7 +323,7 @@ def setup(handle, kind: str, geo: ConvGeometry, dtype) -> ConvSetup:
         s = _setups.get(key)
         if s is None:
             s = ConvSetup(handle.lib, kind, geo, dtype, handle.use_tf32)
-            _choose(handle, s, handle.algo_search)
+            choose(handle, s, handle.algo_search)
             if len(_setups) >= _SETUP_LIMIT:  # dynamic shapes must not grow this without bound
                 _setups.clear()
             _setups[key] = s

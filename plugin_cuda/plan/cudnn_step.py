@@ -37,9 +37,13 @@ def wants_cudnn(x_shape, w_shape, out_shape, begin, end, group: int = 1, strides
 
 
 def descriptors_ok(geo) -> bool:
-    """Whether cuDNN takes the descriptors of `geo` (host-side calls, no device work)."""
+    """Whether cuDNN takes the descriptors of `geo` and its heuristic names an algorithm with its
+    workspace size (host-side calls, no device work)."""
     try:
-        cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, np.float32, False)
+        setup = cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, np.float32, False)
+        handle = cudnn.probe_handle()
+        if handle is not None:
+            cudnn_conv.choose(handle, setup, "HEURISTIC")
     except cudnn.CudnnError:
         return False
     return True
