@@ -13,6 +13,7 @@ from the plan's cells and makes one or two cuDNN calls (no allocation: capturabl
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -23,6 +24,7 @@ KIND = "cudnn_conv"
 # Multiply-adds from which a convolution runs on cuDNN rather than as a generated direct kernel.
 CUDNN_MIN_MACS = 1 << 24
 RELU = "ep_relu({0})"
+_probe_lock = threading.Lock()
 ADD = "({0} + {1})"
 
 
@@ -43,7 +45,8 @@ def descriptors_ok(geo) -> bool:
         setup = cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, np.float32, False)
         handle = cudnn.probe_handle()
         if handle is not None:
-            cudnn_conv.choose(handle, setup, "HEURISTIC")
+            with _probe_lock:  # one handle, sessions built on several threads
+                cudnn_conv.choose(handle, setup, "HEURISTIC")
     except cudnn.CudnnError:
         return False
     return True
