@@ -61,6 +61,13 @@ def run_ephost(genv, model, feeds, **options):
         sess.close()
 
 
+def used_cudnn(kind: str) -> bool:
+    """Whether a cuDNN setup of `kind` was made since the last cudnn_conv.clear_setups()."""
+    from plugin_cuda.device import cudnn_conv
+
+    return any(key[0] == kind for key in cudnn_conv._setups)
+
+
 def assert_close(got, want, rel):
     scale = max(float(np.abs(want).max()), 1.0)
     err = float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max())
@@ -93,14 +100,18 @@ def test_conv_strict_float32(genv, case, compiled_plan):
         pytest.skip("compiled plans run 2-D convolutions only (lower_conv.py); 1-D runs per node")
     x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
     model = model_of(xs, ws, relu=True, **attrs)
+    from plugin_cuda.device import cudnn_conv
     from plugin_cuda.plan import cudnn_step
 
+    cudnn_conv.clear_setups()
     floor, cudnn_step.CUDNN_MIN_MACS = cudnn_step.CUDNN_MIN_MACS, 0  # every plan conv on cuDNN here
     try:
         got = run_ephost(genv, model, {"X": x}, use_tf32=0, compiled_plan=compiled_plan)
     finally:
         cudnn_step.CUDNN_MIN_MACS = floor
     assert_close(got, reference(model, {"X": x}), 2e-4)
+    # cuDNN ran it (a setup was made), except where the pads differ: then the plugin's own kernels.
+    assert used_cudnn("forward") == (case[0] not in ("same-lower-even-kernel", "asymmetric-pads"))
 
 
 def test_plan_folds_residual_add_and_relu(genv):
@@ -123,8 +134,12 @@ def test_algo_searches_agree_with_reference(genv, search):
     xs, ws = (4, 32, 28, 28), (64, 32, 3, 3)
     x = np.random.default_rng(4).standard_normal(xs).astype(np.float32)
     model = model_of(xs, ws, pads=[1, 1, 1, 1])
+    from plugin_cuda.device import cudnn_conv
+
+    cudnn_conv.clear_setups()
     got = run_ephost(genv, model, {"X": x}, use_tf32=0, compiled_plan=0, cudnn_conv_algo_search=search)
     assert_close(got, reference(model, {"X": x}), 2e-4)
+    assert [key[4] for key in cudnn_conv._setups] == [search]
 
 
 def test_tf32_and_float16(genv):
@@ -162,10 +177,14 @@ TRANSPOSE_CASES = [
 @pytest.mark.parametrize("case", TRANSPOSE_CASES, ids=[c[0] for c in TRANSPOSE_CASES])
 def test_conv_transpose_strict_float32(genv, case):
     _, xs, ws, attrs = case
+    from plugin_cuda.device import cudnn_conv
+
     x = np.random.default_rng(6).standard_normal(xs).astype(np.float32)
     model = model_of(xs, ws, op="ConvTranspose", **attrs)
+    cudnn_conv.clear_setups()
     got = run_ephost(genv, model, {"X": x}, use_tf32=0, compiled_plan=0)
     assert_close(got, reference(model, {"X": x}), 2e-4)
+    assert used_cudnn("backward_data")
 
 
 @pytest.mark.parametrize("compiled_plan", ["0", "1"])
@@ -201,8 +220,11 @@ def test_without_cudnn_the_own_kernels_run_and_warn_once(genv, monkeypatch):
     xs, ws = (2, 8, 10, 10), (8, 8, 3, 3)
     x = np.random.default_rng(7).standard_normal(xs).astype(np.float32)
     model = model_of(xs, ws, pads=[1, 1, 1, 1])
+    from plugin_cuda.device import cudnn_conv
+
     saved = cudnn._lib, cudnn._lib_path
     cudnn.reset_for_tests()
+    cudnn_conv.clear_setups()
     monkeypatch.setattr(cudnn, "candidates", lambda tried: ["/nonexistent/libcudnn.so.9"])
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -215,6 +237,7 @@ def test_without_cudnn_the_own_kernels_run_and_warn_once(genv, monkeypatch):
         assert "/nonexistent/libcudnn.so.9" in texts[0]
         want = reference(model, {"X": x})
         assert_close(got, want, 1e-3)
+        assert not used_cudnn("forward")
         np.testing.assert_array_equal(got, again)
         # ConvTranspose is not claimed without cuDNN: the CPU EP runs it.
         from host.runtime.session import InferenceSession
