@@ -40,6 +40,19 @@ def _int(key: str, raw: str, minimum: int = 0) -> int:
     return v
 
 
+ALGO_SEARCHES = ("HEURISTIC", "EXHAUSTIVE", "DEFAULT")
+
+
+def _algo_search(key: str, raw: str) -> str:
+    # onnxruntime's names and meanings: cuDNN's heuristic, a timed search of every algorithm, or
+    # cuDNN's implicit-precomputed-GEMM algorithm without asking.
+    v = raw.strip().upper()
+    if v not in ALGO_SEARCHES:
+        raise OptionError(f"option {key}={raw!r}: expected a cuDNN algorithm search; allowed: "
+                          f"{', '.join(ALGO_SEARCHES)}")
+    return v
+
+
 def _pointer(key: str, raw: str) -> int:
     text = raw.strip().lower()
     if not (_HEX.fullmatch(text) or _DECIMAL.fullmatch(text)):
@@ -72,6 +85,7 @@ class CudaOptions:
     plan_dynamic_shapes: bool = True  # claim partitions with symbolic dims: one plan per input-shape signature
     plan_shape_cache: int = 32  # plans kept per dynamic partition (LRU over input-shape signatures)
     plan_shape_cache_mb: int = 2048  # and their arenas' bytes per partition, in MiB
+    cudnn_conv_algo_search: str = "HEURISTIC"  # how cuDNN convolutions pick their algorithm
 
     @property
     def has_user_compute_stream(self) -> bool:
@@ -107,6 +121,7 @@ OPTION_TABLE = {
     "plan_dynamic_shapes": ("plan_dynamic_shapes", _bool),
     "plan_shape_cache": ("plan_shape_cache", lambda key, raw: _int(key, raw, 1)),
     "plan_shape_cache_mb": ("plan_shape_cache_mb", _int),
+    "cudnn_conv_algo_search": ("cudnn_conv_algo_search", _algo_search),
 }
 assert {f for f, _ in OPTION_TABLE.values()} == {f.name for f in fields(CudaOptions)}  # table and dataclass agree
 

@@ -117,6 +117,7 @@ class StreamState:
         self.owned = owned
         self.ptr = int(stream.ptr)
         self._cublas = None
+        self._cudnn = False  # False: not asked yet; None: cuDNN is not available
         self._event = None
 
     def after_default_stream(self) -> None:
@@ -143,10 +144,20 @@ class StreamState:
                 self._cublas = self.ep.take_cublas(self.ptr)
         return self._cublas
 
+    @property
+    def cudnn(self):
+        """This stream's cuDNN handle (device/cudnn.py), None when cuDNN cannot be loaded."""
+        if self._cudnn is False:
+            self._cudnn = self.ep.cudnn_handles.take(self.ptr)
+        return self._cudnn
+
     def close(self) -> None:
         """The stream's work is done (its thread ended, or the EP closes): its cuBLAS handle goes
         back to the EP for the next stream. Destroying it here would synchronise the device,
         which invalidates a capture another thread may have under way."""
+        if self._cudnn:
+            handle, self._cudnn = self._cudnn, False
+            self.ep.cudnn_handles.give_back(handle)  # unbound from the stream at the next take
         if self._cublas is not None:
             handle, self._cublas = self._cublas, None
             try:
@@ -186,6 +197,9 @@ class CudaEp(sdk.EpBase):
             self.unified = StreamState(self, stream, owned=not opts.has_user_compute_stream)
             self.streams[self.unified.ptr] = self.unified
         self._spare_cublas: list = []  # handles of released streams, for the next streams
+        from plugin_cuda.device.cudnn import HandlePool
+
+        self.cudnn_handles = HandlePool(opts.use_tf32, opts.cudnn_conv_algo_search)
         self._closed = False
         self.graphs = GraphManager(self)
         self.run_streams = threading.local()  # .state: the stream this thread's run computed on
@@ -434,6 +448,7 @@ class CudaEp(sdk.EpBase):
             spare, self._spare_cublas = self._spare_cublas, []
         for handle in spare:
             handle.close()
+        self.cudnn_handles.close()
         self.blocks.clear()
         self.memory.close()
 
@@ -449,7 +464,7 @@ def _thread_allocator_functions(cp):
 class KernelCall:
     """What a kernel of plugin_cuda.kernels sees during compute (see kernels/base.py)."""
 
-    __slots__ = ("inputs", "num_outputs", "cublas", "_adapter", "_context", "_state", "_outs")
+    __slots__ = ("inputs", "num_outputs", "cublas", "cudnn", "_adapter", "_context", "_state", "_outs")
 
     def __init__(self, adapter, context, inputs, state: StreamState, num_outputs: int = 1):
         self._outs = {}
@@ -459,6 +474,7 @@ class KernelCall:
         self._context = context
         self._state = state
         self.cublas = state.cublas if adapter.needs_cublas else None
+        self.cudnn = state.cudnn if adapter.needs_cudnn else None
 
     def output(self, index: int, shape, dtype):
         # Memoised: a kernel re-run after a failed capture must write to the same buffers.
@@ -482,6 +498,7 @@ class CudaKernelAdapter(sdk.KernelBase):
         cls = kernels.lookup(node.op_type, node.opset, node.domain)
         self.kernel = cls(node.attrs, node.opset, node.name)
         self.needs_cublas = cls.needs_cublas
+        self.needs_cudnn = cls.needs_cudnn
         self.constants = {i: graph.values[v].constant for i, v in enumerate(node.inputs)
                           if v >= 0 and i in cls.host_inputs}
         self.dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None

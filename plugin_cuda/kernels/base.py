@@ -9,6 +9,8 @@ The context a kernel gets (provided by the plugin runtime):
                         NumPy arrays: a device array there costs a synchronising copy (not capturable)
   ctx.output(i, shape, dtype) -> a preallocated C-contiguous cupy.ndarray to write output i into
   ctx.cublas            a plugin_cuda.device.cublas.CublasHandle bound to the current stream
+  ctx.cudnn             a plugin_cuda.device.cudnn.CudnnHandle bound to it (kernels with
+                        needs_cudnn), None where cuDNN cannot be loaded
   ctx.scratch(nbytes)   temporary device memory (kernels here let CuPy's stream-aware pool do it)
   ctx.num_outputs       optional: how many outputs the node has (1 when missing)
 The runtime makes the stream current (`with stream:`) before calling compute.
@@ -126,6 +128,8 @@ class CudaKernel:
     max_outputs: ClassVar[int | None] = None
     # Whether compute uses ctx.cublas (the runtime then binds the stream's handle).
     needs_cublas: ClassVar[bool] = False
+    # Whether compute uses ctx.cudnn (the stream's cuDNN handle, None where cuDNN is not loadable).
+    needs_cudnn: ClassVar[bool] = False
 
     def __init__(self, attrs: dict, opset: int, node_name: str):
         self.attrs = dict(attrs)

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from ..device import cublas
+from ..device import cublas, cudnn, cudnn_conv
 from ..device.nvrtc import elementwise_table
 from ..semantics.shapes import AUTO_PADS, output_geometry
 from .base import FLOAT, CudaKernel, is_half, num_outputs, register
@@ -17,6 +19,8 @@ try:
     import cupy
 except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still loads
     cupy = None
+
+_log = logging.getLogger(__name__)
 
 _GEOMETRY = "int32 H, int32 W, int32 OH, int32 OW, int32 KH, int32 KW, int32 SH, int32 SW, " \
             "int32 PH, int32 PW, int32 DH, int32 DW"
@@ -162,7 +166,13 @@ class _Spatial(CudaKernel):
 
 class _ConvPlan:
     __slots__ = ("out_shape", "direct", "im2col_shape", "im2col_args", "col_shape", "w_shape",
-                 "gemm_out_shape", "bias_shape")
+                 "gemm_out_shape", "bias_shape", "cudnn_geo")
+
+
+def use_cudnn(geo) -> bool:
+    """Whether a convolution runs on cuDNN rather than im2col + cuBLAS (docs/cuda_ops.md has the
+    measurements behind the rule). None: cuDNN cannot run it (asymmetric pads)."""
+    return geo is not None
 
 
 @register("Conv", 1)
@@ -171,6 +181,7 @@ class Conv(_Spatial):
 
     input_types = (FLOAT, FLOAT, FLOAT)
     needs_cublas = True
+    needs_cudnn = True
     kernel_required = False
 
     def __init__(self, attrs, opset, node_name):
@@ -206,6 +217,10 @@ class Conv(_Spatial):
         p.w_shape = (1, g, m // g, kg)
         p.gemm_out_shape = (n, g, m // g, oh * ow)
         p.bias_shape = (1, m) + (1,) * (len(x_shape) - 2)
+        cut = slice(4 - len(x_shape), None)  # 1-D: geometry() lifted every quantity to (unit, size)
+        cgeo = cudnn_conv.forward_geometry(x_shape, w_shape, p.out_shape, g, geo["pb"][cut], geo["pe"][cut],
+                                           geo["s"][cut], geo["d"][cut])
+        p.cudnn_geo = cgeo if use_cudnn(cgeo) else None
         return p
 
     def _compute(self, ctx):
@@ -216,6 +231,19 @@ class Conv(_Spatial):
         out = ctx.output(0, p.out_shape, x.dtype)
         if out.size == 0:
             return
+        handle = getattr(ctx, "cudnn", None)
+        if handle is not None and p.cudnn_geo is not None:
+            try:
+                setup = cudnn_conv.setup(handle, "forward", p.cudnn_geo, x.dtype)
+                self._cudnn(handle, setup, x, w, b, out)
+                return
+            except cudnn.CudnnError as e:
+                if e.status is not None and e.status // 1000 not in (2, 3):
+                    raise  # an execution error: the device, not the case
+                # No descriptor, algorithm or kernel for this case (nothing was launched): im2col runs it.
+                _log.warning("Conv node '%s': cuDNN cannot run %s (%s); im2col + cuBLAS instead",
+                             self.node_name, p.cudnn_geo, e)
+                p.cudnn_geo = None
         if p.direct:
             col = x.reshape(p.col_shape)  # a 1x1, stride-1, unpadded conv needs no im2col
         else:
@@ -225,6 +253,14 @@ class Conv(_Spatial):
         cublas.matmul(ctx.cublas, w.reshape(p.w_shape), col, out.reshape(p.gemm_out_shape))
         if b is not None:
             cupy.add(out, b.reshape(p.bias_shape), out=out)
+
+    @staticmethod
+    def _cudnn(handle, setup, x, w, b, out) -> None:
+        # The workspace comes from the current (the EP's, stream-ordered) pool, as im2col's buffer does.
+        ws = cupy.cuda.alloc(setup.workspace_bytes) if setup.workspace_bytes else None
+        x, w = cupy.ascontiguousarray(x), cupy.ascontiguousarray(w)
+        cudnn_conv.forward(handle, setup, x.data.ptr, w.data.ptr, out.data.ptr, ws.ptr if ws is not None else 0,
+                           bias=cupy.ascontiguousarray(b).data.ptr if b is not None else 0)
 
 
 class _Pool(_Spatial):

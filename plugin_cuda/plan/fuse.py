@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from plugin_cuda.plan import cudnn_step
 from plugin_cuda.plan.program import Op, Program
 
 SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel
@@ -171,6 +172,7 @@ def build_steps(prog: Program, tiled: bool = True, cublaslt: bool = True) -> lis
     (and ReLU) into the call (cublaslt_epilogues)."""
     if cublaslt:
         prog = cublaslt_epilogues(prog, tiled)
+    prog = cudnn_step.fold_epilogues(prog)  # ReLU (and a residual Add) into cuDNN convolutions
     groups, owner = group_ops(prog)
     users = _consumers(prog)
     outputs = set(prog.outputs)

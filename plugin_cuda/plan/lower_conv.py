@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from plugin_cuda.plan import cudnn_step
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import (
     attributes,
@@ -58,7 +59,7 @@ def _conv(ctx, node):
                         "(4-D input and weight)")
     if group < 1 or xs[1] % group or ws[0] % group or ws[1] * group != xs[1]:
         raise PlanError(f"Conv node '{node.name}': {xs[1]} input channels, weight {ws} and group {group} do not fit")
-    out, strides_, dil, begin, _ = _window(node, xs[2:], tuple(ws[2:]))
+    out, strides_, dil, begin, end = _window(node, xs[2:], tuple(ws[2:]))
     bias = node.inputs[2] if present(node, 2) else None
     if bias is not None and ctx.prog.values[bias].size != ws[0]:
         raise PlanError(f"Conv node '{node.name}': bias has shape {ctx.shape(bias)}; expected ({ws[0]},)")
@@ -67,6 +68,9 @@ def _conv(ctx, node):
     geometry = dict(group=group, strides=strides_, dilations=dil, pads=tuple(begin))
     slices = conv_slices(math.prod(out_shape), ws[1], ws[2] * ws[3])
     extra = [bias] if bias is not None else []
+    if cudnn_step.wants_cudnn(xs, ws, out_shape, begin, end, group, strides_, dil):
+        ctx.emit(cudnn_step.KIND, node, [x, w] + extra, [node.outputs[0]], **geometry)
+        return
     if slices == 1:
         ctx.emit("conv", node, [x, w] + extra, [node.outputs[0]], **geometry)
         return

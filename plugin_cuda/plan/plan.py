@@ -29,7 +29,7 @@ import numpy as np
 
 from plugin_cuda.device import capture, cublas, cublaslt, driver, nvrtc
 from plugin_cuda.device.streams import NoScope, stream_scope
-from plugin_cuda.plan import codegen
+from plugin_cuda.plan import codegen, cudnn_step
 from plugin_cuda.plan.errors import DriverError, PlanError
 from plugin_cuda.plan.fuse import build_steps
 from plugin_cuda.plan.lower import lower
@@ -365,6 +365,8 @@ class _Instance:
         for step, spec in zip(variant.steps, variant.specs):
             if spec is not None:
                 seq.append(self._pack_kernel(spec, variant))
+            elif step.kind == cudnn_step.KIND:
+                seq.append(cudnn_step.CudnnStep(self, step, variant))
             else:
                 if self._handle is None:
                     self._handle = self._cublas_handle()

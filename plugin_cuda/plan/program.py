@@ -11,6 +11,7 @@ Plan ops, each with value ids in and out:
   place      a strided write: out[offset + sum(coord_d(i) * out_strides[d])] = in[i] (Concat)
   rotary     RotaryEmbedding over (batch, heads, seq, size) or (batch, seq, heads * size)
   conv       a direct 2-D convolution (groups, pads, strides, dilations; bias fused)
+  cudnn_conv the same on cuDNN (plan/cudnn_step.py; attrs["relu"] and a 4th input, a residual, when folded)
   mean       the mean over the trailing `inner` elements (ReduceMean, GlobalAveragePool)
   alias      a view with another shape over the same bytes (Reshape, Flatten, Squeeze, ...)
 """
