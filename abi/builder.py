@@ -7,9 +7,12 @@ A Python plugin's .so carries a small C shim whose exported CreateEpFactories/Re
 the plugin's Python code in the interpreter that loads it (or start one when a C program loads it).
 Each build gets its own module name, so several builds of one plugin can live in one process.
 
-Built-in plugins go to a per-user cache keyed by everything the compiled shim depends on (the ABI
-declarations, the SDK's extern declarations, the init code with the package root, the interpreter),
-so a moved checkout, another Python or a changed header each get a fresh build and never a stale one.
+The package build (setup.py) compiles the built-in plugins into their package as setuptools extensions
+(`packaged_extension`), so an installed ephost carries them. Where it does not (a source tree, an
+install made without a compiler), built-in plugins go to a per-user cache keyed by everything the
+compiled shim depends on (the ABI declarations, the SDK's extern declarations, the init code with the
+package root, the interpreter), so a moved checkout, another Python or a changed header each get a fresh
+build and never a stale one.
 """
 
 from __future__ import annotations
