@@ -1,8 +1,5 @@
 """The CPU EP's thread pools, bounded per run as onnxruntime's `intra_op_num_threads` bounds its pool.
 
-The default (0) is the physical cores other processes leave idle (`idle_cores`), not all of them as in
-onnxruntime: BLAS's fork-join waits for its slowest thread, so a busy core stalls every call.
-
 The CPU EP's only multithreaded code is BLAS (NumPy's and SciPy's OpenBLAS, or whatever BLAS they
 were built with): the other NumPy kernels and the compiled kernels (host/cpu_ep/native) are
 single-threaded, with no OpenMP. So a session's bound is the thread count of every BLAS library
@@ -51,29 +48,9 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def idle_cores() -> int:
-    """The physical cores of this process that other processes leave idle, at least 1: physical_cores()
-    capped by the CPUs the 1-minute load average leaves free, this process's own running thread not
-    counted as load (it is the caller's thread, which BLAS uses too).
-
-    Why not all physical cores, as onnxruntime: BLAS (OpenBLAS) splits a product into equal parts, one
-    per thread, and returns when the slowest is done; on a machine whose cores are busy with other work a
-    worker thread waits for a scheduler slice (milliseconds) and the call with it, where onnxruntime's
-    pool lets the caller take over a descheduled worker's part. On this 2-core machine at load ~8 the zoo
-    transformer ran at p50 55-120 ms with 2 BLAS threads, 5-8 ms with 1 (docs/cpu_ep.md)."""
-    cores = physical_cores()
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average on this OS: every core
-        return cores
-    free = (os.cpu_count() or cores) - max(0.0, load - 1.0)
-    return max(1, min(cores, round(free)))
-
-
 def resolve(intra_op_num_threads: int) -> int:
-    """The thread count a session runs with: its option, or idle_cores() for 0 (the default), read when
-    the session is created."""
-    return intra_op_num_threads or idle_cores()
+    """The thread count a session runs with: its option, or physical_cores() for 0 (the default)."""
+    return intra_op_num_threads or physical_cores()
 
 
 class Pools:
@@ -183,4 +160,4 @@ class Bound:
 POOLS = Pools()
 
 
-__all__ = ["POOLS", "Bound", "Pools", "idle_cores", "physical_cores", "resolve"]
+__all__ = ["POOLS", "Bound", "Pools", "physical_cores", "resolve"]

@@ -100,42 +100,12 @@ def test_the_callers_count_comes_back_after_a_failing_run():
         assert set(blas_counts()) == {3}
 
 
-@pytest.mark.parametrize("load", [0.2, 1.0, 50.0])
-def test_default_is_the_idle_physical_cores_when_the_session_is_created(load, monkeypatch):
-    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
+def test_default_is_the_physical_cores():
     sess = matmul_session(0)
-    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # read at creation, not per run
     seen = spy_on_kernel(sess)
     with threadpool_limits(limits=7, user_api="blas"):
         sess.run(None, FEEDS)
-    # An idle machine (this process's own thread is the load up to 1.0): every core; one busier than
-    # its CPUs: one thread, the caller's.
-    assert set(seen[0]) == {threads.physical_cores() if load <= 1.0 else 1}
-
-
-@pytest.mark.parametrize(("cpus", "cores", "load", "want"), [
-    (2, 2, 1.0, 2),    # only this process runs
-    (2, 2, 2.0, 1),    # one other busy process on a 2-core machine: the issue's case
-    (2, 2, 8.0, 1),    # far busier than its CPUs: still the caller's thread
-    (16, 8, 9.0, 8),   # 8 busy of 16 logical CPUs: the 8 cores' other hardware threads are free
-    (16, 8, 12.0, 5),  # 11 busy elsewhere, 5 CPUs free
-    (64, 2, 40.0, 2),  # a 2-core cpuset on a 64-CPU host at load 40: both cores
-])
-def test_idle_cores_counts_the_cpus_the_load_leaves_free_up_to_the_physical_cores(cpus, cores, load, want,
-                                                                                   monkeypatch):
-    monkeypatch.setattr(threads, "physical_cores", lambda: cores)
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: cpus)
-    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, 0.0, 0.0))
-    assert threads.idle_cores() == want
-
-
-def test_without_a_load_average_the_default_is_every_physical_core(monkeypatch):
-    def no_load():
-        raise OSError("no load average here")
-
-    monkeypatch.setattr(threads.os, "getloadavg", no_load)
-    assert threads.idle_cores() == threads.physical_cores()
-    assert threads.resolve(0) == threads.physical_cores() and threads.resolve(3) == 3
+    assert set(seen[0]) == {threads.physical_cores()}
 
 
 @pytest.mark.skipif(shutil.which("lscpu") is None, reason="lscpu (util-linux) is the reference and is missing")
