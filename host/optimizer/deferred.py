@@ -28,25 +28,28 @@ class DeferredModule(types.ModuleType):
 
     def __getattr__(self, attr: str):
         state = self.__dict__
-        if state.get("_deferred_running") or "_deferred_spec" not in state:
-            raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
-        with state["_deferred_lock"]:
-            if "_deferred_spec" in state:  # not loaded by another thread meanwhile
-                _load(self)
-        return object.__getattribute__(self, attr)
+        # Its own code, still running, reads a name it has not defined yet: as for a module being
+        # imported, the name is missing.
+        if state.get("_deferred_loader") != threading.get_ident():
+            with state["_deferred_lock"]:  # another thread loading it: wait for the whole module
+                if "_deferred_spec" in state:
+                    _load(self)
+            if attr in state:
+                return state[attr]
+        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
 
 
 def _load(module: DeferredModule) -> None:
     state = module.__dict__
     spec = state["_deferred_spec"]
-    state["_deferred_running"] = True
+    state["_deferred_loader"] = threading.get_ident()
     try:
         if spec.submodule_search_locations is not None:
             module.__path__ = spec.submodule_search_locations  # its own submodules import during its code
         spec.loader.exec_module(module)
-        del state["_deferred_spec"]
+        del state["_deferred_spec"]  # on failure kept: the next read tries again, and raises again
     finally:
-        state["_deferred_running"] = False
+        state["_deferred_loader"] = None
     parent, _, child = module.__name__.rpartition(".")
     if parent in sys.modules:
         setattr(sys.modules[parent], child, module)

@@ -95,3 +95,41 @@ def test_defer_leaves_imported_missing_and_compiled_modules_alone():
         pytest.skip("_testcapi, the compiled module tried here, is imported in this process already")
     assert deferred.defer("_testcapi") is False  # an extension module cannot run into a stand-in
     assert "_testcapi" not in sys.modules
+
+
+@pytest.fixture
+def slow_module(tmp_path, monkeypatch):
+    """A module on sys.path whose code takes a while and defines FIRST before, LAST after the wait."""
+    name = f"_ephost_slow_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text("import time\nFIRST = 1\ntime.sleep(0.3)\nLAST = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_thread_reading_a_module_another_thread_is_loading_waits_for_the_whole_module(slow_module):
+    import threading
+
+    assert deferred.defer(slow_module) is True
+    module = sys.modules[slow_module]
+    assert not deferred.loaded(slow_module)
+    seen, errors = {}, []
+
+    def read(attr):
+        try:
+            seen[attr] = getattr(module, attr)
+        except AttributeError as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=read, args=("FIRST",))
+    first.start()
+    while "FIRST" not in vars(module):  # the first thread is inside the module's code, in its sleep
+        pass
+    second = threading.Thread(target=read, args=("LAST",))
+    second.start()
+    first.join()
+    second.join()
+    assert errors == [] and seen == {"FIRST": 1, "LAST": 2}
+    assert deferred.loaded(slow_module)
+    with pytest.raises(AttributeError, match=rf"^module '{slow_module}' has no attribute 'MISSING'$"):
+        module.MISSING  # noqa: B018 - the read is the test
