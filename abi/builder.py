@@ -7,9 +7,12 @@ A Python plugin's .so carries a small C shim whose exported CreateEpFactories/Re
 the plugin's Python code in the interpreter that loads it (or start one when a C program loads it).
 Each build gets its own module name, so several builds of one plugin can live in one process.
 
-Built-in plugins go to a per-user cache keyed by everything the compiled shim depends on (the ABI
-declarations, the SDK's extern declarations, the init code with the package root, the interpreter),
-so a moved checkout, another Python or a changed header each get a fresh build and never a stale one.
+The package build (setup.py) compiles the built-in plugins into their package as setuptools extensions
+(`packaged_extension`), so an installed ephost carries them. Where it does not (a source tree, an
+install made without a compiler), built-in plugins go to a per-user cache keyed by everything the
+compiled shim depends on (the ABI declarations, the SDK's extern declarations, the init code with the
+package root, the interpreter), so a moved checkout, another Python or a changed header each get a fresh
+build and never a stale one.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ EpStatus* CreateEpFactories(const char* registration_name, const EpApiBase* api_
 EpStatus* ReleaseEpFactory(EpFactory* factory);
 """
 
-_INIT = """
+# A build from a source tree puts that tree on sys.path (a C program embedding Python may not have it);
+# the package build's shim leaves sys.path alone: the package is installed where the interpreter looks.
+_PATH_INIT = """
 import sys
 if {root!r} not in sys.path:
     sys.path.insert(0, {root!r})
+"""
+_INIT = """
 import importlib
 from {module} import ffi, lib
 from abi import sdk
@@ -82,18 +89,33 @@ def check_toolchain(plugin: str, python_plugin: bool = True) -> None:
                          f"it); `pip install setuptools`")
 
 
-def embedding_sources(module: str, entry: str, version: int, root: Path = PACKAGE_ROOT) -> dict[str, str]:
-    """The texts a Python plugin's shim is compiled from (also what its cache key hashes)."""
-    from abi import sdk
+def embedding_sources(module: str, entry: str, version: int, root: Path | None = PACKAGE_ROOT) -> dict[str, str]:
+    """The texts a Python plugin's shim is compiled from (also what its cache key hashes). `root`
+    None: the package build's shim, which adds nothing to sys.path."""
+    # plugin_runtime, not sdk (which re-exports it): the package build's environment has cffi, not NumPy.
+    from abi.plugin_runtime import extern_python_decls
 
     abi.check_known_version(version)
     impl, func = entry.split(":")
+    path_init = "" if root is None else _PATH_INIT.format(root=str(root))
     return {
-        "cdef": cdef(version, exports=False) + sdk.extern_python_decls(version),
+        "cdef": cdef(version, exports=False) + extern_python_decls(version),
         "source": cdef(version, exports=False),
         "exports": _EXPORTS,
-        "init": _INIT.format(root=str(root), module=module, impl=impl, func=func, version=version),
+        "init": path_init + _INIT.format(module=module, impl=impl, func=func, version=version),
     }
+
+
+def _embedding_ffi(module: str, entry: str, version: int, root: Path | None = PACKAGE_ROOT):
+    import cffi
+
+    src = embedding_sources(module, entry, version, root)
+    ffi = cffi.FFI()
+    ffi.cdef(src["cdef"])
+    ffi.embedding_api(src["exports"])
+    ffi.set_source(module, src["source"])
+    ffi.embedding_init_code(src["init"])
+    return ffi
 
 
 def build_python_plugin(module: str, entry: str, version: int, target: Path, root: Path = PACKAGE_ROOT,
@@ -103,14 +125,7 @@ def build_python_plugin(module: str, entry: str, version: int, target: Path, roo
     `name` is the plugin's name in error messages (default: the module name)."""
     name = name or module
     check_toolchain(name)
-    import cffi
-
-    src = embedding_sources(module, entry, version, root)
-    ffi = cffi.FFI()
-    ffi.cdef(src["cdef"])
-    ffi.embedding_api(src["exports"])
-    ffi.set_source(module, src["source"])
-    ffi.embedding_init_code(src["init"])
+    ffi = _embedding_ffi(module, entry, version, root)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -180,3 +195,38 @@ def cached_plugin(plugin: str, entry: str, version: int | None = None) -> Path:
     if not target.is_file():
         build_python_plugin(module, entry, version, target, name=plugin)
     return target
+
+
+# ---- the package build: built-in plugins compiled by `pip install .` / `pip wheel .` ----------------------
+
+
+def packaged_module(plugin: str, entry: str, version: int | None = None) -> str:
+    """The module name the package build compiles built-in `plugin` under: `_ephost_<plugin>_v<N>_pkg<hash>`,
+    the hash of the shim's sources (the extension suffix names the interpreter). A build from other
+    sources, such as an editable install's in-place build left over from an older header, has another
+    name, so it is never opened."""
+    version = version or abi.ABI_VERSION
+    base = f"_ephost_{plugin}_v{version}"
+    h = hashlib.sha256()
+    for text in embedding_sources(base, entry, version, root=None).values():
+        h.update(text.encode())
+    return f"{base}_pkg{h.hexdigest()[:8]}"
+
+
+def packaged_extension(plugin: str, entry: str, package: str, tmpdir: str = "build/ephost_plugins",
+                       version: int | None = None):
+    """The setuptools Extension compiling built-in `plugin`'s shim into `package` (setup.py calls it;
+    cffi writes the C source into `tmpdir` and adds libpython to the link, as for build_python_plugin).
+    Optional, as the CPU kernels: without a compiler a source install still succeeds and the plugin is
+    built on first use."""
+    version = version or abi.ABI_VERSION
+    module = packaged_module(plugin, entry, version)
+    ext = _embedding_ffi(module, entry, version, root=None).distutils_extension(tmpdir, verbose=False)
+    ext.name = f"{package}.{module}"  # the file lands in the package; the cffi module keeps its plain name
+    ext.optional = True
+    return ext
+
+
+def packaged_plugin_path(plugin: str, entry: str, package_dir: Path, version: int | None = None) -> Path:
+    """Where the package build put built-in `plugin` for this interpreter (nothing is built or checked)."""
+    return package_dir / (packaged_module(plugin, entry, version) + sysconfig.get_config_var("EXT_SUFFIX"))

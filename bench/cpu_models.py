@@ -1,7 +1,7 @@
 """ephost's CPU EP against onnxruntime's CPU provider on the real-model fixtures (tests/models).
 
     python -m bench.cpu_models [--iters 200] [--warmup 20] [--repeat 1] [--stat median|best]
-                               [--models bert_dynamo,...] [--json out.json]
+                               [--models bert_dynamo,...,zoo_transformer] [--json out.json]
 
 For each fixture: p50 latency of one `run` (batch 1, the fixture's inputs) for onnxruntime (default
 optimization level, default threads), ephost with the optimizer off (ORT_DISABLE_ALL) and ephost at its
@@ -10,7 +10,12 @@ round); the ratio is ephost p50 / onnxruntime p50 (lower is better; 1.0 = parity
 whole measurement of a model runs N times and each p50 is the median of the N p50s, or with --stat best
 each side's lowest: on a loaded machine onnxruntime's thread pool has good and bad stretches (its p50
 doubles while the other core is busy), which one measurement catches or not, and each side's best p50
-compares the two at their least loaded. Results go to stdout as a Markdown table.
+compares the two at their least loaded. With --repeat N the table also gives each side's stability:
+the largest of the N p50s over the smallest (the issue's goal: <= 1.5 with N = 15). Results go to stdout
+as a Markdown table.
+
+Besides the fixtures, `--models` takes the zoo models as `ephost make-model` writes them by default
+(zoo_mlp, zoo_cnn, zoo_transformer; random inputs, seed 0).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -42,8 +49,26 @@ def _ephost_session(path, level: str | None) -> InferenceSession:
     return InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
 
 
+ZOO = ("zoo_mlp", "zoo_cnn", "zoo_transformer")
+
+
+def _zoo(name: str) -> tuple[Path, dict[str, np.ndarray]]:
+    """A zoo model with make-model's defaults, written to a temporary file, and random feeds."""
+    import onnx
+
+    from host.cli import zoo
+
+    model = {"zoo_mlp": zoo.mlp, "zoo_cnn": zoo.cnn, "zoo_transformer": zoo.transformer_block}[name]()
+    path = Path(tempfile.mkdtemp(prefix="ephost-bench-")) / f"{name}.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in model.graph.input}
+    return path, feeds
+
+
 def bench_model(name: str, warmup: int, iters: int, block: int = 20, repeat: int = 1, stat: str = "median") -> dict:
-    path, feeds, _ = load(name)
+    path, feeds = _zoo(name) if name in ZOO else load(name)[:2]
     ort_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     runs = {"onnxruntime": lambda: ort_sess.run(None, feeds)}
     nodes = {"onnxruntime": None}
@@ -65,6 +90,7 @@ def bench_model(name: str, warmup: int, iters: int, block: int = 20, repeat: int
     for label in runs:
         row[f"{label}_p50_us"] = float(min(p50s[label]) if stat == "best" else np.median(p50s[label]))
         row[f"{label}_p50s_us"] = p50s[label]
+        row[f"{label}_max_over_min"] = max(p50s[label]) / min(p50s[label])
         row[f"{label}_nodes"] = nodes[label]
     for label in ("ephost_noopt", "ephost"):
         row[f"{label}_ratio"] = row[f"{label}_p50_us"] / row["onnxruntime_p50_us"]
@@ -91,14 +117,15 @@ def in_rounds(runs: dict, warmup: int, iters: int, block: int) -> dict[str, np.n
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | onnxruntime p50 (us) | ephost, optimizer off: p50 (us) / nodes / ratio | "
-             "ephost, default level: p50 (us) / nodes / ratio |",
-             "|---|---:|---:|---:|"]
+             "ephost, default level: p50 (us) / nodes / ratio | max/min of the p50s: onnxruntime, ephost |",
+             "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['onnxruntime_p50_us']:.0f} | "
                      f"{r['ephost_noopt_p50_us']:.0f} / {r['ephost_noopt_nodes']} / {r['ephost_noopt_ratio']:.2f}x | "
-                     f"{r['ephost_p50_us']:.0f} / {r['ephost_nodes']} / {r['ephost_ratio']:.2f}x |")
+                     f"{r['ephost_p50_us']:.0f} / {r['ephost_nodes']} / {r['ephost_ratio']:.2f}x | "
+                     f"{r['onnxruntime_max_over_min']:.2f}, {r['ephost_max_over_min']:.2f} |")
     geo = {k: float(np.exp(np.mean([np.log(r[f"{k}_ratio"]) for r in rows]))) for k in ("ephost_noopt", "ephost")}
-    lines.append(f"| geometric mean | | {geo['ephost_noopt']:.2f}x | {geo['ephost']:.2f}x |")
+    lines.append(f"| geometric mean | | {geo['ephost_noopt']:.2f}x | {geo['ephost']:.2f}x | |")
     return "\n".join(lines)
 
 

@@ -69,8 +69,8 @@ COMMANDS: list[Command] = [
             "host.cli.convert_cmd:cmd_convert"),
     Command("bench", "time repeated runs: p50/p90/p99 and mean latency", cli_args.add_bench,
             "host.cli.session_cmds:cmd_bench"),
-    Command("build", "build the CPU kernels and the built-in plugins for this Python (per-user cache)", cli_args.add_build,
-            "host.cli.plugin_cmds:cmd_build"),
+    Command("build", "build the CPU kernels and the built-in plugins for this Python (what the package "
+            "lacks, into the per-user cache)", cli_args.add_build, "host.cli.plugin_cmds:cmd_build"),
     Command("plugin-info", "a plugin's ABI versions, slots and devices", cli_args.add_plugin_info,
             "host.cli.plugin_cmds:cmd_plugin_info"),
     Command("ops", "which ONNX ops and opsets each EP supports (CPU EP; plugins probed)", cli_args.add_ops,

@@ -10,8 +10,8 @@ import argparse
 
 LEVELS = ("disable", "basic", "extended", "all")
 
-# Short EP names for the command line. `--ep cuda` also registers the built-in CUDA plugin (built for
-# this Python into the per-user cache on first use; $EPHOST_CUDA_PLUGIN overrides the path).
+# Short EP names for the command line. `--ep cuda` also registers the built-in CUDA plugin (the package's
+# build, else built for this Python into the per-user cache on first use; $EPHOST_CUDA_PLUGIN overrides it).
 EP_ALIASES = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider", "example": "ExampleEP"}
 
 # make-model: kind -> {option: default}. The defaults are the zoo builders' own (host/cli/zoo.py;

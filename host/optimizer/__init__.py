@@ -8,14 +8,19 @@ Fused ops no execution provider claims are turned back into their unfused subgra
 `expand_unclaimed`, which the session calls after asking the EPs (docs/optimizer.md).
 
 Only the levels are imported eagerly: onnxscript takes about a second to import, and
-SessionOptions needs the enum without it. The rest loads on first use.
+SessionOptions needs the enum without it. The rest loads on first use, and what onnx-ir and onnxscript
+import for work a session rarely does (sympy, onnx's reference kernels) loads only when used
+(host/optimizer/deferred.py): installed here, before any module of this package imports them.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from host.optimizer import deferred
 from host.optimizer.levels import LEVEL_NAMES, GraphOptimizationLevel, as_level
+
+deferred.install()
 
 # name -> module that defines it (loaded on first access)
 _LAZY = {

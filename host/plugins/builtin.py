@@ -1,9 +1,10 @@
-"""Plugins that ship with ephost, found by provider name and built on first use.
+"""Plugins that ship with ephost, found by provider name.
 
-A session that asks for "CUDAExecutionProvider" without registering a library gets the CUDA plugin
-built for this interpreter into the per-user cache (abi.builder), so a `pip install .` works without a
-checkout and without running build.py first. The host refers to the plugin's entry point only as a
-string handed to the builder: it never imports the plugin's modules.
+A session that asks for "CUDAExecutionProvider" without registering a library gets the CUDA plugin the
+package build compiled into plugin_cuda/ (`pip install .`, a wheel: setup.py calls `package_extensions`).
+Where there is none (a source tree, an install made without a compiler), the plugin is built for this
+interpreter into the per-user cache on first use (abi.builder). The host refers to the plugin's entry
+point only as a string handed to the builder: it never imports the plugin's modules.
 
 Where the plugin cannot be built (no C compiler, no Python headers) or loaded, a session falls back to
 the CPU EP with a warning, as onnxruntime does, and get_available_providers() leaves it out
@@ -30,10 +31,27 @@ def builtin_registration_name(provider: str) -> str | None:
     return spec[0] if spec else None
 
 
-def find_builtin_plugin(provider: str) -> Path | None:
-    """Path of the library for built-in `provider` (building it if needed); None if not built in.
+def package_extensions() -> list:
+    """The setuptools Extensions that compile every built-in plugin into its package (setup.py)."""
+    return [builder.packaged_extension(name, entry, _package(entry)) for name, entry in BUILTIN_PLUGINS.values()]
 
-    $EPHOST_CUDA_PLUGIN (a path) overrides the cache for the CUDA plugin.
+
+def _package(entry: str) -> str:
+    """The top-level package of an entry point ("plugin_cuda.plugin:f" -> "plugin_cuda"): the build puts
+    the plugin's library there."""
+    return entry.split(":")[0].split(".")[0]
+
+
+def packaged_plugin(provider: str) -> Path | None:
+    """The library the package build compiled for built-in `provider` and this interpreter, if it is there."""
+    name, entry = BUILTIN_PLUGINS[provider]
+    path = builder.packaged_plugin_path(name, entry, builder.PACKAGE_ROOT / _package(entry))
+    return path if path.is_file() else None
+
+
+def find_builtin_plugin(provider: str) -> Path | None:
+    """Path of the library for built-in `provider`; None if not built in. In order: $EPHOST_CUDA_PLUGIN
+    (a path) for the CUDA plugin, the package's own build, the per-user cache (built there if needed).
     """
     spec = BUILTIN_PLUGINS.get(provider)
     if spec is None:
@@ -42,6 +60,9 @@ def find_builtin_plugin(provider: str) -> Path | None:
     override = os.environ.get(f"EPHOST_{name.upper()}_PLUGIN")
     if override:
         return Path(override)
+    packaged = packaged_plugin(provider)
+    if packaged is not None:
+        return packaged
     try:
         return builder.cached_plugin(name, entry)
     except builder.BuildError as exc:
@@ -59,6 +80,8 @@ def unavailable_reason(provider: str) -> str | None:
     override = os.environ.get(variable)
     if override:
         return None if Path(override).is_file() else f"${variable} names {override}, which is not a file"
+    if packaged_plugin(provider) is not None:
+        return None
     try:
         builder.check_toolchain(name)  # first: cheaper than the cache key
     except builder.BuildError as exc:

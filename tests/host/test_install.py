@@ -8,7 +8,9 @@ import shutil
 import site
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +28,58 @@ CUDA = "CUDAExecutionProvider"
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """The per-user cache in tmp_path, and no packaged plugin: an editable install's in-place build of
+    plugin_cuda/_ephost_cuda_*.so would otherwise be found before the cache."""
     monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("EPHOST_CUDA_PLUGIN", raising=False)
+    monkeypatch.setattr(builtin, "packaged_plugin", lambda provider: None)
     return tmp_path / "cache"
+
+
+# In a child process (no monkeypatch there): the same "no packaged plugin" as the fixture, then `code`.
+NO_PACKAGED = "import host.plugins.builtin as b; b.packaged_plugin = lambda provider: None\n"
+
+
+@pytest.fixture
+def package_root(tmp_path, monkeypatch):
+    """A stand-in for the installed package's root, holding an (empty) plugin_cuda/; the cache is empty."""
+    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("EPHOST_CUDA_PLUGIN", raising=False)
+    monkeypatch.setattr(builder, "PACKAGE_ROOT", tmp_path / "site")
+    (tmp_path / "site" / "plugin_cuda").mkdir(parents=True)
+    return tmp_path / "site"
+
+
+def test_the_package_build_of_the_cuda_plugin_is_found_first_and_needs_no_compiler(package_root, monkeypatch):
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    assert builtin.unavailable_reason(CUDA).startswith(f"{CUDA} needs its plugin built")  # nothing there yet
+    name = builder.packaged_module("cuda", "plugin_cuda.plugin:create_factories")
+    lib = package_root / "plugin_cuda" / (name + sysconfig.get_config_var("EXT_SUFFIX"))
+    lib.write_bytes(b"")  # found by name: the lookup opens nothing
+    assert builtin.find_builtin_plugin(CUDA) == lib
+    assert builtin.unavailable_reason(CUDA) is None
+
+
+def test_a_package_build_from_other_sources_is_not_used(package_root, monkeypatch):
+    """An editable install's in-place build from an older header has another hash in its name."""
+    name = builder.packaged_module("cuda", "plugin_cuda.plugin:create_factories")
+    stale = package_root / "plugin_cuda" / (name[:-8] + "00000000" + sysconfig.get_config_var("EXT_SUFFIX"))
+    stale.write_bytes(b"")
+    assert name != stale.name.split(".")[0]
+    assert builtin.packaged_plugin(CUDA) is None
+    for k, v in NO_COMPILER.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(PluginBuildError, match=r"^CUDAExecutionProvider needs its plugin built for this Python"):
+        builtin.find_builtin_plugin(CUDA)
+
+
+def test_the_package_build_shim_leaves_sys_path_alone_and_a_checkout_build_adds_its_root():
+    entry = "plugin_cuda.plugin:create_factories"
+    packaged = builder.embedding_sources("m", entry, 5, root=None)["init"]
+    checkout = builder.embedding_sources("m", entry, 5, root=Path("/some/checkout"))["init"]
+    assert "sys.path" not in packaged and "sys.path.insert(0, '/some/checkout')" in checkout
+    assert checkout.endswith(packaged)  # the same plugin start-up after the path line
 
 
 def test_missing_compiler_is_a_plugin_build_error_naming_it_and_how_to_install(cache, monkeypatch):
@@ -182,7 +233,8 @@ def test_build_py_reports_a_missing_compiler_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkout(tmp_path):
-    """`pip install .` (no checkout on sys.path): the CUDA plugin builds into the cache and loads."""
+    """`pip install .` (no checkout on sys.path): the CUDA plugin is the package build's, inside the
+    installed package, and loads; nothing is built into the cache."""
     target = tmp_path / "site"
     src = tmp_path / "src"  # a copy, so setuptools' build/ never lands in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "mutants", ".ci-venv*", ".whl",
@@ -206,7 +258,8 @@ def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkou
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().startswith(str(tmp_path / "cache"))
+    assert done.stdout.strip().startswith(str(target / "plugin_cuda" / "_ephost_cuda_v")), done.stdout
+    assert not (tmp_path / "cache").exists()
 
 
 # ---- no compiler: fall back to the CPU EP, as onnxruntime does --------------------------------------
@@ -252,7 +305,7 @@ def test_available_providers_leave_out_a_builtin_that_cannot_be_built(cache, mon
     assert builtin.unavailable_reason(CUDA).startswith(f"{CUDA} needs its plugin built for this Python: "
                                                        "building plugin 'cuda' needs a C compiler")
     # In a child, so no CUDA plugin registered by other tests in this process's default environment counts.
-    code = "import host; print(host.get_available_providers())"
+    code = NO_PACKAGED + "import host; print(host.get_available_providers())"
     env = {**os.environ, **NO_COMPILER, "EPHOST_CACHE_DIR": str(cache)}
     env.pop("EPHOST_CUDA_PLUGIN", None)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -271,8 +324,10 @@ def test_a_plugin_built_before_stays_available_without_a_compiler(cache, monkeyp
 @pytest.mark.slow
 def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tmp_path):
     """`pip wheel .`, installed into a fresh venv, used from outside the checkout with no C compiler on
-    PATH: the CPU kernels are the wheel's own build, a model matches onnxruntime, and asking for CUDA
-    falls back to the CPU EP. Builds kernels.c once (~5 s of compiler time; more on a busy machine)."""
+    PATH: the wheel carries the CPU kernels and the CUDA plugin, both are the installed package's own
+    builds (nothing is compiled, the cache stays empty), a model matches onnxruntime, and asking for CUDA
+    without a GPU falls back to the CPU EP with one warning. Builds kernels.c and the plugin's shim once
+    (~10 s of compiler time; more on a busy machine)."""
     src = tmp_path / "src"  # a copy, so setuptools' build/ never lands in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "mutants", ".ci-venv*", ".whl", "dist",
                                                              "*.egg-info", "__pycache__", "tests", "*.so"))
@@ -281,6 +336,10 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "dist").glob("ephost-*.whl")
     assert "-none-any" not in wheel.name  # a platform wheel: it carries compiled code
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    packaged = builder.packaged_module("cuda", "plugin_cuda.plugin:create_factories")
+    libraries = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")}
+    assert libraries == {f"host/cpu_ep/native/_kernels{suffix}", f"plugin_cuda/{packaged}{suffix}"}
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -293,7 +352,7 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
                    check=True, capture_output=True)
     script = textwrap.dedent("""
-        import warnings
+        import sysconfig, warnings
         import numpy as np, onnxruntime as ort
         import host
         from host.cli import zoo
@@ -301,14 +360,21 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
         assert host.__file__.startswith(sys.prefix), host.__file__
         assert native.LOAD_ERROR is None and native.LIB is not None, native.LOAD_ERROR
         assert native.LOADED_FROM in native.packaged_paths(), native.LOADED_FROM
-        assert host.get_available_providers() == ["CPUExecutionProvider"]
+        # The packaged CUDA plugin is there (no GPU needed to list it, as onnxruntime-gpu) and loads.
+        assert host.get_available_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        env = host.Environment()
+        assert env.ensure_builtin("CUDAExecutionProvider")
+        assert str(env.plugins["cuda"].path).startswith(sysconfig.get_paths()["platlib"]), env.plugins["cuda"].path
+        env.close()
         model = zoo.mlp(layers=2, hidden=32, seed=1).SerializeToString()
         x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             sess = host.InferenceSession(model, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-        assert [str(w.message).split(":")[0] for w in caught if w.category is RuntimeWarning] == [
-            "CUDAExecutionProvider is not available, its nodes fall back to CPUExecutionProvider"]
+        # No GPU (no CuPy in this venv): one warning, and the session runs on the CPU EP.
+        assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [
+            "CUDAExecutionProvider has no device; its nodes fall back to CPUExecutionProvider"]
+        assert sess.get_providers() == ["CPUExecutionProvider"]
         feeds = {sess.get_inputs()[0].name: x}
         want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         np.testing.assert_allclose(sess.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)
@@ -322,6 +388,7 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
                           cwd=outside)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"ok {venv}")
+    assert not list((tmp_path / "empty-cache").rglob("*.so"))  # nothing was built (the model cache is there)
 
 
 def test_cli_run_with_ep_cuda_and_no_compiler_runs_on_the_cpu(cache, monkeypatch, tmp_path, capsys):

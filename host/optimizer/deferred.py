@@ -1,0 +1,98 @@
+"""Modules the optimizer's libraries import but a first session rarely uses, loaded on first use.
+
+onnx-ir imports sympy (0.3-0.5 s, most of a first session's cost) for the arithmetic of symbolic dims,
+and onnxscript's constant folding imports onnx's reference kernels (0.15 s) to evaluate the nodes it
+folds. A session for a model with static shapes and nothing to fold needs neither. `install()` puts a
+stand-in for each in sys.modules: the real module runs, into that same object, the first time one of its
+attributes is read, so every user sees the complete module, only later.
+
+Why not importlib.util.LazyLoader: its module loads on any attribute access, `__spec__` included, and
+the import system reads `__spec__` on every `import sympy` (onnx-ir's among them), so it loads at once.
+The stand-in here has its import attributes set and loads only for a missing one (`__getattr__`).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+import types
+
+# In this order: a stand-in is linked to its parent's stand-in (onnx.reference -> .ops).
+DEFERRED = ("sympy", "onnx_ir._symbolic_shapes", "onnx.reference", "onnx.reference.ops")
+
+
+class DeferredModule(types.ModuleType):
+    """A module whose code runs the first time a missing attribute is read."""
+
+    def __getattr__(self, attr: str):
+        state = self.__dict__
+        # Its own code, still running, reads a name it has not defined yet: as for a module being
+        # imported, the name is missing.
+        if state.get("_deferred_loader") != threading.get_ident():
+            with state["_deferred_lock"]:  # another thread loading it: wait for the whole module
+                if "_deferred_spec" in state:
+                    _load(self)
+            if attr in state:
+                return state[attr]
+        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+
+
+def _load(module: DeferredModule) -> None:
+    state = module.__dict__
+    spec = state["_deferred_spec"]
+    state["_deferred_loader"] = threading.get_ident()
+    try:
+        if spec.submodule_search_locations is not None:
+            module.__path__ = spec.submodule_search_locations  # its own submodules import during its code
+        spec.loader.exec_module(module)
+        del state["_deferred_spec"]  # on failure kept: the next read tries again, and raises again
+    finally:
+        state["_deferred_loader"] = None
+    parent, _, child = module.__name__.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+
+
+def _spec(name: str):
+    parent, _, _ = name.rpartition(".")
+    if not parent:
+        return importlib.util.find_spec(name)
+    if parent in sys.modules:
+        locations = getattr(sys.modules[parent].__spec__, "submodule_search_locations", None)
+    else:  # its parent not imported: look where the parent would be found, importing nothing
+        parent_spec = importlib.util.find_spec(parent)
+        locations = parent_spec.submodule_search_locations if parent_spec else None
+    return importlib.machinery.PathFinder.find_spec(name, locations) if locations else None
+
+
+def defer(name: str) -> bool:
+    """Put a stand-in for `name` in sys.modules; False (nothing done) when it is imported already, not
+    installed, or not plain Python source (only a source module's code can run into the stand-in)."""
+    if name in sys.modules:
+        return False
+    spec = _spec(name)
+    if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+        return False
+    module = DeferredModule(name)
+    module.__spec__, module.__loader__, module.__file__ = spec, spec.loader, spec.origin
+    module.__package__ = name if spec.submodule_search_locations is not None else spec.parent
+    module.__dict__.update(_deferred_spec=spec, _deferred_lock=threading.RLock())
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+    return True
+
+
+def install() -> None:
+    """Defer every module of DEFERRED that is not imported yet (a few file look-ups, no imports)."""
+    for name in DEFERRED:
+        defer(name)
+
+
+def loaded(name: str) -> bool:
+    """Whether `name` is imported and its code has run (a stand-in that has not loaded is not)."""
+    module = sys.modules.get(name)
+    return module is not None and "_deferred_spec" not in module.__dict__
