@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # Each op module registers its kernels with @register when imported: the explicit list below is
 # the whole registration (no scanning).
-from . import attention, conv, elementwise, fused, indexing, linalg, nn, reduce, shape  # noqa: F401
+from . import attention, conv, elementwise, fused, indexing, linalg, nn, reduce, rnn, shape  # noqa: F401
 from .base import (
     EPHOST_DOMAIN,
     KERNELS,
