@@ -74,13 +74,4 @@ def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[
     return runner
 
 
-def subgraph_eps(eps: list) -> list:
-    """The EPs offered a control-flow body's nodes: those computing in host memory. A device EP's
-    values crossing a body's boundary would reach CPU kernels without a copy, so until that boundary
-    copies, device EPs' bodies run on the CPU EP (docs/control_flow.md)."""
-    from host.plugins.ep import CPU_LOCATION
-
-    return [ep for ep in eps if ep.location == CPU_LOCATION]
-
-
-__all__ = ["SubgraphRunner", "prepare_subgraph", "subgraph_eps"]
+__all__ = ["SubgraphRunner", "prepare_subgraph"]

@@ -231,19 +231,6 @@ def test_body_nodes_claimed_by_the_plugin(env6, fuse):
     s.close()
 
 
-def test_a_device_ep_gets_no_body_nodes():
-    """An EP computing in device memory is not offered body nodes yet (its values would cross the body's
-    boundary uncopied): only host-memory EPs are, in their order. The CUDA side: test_control_flow_gpu.py."""
-    from types import SimpleNamespace
-
-    from host.plugins.ep import CPU_LOCATION
-    from host.runtime.subgraph import subgraph_eps
-
-    cpu_a, gpu, cpu_b = (SimpleNamespace(location=loc) for loc in (CPU_LOCATION, ("gpu", 0), CPU_LOCATION))
-    assert subgraph_eps([cpu_a, gpu, cpu_b]) == [cpu_a, cpu_b]
-    assert subgraph_eps([gpu]) == []
-
-
 def test_if_branches_are_partitioned_for_the_plugin(env6):
     """The If stays with the host; the example EP takes the Mul of its then branch and the Sub of its
     else branch (float nodes reading outer values), and runs whichever the condition picks."""

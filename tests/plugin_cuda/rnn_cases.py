@@ -64,18 +64,19 @@ def _inputs(case: Case) -> list[tuple[str, np.ndarray | None]]:
     return ins
 
 
-def build(case: Case, opset: int = 14):
-    """(model, feeds): one node with every present input a graph input."""
-    ins = _inputs(case)
+def build(case: Case, opset: int = 14, dtype=np.float32):
+    """(model, feeds): one node with every present input a graph input (float inputs in `dtype`)."""
+    ins = [(n, v.astype(dtype) if v is not None and v.dtype == np.float32 else v) for n, v in _inputs(case)]
     outs = [n if want else "" for n, want in zip(OUTPUTS[case.op], case.outputs)]
     while outs and not outs[-1]:
         outs.pop()
     node = helper.make_node(case.op, [n if v is not None else "" for n, v in ins], outs, hidden_size=case.hidden,
                             direction=case.direction, **({"layout": case.layout} if case.layout else {}), **case.attrs)
-    types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int32): TensorProto.INT32}
+    types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+             np.dtype(np.int32): TensorProto.INT32}
     graph = helper.make_graph(
         [node], "rnn", [helper.make_tensor_value_info(n, types[v.dtype], v.shape) for n, v in ins if v is not None],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outs if n])
+        [helper.make_tensor_value_info(n, types[np.dtype(dtype)], None) for n in outs if n])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     return model, {n: v for n, v in ins if v is not None}
@@ -89,8 +90,9 @@ def ort_outputs(model, feeds) -> dict:
 
 
 def reference(case: Case, feeds: dict) -> dict:
-    """onnxruntime CPU's outputs for `case` on `feeds`. onnxruntime refuses layout 1, so a layout-1 case
+    """onnxruntime CPU's outputs for `case` on `feeds` (float16 feeds computed in float32). onnxruntime refuses layout 1, so a layout-1 case
     runs as its layout-0 twin on transposed X / initial states, with the outputs transposed back."""
+    feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
     if not case.layout:
         return ort_outputs(build(case)[0], feeds)
     twin = Case(**{**case.__dict__, "layout": 0})

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# GPU checks of the rnncuda branch (issue 26: LSTM/GRU/RNN and control flow on the CUDA EP).
+# Run from the repo root after `python3 build.py`, with PYTHONPATH=/tmp/site:$PWD.
+set -u
+nvidia-smi --query-gpu=name --format=csv,noheader || true
+python3 -c "import cupy, torch, onnxruntime; print('cupy', cupy.__version__, 'torch', torch.__version__, 'ort', onnxruntime.__version__)"
+python3 -m pytest tests/plugin_cuda/test_rnn_gpu.py tests/plugin_cuda/test_control_flow_gpu.py -m gpu -q -rf -s \
+    --timeout=120 -p no:cacheprovider 2>&1 | grep -E "max abs error|off the CUDA|passed|failed|FAILED|Error|error" | tail -150
