@@ -5,6 +5,6 @@ set -u
 nvidia-smi --query-gpu=name --format=csv,noheader || true
 python3 -c "import cupy, torch, onnxruntime; print('cupy', cupy.__version__, 'torch', torch.__version__, 'ort', onnxruntime.__version__)"
 python3 -m pytest tests/plugin_cuda/test_rnn_gpu.py tests/plugin_cuda/test_control_flow_gpu.py -m gpu -q -rf -s \
-    --timeout=120 -p no:cacheprovider 2>&1 | grep -E "max abs error|off the CUDA|passed|failed|FAILED|Error|error" | tail -150
+    --timeout=120 -p no:cacheprovider 2>&1 | grep -E "max abs error|off the CUDA|passed|failed|FAILED|Error|error" | tail -200
 # `ephost ops` with the CUDA EP: the summary line and the recurrent ops it now claims.
 python3 -m host.cli ops --ep cuda 2>&1 | grep -E "CUDA|^  (GRU|LSTM|RNN) " | head -8

@@ -29,9 +29,10 @@ def _assert_on_cuda(s, *op_types):
 
 def _compare(got: dict, want: dict, tol: float, what: str):
     assert sorted(got) == sorted(want), what
+    errors = {name: float(np.abs(got[name].astype(np.float32) - ref).max()) if ref.size else 0.0
+              for name, ref in want.items()}
+    print(f"{what}: max abs error " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     for name, ref in want.items():
-        err = float(np.abs(got[name].astype(np.float32) - ref).max()) if ref.size else 0.0
-        print(f"{what} {name}: max abs error {err:.2e}")
         np.testing.assert_allclose(got[name].astype(np.float32), ref, rtol=tol, atol=tol, err_msg=f"{what}: {name}")
 
 
