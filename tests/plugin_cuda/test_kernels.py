@@ -640,6 +640,8 @@ EXPECTED_OPS = {
     "ConstantOfShape", "Trilu", "GatherElements", "GatherND", "ScatterND", "CumSum", "ArgMax", "ArgMin", "Einsum",
     "Mish", "HardSwish", "HardSigmoid", "Softplus", "Sign", "Mod", "Sum", "Cos", "Sin", "Floor", "Ceil", "Round",
     "RMSNormalization", "RotaryEmbedding", "Attention",
+    # issue 26: recurrent layers (tests in test_rnn_cpu.py, test_rnn_gpu.py)
+    "LSTM", "GRU", "RNN",
     "ai.ephost.SkipLayerNormalization", "ai.ephost.BiasGelu", "ai.ephost.FusedMatMul",
 }
 
