@@ -81,7 +81,7 @@ def test_scan_body_on_the_device(genv):
 def test_torch_loop_export_runs_its_body_on_the_device(genv, path, scale):
     model_path, feeds, expected = load_loop()
     if scale is not None:
-        feeds = {"x": (scale * np.random.default_rng(7).standard_normal((3, 6))).astype(np.float32)}
+        feeds = {"x": (scale * np.random.default_rng(7).standard_normal((2, 6))).astype(np.float32)}
     s = _session(model_path, genv, **PATHS[path])
     placed = _body_placement(s)
     print(f"torch loop body ({path}): {placed}; outer: {s.node_assignment()}")
