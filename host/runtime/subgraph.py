@@ -64,7 +64,7 @@ class SubgraphRunner:
 def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[str],
                      plan_graph: Callable[[Graph, GraphView], Plan]) -> SubgraphRunner:
     """Build, partition and plan `body` once; `plan_graph` is the session's planner."""
-    graph = build_subgraph(body, outer.opsets, outer.values)
+    graph = build_subgraph(body, outer.opsets, outer.values, outer.initializers)
     view = GraphView(graph)
     plan = plan_graph(graph, view)
     executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps))

@@ -158,8 +158,10 @@ def test_the_subgraph_plan_is_prepared_once():
     body = loop.kernel.runners["body"]
     (inner,) = [n for n in body.plan.nodes if n.op_type == "If"]
     assert set(inner.kernel.runners) == {"then_branch", "else_branch"}
-    # The outer value 'limit' reaches the inner If's branch through the body's implicit inputs.
-    assert "limit" in body.input_names + [v.name for v in body.graph.inputs]
+    # The outer initializer 'limit' reaches the inner If's branch as a constant of the body (and of the
+    # branch): an outer constant is the body's initializer, not a value fed at every iteration.
+    assert "limit" in body.graph.initializers and "limit" not in [v.name for v in body.graph.inputs]
+    assert "limit" in inner.kernel.runners["else_branch"].graph.initializers
     feeds = {"M": np.array(4, np.int64), "c0": np.array(True), "a0": np.ones(3, np.float32)}
     s.run(None, feeds)
     s.run(None, feeds)
