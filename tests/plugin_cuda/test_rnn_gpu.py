@@ -141,7 +141,8 @@ def test_torch_export_runs_on_cuda_and_captures(cp, genv, torch_models, op):
     want = ort_outputs(model, feeds)
     s = _session(model, genv)
     _assert_on_cuda(s, op)
-    assert sum(n.op_type == op for n in s.plan.nodes) == 2  # two layers
+    layers = [n.name for n in s.plan.nodes if n.op_type == op]
+    assert len(layers) == 2 and all(s.node_assignment()[name] == CUDA for name in layers)  # two layers, on CUDA
     off = sorted(f"{k}" for k, v in s.node_assignment().items() if v != CUDA)
     print(f"torch {op}: {len(s.plan.nodes)} nodes, off the CUDA EP: {off}")
     _compare(_run(s, feeds), want, 1e-4, f"torch {op}")
