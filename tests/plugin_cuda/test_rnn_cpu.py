@@ -163,3 +163,49 @@ def test_wrong_weight_shape_names_the_input_and_the_expected_shape():
     with pytest.raises(ValueError, match=r"^W must have shape \(1, 12, 3\) \(1 direction\(s\), hidden_size 4, 3 "
                                          r"gate\(s\)\), got \(1, 12, 5\)$"):
         kernel.recurrence.run(np, None, None, None, Weights(x, w, r), True)
+
+
+class _Ctx:
+    """The KernelCall surface a kernel uses (inputs, wants, output), in host memory."""
+
+    def __init__(self, inputs, names):
+        self.inputs, self.names, self.outs, self.cublas = inputs, names, {}, None
+
+    def wants(self, index):
+        return index < len(self.names) and bool(self.names[index])
+
+    def output(self, index, shape, dtype):
+        self.outs[index] = np.full(shape, np.nan, dtype)
+        return self.outs[index]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("case", CASES[::5], ids=lambda c: c.id())
+def test_compute_wires_inputs_outputs_and_dtypes(monkeypatch, case, dtype):
+    """The kernel's _compute (float32 casts, absent inputs and outputs, Y_h/Y_c layout, casts back) with NumPy
+    standing in for CuPy, cuBLAS and the gate kernels: only the device calls are replaced."""
+    import types
+
+    import plugin_cuda.kernels.rnn as rnn
+
+    fake = types.SimpleNamespace(ascontiguousarray=np.ascontiguousarray, copyto=np.copyto, empty=np.empty,
+                                 zeros=np.zeros, array=np.array,
+                                 cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
+    model, feeds = build(case, dtype=dtype)
+    node = model.graph.node[0]
+    kernel = KERNELS[case.op]({a.name: helper.get_attribute_value(a) for a in node.attribute}, 14, "n")
+    monkeypatch.setattr(rnn, "cupy", fake)
+    monkeypatch.setattr(rnn, "nvrtc", types.SimpleNamespace(load=lambda *args: None))
+    monkeypatch.setattr(rnn, "cublas", types.SimpleNamespace(
+        gemm=lambda h, a, b, c, alpha, beta, ta, tb, out: np.matmul(a, b.T, out=out),
+        matmul=lambda h, a, b, out: np.matmul(a, b, out=out)))
+    monkeypatch.setattr(rnn, "_device_launcher", lambda module: numpy_launcher(kernel))
+    ctx = _Ctx([feeds.get(n) if n else None for n in node.input], list(node.output))
+    kernel.compute(ctx)
+    got = {node.output[i]: v for i, v in ctx.outs.items()}
+    want = reference(case, feeds)
+    assert sorted(got) == sorted(want)
+    for name, ref in want.items():
+        assert got[name].dtype == dtype
+        tol = 1e-5 if dtype == np.float32 else 1e-2
+        np.testing.assert_allclose(got[name].astype(np.float32), ref, rtol=tol, atol=tol, err_msg=name)
