@@ -101,3 +101,16 @@ def test_torch_loop_export_with_a_mixed_body(device_env, fuse, scale):
         np.testing.assert_allclose(got[0], expected["y"], rtol=1e-4, atol=1e-5)
     assert got[1][0] >= 2 and all(isinstance(v, DeviceTensor) for v in seen)
     s.close()
+
+
+def test_scan_body_on_the_device(device_env):
+    from tests.host.test_control_flow import scan_model
+
+    rng = np.random.default_rng(3)
+    feeds = {"s0": rng.standard_normal(2).astype(np.float32), "p0": rng.standard_normal(2).astype(np.float32),
+             "xa": rng.standard_normal((2, 4)).astype(np.float32), "xb": rng.standard_normal((4, 2)).astype(np.float32)}
+    s = host.InferenceSession(scan_model(), providers=[(EP, {"ops": "Add,Mul,Sub"})], env=device_env)
+    assert {n.ep is not None for n in _body(s, "Scan").plan.nodes} == {True}
+    for got, want in zip(s.run(None, feeds), ort_run(scan_model(), feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    s.close()
