@@ -66,6 +66,7 @@ class Buffers:
     z: object
     rh: object
     dims: tuple  # S, B, H, D, layout, rev_mask
+    launch_args: tuple | None = None  # the device launcher's per-call arguments, made at the first step
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,15 @@ def _device_launcher(module):
     """launch(name, buffers, t, hr) on CuPy's current stream: one gate kernel of rnn_cells."""
 
     def launch(name: str, buf: Buffers, t: int, hr) -> None:
-        s, batch, hidden, d, layout, rev_mask = buf.dims
-        total = d * batch * hidden
-        args = tuple(arg_ptr(_ptr(v)) for v in (buf.xw, buf.bias, hr, buf.h, buf.c, buf.extra, buf.y, buf.lens,
-                                                 buf.z, buf.rh))
-        ints = tuple(np.int32(v) for v in (t, s, batch, hidden, d, layout, rev_mask))
-        module.kernel(name)((grid_1d(total, _THREADS),), (_THREADS,), args + ints)
+        if buf.launch_args is None:  # what every step of this call shares: worked out at its first step
+            s, batch, hidden, d, layout, rev_mask = buf.dims
+            pointers = tuple(arg_ptr(_ptr(v)) for v in (buf.xw, buf.bias, buf.h, buf.c, buf.extra, buf.y, buf.lens,
+                                                         buf.z, buf.rh))
+            buf.launch_args = (grid_1d(d * batch * hidden, _THREADS), pointers,
+                               tuple(np.int32(v) for v in (s, batch, hidden, d, layout, rev_mask)))
+        grid, (xw, bias, h, c, extra, y, lens, z, rh), dims = buf.launch_args
+        module.kernel(name)((grid,), (_THREADS,), (xw, bias, arg_ptr(_ptr(hr)), h, c, extra, y, lens, z, rh,
+                                                   np.int32(t), *dims))
 
     return launch
 

@@ -209,3 +209,34 @@ def test_compute_wires_inputs_outputs_and_dtypes(monkeypatch, case, dtype):
         assert got[name].dtype == dtype
         tol = 1e-5 if dtype == np.float32 else 1e-2
         np.testing.assert_allclose(got[name].astype(np.float32), ref, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_the_launcher_passes_the_arguments_in_the_kernels_order():
+    """_device_launcher's argument tuple against the ARGS of the CUDA source (names and order), with
+    recognisable fake device addresses."""
+    import re
+    import types
+
+    from plugin_cuda.kernels import rnn, rnn_cells
+
+    params = re.search(r"#define ARGS (.*?)\n(?!\s)", rnn_cells._PRELUDE, re.S).group(1)
+    names = [p.strip().split()[-1].lstrip("*") for p in params.replace("\\", " ").split(",")]
+    assert names == ["xw", "bias", "hr", "h", "c", "extra", "y", "lens", "z", "rh", "t", "S", "B", "H", "D", "layout",
+                     "rev_mask"]
+    addresses = {n: 0x1000 * (k + 1) for k, n in enumerate(names[:10])}
+
+    def array(name):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=addresses[name]))
+
+    buf = rnn.Buffers(*(array(n) for n in ("xw", "bias", "h", "c", "extra", "y", "lens", "z", "rh")),
+                      dims=(5, 3, 7, 2, 1, 2))
+    calls = []
+    module = types.SimpleNamespace(kernel=lambda name: lambda grid, block, args: calls.append((name, args)))
+    launch = rnn._device_launcher(module)
+    for t in (0, 1):
+        launch("lstm", buf, t, array("hr"))
+    assert [name for name, _ in calls] == ["lstm", "lstm"]
+    for t, (_, args) in enumerate(calls):
+        assert [int(a) for a in args] == [addresses[n] for n in names[:10]] + [t, 5, 3, 7, 2, 1, 2]
+        # 8-byte pointers and 4-byte ints, as the kernel's parameters (CuPy passes NumPy scalars by size)
+        assert [type(a) for a in args] == [np.uint64] * 10 + [np.int32] * 7
