@@ -87,11 +87,12 @@ def test_torch_loop_export_runs_its_body_on_the_device(genv, path, scale):
     print(f"torch loop body ({path}): {placed}; outer: {s.node_assignment()}")
     float_work = [k for k in placed if k.split(":")[1] in ("MatMul", "Tanh", "Sqrt", "ReduceSum")]
     assert all(placed[k] == CUDA for k in float_work)
-    if path == "plans":  # the body's float work is one compiled partition (its bool Less a per-node kernel)
-        body = next(n for n in s.plan.nodes if n.op_type == "Loop").kernel.runners["body"]
-        compiled = [n for n in body.plan.nodes if n.kind is Kind.COMPILED]
-        print(f"torch loop body compiled partitions: {[n.members for n in compiled]}")
-        assert len(compiled) == 1, placed
+    body = next(n for n in s.plan.nodes if n.op_type == "Loop").kernel.runners["body"]
+    compiled = [n for n in body.plan.nodes if n.kind is Kind.COMPILED]
+    crossings = sum(n.ep is not None for n in body.plan.nodes)
+    print(f"torch loop body ({path}): {crossings} EP calls per iteration; compiled: {[n.members for n in compiled]}")
+    if path == "plans":  # the body's float work goes into compiled partitions (the bool Less stays per node)
+        assert compiled, placed
     seen = _record_carried(s)
     got = s.run(None, feeds)
     want = ort_run(onnx_model(model_path), feeds)
