@@ -64,6 +64,13 @@ def _inputs(case: Case) -> list[tuple[str, np.ndarray | None]]:
     return ins
 
 
+def _output_shape(case: Case, name: str) -> tuple:
+    s, b, d, h = case.seq, case.batch, case.dirs, case.hidden
+    if name == "Y":
+        return (b, s, d, h) if case.layout else (s, d, b, h)
+    return (b, d, h) if case.layout else (d, b, h)
+
+
 def build(case: Case, opset: int = 14, dtype=np.float32):
     """(model, feeds): one node with every present input a graph input (float inputs in `dtype`)."""
     ins = [(n, v.astype(dtype) if v is not None and v.dtype == np.float32 else v) for n, v in _inputs(case)]
@@ -76,7 +83,7 @@ def build(case: Case, opset: int = 14, dtype=np.float32):
              np.dtype(np.int32): TensorProto.INT32}
     graph = helper.make_graph(
         [node], "rnn", [helper.make_tensor_value_info(n, types[v.dtype], v.shape) for n, v in ins if v is not None],
-        [helper.make_tensor_value_info(n, types[np.dtype(dtype)], None) for n in outs if n])
+        [helper.make_tensor_value_info(n, types[np.dtype(dtype)], _output_shape(case, n)) for n in outs if n])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     return model, {n: v for n, v in ins if v is not None}
