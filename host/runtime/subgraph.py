@@ -62,12 +62,14 @@ class SubgraphRunner:
 
 
 def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[str],
-                     plan_graph: Callable[[Graph, GraphView], Plan]) -> SubgraphRunner:
-    """Build, partition and plan `body` once; `plan_graph` is the session's planner."""
+                     plan_graph: Callable[[Graph, GraphView], Plan], transfer_eps=None) -> SubgraphRunner:
+    """Build, partition and plan `body` once; `plan_graph` is the session's planner. `transfer_eps`: the
+    session's EPs, whose data transfers the body's executor copies with (a device value may reach a body
+    none of whose nodes is on that device)."""
     graph = build_subgraph(body, outer.opsets, outer.values, outer.initializers)
     view = GraphView(graph)
     plan = plan_graph(graph, view)
-    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps))
+    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps), transfer_eps=transfer_eps)
     formal = {vi.name for vi in body.input}
     runner = SubgraphRunner(graph, plan, executor, sum(v.name in formal for v in graph.inputs), outer_names)
     runner.view = view  # plugins' kernels were created over it: alive as long as the session

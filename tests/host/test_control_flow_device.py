@@ -114,3 +114,25 @@ def test_scan_body_on_the_device(device_env):
     for got, want in zip(s.run(None, feeds), ort_run(scan_model(), feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     s.close()
+
+
+def test_device_values_reach_a_body_with_no_device_node(device_env):
+    """The loop's initial state comes from the device (Relu on the mock device) and its body has no node
+    the EP takes: the body's CPU nodes still get the value copied in, through the session's data transfers
+    (a body's executor copies with every EP of the session, not only those holding its nodes)."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    from tests.host.test_control_flow import loop_body, model, vi
+
+    nodes = [h.make_node("Relu", ["a"], ["a0"], name="relu"),
+             h.make_node("Loop", ["M", "c0", "a0"], ["acc", "scans"], body=loop_body(), name="loop0")]
+    m = model(nodes, [vi("M", TP.INT64, []), vi("c0", TP.BOOL, []), vi("a", TP.FLOAT, [3])],
+              [vi("acc", TP.FLOAT, [3]), vi("scans", TP.FLOAT, ["n", 3])],
+              [h.make_tensor("w", TP.FLOAT, [3], [0.5, -1.0, 2.0]), h.make_tensor("limit", TP.FLOAT, [], [40.0])])
+    s = host.InferenceSession(m, providers=[(EP, {"ops": "Relu"})], env=device_env)
+    assert s.node_assignment()["relu"] == EP and all(n.ep is None for n in _body(s).plan.nodes)
+    feeds = {"M": np.array(5, np.int64), "c0": np.array(True), "a": np.array([1.0, -2.0, 3.0], np.float32)}
+    for got, want in zip(s.run(None, feeds), ort_run(m, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    s.close()

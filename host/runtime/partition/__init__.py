@@ -181,7 +181,7 @@ class Partitioner:
 
         def planner(attr: str) -> SubgraphRunner:
             runner = prepare_subgraph(node.attrs[attr], g, outer_names,
-                                      lambda sub, view: self.plan_graph(sub, view, eps))
+                                      lambda sub, view: self.plan_graph(sub, view, eps), transfer_eps=eps)
             made.append(runner)
             return runner
 
