@@ -139,7 +139,7 @@ class Executor:
     crossing; None (the default) leaves the run path without any check for it."""
 
     def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None,
-                 transfer_eps=None):
+                 transfer_eps=None, subgraph: bool = False):
         self.plan = plan
         # EPs whose data transfer copies may use: every EP of the session, not only those holding nodes
         # (an output of the CPU EP bound to a device buffer goes through that device's EP).
@@ -158,7 +158,9 @@ class Executor:
         # What a run starts from, built once: initializers (and Identity outputs over them) in
         # place, every other value None.
         self._blank = [None] * len(plan.value_names)
-        self._output_ids = frozenset(plan.output_ids.values())
+        # A subgraph's outputs that a CPU node read on the host are handed on as their device originals
+        # (RunState.device_outputs); the main graph's outputs are fetched to the host anyway.
+        self._handed_on_ids = frozenset(plan.output_ids.values()) if subgraph else frozenset()
         for vid, arr in (*plan.constants.items(), *prelude):
             self._blank[vid] = arr
         if observer is not None:
@@ -297,7 +299,7 @@ class Executor:
             return self._device_constant(vid, value, location, ep, stream)
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:
-            if vid in self._output_ids:
+            if vid in self._handed_on_ids:
                 st.device_outputs[vid] = value
             st.values[vid] = moved
         else:

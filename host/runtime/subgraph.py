@@ -69,7 +69,8 @@ def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[
     graph = build_subgraph(body, outer.opsets, outer.values, outer.initializers)
     view = GraphView(graph)
     plan = plan_graph(graph, view)
-    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps), transfer_eps=transfer_eps)
+    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps), transfer_eps=transfer_eps,
+                        subgraph=True)
     formal = {vi.name for vi in body.input}
     runner = SubgraphRunner(graph, plan, executor, sum(v.name in formal for v in graph.inputs), outer_names)
     runner.view = view  # plugins' kernels were created over it: alive as long as the session
