@@ -466,6 +466,11 @@ class KernelCall:
 
     __slots__ = ("inputs", "num_outputs", "cublas", "cudnn", "_adapter", "_context", "_state", "_outs")
 
+    def wants(self, index: int) -> bool:
+        """Whether the node has output `index` (an optional output left out has an empty name)."""
+        present = self._adapter.present
+        return index < len(present) and present[index]
+
     def __init__(self, adapter, context, inputs, state: StreamState, num_outputs: int = 1):
         self._outs = {}
         self.num_outputs = num_outputs
@@ -503,6 +508,7 @@ class CudaKernelAdapter(sdk.KernelBase):
                           if v >= 0 and i in cls.host_inputs}
         self.dtypes = [to_numpy(graph.values[v].elem_type) if v >= 0 and graph.values[v].elem_type else None
                        for v in node.outputs]
+        self.present = tuple(v >= 0 for v in node.outputs)
         self._io = threading.local()
         self._get_io, self._get_output = self.api.get_io, self.api.get_output
 

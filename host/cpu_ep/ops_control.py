@@ -14,7 +14,7 @@ import numpy as np
 
 from host.cpu_ep.base import OpKernel, normalize_axis
 from host.cpu_ep.registry import register
-from host.errors import KernelError
+from host.errors import EphostError, KernelError
 
 
 class ControlFlowKernel(OpKernel):
@@ -40,6 +40,17 @@ class ControlFlowKernel(OpKernel):
             raise KernelError(f"node '{self.name}' ({self.op_type}): its subgraphs were not prepared; "
                               "control-flow nodes run inside an InferenceSession", self.name)
         return r
+
+    def run(self, *inputs) -> tuple:
+        """As OpKernel.run, except that outputs pass through as the subgraphs made them: a body's device
+        values (DeviceTensor) stay on their device (np.asarray would wrap them in object arrays)."""
+        try:
+            outputs = self._run(*inputs)
+        except EphostError:
+            raise
+        except Exception as exc:
+            raise self.failure(exc) from exc
+        return tuple(outputs)
 
     def split(self, inputs: tuple) -> tuple[tuple, tuple]:
         return inputs[:self.n_explicit], inputs[self.n_explicit:]

@@ -40,6 +40,9 @@ class RunState:
         self.capturing = False  # set per run: the run belongs to a graph capture (v6 call frames say so)
         self.producer: dict[int, SyncStream] = {}
         self.keep: list = []  # copies made for this run: alive until the next run starts
+        # Graph outputs on a device that a CPU node read (st.values then holds the host copy): the
+        # device originals, which a subgraph hands on so that loop-carried values stay on the device.
+        self.device_outputs: dict[int, object] = {}
         self.shape_cache: dict[tuple, object] = {}
         self.contexts: list = []
         # (step, this thread's context for it, values to free after it), in run order.
@@ -60,6 +63,7 @@ class RunState:
         # references this state (a failed run) must not carry them past the plugin's release.
         self.values = [None] * len(self.values)
         self.keep.clear()
+        self.device_outputs.clear()
         self.bound_outputs = {}
 
     # -- values ------------------------------------------------------------------------------
@@ -135,7 +139,7 @@ class Executor:
     crossing; None (the default) leaves the run path without any check for it."""
 
     def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None,
-                 transfer_eps=None):
+                 transfer_eps=None, subgraph: bool = False):
         self.plan = plan
         # EPs whose data transfer copies may use: every EP of the session, not only those holding nodes
         # (an output of the CPU EP bound to a device buffer goes through that device's EP).
@@ -154,6 +158,9 @@ class Executor:
         # What a run starts from, built once: initializers (and Identity outputs over them) in
         # place, every other value None.
         self._blank = [None] * len(plan.value_names)
+        # A subgraph's outputs that a CPU node read on the host are handed on as their device originals
+        # (RunState.device_outputs); the main graph's outputs are fetched to the host anyway.
+        self._handed_on_ids = frozenset(plan.output_ids.values()) if subgraph else frozenset()
         for vid, arr in (*plan.constants.items(), *prelude):
             self._blank[vid] = arr
         if observer is not None:
@@ -243,6 +250,7 @@ class Executor:
             vals[vid] = v
         st.producer.clear()
         st.keep.clear()
+        st.device_outputs.clear()
         if subgraph:
             # A device value fed into a subgraph was written on its producer's stream: consumers on
             # other streams wait for it, as for values produced inside (DeviceTensor.stream).
@@ -261,7 +269,8 @@ class Executor:
         st = self.state()
         self.execute(st, feeds, subgraph=True)
         vals = st.values
-        outs = [vals[i] for i in output_ids]
+        kept = st.device_outputs
+        outs = [kept.get(i, vals[i]) for i in output_ids] if kept else [vals[i] for i in output_ids]
         if st.producer:
             for vid, v in zip(output_ids, outs):
                 stream = st.producer.get(vid)
@@ -290,6 +299,8 @@ class Executor:
             return self._device_constant(vid, value, location, ep, stream)
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:
+            if vid in self._handed_on_ids:
+                st.device_outputs[vid] = value
             st.values[vid] = moved
         else:
             st.keep.append(moved)  # the kernel reads it after this returns

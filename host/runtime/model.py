@@ -168,10 +168,13 @@ def build_graph(model) -> Graph:
     return _graph(inferred, inferred.graph, opsets, {})
 
 
-def build_subgraph(body: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta]) -> Graph:
+def build_subgraph(body: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta],
+                   outer_constants: dict[str, np.ndarray] | None = None) -> Graph:
     """The Graph of a control-flow node's body: its formal inputs first, then the outer-scope values
-    it reads (implicit inputs, in first-use order), which the host feeds like inputs."""
-    return _graph(SimpleNamespace(graph=body), body, opsets, outer)
+    it reads (implicit inputs, in first-use order), which the host feeds like inputs. Outer values that
+    are initializers of the enclosing graph (`outer_constants`) become the body's initializers instead:
+    EPs see them as constant data (a device EP copies them once, not at every iteration)."""
+    return _graph(SimpleNamespace(graph=body), body, opsets, outer, outer_constants)
 
 
 def _initializers(g: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -188,8 +191,11 @@ def _initializers(g: onnx.GraphProto) -> dict[str, np.ndarray]:
     return inits
 
 
-def _graph(model, g: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta]) -> Graph:
+def _graph(model, g: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta],
+           outer_constants: dict[str, np.ndarray] | None = None) -> Graph:
     inits = _initializers(g)
+    if outer_constants:
+        inits.update({n: outer_constants[n] for n in free_names(g) if n in outer_constants and n not in inits})
     values: dict[str, ValueMeta] = {}
     for vi in [*g.input, *g.value_info, *g.output]:
         values[vi.name] = _meta(vi)

@@ -62,25 +62,19 @@ class SubgraphRunner:
 
 
 def prepare_subgraph(body: onnx.GraphProto, outer: Graph, outer_names: Sequence[str],
-                     plan_graph: Callable[[Graph, GraphView], Plan]) -> SubgraphRunner:
-    """Build, partition and plan `body` once; `plan_graph` is the session's planner."""
-    graph = build_subgraph(body, outer.opsets, outer.values)
+                     plan_graph: Callable[[Graph, GraphView], Plan], transfer_eps=None) -> SubgraphRunner:
+    """Build, partition and plan `body` once; `plan_graph` is the session's planner. `transfer_eps`: the
+    session's EPs, whose data transfers the body's executor copies with (a device value may reach a body
+    none of whose nodes is on that device)."""
+    graph = build_subgraph(body, outer.opsets, outer.values, outer.initializers)
     view = GraphView(graph)
     plan = plan_graph(graph, view)
-    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps))
+    executor = Executor(plan, concurrent=all(ep.concurrent_runs for ep in plan.eps), transfer_eps=transfer_eps,
+                        subgraph=True)
     formal = {vi.name for vi in body.input}
     runner = SubgraphRunner(graph, plan, executor, sum(v.name in formal for v in graph.inputs), outer_names)
     runner.view = view  # plugins' kernels were created over it: alive as long as the session
     return runner
 
 
-def subgraph_eps(eps: list) -> list:
-    """The EPs offered a control-flow body's nodes: those computing in host memory. A device EP's
-    values crossing a body's boundary would reach CPU kernels without a copy, so until that boundary
-    copies, device EPs' bodies run on the CPU EP (docs/control_flow.md)."""
-    from host.plugins.ep import CPU_LOCATION
-
-    return [ep for ep in eps if ep.location == CPU_LOCATION]
-
-
-__all__ = ["SubgraphRunner", "prepare_subgraph", "subgraph_eps"]
+__all__ = ["SubgraphRunner", "prepare_subgraph"]

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 # Each op module registers its kernels with @register when imported: the explicit list below is
 # the whole registration (no scanning).
-from . import attention, conv, conv_transpose, elementwise, fused, indexing, linalg, nn, reduce, shape  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    conv,
+    conv_transpose,
+    elementwise,
+    fused,
+    indexing,
+    linalg,
+    nn,
+    reduce,
+    rnn,
+    shape,
+)
 from .base import (
     EPHOST_DOMAIN,
     KERNELS,

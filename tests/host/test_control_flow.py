@@ -158,8 +158,10 @@ def test_the_subgraph_plan_is_prepared_once():
     body = loop.kernel.runners["body"]
     (inner,) = [n for n in body.plan.nodes if n.op_type == "If"]
     assert set(inner.kernel.runners) == {"then_branch", "else_branch"}
-    # The outer value 'limit' reaches the inner If's branch through the body's implicit inputs.
-    assert "limit" in body.input_names + [v.name for v in body.graph.inputs]
+    # The outer initializer 'limit' reaches the inner If's branch as a constant of the body (and of the
+    # branch): an outer constant is the body's initializer, not a value fed at every iteration.
+    assert "limit" in body.graph.initializers and "limit" not in [v.name for v in body.graph.inputs]
+    assert "limit" in inner.kernel.runners["else_branch"].graph.initializers
     feeds = {"M": np.array(4, np.int64), "c0": np.array(True), "a0": np.ones(3, np.float32)}
     s.run(None, feeds)
     s.run(None, feeds)
@@ -229,19 +231,6 @@ def test_body_nodes_claimed_by_the_plugin(env6, fuse):
         assert rec.fallbacks["frame_preallocated"] == iterations * len(on_plugin)
     assert s.plan.eps and s.plan.eps[0].name == "ExampleEP"  # gets OnRunStart / OnRunEnd for the whole run
     s.close()
-
-
-def test_a_device_ep_gets_no_body_nodes():
-    """An EP computing in device memory is not offered body nodes yet (its values would cross the body's
-    boundary uncopied): only host-memory EPs are, in their order. The CUDA side: test_control_flow_gpu.py."""
-    from types import SimpleNamespace
-
-    from host.plugins.ep import CPU_LOCATION
-    from host.runtime.subgraph import subgraph_eps
-
-    cpu_a, gpu, cpu_b = (SimpleNamespace(location=loc) for loc in (CPU_LOCATION, ("gpu", 0), CPU_LOCATION))
-    assert subgraph_eps([cpu_a, gpu, cpu_b]) == [cpu_a, cpu_b]
-    assert subgraph_eps([gpu]) == []
 
 
 def test_if_branches_are_partitioned_for_the_plugin(env6):

@@ -654,6 +654,8 @@ EXPECTED_OPS = {
     "Mish", "HardSwish", "HardSigmoid", "Softplus", "Sign", "Mod", "Sum", "Cos", "Sin", "Floor", "Ceil", "Round",
     "RMSNormalization", "RotaryEmbedding", "Attention",
     "ConvTranspose",  # issue 25: claimed only where cuDNN loads (test_cudnn_gpu.py)
+    # issue 26: recurrent layers (tests in test_rnn_cpu.py, test_rnn_gpu.py)
+    "LSTM", "GRU", "RNN",
     "ai.ephost.SkipLayerNormalization", "ai.ephost.BiasGelu", "ai.ephost.FusedMatMul",
 }
 

@@ -37,7 +37,7 @@ from host.runtime.model import Graph, ValueMeta, build_graph
 from host.runtime.partition.claims import collect_claims, unit_order
 from host.runtime.partition.compile import FUSED_OP_TYPE, CompiledPartition, claim_and_compile
 from host.runtime.plan import Kind, Plan, PlanNode, compute_frees
-from host.runtime.subgraph import SubgraphRunner, prepare_subgraph, subgraph_eps
+from host.runtime.subgraph import SubgraphRunner, prepare_subgraph
 
 
 class Partitioner:
@@ -174,16 +174,14 @@ class Partitioner:
         outer_names = node.inputs[len(node.inputs) - node.implicit:]
         made = []
 
-        # Bodies go only to EPs computing in host memory for now: values crossing a body's boundary
-        # from a device EP reach CPU kernels without a copy (wrong results on the CUDA EP), so device
-        # EPs' bodies run on the CPU EP until that boundary is handled (docs/control_flow.md).
-        host_eps = subgraph_eps(self.eps)
-        if len(host_eps) < len(self.eps):
-            self.fallbacks["subgraph_without_device_eps"] += 1
+        # Bodies are offered to every EP of the session, device EPs included: values crossing the body's
+        # boundary stay where they are (ControlFlowStep), CPU segments of the body copy device values
+        # in (CpuSegment._enter), plugin steps move host values to their device (docs/control_flow.md).
+        eps = self.eps
 
         def planner(attr: str) -> SubgraphRunner:
             runner = prepare_subgraph(node.attrs[attr], g, outer_names,
-                                      lambda sub, view: self.plan_graph(sub, view, host_eps))
+                                      lambda sub, view: self.plan_graph(sub, view, eps), transfer_eps=eps)
             made.append(runner)
             return runner
 

@@ -140,9 +140,10 @@ class CpuSegment:
 
 
 class ControlFlowStep:
-    """A node the host runs over subgraph plans (If, Loop, Scan). Bodies run on host-memory EPs only
-    for now (subgraph.subgraph_eps), so device values are copied to the host here, through the EP that
-    holds them; device outputs carry their producer stream for consumers here."""
+    """A node the host runs over subgraph plans (If, Loop, Scan). Device values go into the bodies where
+    they are (the bodies' own steps copy them where their consumers need them; the kernel reads
+    conditions and counters through `runner.to_host`); device outputs carry their producer stream for
+    consumers here."""
 
     def __init__(self, node: PlanNode, observer=None):
         self.node = node
@@ -160,9 +161,7 @@ class ControlFlowStep:
             value = None if v < 0 else vals[v]
             if value is None and v >= 0 and v not in objects:
                 raise EpError(f"value '{st.plan.value_names[v]}' was not produced")
-            if v >= 0 and isinstance(value, DeviceTensor):
-                value = st.executor.input_for(st, v, CPU_LOCATION, None, None)
-            elif v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
+            if v >= 0 and isinstance(value, np.ndarray) and v in st.producer:
                 st.producer.pop(v).notify_and_wait(None)  # host memory a plugin stream wrote: the host reads it
             args.append(value)
         outs = self.run(*args)
