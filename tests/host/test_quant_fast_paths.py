@@ -48,8 +48,11 @@ def _initializers_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, di
 
 @pytest.fixture(scope="module")
 def quant_dir(tmp_path_factory):
-    logging.getLogger().setLevel(logging.ERROR)
-    return str(tmp_path_factory.mktemp("fast_paths"))
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer's INFO chatter, for this module only
+    yield str(tmp_path_factory.mktemp("fast_paths"))
+    root.setLevel(level)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
