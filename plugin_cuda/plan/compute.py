@@ -134,7 +134,9 @@ class ShapePlanFunction(PlanFunction):
             plan = Plan.build(graph, self.ep, constants=self.constants, **self._options)
             self.stats["symbolic"] += 1
             return plan
-        except nvrtc.CompileError as exc:
+        except (nvrtc.CompileError, PlanError) as exc:
+            # Planned again with literal sizes: a module that then compiles, or the error of this
+            # signature in plain numbers (a symbolic size prints as its expression in f-strings).
             self.stats["literal"] += 1
             self.last_symbolic_error = str(exc)[:2000]
         graph = specialize(self._graph, self._input_ids, signature, symbolic=False)

@@ -36,7 +36,7 @@ class SymInt(int):
         return self.expr
 
     def __repr__(self) -> str:
-        return f"SymInt({int(self)}, {self.expr!r})"
+        return repr(int(self))  # messages print shapes with repr: the value, as for any int
 
     def __reduce__(self):
         return (SymInt, (int(self), self.expr))

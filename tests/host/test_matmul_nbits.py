@@ -71,9 +71,14 @@ MODELS = {"mlp": (small_mlp, [(1, 80), (5, 80), (33, 80)]),
 
 
 def _quantize(model: onnx.ModelProto, fmt, **config) -> onnx.ModelProto:
-    logging.getLogger().setLevel(logging.ERROR)  # the quantizer logs a line per MatMul
-    quantizer = nbits.MatMulNBitsQuantizer(model, quant_format=fmt, **config)
-    quantizer.process()
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a line per MatMul; restored for later caplog tests
+    try:
+        quantizer = nbits.MatMulNBitsQuantizer(model, quant_format=fmt, **config)
+        quantizer.process()
+    finally:
+        root.setLevel(level)
     return quantizer.model.model
 
 

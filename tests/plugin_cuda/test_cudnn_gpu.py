@@ -39,8 +39,12 @@ def model_of(x_shape, w_shape, op="Conv", bias=True, relu=False, residual=False,
     ins = [helper.make_tensor_value_info("X", elem, x_shape)]
     if residual:  # static, as a compiled plan needs: the convolution's output shape
         ins.append(helper.make_tensor_value_info("R", elem, residual))
-    graph = helper.make_graph(nodes, "conv", ins, [helper.make_tensor_value_info("Y", elem, None)], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # The output's rank with unknown dims: onnx's checker (1.20+) wants a shape field on graph outputs.
+    out = helper.make_tensor_value_info("Y", elem, [None] * len(x_shape))
+    graph = helper.make_graph(nodes, "conv", ins, [out], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10  # what the onnxruntime of every machine reads
+    return model
 
 
 def reference(model, feeds):

@@ -324,7 +324,11 @@ def test_kernel_error_leaves_session_usable(genv):
                                             [a, b], [y]), opset_imports=[helper.make_opsetid("", 17)])
     s = InferenceSession(m, providers=[(CUDA, {"use_tf32": "0"})], env=genv)
     assert s.node_assignment() == {"mm": CUDA}
-    with pytest.raises(KernelError, match=r"^node 'mm' \(MatMul\) on CUDAExecutionProvider failed"):
+    # Symbolic dims: a compiled partition planned per input-shape signature; the bad signature's plan
+    # fails to build, names its shapes, and leaves nothing behind.
+    with pytest.raises(KernelError, match=r"^fused node 'CUDAExecutionProvider_fused_0' \(nodes 'mm'\) on "
+                                          r"CUDAExecutionProvider failed .* at input shapes \[\(2, 4\), \(5, 3\)\]: "
+                                          r"MatMul node 'mm': MatMul got shapes \(2, 4\) and \(5, 3\)"):
         s.run(None, {"A": np.ones((2, 4), np.float32), "B": np.ones((5, 3), np.float32)})
     got = s.run(None, {"A": np.ones((2, 4), np.float32), "B": np.ones((4, 3), np.float32)})[0]
     np.testing.assert_allclose(got, np.full((2, 3), 4.0, np.float32))
