@@ -25,9 +25,11 @@ _INT64 = onnx.TensorProto.INT64
 
 def find(model: onnx.ModelProto, env: dict, shapes: dict, types: dict, symbols: set[str]) -> dict:
     """{"constants": name -> array for node outputs constant at every input shape,
-    "targets": (node index, input index) -> array for Reshape / Expand targets made constant}."""
+    "targets": (node index, input index) -> array for Reshape / Expand targets made constant,
+    "rebased": name -> terms (ints, (input, axis)) for shape vectors read from the graph inputs}."""
     outputs = {o.name for o in model.graph.output}
-    constants, targets = {}, {}
+    constants, targets, rebased = {}, {}, {}
+    bindings = _bindings(model)
     for i, node in enumerate(model.graph.node):
         if node.domain not in ("", "ai.onnx") or node.op_type == "Constant" or len(node.output) != 1:
             continue
@@ -41,7 +43,35 @@ def find(model: onnx.ModelProto, env: dict, shapes: dict, types: dict, symbols: 
             target = _target(node, env.get(node.input[1]), shapes.get(node.input[0]), symbols)
             if target is not None:
                 targets[(i, 1)] = target
-    return {"constants": constants, "targets": targets} if constants or targets else {}
+        terms = _rebased(node, env.get(name), shapes.get(name), types.get(name), bindings)
+        if terms is not None and name not in outputs:
+            rebased[name] = terms
+    found = {"constants": constants, "targets": targets, "rebased": rebased}
+    return found if constants or targets or rebased else {}
+
+
+def _bindings(model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
+    """symbol -> (graph input, axis) declaring it; none where Shape has no start/end (opset < 15)."""
+    from host.runtime import dims, range_lengths
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 15:
+        return {}
+    return {sym: places[0] for sym, places in dims.input_symbols(range_lengths._InputMeta.of(model)).items()}
+
+
+def _rebased(node, value, shape, elem_type, bindings) -> list | None:
+    """A 1-D int64 shape vector whose entries are ints or the inputs' own symbols (`[seq]` from
+    `Shape(k)[-2]`, Llama's mask slice): read from the graph inputs' shapes instead, so the tensor the
+    Shape read keeps one use (the GQA fusion needs that) and the arithmetic dies."""
+    if value is None or elem_type != _INT64 or shape != (len(value),) or not 0 < len(value) <= 8:
+        return None
+    if node.op_type == "Shape" and node.input[0] in {b[0] for b in bindings.values()}:
+        return None  # already read from an input
+    terms = [t if isinstance(t, int) and not isinstance(t, bool) else bindings.get(t) for t in value]
+    if any(t is None for t in terms) or all(isinstance(t, int) for t in terms):
+        return None
+    return terms
 
 
 def _constant(value, shape, elem_type) -> np.ndarray | None:
@@ -106,8 +136,30 @@ def apply(model: onnx.ModelProto, plan: dict) -> None:
         name = f"{g.node[i].output[0]}__target"
         g.initializer.append(numpy_helper.from_array(target, name))
         g.node[i].input[k] = name
-    kept = [n for n in g.node if not (len(n.output) == 1 and n.output[0] in constants)]
+    rebased = plan["rebased"]
+    kept = []
+    for n in g.node:
+        if len(n.output) == 1 and n.output[0] in rebased:
+            kept.extend(_reads(g, n.output[0], rebased[n.output[0]]))
+        elif not (len(n.output) == 1 and n.output[0] in constants):
+            kept.append(n)
     del g.node[:]
     g.node.extend(kept)
     for name, value in constants.items():
         g.initializer.append(numpy_helper.from_array(value, name))
+
+
+def _reads(g: onnx.GraphProto, name: str, terms: list) -> list[onnx.NodeProto]:
+    """Nodes computing `name` from the graph inputs' shapes: Shape(input, start=axis, end=axis + 1)
+    per symbol, the ints as constants, concatenated."""
+    parts, nodes = [], []
+    for k, t in enumerate(terms):
+        part = name if len(terms) == 1 else f"{name}__part{k}"
+        if isinstance(t, int):
+            g.initializer.append(numpy_helper.from_array(np.array([t], np.int64), part))
+        else:
+            nodes.append(onnx.helper.make_node("Shape", [t[0]], [part], start=t[1], end=t[1] + 1))
+        parts.append(part)
+    if len(terms) > 1:
+        nodes.append(onnx.helper.make_node("Concat", parts, [name], axis=0))
+    return nodes
