@@ -14,7 +14,7 @@ import numpy as np
 # The rule modules register their lowerings when imported: this list is the whole registration.
 from plugin_cuda.plan import lower_conv, lower_layout, lower_math, lower_rows  # noqa: F401
 from plugin_cuda.plan.errors import PlanError
-from plugin_cuda.plan.lowering import LOWERINGS, LowerCtx, domain_of, run_rule
+from plugin_cuda.plan.lowering import LOWERINGS, LowerCtx, domain_of, mask_only_expand, run_rule
 from plugin_cuda.plan.program import Program, Value
 from plugin_cuda.plan.symint import dim, symbols_of
 
@@ -54,7 +54,7 @@ def unsupported_reason(graph, node, need_static: bool = True, probe: int | None 
             continue
         v = graph.values[vid]
         if pos in host:
-            if v.constant is None:
+            if v.constant is None and not mask_only_expand(graph, node):
                 return f"input {pos} must be a constant"
             continue
         if _elem_type(v) not in (FLOAT32, 0, None) or need_static and _elem_type(v) != FLOAT32:

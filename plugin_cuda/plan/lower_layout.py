@@ -8,6 +8,7 @@ from plugin_cuda.plan.lowering import (
     attributes,
     broadcast,
     lowers,
+    mask_only_expand,
     norm_axis,
     present,
     view,
@@ -78,6 +79,12 @@ def _squeeze_unsqueeze(ctx, node):
 @lowers("Expand")
 def _expand(ctx, node):
     x = node.inputs[0]
+    if ctx.const(node.inputs[1]) is None and mask_only_expand(ctx.graph, node):
+        # Read unexpanded by the Attention after it, which broadcasts its mask (lower.mask_only_expand);
+        # the value takes the mask's own shape (set directly: the graph's shape is the expanded one).
+        ctx.prog.values[node.outputs[0]].shape = ctx.shape(x)
+        ctx.emit("alias", node, [x], [node.outputs[0]])
+        return
     target = ctx.host_ints(node, node.inputs[1], "the shape input")
     ctx.set_shape(node, node.outputs[0], broadcast(node, ctx.shape(x), target))
     ctx.emit("ew", node, [x], [node.outputs[0]], expr="{0}")

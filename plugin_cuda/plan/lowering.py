@@ -15,7 +15,7 @@ from plugin_cuda.plan.symint import dim
 from plugin_cuda.semantics import Attributes, OpError, shapes
 
 __all__ = ["EPHOST_DOMAIN", "LOWERINGS", "LowerCtx", "attributes", "broadcast", "domain_of", "ew", "lowers",
-           "norm_axis", "present", "run_rule", "view", "where"]
+           "mask_only_expand", "norm_axis", "present", "run_rule", "view", "where"]
 
 EPHOST_DOMAIN = "ai.ephost"
 
@@ -44,6 +44,33 @@ def lowers(*op_types: str, domain: str = ""):
 def domain_of(node) -> str:
     """The node's domain as the registry keys it ('' for ONNX)."""
     return "" if node.domain in ("", "ai.onnx") else node.domain
+
+
+def _consumers(graph) -> dict:
+    """value id -> [(node, input position)], worked out once per graph object."""
+    cached = graph.__dict__.get("_plan_consumers")
+    if cached is None:
+        cached = {}
+        for n in graph.nodes:
+            for pos, vid in enumerate(n.inputs):
+                if vid >= 0:
+                    cached.setdefault(vid, []).append((n, pos))
+        graph.__dict__["_plan_consumers"] = cached
+    return cached
+
+
+def mask_only_expand(graph, node) -> bool:
+    """An Expand whose result only feeds Attention masks (input 3; the optimizer's Attention fusion
+    expands a [B, 1, 1, Skv] mask over the query length for onnxruntime's sake): Attention broadcasts
+    the mask itself, so a plan reads the mask unexpanded and the Expand's shape (a value the host
+    computes per input shape) need not be a constant."""
+    if node.op_type != "Expand" or domain_of(node) != "":
+        return False
+    out = node.outputs[0]
+    if out < 0 or graph.values[out].kind == 2:  # a graph output needs the expanded bytes
+        return False
+    uses = _consumers(graph).get(out, [])
+    return bool(uses) and all(n.op_type == "Attention" and domain_of(n) == "" and pos == 3 for n, pos in uses)
 
 
 class LowerCtx:

@@ -255,3 +255,46 @@ def test_index_expressions_hold_for_every_size_of_a_symbolic_dim():
     assert index_expr((b1, s, 4), (b1, s, 4)) == "i"
     assert index_expr((SymInt(8, "S0"), s, 4), (SymInt(1, "S2"), s, 4)) == "(((i / 4) % S1) * 4 + ((i / 1) % 4) * 1)"
     assert index_expr((1, 5, 4), (5, 4)) == "i"  # literal sizes keep the shortest form
+
+
+def _masked_attention_model(shape_is_input: bool = True, extra_use: bool = False):
+    """q, k, v [B, H, S, D]; mask [B, 1, 1, S] -> Expand(mask, rows) -> Attention's mask (the
+    optimizer's Attention fusion writes this Expand for onnxruntime's sake)."""
+    f = TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(n, f, ["batch", 2, "seq", 4]) for n in ("q", "k", "v")]
+    ins.append(helper.make_tensor_value_info("mask", f, ["batch", 1, 1, "seq"]))
+    inits = []
+    if shape_is_input:
+        ins.append(helper.make_tensor_value_info("rows", TensorProto.INT64, [2]))
+    else:
+        inits.append(numpy_helper.from_array(np.array([1, 1], np.int64), "rows"))
+    nodes = [helper.make_node("Expand", ["mask", "rows"], ["m4"], name="expand"),
+             helper.make_node("Attention", ["q", "k", "v", "m4"], ["att"], name="attn"),
+             helper.make_node("Relu", ["att"], ["y"], name="relu")]
+    outs = [helper.make_tensor_value_info("y", f, None)]
+    if extra_use:
+        nodes.append(helper.make_node("Neg", ["m4"], ["n"], name="neg"))
+        outs.append(helper.make_tensor_value_info("n", f, None))
+    graph = helper.make_graph(nodes, "g", ins, outs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_an_expand_that_only_feeds_attention_masks_is_read_unexpanded():
+    spec = spec_from_onnx(_masked_attention_model())
+    assert [len(g) for g in fusable_groups(spec, dynamic=True)] == [3]  # the Expand joins the group
+    ins, outs = partition_io(spec)
+    shapes = {"q": (3, 2, 5, 4), "k": (3, 2, 5, 4), "v": (3, 2, 5, 4), "mask": (3, 1, 1, 5), "rows": (2,)}
+    special = specialize(spec, ins, [shapes[spec.values[i].name] for i in ins])
+    prog = lower(special, [special.values[i] for i in ins], [special.values[o] for o in outs])
+    expand = next(op for op in prog.ops if op.node == "expand")
+    assert expand.kind == "alias" and prog.values[expand.outputs[0]].shape == (3, 1, 1, 5)
+    assert prog.values[prog.outputs[0]].shape == (3, 2, 5, 4)
+
+
+def test_an_expand_with_other_readers_still_needs_a_constant_shape():
+    spec = spec_from_onnx(_masked_attention_model(extra_use=True))
+    expand = next(n for n in spec.nodes if n.name == "expand")
+    assert unsupported_reason(spec, expand, probe=PROBE_DIM) == "input 1 must be a constant"
+    const = spec_from_onnx(_masked_attention_model(shape_is_input=False, extra_use=True))
+    expand = next(n for n in const.nodes if n.name == "expand")
+    assert unsupported_reason(const, expand, probe=PROBE_DIM) == ""  # a constant shape: the usual Expand
