@@ -1,0 +1,164 @@
+"""The optimized-model cache (host/optimizer/cache.py): hits, misses, damaged entries, its key.
+
+A random sequence of (model, level) openings, with random damage to stored entries in between
+(truncated, a byte flipped, emptied, overwritten by another entry's bytes or by garbage). The test
+keeps its own model of the cache, by file: an opening is a hit exactly when its (model, level) was
+stored and its file not damaged since; every miss calls the optimizer once and (re)writes one file.
+Whatever the cache returns runs like the model itself (onnxruntime on both) and carries the report and
+counts of a fresh optimization. Then a session with the example plugin, optimizer on, over a damaged
+entry: same outputs as onnxruntime, and the entry is whole again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from host.optimizer import cache as oc
+from host.optimizer import hooks
+from host.optimizer.levels import GraphOptimizationLevel as Level
+from host.runtime.session import InferenceSession
+from tests.property import harness as h
+from tests.property import strategies as s
+
+V = 6
+LEVELS = (Level.ORT_ENABLE_BASIC, Level.ORT_ENABLE_EXTENDED, Level.ORT_ENABLE_ALL)
+DAMAGE = ("truncate", "flip", "empty", "garbage", "swap")
+
+
+def _model(seed: int):
+    """MatMul + Add (+ Identity) + Relu: something for every level to fuse or remove."""
+    rng = np.random.default_rng(seed)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(3).astype(np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+             helper.make_node("Add", ["mm", "b"], ["z"], name="add"),
+             helper.make_node("Identity", ["z"], ["zi"], name="id"),
+             helper.make_node("Relu", ["zi"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, f"g{seed}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+MODELS = (_model(0), _model(1))
+X = np.random.default_rng(9).standard_normal((2, 4)).astype(np.float32)
+WANT = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+        for m in MODELS]
+FRESH: dict[tuple[int, int], object] = {}  # (model, level) -> a fresh optimization, without the cache
+
+
+def _fresh(m: int, level) -> object:
+    if (m, int(level)) not in FRESH:
+        FRESH[m, int(level)] = hooks._optimize(MODELS[m], level)
+    return FRESH[m, int(level)]
+
+
+def _damage(path: Path, how: str, at: int, other: bytes) -> None:
+    data = path.read_bytes()
+    cut = at % max(1, len(data))
+    if how == "truncate":
+        data = data[:cut]
+    elif how == "flip":
+        data = data[:cut] + bytes([data[cut] ^ 0x20]) + data[cut + 1:]
+    elif how == "empty":
+        data = b""
+    elif how == "garbage":
+        data = bytes(range(256)) * 3
+    else:  # another entry's bytes under this entry's name
+        data = other
+    path.write_bytes(data)
+
+
+actions = st.one_of(
+    st.tuples(st.just("open"), st.integers(0, 1), st.sampled_from(LEVELS)),
+    st.tuples(st.just("damage"), st.integers(0, 1), st.sampled_from(LEVELS), st.sampled_from(DAMAGE),
+              st.integers(0, 1 << 16)))
+
+
+@given(steps=st.lists(actions, min_size=1, max_size=8))
+@example(steps=[("open", 0, LEVELS[0]), ("open", 0, LEVELS[2]), ("open", 0, LEVELS[0]), ("open", 1, LEVELS[0]),
+                ("open", 0, LEVELS[0])])  # a key without the level or the model shows here
+@example(steps=[("open", 0, LEVELS[1]), ("damage", 0, LEVELS[1], "flip", 110), ("open", 0, LEVELS[1]),
+                ("open", 0, LEVELS[1])])  # a flipped byte in the entry's metadata
+@settings(deadline=None, max_examples=s.budget(10))
+def test_hits_misses_and_damaged_entries(steps):
+    calls = []
+
+    def optimize(proto, level):
+        calls.append(level)
+        return hooks._optimize(proto, level)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        files: dict[tuple[int, int], Path] = {}  # what the test saw each miss write
+        valid: set[tuple[int, int]] = set()
+        for step in steps:
+            m, level = step[1], step[2]
+            key = (m, int(level))
+            if step[0] == "damage":
+                if key in files and files[key].exists():
+                    others = [p for k, p in files.items() if k != key and p.exists()]
+                    _damage(files[key], step[3], step[4], others[0].read_bytes() if others else b"")
+                    valid.discard(key)
+                continue
+            before = set(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            n = len(calls)
+            result = oc.optimize_cached(MODELS[m], level, optimize, cache)
+            hit = len(calls) == n
+            assert hit is (key in valid), (step, hit)
+            if not hit:
+                written = set(Path(tmp).glob(f"*{oc.SUFFIX}")) - before
+                files[key] = written.pop() if written else files[key]  # a rewritten entry keeps its name
+                assert files[key].is_file()
+                valid.add(key)
+            fresh = _fresh(m, level)
+            assert (result.nodes_before, result.nodes_after) == (fresh.nodes_before, fresh.nodes_after)
+            assert [vars(r) for r in result.report] == [vars(r) for r in fresh.report]
+            got = ort.InferenceSession(result.model.SerializeToString(),
+                                       providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
+            np.testing.assert_allclose(got, WANT[m], **h.LOOSE)
+        # One file per (model, level): distinct keys never share an entry.
+        assert len({files[k] for k in files}) == len(files)
+
+
+@contextlib.contextmanager
+def _cache_dir(path: str):
+    old = os.environ.get("EPHOST_CACHE_DIR")
+    os.environ["EPHOST_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EPHOST_CACHE_DIR", None)
+        else:
+            os.environ["EPHOST_CACHE_DIR"] = old
+
+
+@given(how=st.sampled_from(DAMAGE), at=st.integers(0, 1 << 16), m=st.integers(0, 1))
+@settings(deadline=None, max_examples=s.budget(4))
+def test_a_session_over_a_damaged_entry_recovers(how, at, m):
+    with tempfile.TemporaryDirectory() as tmp, _cache_dir(tmp), h.example_env(V, (V,)) as env:
+        folder = oc.directory()
+        assert folder.parent == Path(tmp)
+
+        def session():
+            return InferenceSession(MODELS[m], providers=[(h.EXAMPLE_EP, {"ops": "Relu"})], env=env)
+
+        with session() as sess:
+            np.testing.assert_allclose(sess.run(None, {"x": X})[0], WANT[m], **h.LOOSE)
+        (entry,) = folder.glob(f"*{oc.SUFFIX}")
+        _damage(entry, how, at, MODELS[1 - m].SerializeToString())
+        with session() as sess:
+            np.testing.assert_allclose(sess.run(None, {"x": X})[0], WANT[m], **h.LOOSE)
+            assert [n.provider for n in sess.plan.nodes if n.op_type == "Relu"] == [h.EXAMPLE_EP]
+            level = sess.optimization.level
+        (again,) = folder.glob(f"*{oc.SUFFIX}")
+        assert again == entry and oc._decode(again.read_bytes(), MODELS[m], level) is not None
