@@ -59,7 +59,7 @@ def _chain(first: int, chain):
 def _reference(x: np.ndarray, chain, types) -> dict[str, np.ndarray]:
     """Each node in float32, its result rounded to its declared type (what the contract promises)."""
     env, cur = {"x": x}, "x"
-    for i, (op, to) in enumerate(chain):
+    for i, (op, _to) in enumerate(chain):
         out = f"v{i}"
         a = env[cur].astype(np.float32)
         value = a if op == "Cast" else UNARY[op](a) if op in UNARY else BINARY[op](a, a)
