@@ -111,3 +111,63 @@ def test_cache_bound_text_is_checked():
                 _session(env, bad)
         with _session(env, None) as sess:
             assert sess.shape_program.capacity == shape_program.DEFAULT_CAPACITY
+
+
+def _symbolic_model():
+    """Shape of an inner value whose dims are the inputs' symbols ('b', 'h') and an expression ('2*b'): the
+    program computes it from the symbols' sizes, which both inputs bind (they must agree)."""
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero")]
+    nodes = [helper.make_node("Add", ["x", "y"], ["z"]),
+             helper.make_node("Concat", ["z", "x"], ["c"], axis=0),
+             helper.make_node("Shape", ["c"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Add", ["r", "nf"], ["out"])]
+    xy = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "h"]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, "g", xy, [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["2*b", "h"])],
+                              inits, value_info=[helper.make_tensor_value_info("c", TensorProto.FLOAT, ["2*b", "h"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+SYMBOLIC = _symbolic_model()
+
+
+@given(feeds=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 2)), min_size=1, max_size=6),
+       bound=st.integers(1, 3))
+@example(feeds=[(2, 2, 1), (2, 3, 1), (1, 1, 2), (2, 2, 1)], bound=1)
+@settings(deadline=None, max_examples=s.budget(8))
+def test_symbolic_dims_bind_the_inputs_shapes(feeds, bound):
+    """(rows of x, rows of y, columns): equal rows give onnxruntime's outputs; different rows for the one
+    symbol 'b' are refused with the symbol and both sizes named. Evaluations are the LRU model's misses
+    over (x's shape, y's shape), refused ones included (they are evaluated, and never kept)."""
+    reference = ort.InferenceSession(SYMBOLIC.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(bound)
+    kept: OrderedDict = OrderedDict()
+    misses = 0
+    with h.example_env(V, (V,)) as env:
+        so = h.session_options()
+        so.add_session_config_entry(shape_program.CACHE_KEY, str(bound))
+        with InferenceSession(SYMBOLIC, so, providers=[(h.EXAMPLE_EP, {"ops": "Relu"})], env=env) as sess:
+            assert "Shape" not in {n.op_type for n in sess.plan.nodes}
+            for bx, by, cols in feeds:
+                x = rng.standard_normal((bx, cols)).astype(np.float32)
+                y = rng.standard_normal((by, cols)).astype(np.float32)
+                sig = ((bx, cols), (by, cols))
+                if sig in kept:
+                    kept.move_to_end(sig)
+                else:
+                    misses += 1
+                if bx != by:
+                    with pytest.raises(InvalidArgument, match=rf"^inputs declare the same symbolic dim 'b' but were "
+                                                              rf"fed different sizes \('x' dim 0 = {bx}, 'y' dim 0 = "
+                                                              rf"{by}\); this session computes shapes"):
+                        sess.run(None, {"x": x, "y": y})
+                    continue
+                kept[sig] = True
+                if len(kept) > bound:
+                    kept.popitem(last=False)
+                got = sess.run(None, {"x": x, "y": y})[0]
+                np.testing.assert_allclose(got, reference.run(None, {"x": x, "y": y})[0], **h.TIGHT)
+            assert sess.shape_program.evaluations == misses
+            assert sess.shape_program.cached_signatures() == len(kept)
