@@ -12,6 +12,7 @@ another plugin version or ABI -> prefer recompilation, else optimal. Expected he
 
 from __future__ import annotations
 
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -115,4 +116,64 @@ def test_a_changed_compatibility_string_gets_the_factorys_answer(change, suffix)
     recompiled = answer == abi.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION
     assert fallbacks["context_recompiled"] == (GROUPS if recompiled else 0)
     assert fallbacks["context_loaded"] == (0 if recompiled else GROUPS)
+    np.testing.assert_allclose(got, WANT, **h.TIGHT)
+
+
+PROBLEMS = ("file_missing", "as_bytes", "main_context_0", "unnamed")
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@given(embed=st.sampled_from(["0", "1"]))
+@settings(deadline=None, max_examples=s.budget(2))
+def test_a_context_that_cannot_be_read_is_compiled_again_with_a_warning(problem, embed):
+    """Contexts saved beside the model (embed_mode=0) whose file is gone, or that are loaded from bytes (no
+    folder to find them in), or a node marked main_context=0: the kept nodes are compiled again with a
+    RuntimeWarning naming the reason. A node without a name is a ModelError. Embedded contexts are unaffected
+    by the first two."""
+    with tempfile.TemporaryDirectory() as tmp, h.example_env(V, (V,)) as env:
+        source, target = Path(tmp) / "m.onnx", Path(tmp) / "m_ctx.onnx"
+        onnx.save(MODEL, str(source))
+        so = h.session_options()
+        for k, v in (("ep.context_enable", "1"), ("ep.context_file_path", str(target)), ("ep.context_embed_mode", embed)):
+            so.add_session_config_entry(k, v)
+        opts = {"fuse": "1", "ops": "Add,Relu"}
+        with InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, opts)], env=env):
+            pass
+        proto = onnx.load(str(target))
+        nodes = [n for n in proto.graph.node if n.op_type == "EPContext"]
+        assert len(nodes) == GROUPS
+        model = str(target)
+        external = embed == "0"
+        reason = None
+        if problem == "file_missing" and external:
+            for f in Path(tmp).iterdir():
+                if f not in (source, target):
+                    f.unlink()
+            reason = r"context file '.+' cannot be read: "
+        elif problem == "as_bytes":
+            model = target.read_bytes()
+            reason = r"the context is in file '.+', and the model was not given as a path" if external else None
+        elif problem == "main_context_0":
+            for n in nodes:
+                next(a for a in n.attribute if a.name == "main_context").i = 0
+            onnx.save(proto, str(target))
+            reason = r"main_context=0 \(a context shared with another node\) is not supported"
+        elif problem == "unnamed":
+            nodes[0].name = ""
+            onnx.save(proto, str(target))
+            with pytest.raises(epcontext.ModelError, match=r"^an EPContext node of source 'ExampleEP' has no name; "
+                                                           r"expected the partition name$"):
+                InferenceSession(model, h.session_options(), providers=[(h.EXAMPLE_EP, opts)], env=env)
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with InferenceSession(model, h.session_options(), providers=[(h.EXAMPLE_EP, opts)], env=env) as sess:
+                got = sess.run(None, {"x": X})[0]
+                fallbacks = +sess.fallbacks
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if reason is None:
+        assert fallbacks["context_loaded"] == GROUPS and texts == []
+    else:
+        assert fallbacks["context_recompiled"] == GROUPS
+        assert len(texts) == GROUPS and all(re.match(rf"^compiled context of '.+' not used \({reason}", t) for t in texts)
     np.testing.assert_allclose(got, WANT, **h.TIGHT)
