@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -42,9 +43,19 @@ MODEL = helper.make_model(helper.make_graph(
     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])], [B]),
     opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 REFERENCE = ort.InferenceSession(MODEL.SerializeToString(), providers=["CPUExecutionProvider"])
-# One event loop for every replica of this module: serve.batch keeps its queue task on the loop it first ran
-# on, so a second asyncio.run() would wait on a loop that no longer runs.
-LOOP = asyncio.new_event_loop()
+# One event loop per process for every replica of this module: serve.batch keeps its queue task on the loop it
+# first ran on, so a second asyncio.run() would wait on a loop that no longer runs; and a loop made before a
+# fork (mutmut runs each mutant in a forked child) shares its epoll instance with the parent's: a hang.
+_LOOPS: dict[int, asyncio.AbstractEventLoop] = {}
+
+
+def _run(coroutine):
+    loop = _LOOPS.get(os.getpid())
+    if loop is None:
+        loop = _LOOPS[os.getpid()] = asyncio.new_event_loop()
+    return loop.run_until_complete(coroutine)
+
+
 STATUS = {"good": 200, "good_npz": 200, "bad_json": 400, "bad_datatype": 400, "bad_shape": 400, "bad_name": 400,
           "no_inputs": 400, "bad_output": 400, "short_data": 400, "other_model": 404}
 
@@ -129,7 +140,7 @@ def test_bad_requests_get_400_and_never_join_a_batch(mix, seed):
         async def send_all():
             return await asyncio.gather(*(served(_request(*_body(kind, x))) for (kind, _), x in zip(mix, inputs)))
 
-        answers = LOOP.run_until_complete(send_all())
+        answers = _run(send_all())
         stats = dict(served.stats)
     for (kind, _), x, answer in zip(mix, inputs, answers):
         assert answer.status_code == STATUS[kind], (kind, answer.body)
@@ -149,7 +160,7 @@ def test_a_failing_run_answers_500_and_the_replica_serves_on():
         async def send():
             return [await served(_request(*_body(kind, x))) for kind in ("good", "bad_shape", "good")]
 
-        failed, bad, again = LOOP.run_until_complete(send())
+        failed, bad, again = _run(send())
         assert failed.status_code == again.status_code == 500 and bad.status_code == 400
         assert json.loads(failed.body)["error"].startswith("KernelError: ")
         assert served.stats["failed_runs"] == 2 and served.stats["requests"] == 2
