@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from host.errors import InvalidArgument
 from host.optimizer import cache as oc
 from host.optimizer import hooks
 from host.optimizer.levels import GraphOptimizationLevel as Level
@@ -48,7 +51,11 @@ def _model(seed: int):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-MODELS = (_model(0), _model(1))
+# The third one the optimizer leaves as it is: its entry stores no model bytes ("unchanged").
+RELU = helper.make_model(helper.make_graph(
+    [helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])]), opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+MODELS = (_model(0), _model(1), RELU)
 X = np.random.default_rng(9).standard_normal((2, 4)).astype(np.float32)
 WANT = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
         for m in MODELS]
@@ -80,8 +87,8 @@ def _damage(path: Path, how: str, at: int, other: bytes) -> None:
 
 
 actions = st.one_of(
-    st.tuples(st.just("open"), st.integers(0, 1), st.sampled_from(LEVELS)),
-    st.tuples(st.just("damage"), st.integers(0, 1), st.sampled_from(LEVELS), st.sampled_from(DAMAGE),
+    st.tuples(st.just("open"), st.integers(0, 2), st.sampled_from(LEVELS)),
+    st.tuples(st.just("damage"), st.integers(0, 2), st.sampled_from(LEVELS), st.sampled_from(DAMAGE),
               st.integers(0, 1 << 16)))
 
 
@@ -90,6 +97,7 @@ actions = st.one_of(
                 ("open", 0, LEVELS[0])])  # a key without the level or the model shows here
 @example(steps=[("open", 0, LEVELS[1]), ("damage", 0, LEVELS[1], "flip", 110), ("open", 0, LEVELS[1]),
                 ("open", 0, LEVELS[1])])  # a flipped byte in the entry's metadata
+@example(steps=[("open", 2, LEVELS[0]), ("open", 2, LEVELS[0])])  # an unchanged model is a hit too
 @settings(deadline=None, max_examples=s.budget(10))
 def test_hits_misses_and_damaged_entries(steps):
     calls = []
@@ -165,3 +173,53 @@ def test_a_session_over_a_damaged_entry_recovers(how, at, m):
             level = sess.optimization.level
         (again,) = folder.glob(f"*{oc.SUFFIX}")
         assert again == entry and oc._decode(again.read_bytes(), MODELS[m], level) is not None
+
+
+@given(text=st.one_of(st.just(""), st.integers(0, 1 << 40).map(str),
+                      st.sampled_from(["-1", "abc", "1.5", "1e3", "0x10", "12kb"])))
+@settings(deadline=None, max_examples=s.budget(10))
+def test_the_budget_is_a_byte_count(text):
+    old = os.environ.get(oc.BUDGET_ENV)
+    os.environ[oc.BUDGET_ENV] = text
+    try:
+        if text == "":
+            assert oc.budget() == oc.DEFAULT_BUDGET == 512 << 20
+        elif text.isdigit():
+            assert oc.budget() == int(text)
+        else:
+            with pytest.raises(InvalidArgument, match=rf"^{oc.BUDGET_ENV} must be a byte count \(an integer >= 0\); "
+                                                      rf"got '{re.escape(text)}'$"):
+                oc.budget()
+    finally:
+        if old is None:
+            os.environ.pop(oc.BUDGET_ENV, None)
+        else:
+            os.environ[oc.BUDGET_ENV] = old
+
+
+@given(order=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(LEVELS)), min_size=2, max_size=7),
+       room=st.integers(1, 3))
+@settings(deadline=None, max_examples=s.budget(6))
+def test_the_folder_stays_within_its_budget_least_recently_used_first(order, room):
+    """A budget of `room` entries (the largest entry's size times room): after every opening the folder is
+    within it, no temporary file is left, and the entry just used is kept (opening it again is a hit)."""
+    sizes = []
+    with tempfile.TemporaryDirectory() as probe:
+        sizing = oc.OptimizedModelCache(Path(probe), budget_bytes=1 << 30)
+        for m in range(len(MODELS)):
+            for level in LEVELS:
+                oc.optimize_cached(MODELS[m], level, hooks._optimize, sizing)
+        sizes = [p.stat().st_size for p in Path(probe).glob(f"*{oc.SUFFIX}")]
+    budget = max(sizes) * room
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=budget)
+        for m, level in order:
+            oc.optimize_cached(MODELS[m], level, hooks._optimize, cache)
+            entries = list(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            assert sum(p.stat().st_size for p in entries) <= budget
+            assert not list(Path(tmp).glob(".tmp-*")), "a temporary file was left behind"
+
+            def refuse(proto, lvl):
+                raise AssertionError("the entry just used was evicted: optimized again")
+
+            oc.optimize_cached(MODELS[m], level, refuse, cache)  # a hit
