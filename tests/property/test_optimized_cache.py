@@ -131,6 +131,7 @@ def test_hits_misses_and_damaged_entries(steps):
                 valid.add(key)
             fresh = _fresh(m, level)
             assert (result.nodes_before, result.nodes_after) == (fresh.nodes_before, fresh.nodes_after)
+            assert (result.level, result.source_opsets) == (fresh.level, fresh.source_opsets)
             assert [vars(r) for r in result.report] == [vars(r) for r in fresh.report]
             assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in fresh.model.graph.node]
             got = ort.InferenceSession(result.model.SerializeToString(),
