@@ -6,12 +6,14 @@ result back instead. One file per entry, under `$EPHOST_CACHE_DIR/optimized` (de
 `~/.cache/ephost/optimized`, docs/cli.md#start-up-time):
 
     key   = sha256(fingerprint of the optimizer, level, serialized input model)
-    entry = MAGIC | len(meta) (4 bytes) | meta (JSON: the report, counts, opsets, sha256 of the model) | model
+    entry = MAGIC | sha256 of the rest (32 bytes) | len(meta) (4 bytes) | meta (JSON: the report, counts,
+            opsets, sha256 of the model) | model
 
 The fingerprint covers what changes the result besides the model and the level: ephost's optimizer
 sources, the onnx, onnxscript and onnx-ir installs, and this file format. Writes go to a temporary
 file then `os.replace`, so a reader sees a whole entry or none; an entry that does not read back
-(truncated, overwritten, another format) is a miss and is written again. The folder is bounded: when
+(truncated, overwritten, another format, a byte changed anywhere: the digest covers the metadata too) is a
+miss and is written again. The folder is bounded: when
 a write takes it (as this process counts it) over `EPHOST_OPTIMIZED_CACHE_BYTES` (default 512 MiB),
 the least recently used entries (by mtime, refreshed on every hit) are removed until it fits.
 
@@ -41,8 +43,9 @@ CONFIG_KEY = "session.ephost.optimized_model_cache"
 BUDGET_ENV = "EPHOST_OPTIMIZED_CACHE_BYTES"
 DEFAULT_BUDGET = 512 << 20
 SUFFIX = ".onnxopt"
-MAGIC = b"EPHOST-OPTIMIZED\x01"
+MAGIC = b"EPHOST-OPTIMIZED\x02"
 _LENGTH = struct.Struct("<I")
+_DIGEST_SIZE = 32  # sha256
 _HERE = Path(__file__).resolve().parent
 # Besides host/optimizer: the dim expressions the pipeline keeps from the source model.
 _OTHER_SOURCES = (_HERE.parent / "runtime" / "dims.py",)
@@ -190,15 +193,21 @@ def _encode(result: OptimizeResult, unchanged: bool) -> bytes:
         "report": [vars(r) for r in result.report],
     }
     text = json.dumps(meta, sort_keys=True).encode()
-    return MAGIC + _LENGTH.pack(len(text)) + text + model
+    body = _LENGTH.pack(len(text)) + text + model
+    return MAGIC + hashlib.sha256(body).digest() + body
 
 
 def _decode(data: bytes, source: onnx.ModelProto, level: GraphOptimizationLevel) -> OptimizeResult | None:
     """The result an entry holds, or None for anything that is not a whole entry of this format."""
-    start = len(MAGIC) + _LENGTH.size
-    if not data.startswith(MAGIC) or len(data) < start:
+    # The digest covers the metadata as well as the model: a changed byte in the report or the counts is
+    # a miss, not a hit with a wrong report (tests/property/test_optimized_cache.py).
+    head = len(MAGIC) + _DIGEST_SIZE
+    if not data.startswith(MAGIC) or len(data) < head + _LENGTH.size \
+            or hashlib.sha256(data[head:]).digest() != data[len(MAGIC):head]:
         return None
-    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
+    data = data[head:]
+    start = _LENGTH.size
+    (length,) = _LENGTH.unpack_from(data, 0)
     try:
         meta = json.loads(data[start:start + length])
         model_bytes = data[start + length:]

@@ -105,8 +105,10 @@ def saved_groups(sc: Scenario, mode: str) -> int:
         return 0
     if sc.negotiated < CONTEXT_VERSION or sc.opts.get("context") == "0":
         outcome = "not offered"
+    elif sc.context in ("corrupt", "truncated") or "CompileFromContext" in sc.null_slots:
+        outcome = "recompiled"  # a NULL CompileFromContext cannot rebuild: the kept nodes compile again
     else:
-        outcome = "recompiled" if sc.context in ("corrupt", "truncated") else "loaded"
+        outcome = "loaded"
     return fused_groups(sc) if outcome == mode else 0
 
 
@@ -338,7 +340,7 @@ ROWS: tuple[Row, ...] = (
         "`context_loaded` (per EPContext node)", "—",
         (Count("session", "context_loaded", lambda sc, ev: saved_groups(sc, "loaded")),),
         lambda sc, ev: saved_groups(sc, "loaded") > 0,
-        lambda: _contexts("reload", V7_PAIRS)),
+        lambda: st.sampled_from(["reload", "external"]).flatmap(lambda m: _contexts(m, V7_PAIRS))),
     Row("No compiled contexts",
         f"n = {CONTEXT_VERSION - 1} (a v7 host with a v6 plugin, or a v6 host with a v7 plugin: "
         "`EpNodeComputeInfo.GetContext` is never called), or an EP that gives no context (ExampleEP "
@@ -350,11 +352,60 @@ ROWS: tuple[Row, ...] = (
     Row("Damaged compiled context",
         f"n >= {CONTEXT_VERSION}, an EPContext blob is corrupt or truncated: `Ep.CompileFromContext` fails and "
         "the host compiles the subgraph kept in the node, with a `RuntimeWarning` (an EP that answers "
-        "`EP_SUPPORTED_PREFER_RECOMPILATION` is recompiled the same way, without a warning)",
+        "`EP_SUPPORTED_PREFER_RECOMPILATION`, or whose `Ep.CompileFromContext` is NULL, is recompiled the same "
+        "way, without a warning)",
         "`context_recompiled` (per EPContext node)", "—",
         (Count("session", "context_recompiled", lambda sc, ev: saved_groups(sc, "recompiled")),),
         lambda sc, ev: saved_groups(sc, "recompiled") > 0,
         lambda: st.sampled_from(["corrupt", "truncated"]).flatmap(lambda m: _contexts(m, V7_PAIRS))),
+)
+
+
+
+@dataclass(frozen=True)
+class HostRow:
+    """A gate or fallback of the host alone (no version pair decides it): its README text and the property
+    that exercises it in every CI run (`test`: "file.py::function" under tests/property), which draws its
+    own scenarios (shapes, dtypes, bodies, cache damage, requests) and compares with onnxruntime."""
+
+    title: str
+    when: str
+    host: str
+    plugin: str
+    test: str
+
+    def markdown(self) -> str:
+        return f"| {self.title} | {self.when} | {self.host} | {self.plugin} |"
+
+
+HOST_ROWS: tuple[HostRow, ...] = (
+    HostRow("Shape arithmetic on the host",
+            "Shape/Size chains computable from the input shapes (Reshape targets of dynamic-axes exports): they "
+            "leave the plan and run once per input-shape signature, `session.ephost.shape_cache_signatures` "
+            "signatures kept (LRU, default 64); `0`: no shape program, the nodes run in the plan at every run",
+            "`shape_program.evaluations` (per signature not cached)", "—",
+            "test_shape_cache.py::test_shape_cache_bound_and_results"),
+    HostRow("Half precision on the CPU EP",
+            "a float16/bfloat16 node no plugin claims (ExampleEP claims float32/float64 inputs only): the CPU EP "
+            "computes it in float32 and stores the type the graph declares",
+            "nothing recorded (every output has its declared type)", "—",
+            "test_half_split.py::test_declared_half_types_are_honoured_across_the_split"),
+    HostRow("Control-flow bodies without device EPs",
+            "an If/Loop/Scan in a session with an EP whose memory is not the host's (a device EP; ExampleEP under "
+            "`EPHOST_TEST_MOCK_DEVICE=1`): its bodies' nodes are offered to host-memory EPs only",
+            "`subgraph_without_device_eps` (per control-flow node)", "—",
+            "test_control_flow_bodies.py::test_body_nodes_go_to_host_memory_eps_only"),
+    HostRow("Optimized model cache miss",
+            "no whole entry for (optimizer fingerprint, level, model bytes): missing, truncated, another "
+            "format, any byte changed: the model is optimized again and the entry rewritten",
+            "nothing recorded (`session.optimization` as if optimized now)", "—",
+            "test_optimized_cache.py::test_hits_misses_and_damaged_entries"),
+    HostRow("Serving: bad request",
+            "a request whose body or tensors do not fit the model (JSON, datatype, shape, names, outputs): HTTP "
+            "400 with the typed error's text, never joins a batch; another model: 404; a failing run: 500 for "
+            "its requests, the replica serves on",
+            "the replica's `stats` (`requests` counts only batched ones, `failed_runs`)", "—",
+            "test_serving_errors.py::test_bad_requests_get_400_and_never_join_a_batch"),
 )
 
 HEADER = ("| Fallback | When (n = min(host API version, plugin ABI version)) | Host: `session.fallbacks` | "
@@ -363,7 +414,7 @@ HEADER = ("| Fallback | When (n = min(host API version, plugin ABI version)) | H
 
 def markdown() -> str:
     """The README's fallback table, rendered from ROWS."""
-    return HEADER + "".join(r.markdown() + "\n" for r in ROWS)
+    return HEADER + "".join(r.markdown() + "\n" for r in (*ROWS, *HOST_ROWS))
 
 
 def expected(sc: Scenario, ev: Events) -> tuple[Counter, Counter]:

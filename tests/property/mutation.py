@@ -46,6 +46,16 @@ TARGETS: dict[str, tuple[str, ...]] = {
                            "Runtime.expose", "Runtime._create_locked"),
     "abi.sdk": ("EpBase.GetCapability",),
     "plugin_cuda.options": ("parse_options", "_validate", "_bool", "_int", "_pointer"),
+    # Issue 31 item 4: the gates and fallbacks added since (shape program, dims, contexts, optimizer cache).
+    "host.runtime.shape_program": ("ShapeProgram.*", "_dims", "capacity", "_small", "build", "_shape_source"),
+    "host.runtime.dims": ("compile_dim", "_whole", "_compile", "input_symbols", "term_add", "term_sub", "term_mul"),
+    "host.runtime.range_lengths": ("annotate", "_set_length", "_range_lengths", "_constant", "_follow",
+                                   "_range_length"),
+    "host.runtime.epcontext": ("ContextOptions.*", "_flag", "validate", "check_compatibility", "SavedContexts.*",
+                               "_read_node"),
+    "host.runtime.epcontext_save": ("save_if_enabled", "_context_of", "_context_model", "_context_node",
+                                    "_attach_kept"),
+    "host.optimizer.cache": ("enabled", "budget", "OptimizedModelCache.*", "_encode", "_decode", "optimize_cached"),
 }
 
 # A test that takes longer than this under a mutant is a hang (a lock left held): tests/conftest.py ends

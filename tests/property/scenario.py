@@ -140,7 +140,8 @@ def compiled(sc: Scenario) -> bool:
 
 # ABI v7 context scenarios: the model is first saved by a session with ep.context_enable=1, then
 # (damaged or not) loaded by the session the scenario plays.
-CONTEXT_MODES = ("reload", "corrupt", "truncated")
+# "external": saved with ep.context_embed_mode=0 (each blob a file beside the model), then reloaded.
+CONTEXT_MODES = ("reload", "external", "corrupt", "truncated")
 
 
 def save_context_model(sc: Scenario, env, folder: Path) -> tuple[Path, Counter]:
@@ -154,6 +155,8 @@ def save_context_model(sc: Scenario, env, folder: Path) -> tuple[Path, Counter]:
     so = h.session_options()
     so.add_session_config_entry("ep.context_enable", "1")
     so.add_session_config_entry("ep.context_file_path", str(target))
+    if sc.context == "external":
+        so.add_session_config_entry("ep.context_embed_mode", "0")
     opts = h.with_null_slots(sc.opts, sc.null_slots)
     with InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, opts)], env=env) as saver:
         counters = Counter({k: v for k, v in saver.fallbacks.items() if k.startswith("context_")})

@@ -15,6 +15,7 @@ sync mode) pair.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections import Counter
 from pathlib import Path
@@ -99,7 +100,16 @@ def test_every_counter_key_is_in_the_markdown():
     keys = {c.key for r in ft.ROWS for c in r.counts if isinstance(c.key, str)}
     assert sorted(k for k in keys if f"`{k}`" not in md) == []
     assert "`host_api_vN`" in md
-    assert [line.count(" | ") for line in md.splitlines()[2:]] == [3] * len(ft.ROWS)
+    assert [line.count(" | ") for line in md.splitlines()[2:]] == [3] * (len(ft.ROWS) + len(ft.HOST_ROWS))
+
+
+@pytest.mark.parametrize("row", ft.HOST_ROWS, ids=[r.title for r in ft.HOST_ROWS])
+def test_every_host_row_names_its_property(row):
+    """A host row's property exists and is a hypothesis test (it runs in every CI run with this suite)."""
+    file, _, name = row.test.partition("::")
+    module = importlib.import_module(f"tests.property.{file.removesuffix('.py')}")
+    test = getattr(module, name, None)
+    assert test is not None and getattr(test, "is_hypothesis_test", False), row.test
 
 
 def _readme_section(text: str, title: str) -> str | None:
@@ -116,3 +126,14 @@ def test_readme_has_the_fallback_table():
     section = _readme_section(readme.read_text(encoding="utf-8"), "Fallback table") if readme.is_file() else None
     assert section is not None, "README.md has no 'Fallback table' section"
     assert ft.markdown() in section, "README's fallback table differs: python -m tests.property.fallback_table"
+
+
+@settings(deadline=None, max_examples=s.budget(2))
+@given(data=st.data())
+def test_contexts_saved_beside_the_model_are_reloaded(data):
+    """ep.context_embed_mode=0: each context is a file beside the saved model; the row 'Compiled
+    partitions reloaded' holds for those as for embedded ones."""
+    row = next(r for r in ft.ROWS if r.title == "Compiled partitions reloaded")
+    sc = data.draw(ft._contexts("external", ft.V7_PAIRS).filter(lambda sc: row.holds(sc, scenario.model(sc))))
+    ev = check_scenario(sc)
+    assert row.holds(sc, ev)
