@@ -390,11 +390,12 @@ HOST_ROWS: tuple[HostRow, ...] = (
             "computes it in float32 and stores the type the graph declares",
             "nothing recorded (every output has its declared type)", "—",
             "test_half_split.py::test_declared_half_types_are_honoured_across_the_split"),
-    HostRow("Control-flow bodies without device EPs",
-            "an If/Loop/Scan in a session with an EP whose memory is not the host's (a device EP; ExampleEP under "
-            "`EPHOST_TEST_MOCK_DEVICE=1`): its bodies' nodes are offered to host-memory EPs only",
-            "`subgraph_without_device_eps` (per control-flow node)", "—",
-            "test_control_flow_bodies.py::test_body_nodes_go_to_host_memory_eps_only"),
+    HostRow("Control-flow bodies",
+            "an If/Loop/Scan body is partitioned like a graph: its nodes are offered to every EP of the session "
+            "(device EPs too; ExampleEP under `EPHOST_TEST_MOCK_DEVICE=1`), values stay on the device between "
+            "iterations, and the body nodes no EP claims run on the CPU EP, device values copied in for them",
+            "nothing recorded", "—",
+            "test_control_flow_bodies.py::test_body_nodes_are_offered_to_every_ep"),
     HostRow("Optimized model cache miss",
             "no whole entry for (optimizer fingerprint, level, model bytes): missing, truncated, another "
             "format, any byte changed: the model is optimized again and the entry rewritten",
