@@ -33,6 +33,7 @@ from onnx import TensorProto, helper
 
 from host.cpu_ep import EP_NAME as CPU_EP
 from host.cpu_ep import registry
+from host.errors import EpError
 from host.runtime.model import MAX_OPSET, MIN_OPSET, Graph, ValueMeta
 from host.runtime.node import node_info
 
@@ -244,7 +245,11 @@ def collect(env, ep_names: list[str]) -> list[EpOps]:
             continue
         session = _session_for(env, name)
         try:
-            result.append(plugin_ep_ops(next(e for e in session._eps if e.name == name)))
+            ep = next((e for e in session._eps if e.name == name), None)
+            if ep is None:  # the plugin loaded but made no EP: no device here (it warned why)
+                raise EpError(f"{name} has no device on this machine, so its ops cannot be probed; its "
+                              "kernel table is in docs/cuda_ops.md (CUDA) or the plugin's documentation")
+            result.append(plugin_ep_ops(ep))
         finally:
             session.close()
     return result

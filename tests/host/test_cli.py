@@ -307,3 +307,16 @@ def test_a_cpu_session_without_erf_or_sigmoid_does_not_import_scipy():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_ops_for_an_ep_without_a_device_is_a_clear_error(capsys):
+    """`ephost ops --ep cuda` where the CUDA plugin makes no EP (no GPU, no CuPy): a one-line error naming
+    where its table is, not a traceback; with a GPU it lists the plugin's ops."""
+    from plugin_cuda.plugin import probe_devices
+
+    code, out, err = run_cli(capsys, "ops", "--ep", "cuda")
+    if probe_devices()[1]:  # device names
+        assert code == 0 and "LSTM" in out
+    else:
+        assert code != 0
+        assert "CUDAExecutionProvider has no device on this machine, so its ops cannot be probed" in err
