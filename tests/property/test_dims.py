@@ -15,7 +15,7 @@ import re
 
 import pytest
 import sympy
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from host.runtime import dims
@@ -55,7 +55,13 @@ def reference(text: str, sizes: dict[str, int]):
     return sympy.Rational(value)
 
 
+SIZES_4 = {"s0": 4, "s1": 3, "batch": 2}
+
+
 @given(text=EXPRESSIONS, sizes=SIZES)
+@example(text="(s0 / 3)", sizes=SIZES_4)  # not whole: the error names the dim
+@example(text="(-(s0 // 3))", sizes=SIZES_4)
+@example(text="ceiling((s1 / 2))", sizes=SIZES_4)
 @settings(deadline=None, max_examples=s.budget(300))
 def test_a_dim_expression_computes_what_sympy_computes(text, sizes):
     want = reference(text, sizes)
@@ -77,6 +83,7 @@ def test_a_dim_expression_computes_what_sympy_computes(text, sizes):
 def test_a_dim_naming_another_symbol_is_unknown(text, other):
     assert dims.compile_dim(f"({text}) + {other}", set(SYMBOLS)) is None
     assert dims.compile_dim(f"Max({other}, {text})", set(SYMBOLS)) is None
+    assert dims.compile_dim(f"-({other})", set(SYMBOLS)) is None
 
 
 @pytest.mark.parametrize("dim", [None, -1, True, 2.5, "", "  ", "s0 +", "s0 ** 2", "abs(s0)", "s0 if s1 else 2",
@@ -95,6 +102,16 @@ TERMS = st.one_of(st.integers(0, 9), st.sampled_from(SYMBOLS), EXPRESSIONS)
 
 
 @given(a=TERMS, b=TERMS, sizes=SIZES, op=st.sampled_from(["add", "sub", "mul"]))
+@example(a=2, b="s0", sizes=SIZES_4, op="mul")
+@example(a="s1", b=2, sizes=SIZES_4, op="mul")
+@example(a=1, b="s1", sizes=SIZES_4, op="mul")
+@example(a=0, b="s0", sizes=SIZES_4, op="add")
+@example(a="s0", b=0, sizes=SIZES_4, op="add")
+@example(a="s0", b=2, sizes=SIZES_4, op="add")
+@example(a="s0", b="s0", sizes=SIZES_4, op="sub")
+@example(a="s0", b="s1", sizes=SIZES_4, op="sub")
+@example(a="s1", b=0, sizes=SIZES_4, op="sub")
+@example(a=3, b=5, sizes=SIZES_4, op="sub")
 @settings(deadline=None, max_examples=s.budget(200))
 def test_term_helpers_build_texts_of_the_operation(a, b, sizes, op):
     ra, rb = reference(str(a), sizes), reference(str(b), sizes)
