@@ -61,6 +61,14 @@
 #define EP_VALUE_GRAPH_OUTPUT 2
 #define EP_VALUE_INITIALIZER 3
 
+/* Bits of EpValueInfo.flags (since 7; before 7 the field was `reserved` and always 0).
+ * EP_VALUE_HOST_COMPUTED: the host computes this value itself from the input shapes (its shape
+ * program: once per input-shape signature) and hands it to the kernels of a v7+ EP in host
+ * memory (an EpTensor with device_type EP_DEVICE_CPU), never copied to the EP's device. An EP may
+ * therefore claim a node that reads such a value on the host (a Reshape's shape, Slice bounds)
+ * without a synchronising device read. Compiled partitions (Compile) still get it on their device. */
+#define EP_VALUE_HOST_COMPUTED 1
+
 /* Graph capture node-assignment policies (since 3). */
 #define EP_GRAPH_ALL_NODES_ON_EP 0
 #define EP_GRAPH_ALLOW_CPU_FOR_SHAPES 1
@@ -134,7 +142,7 @@ typedef struct EpValueInfo {
   int32_t ndim;              /* since 1 */
   const int64_t* shape;      /* since 1 */
   int32_t kind;              /* since 1 */
-  int32_t reserved;          /* since 1 */
+  int32_t flags;             /* since 1 */
   const EpTensor* constant;  /* since 1 */
 } EpValueInfo;
 

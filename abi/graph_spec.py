@@ -36,6 +36,13 @@ class ValueSpec:
     shape: tuple | None  # None: rank unknown; -1 marks an unknown dimension (None in FusedGraph inputs/outputs)
     kind: int
     constant: np.ndarray | None = None
+    flags: int = 0  # EpValueInfo.flags (since 7): abi.VALUE_HOST_COMPUTED
+
+    @property
+    def host_computed(self) -> bool:
+        """The host computes this value from the input shapes and hands it to this EP's kernels
+        in host memory (abi.VALUE_HOST_COMPUTED)."""
+        return bool(self.flags & 1)
 
     @property
     def dtype(self) -> int:
@@ -134,7 +141,7 @@ def read_graph(ffi, g) -> GraphSpec:
         v = g.values[i]
         shape = None if v.ndim < 0 else tuple(int(v.shape[d]) for d in range(v.ndim))
         const = tensor_to_numpy(ffi, v.constant[0]) if v.constant != ffi.NULL else None
-        values.append(ValueSpec(_s(ffi, v.name), v.elem_type, shape, v.kind, const))
+        values.append(ValueSpec(_s(ffi, v.name), v.elem_type, shape, v.kind, const, int(v.flags)))
     nodes = []
     for i in range(g.num_nodes):
         n = g.nodes[i]

@@ -67,9 +67,11 @@ class Record:
         self.slot_calls: collections.Counter[str] = collections.Counter()
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.live: collections.Counter[str] = collections.Counter()
+        # Kernel inputs by EpTensor.device_type (a plugin that records them: the example EP).
+        self.input_devices: collections.Counter[int] = collections.Counter()
 
     def clear(self) -> None:
-        for c in (self.host_calls, self.slot_calls, self.fallbacks):
+        for c in (self.host_calls, self.slot_calls, self.fallbacks, self.input_devices):
             c.clear()
 
 

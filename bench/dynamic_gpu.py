@@ -1,13 +1,17 @@
-"""A dynamic-axes export on the CUDA EP against PyTorch eager, shapes in turn (issue 23's table).
+"""Dynamic-axes exports on the CUDA EP against PyTorch, shapes in turn (issue 23's goals table).
 
-BERT-base (12 layers, hidden 768, random weights from transformers) exported by the TorchScript
-exporter at opset 17 with dynamic batch and sequence, one ephost session with the CUDA EP, IOBinding
-(inputs in device memory, outputs allocated by the EP), float32 with TF32 off on both sides; the shapes
-(batch, seq) run in turn. Per shape: the first run's wall time (new shape), then the median of the
-timed runs, against PyTorch eager on the same weights; and the session's plan (compiled partitions,
-plan nodes, nodes the host's shape program absorbed).
+A transformers model at the issue's goal size (random weights, seed 0; tests/models/make_hf_dynamic.py
+GOAL: BERT-base, GPT-2 small, a Llama-style decoder with hidden 1024, 8 layers and GQA, ViT-B/16)
+exported with dynamic batch and sequence (ViT: batch) by the TorchScript exporter at opset 17 (or, for
+`gpt2_dynamo`, the dynamo exporter at opset 18), one ephost session with the CUDA EP, IOBinding (inputs
+in device memory), float32 with TF32 off on both sides; the shapes run in turn. Per shape: the first
+run's wall time (new shape) and its NVRTC compiles, the median of the timed runs against PyTorch eager
+on the same weights, and with `--graph` the replay of the session's CUDA graph for that shape
+(`enable_cuda_graph=1`: one graph per input-shape signature) against a torch.cuda.CUDAGraph of the module
+at the same shape. Outputs are checked against onnxruntime's CPU session on the export.
 
-    python bench/dynamic_gpu.py [--layers 12] [--iters 30] [--shapes 1x16,8x128,3x50,8x128,1x16]
+    python bench/dynamic_gpu.py [--model bert|gpt2|gpt2_dynamo|llama|vit] [--graph] [--layers N]
+                                [--iters 30] [--shapes 1x16,8x128,3x50,8x128,1x16] [--churn N]
 """
 
 from __future__ import annotations
@@ -24,30 +28,40 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+MODELS = ("bert", "gpt2", "gpt2_dynamo", "llama", "vit")
+TEXT_SHAPES = "1x16,8x128,3x50,8x128,1x16"
+IMAGE_SHAPES = "1,8,3,8,1"
+
+
+def export_model(torch, name: str, layers: int | None, path: Path):
+    """Export `name` at its goal size into `path`; returns (torch module, input names, size dict)."""
+    from tests.models import make_hf_dynamic as hf
+
+    arch = name.split("_")[0]
+    size = dict(hf.GOAL[arch])
+    if layers:
+        size["layers"] = layers
+    model = hf.make_model(torch, arch, size)
+    if name.endswith("_dynamo"):
+        wrapped, names, _ = hf._export_dynamo(torch, model, path, size["vocab"])
+    else:
+        wrapped, names, _ = hf._export_ts(torch, model, arch, path, size.get("vocab", 0), size.get("image", 32))
+    return wrapped, names, size
+
 
 def export_bert(torch, layers: int, path: Path):
-    from transformers import BertConfig, BertModel
+    """BERT-base with `layers` layers, exported with dynamic batch and sequence (kept for scripts)."""
+    return export_model(torch, "bert", layers, path)[0]
 
-    cfg = BertConfig(hidden_size=768, num_hidden_layers=layers, num_attention_heads=12, intermediate_size=3072,
-                     vocab_size=30522)
-    torch.manual_seed(0)
-    model = BertModel(cfg).eval()
-    ids = torch.ones((2, 8), dtype=torch.int64)
-    mask = torch.ones((2, 8), dtype=torch.int64)
-    axes = {0: "batch", 1: "seq"}
 
-    class Wrapped(torch.nn.Module):  # positional inputs, one tensor out, for the exporter
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, attention_mask):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    torch.onnx.export(Wrapped(model), (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
-                      output_names=["last_hidden_state"], opset_version=17, dynamo=False,
-                      dynamic_axes={"input_ids": axes, "attention_mask": axes, "last_hidden_state": axes})
-    return model
+def make_feeds(name: str, names: list[str], size: dict, shape: str, rng) -> dict:
+    if name == "vit":
+        b, image = int(shape), size.get("image", 32)
+        return {"pixel_values": rng.standard_normal((b, 3, image, image)).astype(np.float32)}
+    b, s = (int(v) for v in shape.split("x"))
+    feeds = {"input_ids": rng.integers(0, size["vocab"], (b, s)).astype(np.int64),
+             "attention_mask": np.ones((b, s), np.int64)}
+    return {k: feeds[k] for k in names}
 
 
 def timed(fn, iters: int) -> float:
@@ -59,102 +73,175 @@ def timed(fn, iters: int) -> float:
     return float(np.median(samples)) * 1e3
 
 
+def torch_graph(torch, model, args):
+    """A replay function of a torch.cuda.CUDAGraph of model(*args) (static inputs), or None when the
+    module refuses capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(3):
+                model(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            model(*args)
+    except RuntimeError as exc:
+        print(f"torch CUDA graph refused: {str(exc).splitlines()[0]}")
+        return None
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    return replay
+
+
+def describe(sess) -> str:
+    plan = sess.plan
+    compiled = sum(1 for n in plan.nodes if n.members)
+    absorbed = len(sess.shape_program.nodes) if getattr(sess, "shape_program", None) else 0
+    on_cpu = sum(1 for n in plan.nodes if n.ep is None)
+    return (f"{len(plan.nodes)} steps, {compiled} compiled partitions, {on_cpu} on the CPU EP, "
+            f"{absorbed} nodes in the host's shape program")
+
+
+def bind(sess, cp, feeds: dict):
+    binding = sess.io_binding()
+    device = {k: cp.asarray(v) for k, v in feeds.items()}
+    for k, v in device.items():
+        binding.bind_input(k, v)
+    binding.bind_output("last_hidden_state")
+    return binding, device
+
+
+def run_shape(ctx, shape: str) -> str:
+    """One table row: first run, eager ephost vs torch, replay vs torch graph (with --graph)."""
+    args, cp, torch, nvrtc = ctx["args"], ctx["cp"], ctx["torch"], ctx["nvrtc"]
+    feeds = make_feeds(args.model, ctx["names"], ctx["size"], shape, ctx["rng"])
+    binding, keep = bind(ctx["sess"], cp, feeds)
+
+    def run(binding=binding):
+        ctx["sess"].run_with_iobinding(binding)
+        cp.cuda.Device().synchronize()
+    cp.cuda.Device().synchronize()
+    t, compiles = time.perf_counter(), nvrtc.stats["compiles"]
+    run()
+    first, compiles = (time.perf_counter() - t) * 1e3, nvrtc.stats["compiles"] - compiles
+    ours = timed(run, args.iters)
+    got = binding.copy_outputs_to_cpu()[0]
+    t_args = [torch.from_numpy(feeds[k]).cuda() for k in ctx["names"]]
+
+    def torch_run():
+        with torch.inference_mode():
+            ctx["model"](*t_args)
+        torch.cuda.synchronize()
+    torch_run()
+    theirs = timed(torch_run, args.iters)
+    ref = ctx["ort"].run(None, feeds)[0]
+    err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+    row = f"| {shape} | {first:.1f} | {compiles} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} |"
+    if ctx["graph_sess"] is not None:
+        row += replay_cells(ctx, feeds, t_args)
+    return row + f" {err:.1e} |"
+
+
+def replay_cells(ctx, feeds: dict, t_args) -> str:
+    cp, torch, sess = ctx["cp"], ctx["torch"], ctx["graph_sess"]
+    binding, keep = bind(sess, cp, feeds)
+    ctx["bindings"].append((binding, keep))  # a captured graph keeps reading these buffers
+
+    def replay(binding=binding):
+        sess.run_with_iobinding(binding)
+        cp.cuda.Device().synchronize()
+    replay()  # captures this shape's graph
+    ours = timed(replay, ctx["args"].iters)
+    theirs_fn = torch_graph(torch, ctx["model"], t_args)
+    if theirs_fn is None:
+        return f" {ours:.2f} | - | - |"
+    theirs = timed(theirs_fn, ctx["args"].iters)
+    return f" {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} |"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--model", choices=MODELS, default="bert")
+    p.add_argument("--layers", type=int, default=None, help="override the goal size's layer count")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--shapes", default="1x16,8x128,3x50,8x128,1x16")
+    p.add_argument("--shapes", default=None, help=f"default {TEXT_SHAPES} (ViT: batches {IMAGE_SHAPES})")
+    p.add_argument("--graph", action="store_true", help="also replay a CUDA graph per shape against torch's")
     p.add_argument("--option", action="append", default=[], help="CUDA provider option KEY=VALUE (repeatable)")
     p.add_argument("--churn", type=int, default=0, metavar="N",
                    help="after the table, N runs over N/5 distinct random shapes: device memory and errors")
     args = p.parse_args(argv)
     import cupy as cp
+    import onnxruntime as ort
     import torch
 
+    from host.errors import GraphCaptureError
     from host.runtime.session import InferenceSession
+    from plugin_cuda.device import nvrtc
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    path = Path(tempfile.mkdtemp()) / "bert_dynamic.onnx"
-    model = export_bert(torch, args.layers, path).cuda()
-    import onnxruntime as ort
-
-    ort_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    t0 = time.perf_counter()
+    torch.backends.cudnn.allow_tf32 = False
+    path = Path(tempfile.mkdtemp()) / f"{args.model}_dynamic.onnx"
+    model, names, size = export_model(torch, args.model, args.layers, path)
+    model = model.cuda()
     options = {"use_tf32": "0", **dict(o.split("=", 1) for o in args.option)}
+    t0 = time.perf_counter()
     sess = InferenceSession(str(path), providers=[("CUDAExecutionProvider", options)])
-    from plugin_cuda.device import nvrtc
-    create_s = time.perf_counter() - t0
-    plan = sess.plan
-    compiled = sum(1 for n in plan.nodes if n.members)
-    absorbed = len(sess.shape_program.nodes) if hasattr(sess, "shape_program") else 0
-    on_cpu = sum(1 for n in plan.nodes if n.ep is None)
-    print(f"session {create_s:.1f} s; plan: {len(plan.nodes)} steps, {compiled} compiled partitions, "
-          f"{on_cpu} on the CPU EP, {absorbed} nodes in the host's shape program")
-    print("| (batch, seq) | first run ms | NVRTC compiles in it | ephost eager ms | torch eager ms | ratio | "
-          "max abs diff vs onnxruntime |")
-    print("|---|---|---|---|---|---|---|")
-    rng = np.random.default_rng(0)
-    for shape in args.shapes.split(","):
-        b, s = (int(v) for v in shape.split("x"))
-        ids = rng.integers(0, 30522, (b, s)).astype(np.int64)
-        mask = np.ones((b, s), np.int64)
-        binding = sess.io_binding()
-        d_ids, d_mask = cp.asarray(ids), cp.asarray(mask)
-        binding.bind_input("input_ids", d_ids)
-        binding.bind_input("attention_mask", d_mask)
-        binding.bind_output("last_hidden_state")
-
-        def run(binding=binding):
-            sess.run_with_iobinding(binding)
-        cp.cuda.Device().synchronize()
-        t, compiles = time.perf_counter(), nvrtc.stats["compiles"]
-        run()
-        first = (time.perf_counter() - t) * 1e3
-        compiles = nvrtc.stats["compiles"] - compiles
-        ours = timed(run, args.iters)
-        got = binding.copy_outputs_to_cpu()[0]
-        t_ids, t_mask = torch.from_numpy(ids).cuda(), torch.from_numpy(mask).cuda()
-
-        def torch_run(t_ids=t_ids, t_mask=t_mask):
-            with torch.inference_mode():
-                model(t_ids, attention_mask=t_mask)
-            torch.cuda.synchronize()
-        torch_run()
-        theirs = timed(torch_run, args.iters)
-        # The reference is onnxruntime on the export: with this transformers version the TorchScript
-        # export itself differs from the torch module (onnxruntime and ephost agree to ~2e-6).
-        ref = ort_sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-        print(f"| ({b}, {s}) | {first:.1f} | {compiles} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | "
-              f"{float(np.abs(got - ref).max()):.1e} |")
+    print(f"{args.model}: session {time.perf_counter() - t0:.1f} s; plan: {describe(sess)}")
+    graph_sess = None
+    if args.graph:
+        try:
+            graph_sess = InferenceSession(str(path), providers=[("CUDAExecutionProvider",
+                                                                 {**options, "enable_cuda_graph": "1"})])
+        except GraphCaptureError as exc:  # the eager rows still run; say why replay has none
+            print(f"no CUDA graph: {str(exc)[:400]}")
+            args.graph = False
+    ctx = dict(args=args, cp=cp, torch=torch, nvrtc=nvrtc, sess=sess, graph_sess=graph_sess, model=model,
+               names=names, size=size, rng=np.random.default_rng(0), bindings=[],
+               ort=ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    head = "| shape | first run ms | NVRTC compiles in it | ephost eager ms | torch eager ms | ratio |"
+    if args.graph:
+        head += " ephost replay ms | torch graph ms | ratio |"
+    print(head + " max rel diff vs onnxruntime |")
+    print("|---" * (head.count("|") - 1 + 1) + "|")
+    for shape in (args.shapes or (IMAGE_SHAPES if args.model == "vit" else TEXT_SHAPES)).split(","):
+        print(run_shape(ctx, shape), flush=True)
     if args.churn:
-        churn(sess, cp, args.churn)
+        churn(sess, cp, args, names, size)
     sess.close()
+    if graph_sess is not None:
+        graph_sess.close()
     return 0
 
 
-def churn(sess, cp, runs: int) -> None:
-    """`runs` runs over runs // 5 distinct (batch, seq) shapes, in a random order: the plan caches
-    stay bounded, so device memory returns to a plateau; prints memory in use every 20% of the runs."""
+def churn(sess, cp, args, names: list[str], size: dict) -> None:
+    """`runs` runs over runs // 5 distinct shapes, in a random order: the plan caches stay bounded, so
+    device memory returns to a plateau; prints memory in use every 20% of the runs."""
+    runs = args.churn
     rng = np.random.default_rng(1)
-    shapes = list({(int(b), int(s)) for b, s in zip(rng.integers(1, 9, 4 * runs), rng.integers(4, 129, 4 * runs))})
-    shapes = shapes[:max(1, runs // 5)]
+    if args.model == "vit":
+        shapes = [str(b) for b in range(1, 33)][:max(1, runs // 5)]
+    else:
+        pairs = {(int(b), int(s)) for b, s in zip(rng.integers(1, 9, 4 * runs), rng.integers(4, 129, 4 * runs))}
+        shapes = [f"{b}x{s}" for b, s in pairs][:max(1, runs // 5)]
     order = [shapes[i % len(shapes)] for i in rng.permutation(runs)]
-    pool = cp.get_default_memory_pool()
     errors, marks = 0, []
     t0 = time.perf_counter()
-    for k, (b, s) in enumerate(order):
-        feeds = {"input_ids": rng.integers(0, 30522, (b, s)).astype(np.int64), "attention_mask": np.ones((b, s), np.int64)}
+    for k, shape in enumerate(order):
         try:
-            sess.run(None, feeds)
+            sess.run(None, make_feeds(args.model, names, size, shape, rng))
         except Exception as exc:  # noqa: BLE001 - counted and shown once
             errors += 1
             if errors == 1:
-                print(f"first error at run {k} shape {(b, s)}: {type(exc).__name__}: {exc}")
+                print(f"first error at run {k} shape {shape}: {type(exc).__name__}: {exc}")
         if (k + 1) % max(1, runs // 5) == 0:
             free, total = cp.cuda.runtime.memGetInfo()
             marks.append(f"{(total - free) >> 20} MiB")
     print(f"churn: {runs} runs over {len(shapes)} shapes in {time.perf_counter() - t0:.1f} s, {errors} errors; "
-          f"device memory in use after each fifth: {', '.join(marks)} (CuPy pool {pool.used_bytes() >> 20} MiB)")
+          f"device memory in use after each fifth: {', '.join(marks)} "
+          f"(CuPy pool {cp.get_default_memory_pool().used_bytes() >> 20} MiB)")
 
 
 if __name__ == "__main__":

@@ -305,11 +305,12 @@ class CudaEp(sdk.EpBase):
             if not kernels.claimable(node.op_type, node.attrs, dtypes, node.opset, domain=node.domain,
                                      num_outputs=count):
                 continue
-            # Shapes and axes are read on the host: claim the node only when they are constants,
-            # which the kernel then receives as NumPy arrays (a device read would synchronise).
+            # Shapes and axes are read on the host: claim the node only when they are constants
+            # or values the host computes and hands over in host memory (VALUE_HOST_COMPUTED, its
+            # shape program); the kernel then reads NumPy arrays (a device read would synchronise).
             host_inputs = kernels.lookup(node.op_type, node.opset, node.domain).host_inputs
             if all(i >= len(node.inputs) or node.inputs[i] < 0 or graph.values[node.inputs[i]].constant is not None
-                   for i in host_inputs):
+                   or graph.values[node.inputs[i]].host_computed for i in host_inputs):
                 chosen.append(node.index)
         return chosen
 

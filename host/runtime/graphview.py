@@ -100,6 +100,12 @@ class GraphView:
                 v.kind = abi.VALUE_GRAPH_OUTPUT
         self.ptr.num_values, self.ptr.values = len(names), vals
 
+    def mark_host_computed(self, value_ids) -> None:
+        """Flag the values the host's shape program computes (EpValueInfo.flags, since 7): kernels
+        of v7+ EPs receive them in host memory (host/runtime/steps/plugin.py)."""
+        for vid in value_ids:
+            self.ptr.values[vid].flags |= abi.VALUE_HOST_COMPUTED
+
     def _fill_nodes(self, graph: Graph) -> None:
         nodes = ffi.new("EpNodeView[]", max(len(graph.nodes), 1))
         self._keep.append(nodes)

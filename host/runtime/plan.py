@@ -54,6 +54,9 @@ class Plan:
     object_ids: frozenset[int] = frozenset()
     # The prepared subgraphs of control-flow nodes (host/runtime/subgraph.py), closed with the plan.
     subgraphs: list = field(default_factory=list)
+    # Values the host's shape program computes per input-shape signature (host memory): plugin
+    # kernels of v7+ EPs get them there (EpValueInfo.flags VALUE_HOST_COMPUTED), not copied.
+    host_computed: frozenset[int] = frozenset()
 
     def node_assignment(self) -> dict[str, str]:
         """Which EP runs each node, by node name (a fused node's members each)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -49,42 +50,76 @@ def _text_inputs(torch, batch=2, seq=8, vocab=200):
     return ids, mask
 
 
-def _models(torch, size: dict):
+# The issue-23 goal sizes for the GPU benchmark (bench/dynamic_gpu.py): BERT-base, GPT-2 small, a
+# Llama-style decoder (hidden 1024, 8 layers, GQA 16/4 heads) and ViT-B/16 at 224x224.
+GOAL = {
+    "bert": BASE,
+    "gpt2": BASE,
+    "llama": dict(hidden=1024, layers=8, heads=16, kv_heads=4, inter=2816, vocab=32000, positions=512),
+    "vit": dict(hidden=768, layers=12, heads=12, inter=3072, image=224, patch=16),
+}
+
+
+def make_model(torch, arch: str, size: dict):
+    """A transformers model of `arch` (bert, gpt2, llama, vit) at `size`, random weights (seed 0), eval
+    mode, eager attention. Llama's kv_heads defaults to half its heads (GQA); ViT's image/patch to 32/8."""
     import transformers as tf
 
-    h, n, heads, inter, vocab, pos = (size[k] for k in ("hidden", "layers", "heads", "inter", "vocab", "positions"))
+    h, n, heads = size["hidden"], size["layers"], size["heads"]
     common = dict(attn_implementation="eager")
     torch.manual_seed(0)
-    yield "bert", tf.BertModel(tf.BertConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
-                                             intermediate_size=inter, vocab_size=vocab,
-                                             max_position_embeddings=pos, **common))
-    torch.manual_seed(0)
-    yield "gpt2", tf.GPT2Model(tf.GPT2Config(n_embd=h, n_layer=n, n_head=heads, vocab_size=vocab,
-                                             n_positions=pos, **common))
-    torch.manual_seed(0)
-    yield "llama", tf.LlamaModel(tf.LlamaConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=4,
-                                                num_key_value_heads=2, intermediate_size=inter, vocab_size=vocab,
-                                                max_position_embeddings=pos, **common))
-    torch.manual_seed(0)
-    yield "vit", tf.ViTModel(tf.ViTConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
-                                          intermediate_size=inter, image_size=32, patch_size=8, **common),
-                             add_pooling_layer=False)
+    if arch == "bert":
+        model = tf.BertModel(tf.BertConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+                                           intermediate_size=size["inter"], vocab_size=size["vocab"],
+                                           max_position_embeddings=size["positions"], **common))
+    elif arch == "gpt2":
+        model = tf.GPT2Model(tf.GPT2Config(n_embd=h, n_layer=n, n_head=heads, vocab_size=size["vocab"],
+                                           n_positions=size["positions"], **common))
+    elif arch == "llama":
+        model = tf.LlamaModel(tf.LlamaConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+                                             num_key_value_heads=size.get("kv_heads", max(1, heads // 2)),
+                                             intermediate_size=size["inter"], vocab_size=size["vocab"],
+                                             max_position_embeddings=size["positions"], **common))
+    elif arch == "vit":
+        model = tf.ViTModel(tf.ViTConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+                                         intermediate_size=size["inter"], image_size=size.get("image", 32),
+                                         patch_size=size.get("patch", 8), **common), add_pooling_layer=False)
+    else:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of bert, gpt2, llama, vit")
+    return model.eval()
 
 
-def _causal_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
-                 **_kwargs):
+def _models(torch, size: dict):
+    for arch in ("bert", "gpt2", "llama", "vit"):
+        # The checked-in Llama has 4 heads, 2 of them kv heads, whatever the size's heads.
+        yield arch, make_model(torch, arch, {**size, "heads": 4, "kv_heads": 2} if arch == "llama" else size)
+
+
+def _causal_mask(saved, *args, **kwargs):
     """transformers' sdpa_mask for a causal decoder, with broadcasting instead of torch.vmap (which the
     TorchScript tracer cannot export, `RuntimeError: unordered_map::at`, and whose older-torch variant
-    bakes the traced sequence length into a Reshape)."""
+    bakes the traced sequence length into a Reshape). Any other mask (BERT's bidirectional one) goes to
+    transformers' own function. The arguments are read by name from `saved`'s signature, which changed
+    across transformers releases (cache_position, or q_length and q_offset)."""
+    import inspect
+
     import torch
     from transformers import masking_utils as m
 
-    if mask_function is not m.causal_mask_function:
-        raise ValueError(f"only the causal mask is traceable here, not {mask_function}")
-    kv = torch.arange(kv_length, device=cache_position.device) + kv_offset
-    mask = kv[None, :] <= cache_position[:, None]
-    mask = mask[None, None, :, :].expand(batch_size, -1, -1, -1)
-    padding = m.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    bound = inspect.signature(saved).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("mask_function") is not m.causal_mask_function:
+        return saved(*args, **kwargs)
+    kv_length, kv_offset = a["kv_length"], a.get("kv_offset", 0)
+    if a.get("cache_position") is not None:
+        q = a["cache_position"]
+    else:
+        q = torch.arange(a["q_length"]) + a.get("q_offset", 0)
+    kv = torch.arange(kv_length, device=q.device) + kv_offset
+    mask = kv[None, :] <= q[:, None]
+    mask = mask[None, None, :, :].expand(a["batch_size"], -1, -1, -1)
+    padding = m.prepare_padding_mask(a.get("attention_mask"), kv_length, kv_offset)
     if padding is not None:
         mask = mask & padding[:, None, None, :].bool()
     return mask
@@ -95,16 +130,16 @@ def _traceable_masks():
     from transformers import masking_utils as m
 
     saved = m.sdpa_mask
-    m.sdpa_mask = _causal_mask  # eager_mask calls it through the module
+    m.sdpa_mask = functools.partial(_causal_mask, saved)  # eager_mask calls it through the module
     try:
         yield
     finally:
         m.sdpa_mask = saved
 
 
-def _export_ts(torch, model, arch: str, path: Path, vocab: int):
+def _export_ts(torch, model, arch: str, path: Path, vocab: int, image: int = 32):
     if arch == "vit":
-        names, args = ["pixel_values"], (torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)),)
+        names, args = ["pixel_values"], (torch.randn(2, 3, image, image, generator=torch.Generator().manual_seed(0)),)
         axes = {"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}}
     else:
         names, args = ["input_ids", "attention_mask"], _text_inputs(torch, vocab=vocab)

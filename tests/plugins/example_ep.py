@@ -516,6 +516,8 @@ class ExampleKernel(sdk.KernelBase):
         # The framework stream tags scratch memory (seed 000); older hosts take the fallback.
         self.api.sync_stream(context)
         inputs = [_view(ffi, io[0].inputs[i]) for i in range(io[0].num_inputs)]
+        for i in range(io[0].num_inputs):
+            self._record.input_devices[io[0].inputs[i].device_type] += 1
         result = np.asarray(self.fn(*inputs))
         out = ffi.new("EpTensor**")
         rec["KernelContext_GetOutput"] += 1

@@ -71,7 +71,10 @@ class Partitioner:
         # Shape arithmetic leaves the plan: the host evaluates it once per input-shape signature.
         self.shape_program = shape_program.build(graph, view.value_index, self.shape_signatures)
         graph.shape_nodes = self.shape_program.nodes
-        return graph, self.plan_graph(graph, view)
+        view.mark_host_computed(self.shape_program.exported)
+        plan = self.plan_graph(graph, view)
+        plan.host_computed = frozenset(self.shape_program.exported)
+        return graph, plan
 
     # -- steps ----------------------------------------------------------------------------------
     def _expand_unclaimed(self, graph: Graph) -> Graph:

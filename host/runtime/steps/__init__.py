@@ -59,7 +59,7 @@ def build_steps(plan: Plan, observer=None) -> tuple[list[tuple[object, tuple[int
         elif node.kind is Kind.CPU:
             steps.append((ControlFlowStep(node, observer), node.frees))
         elif node.kind is Kind.PLUGIN:
-            steps.append((PluginStep(node, observer), node.frees))
+            steps.append((PluginStep(node, observer, plan.host_computed), node.frees))
         else:
             steps.append((CompiledStep(node, observer), node.frees))
     return steps, prelude

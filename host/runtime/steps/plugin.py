@@ -6,6 +6,8 @@ the input and output EpTensor arrays, the thread's stream); it is built once and
 
 from __future__ import annotations
 
+import numpy as np
+
 import abi
 from host.errors import InvalidArgument, KernelError
 from host.plugins import hostapi
@@ -56,9 +58,13 @@ class KernelContext:
 class PluginStep:
     """Runs one node on a plugin EP's kernel: inputs moved to the EP's device, then Compute."""
 
-    def __init__(self, node: PlanNode, observer=None):
+    def __init__(self, node: PlanNode, observer=None, host_computed: frozenset[int] = frozenset()):
         self.node = node
         self.ep = node.ep
+        # Inputs the shape program computes reach a v7+ EP's kernel in host memory (the view
+        # flagged them VALUE_HOST_COMPUTED, so the EP may read them without a device sync).
+        self.host_positions = frozenset(j for j, v in enumerate(node.inputs) if v in host_computed) \
+            if node.ep.slots.negotiated >= 7 else frozenset()
         self.compute = node.kernel.Compute
         if observer is not None:
             self.compute = observer.node_call(self.compute, node, "kernel")
@@ -71,10 +77,13 @@ class PluginStep:
         node = self.node
         ep = node.ep
         ins = ctx.inputs
-        input_for, fill = st.executor.input_for, st.fill
+        input_for, fill, host = st.executor.input_for, st.fill, self.host_positions
         for j, vid in enumerate(node.inputs):
             if vid < 0:
                 ins[j].data, ins[j].ndim = _NULL, -1
+                continue
+            if j in host:
+                fill(ins[j], np.ascontiguousarray(st.values[vid]))  # this signature's shape-program value
                 continue
             fill(ins[j], input_for(st, vid, ep.location, ctx.stream, ep))
         ctx.active = True
