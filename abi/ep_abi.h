@@ -63,10 +63,11 @@
 
 /* Bits of EpValueInfo.flags (since 7; before 7 the field was `reserved` and always 0).
  * EP_VALUE_HOST_COMPUTED: the host computes this value itself from the input shapes (its shape
- * program: once per input-shape signature) and hands it to the kernels of a v7+ EP in host
- * memory (an EpTensor with device_type EP_DEVICE_CPU), never copied to the EP's device. An EP may
- * therefore claim a node that reads such a value on the host (a Reshape's shape, Slice bounds)
- * without a synchronising device read. Compiled partitions (Compile) still get it on their device. */
+ * program: once per input-shape signature). Where a node reads it at an input the op reads on the
+ * host (a Reshape's shape, Slice bounds: the table of abi/host_inputs.py, as onnxruntime's CUDA
+ * kernels declare OrtMemTypeCPUInput), a v7+ EP's kernel gets it in host memory (an EpTensor with
+ * device_type EP_DEVICE_CPU), never copied to the device; so the EP may claim that node without a
+ * synchronising device read. At other inputs, and in compiled partitions, it is on the device. */
 #define EP_VALUE_HOST_COMPUTED 1
 
 /* Graph capture node-assignment policies (since 3). */

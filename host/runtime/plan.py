@@ -34,6 +34,7 @@ class PlanNode:
     kind: Kind = Kind.CPU
     frees: tuple[int, ...] = ()   # values whose last consumer is this node
     members: tuple[str, ...] = ()  # a compiled partition: the names of the nodes it fused
+    domain: str = ""              # the op's domain ("" for ONNX)
 
     @property
     def provider(self) -> str:

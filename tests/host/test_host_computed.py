@@ -9,11 +9,14 @@ import gc
 import os
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import abi
 import host
 from abi.graph_spec import read_graph
+from abi.host_inputs import host_read_inputs
 from host.plugins.hostapi import ffi
 from tests.conftest import example_record
 from tests.host.test_shape_program import SHAPES, _reference
@@ -46,27 +49,70 @@ def test_the_view_flags_exactly_the_shape_programs_values():
     s.close()
 
 
+def _reshape_by_program() -> onnx.ModelProto:
+    """Y = Reshape(X * X, [rows of R, -1]): the shape comes from Shape(R) through Slice and Concat,
+    which the host's shape program computes; Mul and Reshape run on the plugin."""
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n)
+             for n, v in (("zero", [0]), ("one", [1]), ("rest", [-1]))]
+    nodes = [helper.make_node("Mul", ["X", "X"], ["sq"]),
+             helper.make_node("Shape", ["R"], ["xs"]),
+             helper.make_node("Slice", ["xs", "zero", "one"], ["batch"]),
+             helper.make_node("Concat", ["batch", "rest"], ["target"], axis=0),
+             helper.make_node("Reshape", ["sq", "target"], ["Y"])]
+    graph = helper.make_graph(nodes, "reshape_by_program",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", "s", 8]),
+                               helper.make_tensor_value_info("R", TensorProto.FLOAT, ["r", 2])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", None])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 @pytest.mark.parametrize("version", [6, 7])
-def test_program_values_reach_v7_kernels_in_host_memory(example_plugin, version):
-    """positions(): Add and Mul on the mock device read the position slice and the scale the shape
-    program computes; a v7 EP gets those in host memory (device_type CPU), a v6 EP on its device."""
+def test_program_shapes_reach_v7_kernels_in_host_memory(example_plugin, version):
+    """The Reshape's shape is a shape-program value at an input Reshape reads on the host: a v7 EP
+    gets it in host memory (device_type CPU), a v6 EP on its (mock) device; the data stays there."""
     env = _mock_device_env(example_plugin(version))
-    model = dynamic.positions()
+    model = _reshape_by_program()
     record = example_record(version)
-    s = host.InferenceSession(model.SerializeToString(), providers=[("ExampleEP", {"ops": "Add,Mul", "fuse": "0"})],
-                              env=env)
+    s = host.InferenceSession(model.SerializeToString(),
+                              providers=[("ExampleEP", {"ops": "Mul,Reshape", "fuse": "0"})], env=env)
     assert set(s.node_assignment().values()) == {"ExampleEP"}
-    program_reads = sum(1 for n in s.plan.nodes for v in n.inputs if v in s.plan.host_computed)
-    assert program_reads > 0
+    assert any(n.op_type == "Reshape" for n in s.plan.nodes)
     ref = _reference(model)
     rng = np.random.default_rng(5)
     record.input_devices.clear()
     for batch, seq in SHAPES:
-        x = rng.standard_normal((batch, seq, 8)).astype(np.float32)
-        np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
-    on_host = record.input_devices[abi.DEVICE_CPU]
-    assert on_host == (program_reads * len(SHAPES) if version >= 7 else 0)
-    assert record.input_devices[abi.DEVICE_GPU] > 0  # X and the intermediates stay on the device
+        feeds = {"X": rng.standard_normal((batch, seq, 8)).astype(np.float32), "R": np.zeros((2 * batch, 2), np.float32)}
+        np.testing.assert_array_equal(s.run(None, feeds)[0], ref.run(None, feeds)[0])
+    assert record.input_devices[abi.DEVICE_CPU] == (len(SHAPES) if version >= 7 else 0)
+    assert record.input_devices[abi.DEVICE_GPU] == (3 if version >= 7 else 4) * len(SHAPES)
     s.close()
     gc.collect()
     env.close()
+
+
+def test_values_at_other_inputs_stay_on_the_device(example_plugin):
+    """positions(): Add and Mul read shape-program values at data inputs: a v7 EP gets them on its
+    device, as before (only host-read inputs of abi/host_inputs.py come in host memory)."""
+    env = _mock_device_env(example_plugin(7))
+    model = dynamic.positions()
+    record = example_record(7)
+    s = host.InferenceSession(model.SerializeToString(), providers=[("ExampleEP", {"ops": "Add,Mul", "fuse": "0"})],
+                              env=env)
+    ref = _reference(model)
+    record.input_devices.clear()
+    x = np.random.default_rng(6).standard_normal((3, 50, 8)).astype(np.float32)
+    np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-5, atol=1e-6)
+    assert record.input_devices[abi.DEVICE_CPU] == 0 and record.input_devices[abi.DEVICE_GPU] > 0
+    s.close()
+    gc.collect()
+    env.close()
+
+
+def test_the_host_read_table_matches_the_cuda_kernels():
+    """Both sides read abi/host_inputs.py: every CUDA kernel that reads inputs on the host reads
+    exactly the table's positions for its op."""
+    from plugin_cuda.kernels.base import KERNELS
+
+    for op, versions in KERNELS.items():
+        for since, cls in versions.items():
+            assert set(cls.host_inputs) == set(host_read_inputs(op)), (op, since, cls.host_inputs)

@@ -73,6 +73,16 @@ _OPS = {
 _FLOAT_TYPES = (1, 11)  # float32, float64
 
 
+def _reshape(x, shape):
+    """ONNX Reshape (allowzero 0): a 0 keeps the input's dim, a -1 is inferred."""
+    return x.reshape([x.shape[i] if d == 0 else int(d) for i, d in enumerate(shape.reshape(-1).tolist())])
+
+
+# Ops claimed only when the "ops" option names them, per node (never fused); their shape input is
+# read on the host (abi/host_inputs.py), so tests see where the host delivers it.
+_OPT_IN = {"Reshape": _reshape}
+
+
 @sdk.count_slot_calls  # tests assert on how often each slot was called
 def create_factories(runtime: sdk.Runtime, registration_name: str, logger) -> list:
     fault = os.environ.get(FAULT_ENV, "")
@@ -223,7 +233,10 @@ class ExampleEp(sdk.EpBase):
         chosen = []
         for node in graph.nodes:
             types = [graph.values[i].elem_type for i in node.inputs if i >= 0]
-            if node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPS \
+            if node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPT_IN \
+                    and types[0] in _FLOAT_TYPES:
+                chosen.append(node.index)
+            elif node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPS \
                     and types and all(t in _FLOAT_TYPES for t in types):
                 chosen.append(node.index)
         return chosen
@@ -235,7 +248,7 @@ class ExampleEp(sdk.EpBase):
     def claim_fused(self, graph):
         if not self.fuse_modes:
             return []
-        chosen = list(self.claim(graph))
+        chosen = [i for i in self.claim(graph) if graph.nodes[i].op_type not in _OPT_IN]
         groups: list[list[int]] = []
         for mode in self.fuse_modes:
             groups += _consecutive_runs(chosen) if mode == "runs" else [list(chosen)] if chosen else []
@@ -500,7 +513,7 @@ class ExampleKernel(sdk.KernelBase):
         super().__init__(runtime, ep)
         self.ep = ep
         self.node = node
-        self.fn = _OPS[node.op_type]
+        self.fn = _OPS.get(node.op_type) or _OPT_IN[node.op_type]
         self.fail = ep.fail_node == node.name or ep.factory.fault == "kernel_fails"
         self._get_io, self._get_output = self.api.get_io, self.api.get_output
         self._record = runtime.record

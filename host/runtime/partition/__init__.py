@@ -145,7 +145,7 @@ class Partitioner:
             ep = assigned.get(i)
             if ep is not None:
                 nodes.append(PlanNode(i, n.name, n.op_type, ins, outs, ep, self._plugin_kernel(ep, view, i, n),
-                                      Kind.PLUGIN))
+                                      Kind.PLUGIN, domain=n.domain))
             elif cpu_ep.lookup(n.domain, n.op_type, n.opset) is None:
                 unsupported.append(f"'{n.name}' ({n.domain or 'ai.onnx'}::{n.op_type}, opset {self._own_opset(n)})")
                 continue

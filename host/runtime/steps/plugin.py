@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import abi
+from abi.host_inputs import host_read_inputs
 from host.errors import InvalidArgument, KernelError
 from host.plugins import hostapi
 from host.plugins.ep import SyncStream
@@ -61,10 +62,11 @@ class PluginStep:
     def __init__(self, node: PlanNode, observer=None, host_computed: frozenset[int] = frozenset()):
         self.node = node
         self.ep = node.ep
-        # Inputs the shape program computes reach a v7+ EP's kernel in host memory (the view
-        # flagged them VALUE_HOST_COMPUTED, so the EP may read them without a device sync).
-        self.host_positions = frozenset(j for j, v in enumerate(node.inputs) if v in host_computed) \
-            if node.ep.slots.negotiated >= 7 else frozenset()
+        # Values the shape program computes reach a v7+ EP's kernel in host memory where the op
+        # reads that input on the host (abi/host_inputs.py; the view flagged them
+        # VALUE_HOST_COMPUTED), so a device EP reads a shape without a device sync.
+        reads = host_read_inputs(node.op_type, node.domain) if node.ep.slots.negotiated >= 7 else ()
+        self.host_positions = frozenset(j for j in reads if j < len(node.inputs) and node.inputs[j] in host_computed)
         self.compute = node.kernel.Compute
         if observer is not None:
             self.compute = observer.node_call(self.compute, node, "kernel")

@@ -1,0 +1,27 @@
+"""Which inputs of an ONNX op are read on the host: shapes, axes, bounds, repeats (ABI since 7).
+
+A value the host computes itself (its shape program; EpValueInfo.flags VALUE_HOST_COMPUTED) reaches
+a v7+ EP's kernel in host memory at exactly these input positions, so a device EP can claim a
+Reshape whose shape only the host knows at run time without a synchronising device read (as
+onnxruntime's CUDA kernels declare such inputs OrtMemTypeCPUInput). At every other position the
+host copies the value to the EP's device as before. Both sides read this one table.
+"""
+
+from __future__ import annotations
+
+_REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+HOST_READ_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+    "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,), "Pad": (1, 2, 3), "Split": (1,),
+    "Trilu": (1,), "CumSum": (1,), "Dropout": (2,), "Resize": (1, 2, 3), "TopK": (1,), "OneHot": (1,),
+    **{op: (1,) for op in _REDUCE},
+}
+
+
+def host_read_inputs(op_type: str, domain: str = "") -> tuple[int, ...]:
+    """The input positions of an ONNX-domain op that a kernel reads on the host (empty for others)."""
+    if domain not in ("", "ai.onnx"):
+        return ()
+    return HOST_READ_INPUTS.get(op_type, ())
