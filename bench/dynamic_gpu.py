@@ -149,8 +149,8 @@ def run_shape(ctx, shape: str) -> str:
         cells, replayed = replay_cells(ctx, feeds, t_args, got.shape)
         row += cells
         outputs.append(replayed)
-    err = max(float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)) for out in outputs)
-    return row + f" {err:.1e} |"
+    errs = [float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)) for out in outputs]
+    return row + " " + " / ".join(f"{e:.1e}" for e in errs) + " |"
 
 
 def replay_cells(ctx, feeds: dict, t_args, out_shape) -> tuple[str, np.ndarray]:
