@@ -156,8 +156,13 @@ def run_shape(ctx, shape: str) -> str:
 def replay_cells(ctx, feeds: dict, t_args, out_shape) -> tuple[str, np.ndarray]:
     """The replay cells of a row (ephost graph, torch graph, ratio) and the replayed output."""
     cp, torch, sess = ctx["cp"], ctx["torch"], ctx["graph_sess"]
-    binding, keep = bind(sess, cp, feeds, out_shape)
-    ctx["bindings"].append((binding, keep))  # a captured graph keeps reading these buffers
+    key = tuple(v.shape for v in feeds.values())
+    if key in ctx["bindings"]:  # a shape seen before: new data into the buffers its graph reads
+        binding, keep = ctx["bindings"][key]
+        for k, v in feeds.items():
+            keep[k].set(v)
+    else:
+        binding, keep = ctx["bindings"][key] = bind(sess, cp, feeds, out_shape)
 
     def replay(binding=binding):
         sess.run_with_iobinding(binding)
@@ -209,7 +214,7 @@ def main(argv=None) -> int:
             print(f"no CUDA graph: {str(exc)[:400]}")
             args.graph = False
     ctx = dict(args=args, cp=cp, torch=torch, nvrtc=nvrtc, sess=sess, graph_sess=graph_sess, model=model,
-               names=names, size=size, rng=np.random.default_rng(0), bindings=[],
+               names=names, size=size, rng=np.random.default_rng(0), bindings={},
                ort=ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
     head = "| shape | first run ms | NVRTC compiles in it | ephost eager ms | torch eager ms | ratio |"
     if args.graph:

@@ -9,6 +9,7 @@ stream waits for its producer through the producer stream's notification.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import weakref
@@ -304,7 +305,19 @@ class Executor:
             st.values[vid] = moved
         else:
             st.keep.append(moved)  # the kernel reads it after this returns
+            sink = self._tls.__dict__.get("copies")
+            if sink is not None:  # a capture run: the graph's replays read this copy again
+                sink.append(moved)
         return moved
+
+    @contextlib.contextmanager
+    def keeping_copies(self, sink: list):
+        """While inside, the calling thread's host-to-device copies are also appended to `sink`."""
+        self._tls.copies = sink
+        try:
+            yield
+        finally:
+            self._tls.copies = None
 
     def _device_constant(self, vid: int, value, location, ep: PluginEp | None, stream: SyncStream | None):
         key = (vid, location)

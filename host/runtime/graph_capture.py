@@ -10,6 +10,7 @@ from the captured ones is an error instead of stale results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -60,6 +61,15 @@ def run_flags(ro) -> tuple[int, bool]:
     return parsed
 
 
+def _shape_only(plan, node, shape_values: set[int]) -> bool:
+    """A CPU node a replay may skip: int64 outputs computed only from input shapes (Shape, Size) or
+    from constants, the host's shape-program values and other such nodes, so the values it gave at
+    capture hold for every replay of that input-shape signature's graph."""
+    if not all(plan.elem_types[v] in SHAPE_ELEM_TYPES for v in node.outputs if v >= 0):
+        return False
+    return node.op_type in ("Shape", "Size") or all(v < 0 or v in shape_values for v in node.inputs)
+
+
 class GraphCapture:
     """Per-session capture state: the capturing EP and, per thread and gpu_graph_id, its graphs by shape.
 
@@ -72,6 +82,7 @@ class GraphCapture:
         self.plan = plan
         self.fallbacks = fallbacks
         self._run_bound = run_bound
+        self.keep_copies = contextlib.nullcontext  # the session's executor.keeping_copies
         self._lock = lock
         self.per_id = per_id
         self.ep = None
@@ -97,17 +108,18 @@ class GraphCapture:
         policy = self.ep.graph_policy()
         plan = self.plan
         offending = []
+        shape_values = set(plan.constants) | set(plan.host_computed)
         for n in plan.nodes:
             if n.ep is self.ep:
                 continue
-            shape_only = all(plan.elem_types[v] in SHAPE_ELEM_TYPES for v in n.outputs if v >= 0)
-            if policy == abi.GRAPH_ALLOW_CPU_FOR_SHAPES and n.ep is None and shape_only:
+            if policy == abi.GRAPH_ALLOW_CPU_FOR_SHAPES and n.ep is None and _shape_only(plan, n, shape_values):
+                shape_values.update(v for v in n.outputs if v >= 0)
                 continue
             where = n.ep.name if n.ep is not None else "CPUExecutionProvider"
             offending.append(f"'{n.name}' ({n.op_type} on {where})")
         if offending:
             rule = ("all nodes on the EP" if policy == abi.GRAPH_ALL_NODES_ON_EP
-                    else "only shape computations (int64 outputs) on the CPU")
+                    else "only shape computations (int64 outputs of shapes and constants) on the CPU")
             raise GraphCaptureError(
                 f"graph capture on {self.ep.name} requires {rule}; offending node(s): {', '.join(offending)}. "
                 f"Disable graph capture or make the EP support these nodes")
@@ -217,7 +229,10 @@ class GraphCapture:
         """Warm-up and capture runs under the graph's internal id, until the EP reports it captured."""
         iid = graph.internal_id
         for _ in range(MAX_INTERNAL_RUNS):
-            self._run_bound(binding, ro, str(iid))
+            # Copies the host makes for the EP during these runs (CPU shape values read on the
+            # device) are read again by every replay: they live as long as the graph.
+            with self.keep_copies(graph.copies):
+                self._run_bound(binding, ro, str(iid))
             if self.captured(iid):
                 graph.binding = self._signature(binding)
                 self.fallbacks["graph_captured"] += 1

@@ -191,6 +191,7 @@ class InferenceSession:
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
                                     None if self.executor.concurrent else self._lock,
                                     shape_graphs.capacity(self.options.entries))
+        self.capture.keep_copies = self.executor.keeping_copies
         self.bucket_graphs = None
         if self.buckets is not None:
             self.buckets.bind(self.plan.input_ids, self.plan.output_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from host.errors import InvalidArgument
 
@@ -45,6 +45,7 @@ class Graph:
     internal_id: int
     shape: tuple
     binding: dict | None = None  # None until the EP reports it captured, and again once evicted
+    copies: list = field(default_factory=list)  # device copies its replays read (GraphCapture._capture)
 
 
 class GraphsOfId:

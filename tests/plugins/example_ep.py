@@ -15,7 +15,7 @@ GPU, id 0) whose memory is host memory the host may not read directly: it must c
 plugin's data transfer, as for a real device (the host's location is the factory's, so this cannot be
 a provider option). Provider options: ops=Add,Relu (claim only these), fail_node=NAME, enable_graph=1,
 min_runs=N, null_slots=Sync,OnRunEnd, mock_device=1 (accepted for older tests; the memory moves only
-with EPHOST_TEST_MOCK_DEVICE=1),
+with EPHOST_TEST_MOCK_DEVICE=1), graph_policy=shapes (GRAPH_ALLOW_CPU_FOR_SHAPES),
 lie=capture_flag|policy|concurrent_flag|concurrent_silent|concurrent_fails|capability_fails (a broken
 answer from IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy, IsConcurrentRunSupported or
 GetCapability) or
@@ -80,7 +80,7 @@ def _reshape(x, shape):
 
 # Ops claimed only when the "ops" option names them, per node (never fused); their shape input is
 # read on the host (abi/host_inputs.py), so tests see where the host delivers it.
-_OPT_IN = {"Reshape": _reshape}
+_OPT_IN = {"Reshape": _reshape, "Gather": lambda data, idx: np.take(data, idx, axis=0)}
 
 
 @sdk.count_slot_calls  # tests assert on how often each slot was called
@@ -193,7 +193,7 @@ class ExampleEp(sdk.EpBase):
     def __init__(self, runtime, factory, options: dict[str, str], logger):
         super().__init__(runtime, factory)
         allowed = {"ops", "fail_node", "enable_graph", "min_runs", "null_slots", "mock_device", "fuse",
-                   "compile_fails", "scratch", "lie", "slow_replay", "context"}
+                   "compile_fails", "scratch", "lie", "slow_replay", "context", "graph_policy"}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise sdk.PluginError(f"unknown option(s) {unknown} for {EP_NAME}; allowed: {sorted(allowed)}",
@@ -208,6 +208,9 @@ class ExampleEp(sdk.EpBase):
         self.min_runs = int(min_runs)
         self.null_slots = tuple(s for s in options.get("null_slots", "").split(",") if s)
         self.lie = options.get("lie", "")
+        # graph_policy=shapes: GRAPH_ALLOW_CPU_FOR_SHAPES (CPU shape computations beside a capture).
+        self.policy = abi.GRAPH_ALLOW_CPU_FOR_SHAPES if options.get("graph_policy") == "shapes" \
+            else abi.GRAPH_ALL_NODES_ON_EP
         self.slow_replay = options.get("slow_replay", "0") == "1"
         self.replaying = 0
         self.mock_device = options.get("mock_device", "0") == "1"
@@ -234,7 +237,7 @@ class ExampleEp(sdk.EpBase):
         for node in graph.nodes:
             types = [graph.values[i].elem_type for i in node.inputs if i >= 0]
             if node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPT_IN \
-                    and types[0] in _FLOAT_TYPES:
+                    and types[0] in _FLOAT_TYPES and node.attrs.get("axis", 0) == 0:
                 chosen.append(node.index)
             elif node.domain in ("", "ai.onnx") and node.op_type in self.ops and node.op_type in _OPS \
                     and types and all(t in _FLOAT_TYPES for t in types):
@@ -323,7 +326,7 @@ class ExampleEp(sdk.EpBase):
         return int(graph_id in self.graphs)
 
     def GetGraphCaptureNodeAssignmentPolicy(self):
-        return 7 if self.lie == "policy" else abi.GRAPH_ALL_NODES_ON_EP
+        return 7 if self.lie == "policy" else self.policy
 
     def ReplayGraph(self, graph_id):
         self._replay(graph_id)
