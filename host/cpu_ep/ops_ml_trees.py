@@ -21,6 +21,8 @@ MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRA
 _LEAF = 7
 _MEMBER = 6
 _BLOCK = 1 << 16  # (row, tree) cursors walked at once
+# Up to this many (row, node) decisions, all nodes are decided at once (_decided) instead of walked.
+_DECIDE_ALL_CELLS = 1 << 16
 _COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
 
 
@@ -51,16 +53,48 @@ class Forest:
         self.children = np.stack([self.true_next, self.false_next], axis=1).reshape(-1).astype(np.intp)
         self.feature = self.feature.astype(np.intp)
         self.roots = self.roots.astype(np.intp)
+        # One comparison serves every node (_decided); feature ids are checked there against the row width.
+        self.decide_all = 0 <= self.single_mode != _MEMBER and not (self.feature < 0).any()
+        self._by_feature = _ByFeature.of(self) if self.decide_all else None
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
         """(rows, trees) indices of the leaf each row reaches in each tree, in blocks of rows small
         enough for the cursors to stay in cache."""
         n = x.shape[0]
+        if self.decide_all and n * len(self.mode) <= _DECIDE_ALL_CELLS:
+            return self._decided(x)
         out = np.empty((n, len(self.roots)), dtype=np.intp)
         step = max(1, _BLOCK // max(1, len(self.roots)))
         for start in range(0, n, step):
             out[start:start + step] = self._walk(x[start:start + step])
         return out
+
+    def _decided(self, x: np.ndarray) -> np.ndarray:
+        """The walk for a few rows (batch 1): every node's branch is decided for each row in a few
+        array operations over all nodes, then each level costs one gather of the cursors (a walk of
+        the cursors alone costs about eight small operations per level, which dominate at one row).
+        The nodes are renumbered by feature (`_by_feature`), so each row's values per node are one
+        np.repeat of its features rather than a gather."""
+        order = self._by_feature
+        if x.shape[1] < order.counts.size:
+            return self._walk(x)  # too few features: the walk raises its own error
+        values = np.repeat(x[:, :order.counts.size], order.counts, axis=1)  # (rows, nodes), renumbered
+        thresholds = order.thresholds32 if x.dtype == np.float32 else order.thresholds
+        go_true = _COMPARE[self.single_mode](values, thresholds)
+        if self.any_missing_true:
+            go_true |= order.missing_true & np.isnan(values)
+        following = np.where(go_true, order.true_next, order.false_next)  # leaves point to themselves
+        idx = order.roots
+        if x.shape[0] == 1:
+            following = following[0]
+            for _ in range(self.depth):
+                idx = following.take(idx)
+            return order.nodes.take(idx)[None, :]
+        row_base = (np.arange(x.shape[0], dtype=np.intp) * following.shape[1])[:, None]
+        flat = following.reshape(-1)
+        for _ in range(self.depth):
+            idx = flat.take(row_base + idx)
+        return order.nodes.take(idx)
 
     def _walk(self, x: np.ndarray) -> np.ndarray:
         n, width = x.shape
@@ -93,16 +127,42 @@ class Forest:
     def aggregate(self, leaves: np.ndarray, how: str) -> np.ndarray:
         """(rows, targets) float64 scores from the reached leaves: SUM, AVERAGE, MIN or MAX over trees."""
         if how in ("SUM", "AVERAGE"):
+            # take: cheaper to call than fancy indexing, which dominates at one row
             if self.weights.shape[1] == 1:
-                scores = self.weights[:, 0][leaves].sum(axis=1)[:, None]
+                scores = self.weights.reshape(-1).take(leaves).sum(axis=1)[:, None]
             else:
-                scores = self.weights[leaves].sum(axis=1)
+                scores = self.weights.take(leaves, axis=0).sum(axis=1)
             return scores / len(self.roots) if how == "AVERAGE" else scores
         w, has = self.weights[leaves], self.has_weight[leaves]
         fill = np.inf if how == "MIN" else -np.inf
         pick = np.where(has, w, fill)
         scores = pick.min(axis=1) if how == "MIN" else pick.max(axis=1)
         return np.where(has.any(axis=1), scores, 0.0)
+
+
+@dataclass
+class _ByFeature:
+    """The forest's nodes renumbered in order of their feature (stable), for Forest._decided: node
+    `i` here is `nodes[i]` of the forest; `counts[f]` nodes read feature f; children and roots in
+    the new numbering."""
+
+    nodes: np.ndarray
+    counts: np.ndarray
+    thresholds: np.ndarray
+    thresholds32: np.ndarray
+    missing_true: np.ndarray
+    true_next: np.ndarray
+    false_next: np.ndarray
+    roots: np.ndarray
+
+    @classmethod
+    def of(cls, forest: Forest) -> _ByFeature:
+        nodes = np.argsort(forest.feature, kind="stable")
+        new_id = np.empty_like(nodes)
+        new_id[nodes] = np.arange(nodes.size)
+        counts = np.bincount(forest.feature, minlength=1) if nodes.size else np.zeros(0, np.intp)
+        return cls(nodes, counts, forest.threshold[nodes], forest.thresholds32[nodes], forest.missing_true[nodes],
+                   new_id[forest.true_next[nodes]], new_id[forest.false_next[nodes]], new_id[forest.roots])
 
 
 def _depth(forest: Forest) -> int:
@@ -188,6 +248,8 @@ def _features(x: np.ndarray) -> np.ndarray:
 
 @register("TreeEnsembleRegressor", domain=ML, since=1, until=4)
 class TreeEnsembleRegressor(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.n_targets = self.attr_int("n_targets", 1, lo=1)
@@ -208,6 +270,8 @@ class TreeEnsembleRegressor(OpKernel):
 class TreeEnsembleClassifier(OpKernel):
     """Scores per class plus base values; a model that scores one class only (binary boosting)
     gets the second column made up, as onnxruntime does (`_binary`)."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)
@@ -305,6 +369,8 @@ def _members(kernel: OpKernel, modes: np.ndarray) -> dict:
 
 @register("TreeEnsemble", domain=ML, since=5)
 class TreeEnsemble(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.aggregate = AGGREGATES_V5[self.attr_int("aggregate_function", 1, lo=0, hi=3)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -185,6 +186,8 @@ class InferenceSession:
         self.input_metas = {v.name: v for v in self.graph.inputs}
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
+        if not threads.plan_calls_blas(self.plan):
+            self._threads = contextlib.nullcontext()  # nothing to bound: no threadpoolctl calls per run
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps)

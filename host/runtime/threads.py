@@ -157,7 +157,17 @@ class Bound:
         self._leave(self._threads)
 
 
+def plan_calls_blas(plan) -> bool:
+    """Whether a run of `plan` may call BLAS: any node not on the CPU EP (a plugin's host code), any
+    control-flow body, or any CPU kernel that does not declare `uses_blas = False`. A plan that cannot
+    (a tree ensemble, a scaler) runs without the per-run bound, whose threadpoolctl calls would cost
+    more than the model (a set and a restore per library when the caller's count differs)."""
+    if plan.subgraphs:
+        return True
+    return any(node.ep is not None or getattr(node.kernel, "uses_blas", True) for node in plan.nodes)
+
+
 POOLS = Pools()
 
 
-__all__ = ["POOLS", "Bound", "Pools", "physical_cores", "resolve"]
+__all__ = ["POOLS", "Bound", "Pools", "physical_cores", "plan_calls_blas", "resolve"]
