@@ -35,7 +35,8 @@ class Scaler(OpKernel):
         self.scale = np.asarray(self.attr("scale", None) or [1.0], dtype=np.float32)
 
     def _run(self, x):
-        return (((x.astype(np.float32) - self.offset) * self.scale).astype(np.float32),)
+        y = np.subtract(x.astype(np.float32, copy=False), self.offset)  # a new float32 array: scaled in place
+        return (np.multiply(y, self.scale, out=y),)
 
 
 @register("Normalizer", domain=ML)

@@ -186,3 +186,19 @@ def test_feeds_the_shortcut_refuses_get_check_feeds_errors(feed, message):
     sess = host.InferenceSession(_add_model(["N", 3]).SerializeToString())
     with pytest.raises(InvalidArgument, match=message):
         sess.run(None, {"x": feed})
+
+
+@pytest.mark.parametrize("rows", [1, 1000])
+@pytest.mark.parametrize("post", ["NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO"])
+def test_binary_linear_classifier_matches_onnxruntime(post, rows):
+    """One coefficient row and two labels: scores [-s, s] through LOGISTIC (one GEMM), [1 - s, s] as
+    they are otherwise. (PROBIT is left out: onnxruntime's output there is not defined, NaN or 0.)"""
+    rng = np.random.RandomState(3)
+    node = helper.make_node("LinearClassifier", ["X"], ["label", "scores"], domain="ai.onnx.ml",
+                            coefficients=rng.randn(FEATURES).tolist(), intercepts=[0.3], classlabels_ints=[5, 8],
+                            post_transform=post)
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, FEATURES])],
+                              [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+    _check(model, rng.randn(rows, FEATURES).astype(np.float32))
