@@ -70,26 +70,28 @@ class Forest:
         return out
 
     def _decided(self, x: np.ndarray) -> np.ndarray:
-        """The walk for a few rows (batch 1): every node's branch is decided for each row in a few
-        array operations over all nodes, then each level costs one gather of the cursors (a walk of
-        the cursors alone costs about eight small operations per level, which dominate at one row).
-        The nodes are renumbered by feature (`_by_feature`), so each row's values per node are one
-        np.repeat of its features rather than a gather."""
+        """The walk for a few rows (batch 1): every interior node's branch is decided for each row in
+        a few array operations, then each level costs one gather of the cursors (a walk of the
+        cursors alone costs about eight small operations per level, which dominate at one row).
+        The nodes are renumbered (`_ByFeature`): interior nodes by feature, so each row's values
+        per node are one np.repeat of its features rather than a gather, then the leaves."""
         order = self._by_feature
-        if x.shape[1] < order.counts.size:
+        if x.shape[1] < order.width:
             return self._walk(x)  # too few features: the walk raises its own error
-        values = np.repeat(x[:, :order.counts.size], order.counts, axis=1)  # (rows, nodes), renumbered
+        values = np.repeat(x[:, :order.counts.size], order.counts, axis=1)  # (rows, interior nodes)
         thresholds = order.thresholds32 if x.dtype == np.float32 else order.thresholds
         go_true = _COMPARE[self.single_mode](values, thresholds)
         if self.any_missing_true:
             go_true |= order.missing_true & np.isnan(values)
-        following = np.where(go_true, order.true_next, order.false_next)  # leaves point to themselves
+        # the next node per (row, node); leaves (after the interior nodes) point to themselves
+        chosen = np.where(go_true, order.true_next, order.false_next)
         idx = order.roots
         if x.shape[0] == 1:
-            following = following[0]
+            following = np.concatenate([chosen[0], order.leaves])
             for _ in range(self.depth):
                 idx = following.take(idx)
             return order.nodes.take(idx)[None, :]
+        following = np.concatenate([chosen, np.broadcast_to(order.leaves, (x.shape[0], order.leaves.size))], axis=1)
         row_base = (np.arange(x.shape[0], dtype=np.intp) * following.shape[1])[:, None]
         flat = following.reshape(-1)
         for _ in range(self.depth):
@@ -142,9 +144,11 @@ class Forest:
 
 @dataclass
 class _ByFeature:
-    """The forest's nodes renumbered in order of their feature (stable), for Forest._decided: node
-    `i` here is `nodes[i]` of the forest; `counts[f]` nodes read feature f; children and roots in
-    the new numbering."""
+    """The forest's nodes renumbered for Forest._decided: the interior nodes in order of their
+    feature (stable), then the leaves. Node `i` here is `nodes[i]` of the forest; `counts[f]`
+    interior nodes read feature f; thresholds, missing directions and children (in the new
+    numbering) are per interior node; `leaves` holds the leaves' new numbers; `width`: the features
+    a row needs (as the walk reads them, leaves included)."""
 
     nodes: np.ndarray
     counts: np.ndarray
@@ -154,15 +158,22 @@ class _ByFeature:
     true_next: np.ndarray
     false_next: np.ndarray
     roots: np.ndarray
+    leaves: np.ndarray
+    width: int
 
     @classmethod
     def of(cls, forest: Forest) -> _ByFeature:
-        nodes = np.argsort(forest.feature, kind="stable")
+        interior = np.flatnonzero(forest.mode != _LEAF)
+        interior = interior[np.argsort(forest.feature[interior], kind="stable")]
+        nodes = np.concatenate([interior, np.flatnonzero(forest.mode == _LEAF)])
         new_id = np.empty_like(nodes)
         new_id[nodes] = np.arange(nodes.size)
-        counts = np.bincount(forest.feature, minlength=1) if nodes.size else np.zeros(0, np.intp)
-        return cls(nodes, counts, forest.threshold[nodes], forest.thresholds32[nodes], forest.missing_true[nodes],
-                   new_id[forest.true_next[nodes]], new_id[forest.false_next[nodes]], new_id[forest.roots])
+        counts = np.bincount(forest.feature[interior], minlength=1) if interior.size else np.zeros(0, np.intp)
+        width = int(forest.feature.max()) + 1 if forest.feature.size else 0
+        return cls(nodes, counts, forest.threshold[interior], forest.thresholds32[interior],
+                   forest.missing_true[interior], new_id[forest.true_next[interior]],
+                   new_id[forest.false_next[interior]], new_id[forest.roots],
+                   np.arange(interior.size, nodes.size, dtype=np.intp), width)
 
 
 def _depth(forest: Forest) -> int:

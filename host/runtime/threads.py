@@ -79,9 +79,7 @@ class Pools:
         # threadpoolctl >= 3.8 lets one Python thread at a time set OpenBLAS's process-wide pool (others
         # are silently ignored) and hands control back when a threadpool_limits block ends; do the same
         # after each change, so the next run may set it from any thread. Our lock orders the changes.
-        from threadpoolctl import OpenBLASController
-
-        clear = getattr(OpenBLASController, "clear_controlling_thread", None)  # absent before 3.8
+        clear = _clear_controlling_thread()
         if clear is not None:
             clear()
 
@@ -140,6 +138,15 @@ class Pools:
                 changed = True
         if changed:
             self._release_control()
+
+
+@functools.cache
+def _clear_controlling_thread():
+    """threadpoolctl's OpenBLASController.clear_controlling_thread, None before 3.8 (looked up once:
+    an import statement per change costs about a microsecond)."""
+    from threadpoolctl import OpenBLASController
+
+    return getattr(OpenBLASController, "clear_controlling_thread", None)
 
 
 class Bound:
