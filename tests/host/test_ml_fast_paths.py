@@ -202,3 +202,25 @@ def test_binary_linear_classifier_matches_onnxruntime(post, rows):
                                helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, 2])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
     _check(model, rng.randn(rows, FEATURES).astype(np.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 1000])
+def test_tree_ensemble_v5_with_one_mode_matches_onnxruntime(rows):
+    """ai.onnx.ml 5's layout (leaves as their own nodes after the splits) on both walks: two trees,
+    BRANCH_GT everywhere, a missing value going the true way at the first split."""
+    node = helper.make_node(
+        "TreeEnsemble", ["X"], ["Y"], domain="ai.onnx.ml", n_targets=2, aggregate_function=1, tree_roots=[0, 2],
+        nodes_featureids=[0, 3, 2], nodes_modes=helper.make_tensor("m", TensorProto.UINT8, [3], [3, 3, 3]),
+        nodes_splits=helper.make_tensor("s", TensorProto.FLOAT, [3], [0.5, 0.25, 0.3]),
+        nodes_truenodeids=[1, 0, 3], nodes_trueleafs=[0, 1, 1], nodes_falsenodeids=[2, 1, 4],
+        nodes_falseleafs=[1, 1, 1], nodes_missing_value_tracks_true=[1, 0, 0], leaf_targetids=[0, 1, 0, 0, 1],
+        leaf_weights=helper.make_tensor("w", TensorProto.FLOAT, [5], [1.0, 2.0, 3.0, 4.0, 5.0]))
+    graph = helper.make_graph([node], "v5", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, FEATURES])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnx.ml", 5)])
+    model.ir_version = 10
+    x = _inputs(rows)
+    sess = _check(model, x)
+    assert _uses_decided_path(sess, rows)  # a 7-node forest: every node decided at once even at 1000 rows
+    forest = sess.plan.nodes[0].kernel.forest
+    np.testing.assert_array_equal(forest._walk(x), forest._decided(x))
