@@ -1,12 +1,18 @@
 """Classic ML and quantized models: ephost's CPU EP against onnxruntime's CPU provider.
 
-    python -m bench.ml_models [--rows 10000] [--trees 100] [--iters 20]
+    python -m bench.ml_models [--rows 10000] [--trees 100] [--iters 20] [--threads 1] [--repeats 5]
+    python -m bench.ml_models --profile random_forest_100 [--profile-runs 10000]
 
 Models (built here): a RandomForestClassifier (`--trees` trees, depth 8, ZipMap off), a
 GradientBoostingRegressor (`--trees` trees, depth 3), a StandardScaler + LogisticRegression pipeline
 (skl2onnx), and the QOperator / QDQ / dynamic quantizations of a small CNN (onnxruntime's
 quantizer, tests/host/test_quantized.py's model). For each: median latency of one run at batch 1 and
 at `--rows` rows (the CNN at batch 1 only), ephost / onnxruntime (lower is better; 1.0 = parity).
+`--threads N` sets intra_op_num_threads on both sessions (0: each one's default); `--repeats R`
+times the two sessions R times each, alternating, and reports the median of the R medians (the ratio
+is the median of the R per-repeat ratios), which steadies the figures on a loaded machine.
+`--profile NAME` instead runs cProfile over `--profile-runs` batch-1 runs of model NAME (ephost only)
+and prints the 30 costliest functions by own time.
 """
 
 from __future__ import annotations
@@ -83,16 +89,39 @@ def _cnn64(tmp: str, fmt: str) -> onnx.ModelProto:
     return onnx.load(out)
 
 
-def _compare(name: str, model: onnx.ModelProto, feeds: dict, iters: int) -> str:
+def _sessions(model: onnx.ModelProto, threads: int):
     data = model.SerializeToString()
-    ref = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    so = onnxruntime.SessionOptions()
+    so.intra_op_num_threads = threads
+    ref = onnxruntime.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    eso = host.SessionOptions()
+    eso.intra_op_num_threads = threads
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eph = host.InferenceSession(data)
-    t_ref = _median_ms(lambda: ref.run(None, feeds), iters)
-    t_eph = _median_ms(lambda: eph.run(None, feeds), iters)
+        eph = host.InferenceSession(data, eso)
+    return ref, eph
+
+
+def _compare(name: str, model: onnx.ModelProto, feeds: dict, iters: int, threads: int = 0, repeats: int = 1) -> str:
+    ref, eph = _sessions(model, threads)
+    t_ref, t_eph, ratios = [], [], []
+    for _ in range(repeats):  # alternating, so both see the same spells of load
+        t_ref.append(_median_ms(lambda: ref.run(None, feeds), iters))
+        t_eph.append(_median_ms(lambda: eph.run(None, feeds), iters))
+        ratios.append(t_eph[-1] / t_ref[-1])
     rows = next(iter(feeds.values())).shape[0]
-    return f"| {name} | {rows} | {t_ref:.3f} | {t_eph:.3f} | {t_eph / t_ref:.2f} |"
+    return (f"| {name} | {rows} | {np.median(t_ref):.3f} | {np.median(t_eph):.3f} | {np.median(ratios):.2f} |")
+
+
+def _profile(model: onnx.ModelProto, feeds: dict, runs: int, threads: int) -> None:
+    import cProfile
+    import pstats
+
+    _, eph = _sessions(model, threads)
+    eph.run(None, feeds)
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [eph.run(None, feeds) for _ in range(runs)])
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:
@@ -101,20 +130,32 @@ def main() -> None:
     parser.add_argument("--trees", type=int, default=100)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quant-only", action="store_true", help="only the quantized models")
+    parser.add_argument("--threads", type=int, default=0, help="intra_op_num_threads of both sessions (0: default)")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating timings per model (median reported)")
+    parser.add_argument("--profile", metavar="NAME", help="cProfile ephost's batch-1 runs of one model instead")
+    parser.add_argument("--profile-runs", type=int, default=10000)
     args = parser.parse_args()
     lines = ["| model | rows | onnxruntime ms | ephost ms | ratio |", "|---|---|---|---|---|"]
-    models, features = ({}, 0) if args.quant_only else _sklearn_models(args.trees)
+    models, features = ({}, 0) if args.quant_only and not args.profile else _sklearn_models(args.trees)
     rng = np.random.RandomState(1)
-    for name, model in models.items():
-        for rows in (1, args.rows):
-            feeds = {"X": rng.rand(rows, features).astype(np.float32)}
-            lines.append(_compare(name, model, feeds, args.iters))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (model, shape) in _quantized_models(tmp).items():
-            feeds = {"x": rng.rand(*shape).astype(np.float32)}
-            lines.append(_compare(name, model, feeds, args.iters * 10))
+        cases = {name: (model, (1, features), "X") for name, model in models.items()}
+        cases.update({name: (model, shape, "x") for name, (model, shape) in _quantized_models(tmp).items()})
+        if args.profile:
+            if args.profile not in cases:
+                parser.error(f"--profile: unknown model {args.profile!r}; models: {sorted(cases)}")
+            model, shape, input_name = cases[args.profile]
+            _profile(model, {input_name: rng.rand(*shape).astype(np.float32)}, args.profile_runs, args.threads)
+            return
+        for name, (model, shape, input_name) in cases.items():
+            sklearn = input_name == "X"
+            for rows in (1, args.rows) if sklearn else (shape[0],):
+                feeds = {input_name: rng.rand(rows, *shape[1:]).astype(np.float32)}
+                iters = args.iters if sklearn else args.iters * 10
+                lines.append(_compare(name, model, feeds, iters, args.threads, args.repeats))
     print("\n".join(lines))
-    print(f"\n(onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs)")
+    print(f"\n(onnxruntime {onnxruntime.__version__}, {os.cpu_count()} CPUs, threads {args.threads or 'default'}, "
+          f"repeats {args.repeats})")
 
 
 if __name__ == "__main__":

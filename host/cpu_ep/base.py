@@ -32,6 +32,9 @@ class OpKernel:
     # True for kernels that take their inputs where they live (control flow: a device value goes
     # into the subgraph as it is); others get host arrays.
     takes_device_values = False
+    # False for kernels that never call BLAS (NumPy element-wise and indexing code only): a session
+    # whose plan runs nothing else skips bounding the BLAS pools per run (host/runtime/threads.py).
+    uses_blas = True
 
     def __init__(self, node: NodeInfo):
         self.node = node

@@ -27,8 +27,10 @@ def _labels_from_scores(labels: np.ndarray, scores: np.ndarray, binary_threshold
 
 @register("LinearClassifier", domain=ML)
 class LinearClassifier(OpKernel):
-    """scores = x @ coefficients.T + intercepts; with one score column and two labels (a binary
-    logistic regression) the scores become [-s, s] before the post transform."""
+    """scores = x @ coefficients.T + intercepts. With one score column s and two labels (a binary
+    logistic regression) the label is labels[1] where s > 0 and the scores follow onnxruntime:
+    [-s, s] before a LOGISTIC or PROBIT transform, [1 - s, s] untransformed otherwise (NONE, and
+    SOFTMAX / SOFTMAX_ZERO, which onnxruntime does not apply to the made-up column)."""
 
     def __init__(self, node):
         super().__init__(node)
@@ -41,20 +43,39 @@ class LinearClassifier(OpKernel):
         self.n_columns = len(intercepts) if intercepts else max(1, len(coef) // max(1, len(self.labels)))
         self.coef = coef.reshape(self.n_columns, -1).T.copy()
         self.intercepts = np.asarray(intercepts if intercepts else [0.0] * self.n_columns, dtype=np.float32)
+        self.binary = self.n_columns == 1 and len(self.labels) == 2
+        self.negated = self.binary and self.post in ("LOGISTIC", "PROBIT")
+        if self.negated:
+            # [-s, s] out of one GEMM: negating the coefficients and the intercept negates each
+            # product and sum exactly.
+            self.coef = np.concatenate([-self.coef, self.coef], axis=1)
+            self.intercepts = np.concatenate([-self.intercepts, self.intercepts])
 
     def _run(self, x):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = x.astype(np.float32) @ self.coef + self.intercepts
-        if self.n_columns == 1 and len(self.labels) == 2:
-            scores = np.concatenate([-scores, scores], axis=1)
+        scores = np.matmul(x.astype(np.float32, copy=False), self.coef)
+        scores += self.intercepts
+        if self.binary:
+            return self._binary(scores)
         scores = post_transform(self.post, scores)
-        if self.n_columns == 1 and len(self.labels) != 2:
+        if self.n_columns == 1:
             labels = np.where(scores[:, 0] > 0, self.labels[-1], self.labels[0])
         else:
             labels = self.labels[scores.argmax(axis=1)]
         return (labels, scores.astype(np.float32))
+
+    def _binary(self, scores: np.ndarray):
+        """(labels, scores) of a binary model from its GEMM's output (see the class doc)."""
+        s = scores[:, -1]
+        labels = self.labels[(s > 0).astype(np.intp)]
+        if self.negated:
+            return (labels, post_transform(self.post, scores).astype(np.float32))
+        both = np.empty((len(s), 2), dtype=np.float32)
+        both[:, 1] = s
+        np.subtract(1, s, out=both[:, 0])
+        return (labels, both)
 
 
 @register("LinearRegressor", domain=ML)

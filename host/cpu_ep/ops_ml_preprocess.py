@@ -27,18 +27,23 @@ def _strings(values) -> np.ndarray:
 
 @register("Scaler", domain=ML)
 class Scaler(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.offset = np.asarray(self.attr("offset", None) or [0.0], dtype=np.float32)
         self.scale = np.asarray(self.attr("scale", None) or [1.0], dtype=np.float32)
 
     def _run(self, x):
-        return (((x.astype(np.float32) - self.offset) * self.scale).astype(np.float32),)
+        y = np.subtract(x.astype(np.float32, copy=False), self.offset)  # a new float32 array: scaled in place
+        return (np.multiply(y, self.scale, out=y),)
 
 
 @register("Normalizer", domain=ML)
 class Normalizer(OpKernel):
     """Rows divided by their MAX, L1 or L2 norm (rows whose norm is 0 are left as they are)."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)
@@ -57,6 +62,8 @@ class Normalizer(OpKernel):
 
 @register("Binarizer", domain=ML)
 class Binarizer(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.threshold = self.attr_float("threshold", 0.0)
@@ -68,6 +75,8 @@ class Binarizer(OpKernel):
 @register("Imputer", domain=ML)
 class Imputer(OpKernel):
     """Replaces `replaced_value` (NaN by default for floats) by the per-column imputed value."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)
@@ -93,6 +102,8 @@ class Imputer(OpKernel):
 
 @register("OneHotEncoder", domain=ML)
 class OneHotEncoder(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         ints = self.attr("cats_int64s", None)
@@ -129,6 +140,8 @@ def _lookup(table: dict, x: np.ndarray, default, out_dtype) -> np.ndarray:
 class LabelEncoderV1(OpKernel):
     """Strings -> their index in classes_strings, int64 -> the string at that index."""
 
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.classes = list(self.attr("classes_strings", None) or [])
@@ -158,6 +171,8 @@ def _keys_values(kernel: OpKernel, kind: str):
 class LabelEncoder(OpKernel):
     """keys -> values of any of string / int64 / float (and tensors from opset 4)."""
 
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         keys, self.key_dtype = _keys_values(self, "keys")
@@ -184,6 +199,8 @@ class LabelEncoder(OpKernel):
 
 @register("CategoryMapper", domain=ML)
 class CategoryMapper(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         ints = self.attr_ints("cats_int64s", None) or []
@@ -205,6 +222,8 @@ class CategoryMapper(OpKernel):
 class ArrayFeatureExtractor(OpKernel):
     """data[..., indices] over the last axis; a 1-D input gives one row, as in onnxruntime."""
 
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def _run(self, data, indices):
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         last = data.shape[-1]
@@ -217,6 +236,8 @@ class ArrayFeatureExtractor(OpKernel):
 @register("FeatureVectorizer", domain=ML)
 class FeatureVectorizer(OpKernel):
     """Concatenates its inputs as float32 columns, each cut or zero-padded to inputdimensions[i]."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)
@@ -239,6 +260,8 @@ class FeatureVectorizer(OpKernel):
 class ZipMap(OpKernel):
     """(rows, classes) scores -> a list of {label: score} dicts (a sequence of maps)."""
 
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         labels = class_labels(self)
@@ -256,6 +279,8 @@ class ZipMap(OpKernel):
 @register("DictVectorizer", domain=ML)
 class DictVectorizer(OpKernel):
     """A map {key: value} -> a (1, vocabulary) row, 0 for keys the map lacks."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)

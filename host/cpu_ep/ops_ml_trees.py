@@ -21,6 +21,8 @@ MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRA
 _LEAF = 7
 _MEMBER = 6
 _BLOCK = 1 << 16  # (row, tree) cursors walked at once
+# Up to this many (row, node) decisions, all nodes are decided at once (_decided) instead of walked.
+_DECIDE_ALL_CELLS = 1 << 16
 _COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
 
 
@@ -51,16 +53,50 @@ class Forest:
         self.children = np.stack([self.true_next, self.false_next], axis=1).reshape(-1).astype(np.intp)
         self.feature = self.feature.astype(np.intp)
         self.roots = self.roots.astype(np.intp)
+        # One comparison serves every node (_decided); feature ids are checked there against the row width.
+        self.decide_all = 0 <= self.single_mode != _MEMBER and not (self.feature < 0).any()
+        self._by_feature = _ByFeature.of(self) if self.decide_all else None
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
         """(rows, trees) indices of the leaf each row reaches in each tree, in blocks of rows small
         enough for the cursors to stay in cache."""
         n = x.shape[0]
+        if self.decide_all and n * len(self.mode) <= _DECIDE_ALL_CELLS:
+            return self._decided(x)
         out = np.empty((n, len(self.roots)), dtype=np.intp)
         step = max(1, _BLOCK // max(1, len(self.roots)))
         for start in range(0, n, step):
             out[start:start + step] = self._walk(x[start:start + step])
         return out
+
+    def _decided(self, x: np.ndarray) -> np.ndarray:
+        """The walk for a few rows (batch 1): every interior node's branch is decided for each row in
+        a few array operations, then each level costs one gather of the cursors (a walk of the
+        cursors alone costs about eight small operations per level, which dominate at one row).
+        The nodes are renumbered (`_ByFeature`): interior nodes by feature, so each row's values
+        per node are one np.repeat of its features rather than a gather, then the leaves."""
+        order = self._by_feature
+        if x.shape[1] < order.width:
+            return self._walk(x)  # too few features: the walk raises its own error
+        values = np.repeat(x[:, :order.counts.size], order.counts, axis=1)  # (rows, interior nodes)
+        thresholds = order.thresholds32 if x.dtype == np.float32 else order.thresholds
+        go_true = _COMPARE[self.single_mode](values, thresholds)
+        if self.any_missing_true:
+            go_true |= order.missing_true & np.isnan(values)
+        # the next node per (row, node); leaves (after the interior nodes) point to themselves
+        chosen = np.where(go_true, order.true_next, order.false_next)
+        idx = order.roots
+        if x.shape[0] == 1:
+            following = np.concatenate([chosen[0], order.leaves])
+            for _ in range(self.depth):
+                idx = following.take(idx)
+            return order.nodes.take(idx)[None, :]
+        following = np.concatenate([chosen, np.broadcast_to(order.leaves, (x.shape[0], order.leaves.size))], axis=1)
+        row_base = (np.arange(x.shape[0], dtype=np.intp) * following.shape[1])[:, None]
+        flat = following.reshape(-1)
+        for _ in range(self.depth):
+            idx = flat.take(row_base + idx)
+        return order.nodes.take(idx)
 
     def _walk(self, x: np.ndarray) -> np.ndarray:
         n, width = x.shape
@@ -93,16 +129,51 @@ class Forest:
     def aggregate(self, leaves: np.ndarray, how: str) -> np.ndarray:
         """(rows, targets) float64 scores from the reached leaves: SUM, AVERAGE, MIN or MAX over trees."""
         if how in ("SUM", "AVERAGE"):
+            # take: cheaper to call than fancy indexing, which dominates at one row
             if self.weights.shape[1] == 1:
-                scores = self.weights[:, 0][leaves].sum(axis=1)[:, None]
+                scores = self.weights.reshape(-1).take(leaves).sum(axis=1)[:, None]
             else:
-                scores = self.weights[leaves].sum(axis=1)
+                scores = self.weights.take(leaves, axis=0).sum(axis=1)
             return scores / len(self.roots) if how == "AVERAGE" else scores
         w, has = self.weights[leaves], self.has_weight[leaves]
         fill = np.inf if how == "MIN" else -np.inf
         pick = np.where(has, w, fill)
         scores = pick.min(axis=1) if how == "MIN" else pick.max(axis=1)
         return np.where(has.any(axis=1), scores, 0.0)
+
+
+@dataclass
+class _ByFeature:
+    """The forest's nodes renumbered for Forest._decided: the interior nodes in order of their
+    feature (stable), then the leaves. Node `i` here is `nodes[i]` of the forest; `counts[f]`
+    interior nodes read feature f; thresholds, missing directions and children (in the new
+    numbering) are per interior node; `leaves` holds the leaves' new numbers; `width`: the features
+    a row needs (as the walk reads them, leaves included)."""
+
+    nodes: np.ndarray
+    counts: np.ndarray
+    thresholds: np.ndarray
+    thresholds32: np.ndarray
+    missing_true: np.ndarray
+    true_next: np.ndarray
+    false_next: np.ndarray
+    roots: np.ndarray
+    leaves: np.ndarray
+    width: int
+
+    @classmethod
+    def of(cls, forest: Forest) -> _ByFeature:
+        interior = np.flatnonzero(forest.mode != _LEAF)
+        interior = interior[np.argsort(forest.feature[interior], kind="stable")]
+        nodes = np.concatenate([interior, np.flatnonzero(forest.mode == _LEAF)])
+        new_id = np.empty_like(nodes)
+        new_id[nodes] = np.arange(nodes.size)
+        counts = np.bincount(forest.feature[interior], minlength=1) if interior.size else np.zeros(0, np.intp)
+        width = int(forest.feature.max()) + 1 if forest.feature.size else 0
+        return cls(nodes, counts, forest.threshold[interior], forest.thresholds32[interior],
+                   forest.missing_true[interior], new_id[forest.true_next[interior]],
+                   new_id[forest.false_next[interior]], new_id[forest.roots],
+                   np.arange(interior.size, nodes.size, dtype=np.intp), width)
 
 
 def _depth(forest: Forest) -> int:
@@ -188,6 +259,8 @@ def _features(x: np.ndarray) -> np.ndarray:
 
 @register("TreeEnsembleRegressor", domain=ML, since=1, until=4)
 class TreeEnsembleRegressor(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.n_targets = self.attr_int("n_targets", 1, lo=1)
@@ -208,6 +281,8 @@ class TreeEnsembleRegressor(OpKernel):
 class TreeEnsembleClassifier(OpKernel):
     """Scores per class plus base values; a model that scores one class only (binary boosting)
     gets the second column made up, as onnxruntime does (`_binary`)."""
+
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
     def __init__(self, node):
         super().__init__(node)
@@ -305,6 +380,8 @@ def _members(kernel: OpKernel, modes: np.ndarray) -> dict:
 
 @register("TreeEnsemble", domain=ML, since=5)
 class TreeEnsemble(OpKernel):
+    uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
+
     def __init__(self, node):
         super().__init__(node)
         self.aggregate = AGGREGATES_V5[self.attr_int("aggregate_function", 1, lo=0, hi=3)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from host.runtime.model import ValueMeta, build_graph, load_model
 from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue
 from host.runtime.partition import Partitioner
+from host.runtime.plain_feeds import plain_inputs
 from host.runtime.tensor import DeviceTensor, as_device_tensor
 from host.runtime.warn import warn_caller
 
@@ -183,8 +185,11 @@ class InferenceSession:
     def _make_executor(self) -> None:
         """The executor of the plan (its steps observed when profiling) and the capture driver."""
         self.input_metas = {v.name: v for v in self.graph.inputs}
+        self._plain_inputs = plain_inputs(self.input_metas, self.plan.input_ids)
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
+        if not threads.plan_calls_blas(self.plan):
+            self._threads = contextlib.nullcontext()  # nothing to bound: no threadpoolctl calls per run
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps)
@@ -345,8 +350,15 @@ class InferenceSession:
                 raise InvalidArgument(f"unknown input name(s) {unknown}; model inputs: {sorted(metas)}")
             missing = sorted(set(metas) - set(feeds))
             raise InvalidArgument(f"missing input(s) {missing}; model inputs: {sorted(metas)}")
-        input_ids = self.plan.input_ids
-        return {input_ids[k]: self.check_feed(metas[k], v) for k, v in feeds.items()}
+        input_ids, plain = self.plan.input_ids, self._plain_inputs
+        out = {}
+        for k, v in feeds.items():
+            fast = plain.get(k)
+            if fast is not None and fast.accepts(v):
+                out[fast.vid] = v  # what check_feed would return, without its conversions
+            else:
+                out[input_ids[k]] = self.check_feed(metas[k], v)
+        return out
 
     def _output_ids(self, output_names) -> list[int]:
         if not output_names:
@@ -378,8 +390,9 @@ class InferenceSession:
         objects = self.plan.object_ids
         if outs is None:
             st = self._execute(fed, {}, ro, graph_id="-1" if self.capture.enabled else None)
-            to_host = self.executor.to_host
-            outs = [types.host_value(st.values[i], to_host) if i in objects else to_host(st.values[i]) for i in ids]
+            to_host, vals, ndarray = self.executor.to_host, st.values, np.ndarray
+            outs = [types.host_value(vals[i], to_host) if i in objects
+                    else vals[i] if type(vals[i]) is ndarray else to_host(vals[i]) for i in ids]
         if self.buckets is not None:
             outs = self.buckets.unpad(outs, ids, real)
         # Views (of EP allocations, feeds or initializers) and feeds passed straight through (an
@@ -398,8 +411,10 @@ class InferenceSession:
             st = ex.state()
             st.bound_outputs = bound_outputs
             st.capturing = graph_id not in (None, "-1")  # warm-up or capture of a graph id (v6 frames)
-            c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None)
-            ex.on_run_start(c_ro)
+            # Only plugin EPs read the C run options (OnRunStart/OnRunEnd): a CPU-only plan skips them.
+            c_ro = ro.c_struct({"gpu_graph_id": graph_id} if graph_id is not None else None) if ex.plan.eps else None
+            if c_ro is not None:
+                ex.on_run_start(c_ro)
             try:
                 with self._threads:
                     ex.execute(st, feeds)

@@ -79,9 +79,7 @@ class Pools:
         # threadpoolctl >= 3.8 lets one Python thread at a time set OpenBLAS's process-wide pool (others
         # are silently ignored) and hands control back when a threadpool_limits block ends; do the same
         # after each change, so the next run may set it from any thread. Our lock orders the changes.
-        from threadpoolctl import OpenBLASController
-
-        clear = getattr(OpenBLASController, "clear_controlling_thread", None)  # absent before 3.8
+        clear = _clear_controlling_thread()
         if clear is not None:
             clear()
 
@@ -142,6 +140,15 @@ class Pools:
             self._release_control()
 
 
+@functools.cache
+def _clear_controlling_thread():
+    """threadpoolctl's OpenBLASController.clear_controlling_thread, None before 3.8 (looked up once:
+    an import statement per change costs about a microsecond)."""
+    from threadpoolctl import OpenBLASController
+
+    return getattr(OpenBLASController, "clear_controlling_thread", None)
+
+
 class Bound:
     """`with bound:` runs the block under Pools.enter/leave of one thread count; reusable, no state."""
 
@@ -157,7 +164,17 @@ class Bound:
         self._leave(self._threads)
 
 
+def plan_calls_blas(plan) -> bool:
+    """Whether a run of `plan` may call BLAS: any node not on the CPU EP (a plugin's host code), any
+    control-flow body, or any CPU kernel that does not declare `uses_blas = False`. A plan that cannot
+    (a tree ensemble, a scaler) runs without the per-run bound, whose threadpoolctl calls would cost
+    more than the model (a set and a restore per library when the caller's count differs)."""
+    if plan.subgraphs:
+        return True
+    return any(node.ep is not None or getattr(node.kernel, "uses_blas", True) for node in plan.nodes)
+
+
 POOLS = Pools()
 
 
-__all__ = ["POOLS", "Bound", "Pools", "physical_cores", "resolve"]
+__all__ = ["POOLS", "Bound", "Pools", "physical_cores", "plan_calls_blas", "resolve"]
