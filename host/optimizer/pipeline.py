@@ -215,7 +215,8 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
     for family in families:
         if family.min_opset > opset or not family.may_fire(_present(model)):
             continue
-        *prepare, fusions = family.rule_sets()
+        # The rules apply inside If / Loop bodies too: the ops there count for the rules built.
+        *prepare, fusions = family.rule_sets(frozenset(_histogram(model)))
         for rules in prepare:
             _apply(rules)(model)
         rec.run(f"fuse {family.name}", _apply(fusions), note="fused: ")
