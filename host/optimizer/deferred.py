@@ -133,27 +133,36 @@ class _ParentLinker(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
 
     def find_spec(self, name, path=None, target=None):
-        children = self.pending.pop(name, None)
-        if children is None:
+        if name not in self.pending:
             return None
-        if not self.pending:
-            sys.meta_path.remove(self)
         for finder in sys.meta_path:  # the spec the import system would have found without this one
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
             if spec is not None:
                 break
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _LinkingLoader(spec.loader, children)
+            spec.loader = _LinkingLoader(spec.loader, self)
         return spec
+
+    def link(self, parent) -> None:
+        """Set the parent's waiting stand-ins on it (once its code has run); a mere find_spec(), which
+        imports nothing, leaves them waiting."""
+        for child in self.pending.pop(parent.__name__, ()):
+            stand_in = sys.modules.get(f"{parent.__name__}.{child}")
+            if stand_in is not None and not hasattr(parent, child):
+                setattr(parent, child, stand_in)
+        if not self.pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 class _LinkingLoader(importlib.abc.Loader):
     """The parent's own loader, then the links; the module keeps its own loader (resources read it)."""
 
-    def __init__(self, loader, children: list[str]) -> None:
-        self.loader, self.children = loader, children
+    def __init__(self, loader, linker: _ParentLinker) -> None:
+        self.loader, self.linker = loader, linker
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -161,10 +170,7 @@ class _LinkingLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        for child in self.children:
-            stand_in = sys.modules.get(f"{module.__name__}.{child}")
-            if stand_in is not None and not hasattr(module, child):
-                setattr(module, child, stand_in)
+        self.linker.link(module)
 
 
 _LINKER = _ParentLinker()
