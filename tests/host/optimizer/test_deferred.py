@@ -179,3 +179,18 @@ def test_a_stand_in_deferred_before_its_parent_is_imported_is_linked_to_it(tmp_p
     assert got["stand_in_first"] is True
     assert got["linked"] is True and got["loader"] == "SourceFileLoader"
     assert got["ops"] == ["Add"]
+
+
+def test_no_name_of_onnxscript_s_package_code_is_a_submodule_of_another_meaning():
+    """The partial stand-in answers a submodule's name with the submodule: right only while the package's
+    own code binds no other object to such a name (checked on the installed onnxscript)."""
+    import pkgutil
+
+    import onnxscript
+
+    assert callable(onnxscript.script)  # the whole package, loaded here if it was partial
+    submodules = {m.name for m in pkgutil.iter_modules(onnxscript.__path__)}
+    assert "rewriter" in submodules and "optimizer" in submodules
+    clashes = [name for name, value in vars(onnxscript).items()
+               if name in submodules and getattr(value, "__name__", None) != f"onnxscript.{name}"]
+    assert clashes == []
