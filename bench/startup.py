@@ -1,6 +1,6 @@
 """Start-up: how long `import host`, `ephost --help` and a first session take, each in a fresh process.
 
-    python -m bench.startup [--repeat 5] [--json out.json]
+    python -m bench.startup [--repeat 5] [--json out.json] [--model PATH ...]
 
 Every figure is the median of `--repeat` fresh interpreters (nothing is shared between them but the
 files on disk):
@@ -10,7 +10,8 @@ files on disk):
 - for three small zoo models (an MLP, a CNN, a transformer block): `InferenceSession(path)` alone, in a
   process that has imported the runtime and nothing else, **cold** (an empty optimized-model cache, as on a
   first run) and **warm** (the cache holds the model, as on every later run); and the whole process
-  (interpreter, imports, session) for the cold and warm cases.
+  (interpreter, imports, session) for the cold and warm cases;
+- the same for each `--model PATH` (an .onnx file, e.g. tests/models/bert_torchscript.onnx).
 
 Not a test: the figures depend on the machine and its load (docs/cli.md#start-up-time has a table).
 """
@@ -51,8 +52,9 @@ print(json.dumps({"import": time.perf_counter() - t0}))
 """
 
 
-def _models(folder: Path) -> dict[str, Path]:
-    """Three small models written to `folder` (built here, so the timed processes only load them)."""
+def _models(folder: Path, extra: list[str]) -> dict[str, Path]:
+    """Three small models written to `folder` (built here, so the timed processes only load them), then
+    the `extra` model files, by path."""
     import onnx
 
     from host.cli import zoo
@@ -66,6 +68,8 @@ def _models(folder: Path) -> dict[str, Path]:
     for i, (name, model) in enumerate(built.items()):
         paths[name] = folder / f"model{i}.onnx"
         onnx.save(model, paths[name])
+    for path in extra:
+        paths[path] = Path(path).resolve()
     return paths
 
 
@@ -88,14 +92,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) * 1000.0
 
 
-def measure(repeat: int, folder: Path) -> dict[str, float]:
+def measure(repeat: int, folder: Path, extra: list[str] = ()) -> dict[str, float]:
     """Every figure in milliseconds (medians), by name."""
     figures: dict[str, list[float]] = {}
 
     def add(name: str, seconds: float) -> None:
         figures.setdefault(name, []).append(seconds)
 
-    paths = _models(folder)
+    paths = _models(folder, list(extra))
     for path in paths.values():  # untimed: compiles the bytecode of everything a session imports
         _child(["-c", _SESSION, str(path)], folder / "unused-cache")
     for _ in range(repeat):
@@ -104,11 +108,11 @@ def measure(repeat: int, folder: Path) -> dict[str, float]:
         add("import host (import alone)", inner["import"])
         wall, _ = _child(["-m", "host.cli", "--help"], folder / "unused-cache")
         add("ephost --help (process)", wall)
-    for name, path in paths.items():
-        warm_cache = folder / f"warm-{path.stem}"
+    for k, (name, path) in enumerate(paths.items()):
+        warm_cache = folder / f"warm-{k}"
         _child(["-c", _SESSION, str(path)], warm_cache)  # fills the cache the warm runs read
         for i in range(repeat):
-            wall, inner = _child(["-c", _SESSION, str(path)], folder / f"cold-{path.stem}-{i}")
+            wall, inner = _child(["-c", _SESSION, str(path)], folder / f"cold-{k}-{i}")
             add(f"{name}: session, cold cache", inner["session"])
             add(f"{name}: process, cold cache", wall)
             wall, inner = _child(["-c", _SESSION, str(path)], warm_cache)
@@ -122,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="fresh processes per figure (default: 5)")
     parser.add_argument("--json", help="also write the figures (ms) to this file")
+    parser.add_argument("--model", action="append", default=[],
+                        help="also time sessions of this .onnx file (repeatable)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ephost-startup-") as tmp:
-        figures = measure(args.repeat, Path(tmp))
+        figures = measure(args.repeat, Path(tmp), args.model)
     width = max(map(len, figures))
     print(f"median of {args.repeat} fresh processes, ms")
     for name, ms in figures.items():

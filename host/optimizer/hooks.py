@@ -8,6 +8,7 @@ import onnx
 
 from host.errors import EphostError, InvalidArgument
 from host.optimizer.levels import GraphOptimizationLevel, as_level
+from host.optimizer.quick import nothing_to_do
 from host.optimizer.result import OptimizeResult
 from host.runtime.warn import warn_caller
 
@@ -71,17 +72,28 @@ def _optimize(proto: onnx.ModelProto, level: GraphOptimizationLevel) -> Optimize
     session's loader will refuse, or a failure inside the optimizer, which is a warning)."""
     if not _loadable(proto):
         return None
-    from host.optimizer.pipeline import optimize  # onnxscript and onnx-ir: about 0.3 s to import
+    # What optimize() returns for these, without importing onnxscript and onnx-ir.
+    if level == GraphOptimizationLevel.ORT_DISABLE_ALL or nothing_to_do(proto):
+        count = len(proto.graph.node)
+        result = OptimizeResult(proto, level, [], count, count)
+    else:
+        result = _run_optimizer(proto, level)
+        if result is None:
+            return None
+    result.source_opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+    return result
+
+
+def _run_optimizer(proto: onnx.ModelProto, level: GraphOptimizationLevel) -> OptimizeResult | None:
+    from host.optimizer.pipeline import optimize  # onnxscript and onnx-ir: about 0.1 s to import
 
     try:
-        result = optimize(proto, level)
+        return optimize(proto, level)
     except EphostError:
         raise
     except Exception as exc:  # noqa: BLE001 - optimization must never make a model unrunnable
         warn_caller(f"graph optimization failed ({type(exc).__name__}: {exc}); the model runs unoptimized")
         return None
-    result.source_opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
-    return result
 
 
 def save(model: onnx.ModelProto, path) -> None:

@@ -9,7 +9,6 @@ ir.Model in place and serializing that model avoids it.
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnxscript.version_converter import ConvertVersionPass
 
 TARGET_OPSET = 23
 
@@ -27,6 +26,9 @@ def convert_opset(model: ir.Model, target: int = TARGET_OPSET) -> bool:
     """
     if onnx_opset(model) >= target:
         return True
+    # Imported here: most models need no conversion, and a first session should not pay its import.
+    from onnxscript.version_converter import ConvertVersionPass
+
     try:
         ConvertVersionPass(target, fallback=True)(model)
     except Exception:  # noqa: BLE001 - any converter failure means: keep the model's opset

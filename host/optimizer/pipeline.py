@@ -21,6 +21,7 @@ from host.errors import InvalidArgument
 from host.optimizer.declared import declared_casts, keep_declared_output_types
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
+from host.optimizer.quick import nothing_to_do
 from host.optimizer.result import OptimizeResult, PassReport
 from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
@@ -215,7 +216,8 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
     for family in families:
         if family.min_opset > opset or not family.may_fire(_present(model)):
             continue
-        *prepare, fusions = family.rule_sets()
+        # The rules apply inside If / Loop bodies too: the ops there count for the rules built.
+        *prepare, fusions = family.rule_sets(frozenset(_histogram(model)))
         for rules in prepare:
             _apply(rules)(model)
         rec.run(f"fuse {family.name}", _apply(fusions), note="fused: ")
@@ -295,70 +297,6 @@ def _symbolic_over_inputs(vi: onnx.ValueInfoProto, model: onnx.ModelProto) -> bo
     # In a model with symbolic inputs, all-int entries count too: host/runtime/symbolic_shapes.py
     # writes them where inference could not find them (a rotary Expand to [1, 8, 1]).
     return bool(params or names) and all(dims.compile_dim(p, names) is not None for p in params)
-
-
-# Ops the BASIC rules rewrite or fold whatever their inputs, and the binary ops whose constant operand
-# may make them no-ops; with none of these, no constant inputs, no duplicate or dead node and no
-# fusion trigger, no pass can change the graph.
-_BASIC_CANDIDATES = frozenset({
-    "Identity", "Dropout", "Cast", "CastLike", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Flatten",
-    "Shape", "Size", "ConstantOfShape", "Constant", "Slice", "Split", "Concat", "Gather",
-})
-_CONSTANT_SENSITIVE = frozenset({"Add", "Sub", "Mul", "Div", "Min", "Max", "Clip"})
-
-
-# What one node alone can lose: removal, a no-op, or folding from the declared input shape. (A lone
-# Flatten or identity Gather would become a Reshape (rules/views.py); that buys nothing on its own.)
-_SINGLE_NODE_CANDIDATES = frozenset({"Identity", "Dropout", "Shape", "Size", "Transpose", "Expand", "Constant"})
-
-
-def _single_node_is_final(g: onnx.GraphProto, constants: set[str], used: set[str]) -> bool:
-    n = g.node[0]
-    ins = [i for i in n.input if i]
-    if n.domain not in ("", "ai.onnx") or n.op_type in _SINGLE_NODE_CANDIDATES:
-        return False
-    if (ins and all(i in constants for i in ins)) or not any(o in used for o in n.output):
-        return False
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-        return False
-    if n.op_type in ("Cast", "CastLike"):
-        types = {vi.name: vi.type.tensor_type.elem_type for vi in g.input}
-        to = next((a.i for a in n.attribute if a.name == "to"), None)
-        target = types.get(n.input[1]) if n.op_type == "CastLike" and len(n.input) > 1 else to
-        return types.get(n.input[0]) != target  # a Cast to its own type is removed
-    return True
-
-
-def nothing_to_do(model: onnx.ModelProto) -> bool:
-    """A cheap, conservative look at the proto: True only when no pass could change the graph
-    (single-op test models and the like skip deserializing and the pass pipeline)."""
-    g = model.graph
-    if model.functions:
-        return False
-    constants = {t.name for t in g.initializer}
-    used = {name for n in g.node for name in n.input} | {o.name for o in g.output}
-    if len(g.node) == 1:
-        return _single_node_is_final(g, constants, used)
-    present = {n.op_type for n in g.node}
-    triggers = set().union(*(f.triggers for f in FAMILIES if f.requires <= present))
-    seen = set()
-    for n in g.node:
-        if n.domain not in ("", "ai.onnx") or n.op_type in _BASIC_CANDIDATES or n.op_type in triggers:
-            return False
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
-            return False
-        ins = [i for i in n.input if i]
-        if ins and all(i in constants for i in ins):
-            return False  # foldable
-        if n.op_type in _CONSTANT_SENSITIVE and any(i in constants for i in ins):
-            return False
-        if not any(o in used for o in n.output):
-            return False  # dead
-        key = (n.op_type, tuple(n.input), tuple(a.SerializeToString() for a in n.attribute))
-        if key in seen:
-            return False  # a common subexpression
-        seen.add(key)
-    return True
 
 
 def _first_line(exc: Exception) -> str:

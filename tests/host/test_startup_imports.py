@@ -52,7 +52,31 @@ def test_a_cached_session_does_not_import_the_optimizer(tmp_path):
     code = ("import sys, host\ns = host.InferenceSession(sys.argv[1])\n"
             "assert s.optimization.nodes_after < s.optimization.nodes_before, s.optimization.summary()")
     env = {"EPHOST_CACHE_DIR": str(tmp_path / "cache")}
-    # The first one optimizes (with static shapes, sympy stays a stand-in: onnx-ir needs it only for
-    # symbolic dims, tests/host/optimizer/test_deferred.py); the next ones read the cache.
-    assert _imported(code, OPTIMIZER, env, str(path)) == ["onnx_ir", "onnxscript"]
-    assert _imported(code, OPTIMIZER, env, str(path)) == []  # the next ones read the cache
+    # The first one optimizes with onnxscript's rewriter but not onnxscript's package code (a partial
+    # stand-in, host/optimizer/deferred.py), and with static shapes sympy stays a stand-in: onnx-ir
+    # needs it only for symbolic dims (tests/host/optimizer/test_deferred.py).
+    optimizer = (*OPTIMIZER, "onnxscript.rewriter")
+    assert _imported(code, optimizer, env, str(path)) == ["onnx_ir", "onnxscript.rewriter"]
+    assert _imported(code, optimizer, env, str(path)) == []  # the next ones read the cache
+
+
+# What a first session (no optimized-model cache) of a small model must not load: the modules
+# host/optimizer/deferred.py defers, and what onnxscript's package code imports for its script
+# front end (the converter, the generated opset classes), which the optimizer does not use.
+LAZY = ("sympy", "onnx_ir._symbolic_shapes", "onnx.reference", "onnx.reference.ops", "onnxscript",
+        "onnxscript._internal.converter", "onnxscript.onnx_opset", "onnxscript.backend")
+
+
+def test_a_first_session_of_a_small_model_loads_none_of_the_deferred_modules(tmp_path):
+    paths = []
+    for name, model in (("mlp", zoo.mlp(layers=4, hidden=64)), ("cnn", zoo.cnn(size=16)),
+                        ("block", zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128))):
+        paths.append(str(tmp_path / f"{name}.onnx"))
+        onnx.save(model, paths[-1])
+    # Optimized: the sessions run the optimizer (their node counts drop), with the cache off.
+    code = ("import sys, host\nso = host.SessionOptions()\n"
+            "so.add_session_config_entry('session.ephost.optimized_model_cache', '0')\n"
+            "for path in sys.argv[1:]:\n"
+            "    s = host.InferenceSession(path, so, providers=['CPUExecutionProvider'])\n"
+            "    assert s.optimization.nodes_after < s.optimization.nodes_before, s.optimization.summary()")
+    assert _imported(code, (*LAZY, "onnxscript.rewriter"), None, *paths) == ["onnxscript.rewriter"]

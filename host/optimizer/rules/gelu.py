@@ -115,9 +115,10 @@ class BiasGeluFusion(pattern.RewriteRuleClassBase):
         return op.BiasGelu(x, bias, approximate=approximate, _domain=EPHOST_DOMAIN)
 
 
-def gelu_rules() -> list:
+def gelu_rules(present=frozenset({"Erf", "Tanh"})) -> list:
+    """The Gelu patterns of the forms whose op (`Erf` for the exact one, `Tanh`) is in `present`."""
     rules = []
-    for approximate in ("none", "tanh"):
+    for approximate in [a for a, op in (("none", "Erf"), ("tanh", "Tanh")) if op in present]:
         for variant in (True, False):
             # Swaps that matter: the outer Mul; for tanh also the Add(x, ...) and the x * (x * x) cube.
             n_swaps = 1 if approximate == "none" else (2 if variant else 3)
@@ -138,6 +139,6 @@ def bias_gelu_rules() -> list:
 
 
 GELU = Family("Gelu", gelu_rules, min_opset=20, triggers=frozenset({"Erf", "Tanh"}), emits=(("", "Gelu"),),
-              prepare=canonical_rules)
+              prepare=canonical_rules, by_trigger=True)
 BIAS_GELU = Family("BiasGelu", bias_gelu_rules, min_opset=20, triggers=frozenset({"Gelu"}),
                    emits=((EPHOST_DOMAIN, "BiasGelu"),))

@@ -133,3 +133,64 @@ def test_a_thread_reading_a_module_another_thread_is_loading_waits_for_the_whole
     assert deferred.loaded(slow_module)
     with pytest.raises(AttributeError, match=rf"^module '{slow_module}' has no attribute 'MISSING'$"):
         module.MISSING  # noqa: B018 - the read is the test
+
+
+def test_onnxscript_imports_its_submodules_without_its_package_code_then_loads_whole_on_other_names(tmp_path):
+    """The partial stand-in: onnxscript.rewriter imports without onnxscript/__init__.py (no script converter,
+    no generated opsets); `from onnxscript import opset18` and `onnxscript.__version__` load the package."""
+    got = _child("""
+        import importlib.metadata, json, sys
+        from host.optimizer import deferred
+        import onnxscript.rewriter
+        partial = [deferred.loaded("onnxscript"), "onnxscript.onnx_opset" in sys.modules,
+                   onnxscript.rewriter is sys.modules["onnxscript.rewriter"]]
+        from onnxscript import opset18 as op
+        whole = [deferred.loaded("onnxscript"), op.Add.__name__, onnxscript.script.__name__,
+                 onnxscript.__version__ == importlib.metadata.version("onnxscript")]
+        print(json.dumps({"partial": partial, "whole": whole}))
+    """, tmp_path)
+    assert got["partial"] == [False, False, True]
+    assert got["whole"] == [True, "Add", "script", True]
+
+
+def test_a_stand_in_deferred_before_its_parent_is_imported_is_linked_to_it(tmp_path):
+    """host.optimizer imported before onnx: `onnx.reference` must still be onnx's attribute once onnx
+    loads, or onnxscript's folding fails quietly (a constant Sub stayed unfolded)."""
+    got = _child("""
+        import json, sys
+        from host.optimizer import deferred  # before onnx
+        stand_in_first = "onnx" not in sys.modules and "onnx.reference" in sys.modules
+        import importlib.util
+        importlib.util.find_spec("onnx")  # a look that imports nothing leaves the link waiting
+        import numpy as np, onnx
+        from host.optimizer import optimize
+        from onnx import helper, numpy_helper, TensorProto
+        a = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "a")
+        b = numpy_helper.from_array(np.full((2, 3), 0.5, np.float32), "b")
+        graph = helper.make_graph([helper.make_node("Sub", ["a", "b"], ["c"]), helper.make_node("Add", ["x", "c"], ["y"])],
+                                  "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [a, b])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        print(json.dumps({"stand_in_first": stand_in_first,
+                          "linked": onnx.reference is sys.modules["onnx.reference"],
+                          "loader": type(onnx.__loader__).__name__,
+                          "ops": [n.op_type for n in optimize(model).model.graph.node]}))
+    """, tmp_path)
+    assert got["stand_in_first"] is True
+    assert got["linked"] is True and got["loader"] == "SourceFileLoader"
+    assert got["ops"] == ["Add"]
+
+
+def test_no_name_of_onnxscript_s_package_code_is_a_submodule_of_another_meaning():
+    """The partial stand-in answers a submodule's name with the submodule: right only while the package's
+    own code binds no other object to such a name (checked on the installed onnxscript)."""
+    import pkgutil
+
+    import onnxscript
+
+    assert callable(onnxscript.script)  # the whole package, loaded here if it was partial
+    submodules = {m.name for m in pkgutil.iter_modules(onnxscript.__path__)}
+    assert "rewriter" in submodules and "optimizer" in submodules
+    clashes = [name for name, value in vars(onnxscript).items()
+               if name in submodules and getattr(value, "__name__", None) != f"onnxscript.{name}"]
+    assert clashes == []
