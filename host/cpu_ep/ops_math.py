@@ -217,6 +217,8 @@ class Gemm(OpKernel):
 class _SoftmaxBase(OpKernel):
     """Before opset 13 the input is coerced to 2-D at `axis` (default 1); since, axis is -1."""
 
+    log_form = 0  # ep_softmax's flag: 1 for LogSoftmax
+
     def __init__(self, node):
         super().__init__(node)
         self.legacy = self.opset < 13
@@ -226,6 +228,15 @@ class _SoftmaxBase(OpKernel):
         if x.size == 0:
             return (x.copy(),)
         axis = normalize_axis(self.axis, x.ndim)
+        lib = native.LIB
+        n = math.prod(x.shape[axis:])
+        if (lib is not None and x.dtype == F32 and x.flags.c_contiguous and n < 2**31
+                and (axis == x.ndim - 1 or self.legacy)):
+            # One pass per row in C (max, exp, sum, divide): NumPy's path makes four passes and three
+            # temporaries over the whole tensor (attention scores: 1.1 ms against 0.2 ms at [8, 2, 128, 128]).
+            y = np.empty_like(x)
+            lib.ep_softmax(native.ptr(x), native.ptr(y), x.size // n, n, self.log_form)
+            return (y,)
         ct = compute_dtype(x.dtype)
         xc = x.astype(ct, copy=False)
         if self.legacy:
@@ -245,6 +256,8 @@ class Softmax(_SoftmaxBase):
 
 @register("LogSoftmax")
 class LogSoftmax(_SoftmaxBase):
+    log_form = 1
+
     @staticmethod
     def _finish(shifted, axis):
         return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))

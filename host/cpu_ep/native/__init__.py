@@ -51,6 +51,7 @@ int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, cons
                     const void *res, float alpha, float beta);
 int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
               const void *res, float alpha, float beta);
+void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);
 int ep_f16_to_f32(const void *src, void *dst, int64_t n);
 int ep_f32_to_f16(const void *src, void *dst, int64_t n);
 int ep_squeeze_excite(const void *x, void *y, int N, int C, int HW, const void *w1, const void *b1,
