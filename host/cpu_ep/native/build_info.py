@@ -16,14 +16,14 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # Files kernels.c #includes (beside it): part of the source the hash covers.
-INCLUDES = ("kernels_rows.c",)
+INCLUDES = ("kernels_rows.c", "kernels_gemm.c")
 LIB_NAME = "libephost_cpu_kernels.so"
 # The package build's extension module; it has no PyInit (it is a plain C library opened with
 # ffi.dlopen), the module form is only how setuptools compiles it and tags the wheel.
 MODULE = "host.cpu_ep.native._kernels"
 # -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
 CFLAGS = ("-O3", "-Wall")
-LIBRARIES = ("m",)
+LIBRARIES = ("m", "pthread")
 
 
 def hash_of(source: Path) -> str:

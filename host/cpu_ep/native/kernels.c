@@ -698,3 +698,4 @@ int ep_f32_to_f16(const void *src, void *dst, int64_t n) { (void)src; (void)dst;
 #endif
 
 #include "kernels_rows.c"
+#include "kernels_gemm.c"
