@@ -42,7 +42,7 @@ class MatMul(OpKernel):
                 run = bound_gemm(self._runs, lib, a, b, None, 0)
                 if run:
                     return (run(a),)
-            y = native_matmul(a, b)
+            y = native_matmul(a, b) if b.ndim == 2 else native_batched(lib, a, b)
             if y is not None:
                 return (y,)
         if b.ndim == 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _WIDE and a.flags.c_contiguous:
@@ -143,6 +143,46 @@ def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, 
     y = np.empty(out_shape, dtype=F32)
     product(a, y, res)
     return y
+
+
+def native_batched(lib, a, b):
+    """a @ b over stacked float32 matrices of the same batch shape (attention's q k^T and p v) by the
+    compiled GEMM, one small product each (native.gemm_fits), both operands read in place with their
+    strides (the views a Split, Reshape and Transpose leave: q, k^T, v); None where it does not serve
+    (broadcasting, more than two batch axes above 1, a's rows not contiguous, strides not whole elements)."""
+    if (a.ndim < 3 or b.ndim != a.ndim or a.dtype != F32 or b.dtype != F32 or a.shape[:-2] != b.shape[:-2]
+            or a.shape[-1] != b.shape[-2] or not a.size or not b.size):
+        return None
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    sa, sb = _elements(a), _elements(b)
+    if sa is None or sb is None or (sa[-1] != 1 and k > 1) or not native.gemm_fits(m, k, n):
+        return None
+    lead = [i for i, d in enumerate(a.shape[:-2]) if d != 1]
+    if len(lead) > 2:
+        return None
+    lead = [None] * (2 - len(lead)) + lead
+    outer, inner = (1 if i is None else a.shape[i] for i in lead)
+    sa1, sa2 = (0 if i is None else sa[i] for i in lead)
+    sb1, sb2 = (0 if i is None else sb[i] for i in lead)
+    y = np.empty((*a.shape[:-1], n), dtype=F32)
+    if lib.ep_matmul_batched(_address(a), _address(b), native.ptr(y), outer * inner, inner, m, k, n, sa1, sa2,
+                             sa[-2], sb1, sb2, sb[-2], sb[-1]):
+        return None
+    return y
+
+
+def _elements(x):
+    """x's strides in elements, or None when one is negative or not whole elements."""
+    size = x.itemsize
+    if any(st % size or st < 0 for st in x.strides):
+        return None
+    return [st // size for st in x.strides]
+
+
+def _address(x):
+    """A pointer to x's first element, for a view too (ffi.from_buffer takes contiguous buffers only)."""
+    return native.ptr(x) if x.flags.c_contiguous else native.ffi.cast("void *", x.__array_interface__["data"][0])
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -153,3 +153,37 @@ HOT void ep_gemm_packed(const float *A, const float *Bp, const float *bias, floa
             packed_panels(&jobs[t]);
     }
 }
+
+/* Batched C[i] (M x N) = A[i] (M x K) @ B[i] (K x N) over `batch` products, as MatMul over stacked
+ * matrices (attention's q k^T and p v, often strided views of a Split's or Transpose's output). Product i
+ * has batch indices (i / inner, i % inner): A[i] at A + (i / inner) * sa1 + (i % inner) * sa2 with row
+ * stride lda (its rows contiguous), B[i] likewise at sb1, sb2 with element (k, n) at k * bk + n * bn; C is
+ * contiguous. A block or B block not laid out as gemm_core reads it (rows of K, of N) is first copied
+ * into a contiguous scratch block. Each product is gemm_core's (the small tiles: the caller checked
+ * native.gemm_fits per product). Returns 1 (nothing written) without scratch memory. */
+HOT int ep_matmul_batched(const float *A, const float *B, float *C, int batch, int inner, int M, int K, int N,
+                          int64_t sa1, int64_t sa2, int64_t lda, int64_t sb1, int64_t sb2, int64_t bk, int64_t bn) {
+    int a_direct = lda == K, b_direct = bn == 1 && bk == N;
+    float *scratch = malloc(sizeof(float) * ((a_direct ? 0 : (size_t)M * K) + (b_direct ? 0 : (size_t)K * N) + 1));
+    if (!scratch) return 1;
+    float *as = scratch, *bs = scratch + (a_direct ? 0 : (size_t)M * K);
+    for (int i = 0; i < batch; i++) {
+        const float *a = A + (i / inner) * sa1 + (i % inner) * sa2;
+        const float *b = B + (i / inner) * sb1 + (i % inner) * sb2;
+        if (!a_direct) {
+            for (int m = 0; m < M; m++) memcpy(as + (size_t)m * K, a + m * lda, sizeof(float) * (size_t)K);
+            a = as;
+        }
+        if (!b_direct) {
+            if (bn == 1)
+                for (int k = 0; k < K; k++) memcpy(bs + (size_t)k * N, b + k * bk, sizeof(float) * (size_t)N);
+            else
+                for (int n = 0; n < N; n++) /* reads along k: contiguous for a transposed view */
+                    for (int k = 0; k < K; k++) bs[(size_t)k * N + n] = b[k * bk + n * bn];
+            b = bs;
+        }
+        gemm_core(a, b, NULL, 0, C + (size_t)i * M * N, M, K, N);
+    }
+    free(scratch);
+    return 0;
+}
