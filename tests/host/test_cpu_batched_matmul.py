@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from host.cpu_ep import native
+from host.cpu_ep import native, ops_math
 from tests.host import test_cpu_native
 from tests.host.test_cpu_speed_paths import _ephost, _model, _ort
 
@@ -16,7 +16,9 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture
-def spy():
+def spy(monkeypatch):
+    """Counts the library's calls; products of any size take the compiled path (BATCHED_MIN_MACS 0)."""
+    monkeypatch.setattr(ops_math, "BATCHED_MIN_MACS", 0)
     assert LIB is not None, native.LOAD_ERROR
     s = test_cpu_native._Spy(LIB)
     native.use(s)
@@ -43,6 +45,14 @@ def test_attention_matmuls_over_views_run_compiled(spy, b, s, h, d):
     model, feeds = _attention(b, s, h, d)
     got = _ephost(model).run(None, feeds)[0]
     assert spy.calls["ep_matmul_batched"] == 2
+    np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
+
+
+def test_small_batched_products_keep_numpy(spy, monkeypatch):
+    monkeypatch.setattr(ops_math, "BATCHED_MIN_MACS", 1 << 21)
+    model, feeds = _attention(1, 16, 2, 32)  # 2 x 16 x 32 x 16 multiply-adds a product
+    got = _ephost(model).run(None, feeds)[0]
+    assert spy.calls["ep_matmul_batched"] == 0
     np.testing.assert_allclose(got, _ort(model, feeds)[0], **TOL)
 
 
