@@ -6,8 +6,8 @@ panels (ep_pack_b) and multiplied by ep_gemm_packed, with the bias and the epilo
 tile. Measured on one thread of the shared AVX-512 machine against onnxruntime's MLAS (its default
 OpenBLAS kernels are AVX2's there, OPENBLAS_CORETYPE=Haswell in its environment): 150x768x3072 3.7 ms
 (MLAS 3.2, OpenBLAS 6.0), 1024x768x3072 22 ms (MLAS 19, OpenBLAS 37). With more than one thread in the
-run's bound (host/runtime/threads.py) a product of at least THREADED_MACS splits its column panels
-between that many threads.
+run's bound (host/runtime/threads.py) a product splits its column panels between that many threads,
+at most one per THREADED_MACS multiply-adds.
 
 The packed copy costs the weight's size again (onnxruntime's MLAS pre-packs its weights the same way);
 it is made at the first large product and kept while the weight lives (a weak reference drops it).
@@ -58,8 +58,9 @@ def packed(lib, b: np.ndarray) -> np.ndarray:
 
 
 def thread_count(macs: int) -> int:
-    """How many threads a product of `macs` multiply-adds gets: the run's BLAS bound from threads.POOLS."""
-    return threads.POOLS.share() if macs >= THREADED_MACS else 1
+    """How many threads a product of `macs` multiply-adds gets: the run's BLAS bound from threads.POOLS,
+    at most one per THREADED_MACS (each thread's start must pay for itself)."""
+    return max(1, min(threads.POOLS.share(), macs // THREADED_MACS))
 
 
 def runner(lib, b: np.ndarray, bias, prog: int, rows: int, alpha: float = 0.0, beta: float = 0.0):

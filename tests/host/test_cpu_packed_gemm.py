@@ -136,3 +136,9 @@ def test_thread_share_is_the_run_bound_inside_runs_and_1_outside():
     assert pools.share() == 3
     pools.leave(3)
     assert pools.share() == 1
+
+
+def test_thread_count_is_the_bound_with_enough_work_each(monkeypatch):
+    monkeypatch.setattr(packed_gemm.threads.POOLS, "share", lambda: 16)
+    macs = packed_gemm.THREADED_MACS
+    assert [packed_gemm.thread_count(n) for n in (1, macs - 1, macs, 3 * macs, 100 * macs)] == [1, 1, 1, 3, 16]
