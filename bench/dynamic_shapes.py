@@ -16,7 +16,9 @@ side (bench.cpu_models.in_rounds). The ratio is ephost p50 / onnxruntime p50 (1.
 shape's first run of the side that runs first (ephost with the program) also pays the process's one-time
 set-up (lazy imports, native kernels), whichever side that is.
 `--model bert_like` is tests/models/dynamic.py's encoder (2 layers, hidden 64); a path runs a model
-file, the sizes going to its symbolic input dims in order of first appearance.
+file, the sizes going to its symbolic input dims in order of first appearance; `base:bert_ts` (or another
+tests/models/make_hf_dynamic name) the 12-layer, hidden-768 export, made into /tmp/ephost_hf_base with
+transformers and torch at the first use.
 """
 
 from __future__ import annotations
@@ -41,12 +43,30 @@ from host.runtime.session import InferenceSession
 DEFAULT_SHAPES = "1x16,8x128,3x50,8x128,1x16"
 
 
+BASE_DIR = "/tmp/ephost_hf_base"  # where `--model base:NAME` exports the 12-layer models (not checked in)
+
+
 def _model(name: str) -> onnx.ModelProto:
     if name == "bert_like":
         from tests.models.dynamic import bert_like
 
         return bert_like()
+    if name.startswith("base:"):
+        return onnx.load(_base_export(name.split(":", 1)[1]))
     return onnx.load(name)
+
+
+def _base_export(name: str) -> str:
+    """tests/models/make_hf_dynamic's --size base export `name` (bert_ts, gpt2_ts, ...: BERT-base, GPT-2
+    small), made into BASE_DIR with transformers and torch at the first use."""
+    import os
+
+    path = os.path.join(BASE_DIR, f"{name}.onnx")
+    if not os.path.exists(path):
+        from tests.models import make_hf_dynamic
+
+        make_hf_dynamic.main(["--size", "base", "--only", name, "--out", BASE_DIR])
+    return path
 
 
 def _feeds(model: onnx.ModelProto, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:

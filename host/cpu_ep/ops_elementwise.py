@@ -522,6 +522,13 @@ class Mean(Variadic):
 @register("Where", since=9)
 class Where(OpKernel):
     def _run(self, cond, x, y):
+        if x.dtype == y.dtype and cond.size < x.size and x.size >= 4096:
+            # A mask broadcast over a larger operand (a causal mask over attention scores): two copies
+            # (fill, then copy where true) cost half of np.where's broadcasting loop.
+            out = np.empty(np.broadcast_shapes(cond.shape, x.shape, y.shape), dtype=x.dtype)
+            np.copyto(out, y)
+            np.copyto(out, x, where=cond)
+            return (out,)
         return (np.where(cond, x, y),)
 
 

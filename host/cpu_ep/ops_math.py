@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from host.cpu_ep import native
+from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import OpKernel, compute_dtype, normalize_axis
 from host.cpu_ep.registry import register
 
@@ -24,6 +24,7 @@ class MatMul(OpKernel):
 
     def bind_constants(self, constants):
         self._bound_b, self._runs = constants.get(1), {}
+        packed_gemm.declare_weight(self._bound_b)
 
     def fused_native(self, args, prog, res, alpha, beta):
         """The output followed by an epilogue program (fusion.py's chains) from the compiled GEMM, or None."""
@@ -41,7 +42,7 @@ class MatMul(OpKernel):
                 run = bound_gemm(self._runs, lib, a, b, None, 0)
                 if run:
                     return (run(a),)
-            y = native_matmul(a, b)
+            y = native_matmul(a, b) if b.ndim == 2 else native_batched(lib, a, b)
             if y is not None:
                 return (y,)
         if b.ndim == 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _WIDE and a.flags.c_contiguous:
@@ -66,20 +67,41 @@ def bound_gemm(runs: dict, lib, a, b, bias, prog: int):
     return native.cached(runs, a.shape, lib, lambda: _gemm_runner(lib, a, b, bias, prog))
 
 
-def _gemm_runner(lib, a, b, bias, prog):
-    if (b.ndim != 2 or a.ndim < 2 or b.dtype != F32 or not b.flags.c_contiguous or a.shape[-1] != b.shape[0]
-            or not a.size or not b.size or not native.gemm_fits(a.size // b.shape[0], *b.shape)):
+def _fits(a, b, bias) -> bool:
+    """The compiled GEMMs take a float32 C-contiguous a (..., K) times a 2-D float32 b (K, N), bias (N,)."""
+    return (b.ndim == 2 and a.ndim >= 2 and a.dtype == F32 and b.dtype == F32 and a.flags.c_contiguous
+            and b.flags.c_contiguous and a.shape[-1] == b.shape[0] and bool(a.size) and bool(b.size)
+            and (bias is None or (bias.dtype == F32 and bias.shape == (b.shape[1],) and bias.flags.c_contiguous)))
+
+
+def _product(lib, a, b, bias, prog, alpha=0.0, beta=0.0):
+    """A function of (a, y, res) doing y = prog(a @ b + bias) by the compiled GEMM for a's shape: the
+    small-tile ep_gemm within native.gemm_fits, the packed GEMM beyond it for a declared weight b
+    (packed_gemm.py); False where neither serves."""
+    if not _fits(a, b, bias):
         return False
     k, n = b.shape
-    if bias is not None and (bias.dtype != F32 or bias.shape != (n,) or not bias.flags.c_contiguous):
-        return False
-    out_shape, rows = (*a.shape[:-1], n), a.size // k
-    ptr, null, empty, gemm = native.ptr, native.NULL, np.empty, lib.ep_gemm
+    rows = a.size // k
+    if not native.gemm_fits(rows, k, n):
+        return packed_gemm.serves(b) and packed_gemm.runner(lib, b, bias, prog, rows, alpha, beta)
+    ptr, null, gemm = native.ptr, native.NULL, lib.ep_gemm
     bp, biasp, kind = ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1
+
+    def run(a, y, res=None):
+        gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null if res is None else ptr(res), alpha, beta)
+
+    return run
+
+
+def _gemm_runner(lib, a, b, bias, prog):
+    product = _product(lib, a, b, bias, prog)
+    if not product:
+        return False
+    out_shape, empty = (*a.shape[:-1], b.shape[1]), np.empty
 
     def run(a):
         y = empty(out_shape, dtype=F32)
-        gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null, 0.0, 0.0)
+        product(a, y)
         return y
 
     return run
@@ -88,18 +110,16 @@ def _gemm_runner(lib, a, b, bias, prog):
 def chain_gemm_runner(lib, a, b, bias, prog, alpha, beta):
     """_gemm_runner's function for a chain (fusion.py): of (a, res), res being the residual operand or None;
     it returns None for a residual it cannot take (another shape, dtype or layout)."""
-    if not _gemm_runner(lib, a, b, bias, prog):
+    product = _product(lib, a, b, bias, prog, alpha, beta)
+    if not product:
         return False
-    k, n = b.shape
-    out_shape, rows = (*a.shape[:-1], n), a.size // k
-    ptr, null, empty, gemm = native.ptr, native.NULL, np.empty, lib.ep_gemm
-    bp, biasp, kind = ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1
+    out_shape, empty = (*a.shape[:-1], b.shape[1]), np.empty
 
     def run(a, res):
         if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
             return None
         y = empty(out_shape, dtype=F32)
-        gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null if res is None else ptr(res), alpha, beta)
+        product(a, y, res)
         return y
 
     return run
@@ -107,26 +127,70 @@ def chain_gemm_runner(lib, a, b, bias, prog, alpha, beta):
 
 def native_matmul(a, b, bias=None, prog: int = 0, res=None, alpha: float = 0.0, beta: float = 0.0):
     """prog(a @ b + bias) for a float32 a (..., K) and b (K, N), bias (N,) or None, by the compiled GEMM
-    (a plain loop beats OpenBLAS's call overhead at these sizes: 2.3 against 2.7 us for 16x64x64);
-    `res` is the epilogue's residual operand, shaped as the output. None when the library is off or
-    the operands are not what it takes (other dtypes, layouts, broadcasting, empty, too large:
-    native.gemm_fits)."""
+    (a plain loop beats OpenBLAS's call overhead at these sizes: 2.3 against 2.7 us for 16x64x64; beyond
+    native.gemm_fits, the packed GEMM for a declared weight); `res` is the epilogue's residual operand,
+    shaped as the output. None when the library is off or the operands are not what it takes (other
+    dtypes, layouts, broadcasting, empty, too large for an activation b)."""
     lib = native.LIB
-    if (lib is None or b.ndim != 2 or a.ndim < 2 or a.dtype != F32 or b.dtype != F32 or not a.flags.c_contiguous
-            or not b.flags.c_contiguous or a.shape[-1] != b.shape[0] or not a.size or not b.size
-            or not native.gemm_fits(a.size // b.shape[0], *b.shape)):
+    if lib is None:
         return None
-    k, n = b.shape
-    if bias is not None and (bias.dtype != F32 or bias.shape != (n,) or not bias.flags.c_contiguous):
-        return None
-    out_shape = (*a.shape[:-1], n)
+    out_shape = (*a.shape[:-1], b.shape[-1])
     if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
         return None
+    product = _product(lib, a, b, bias, prog, alpha, beta)
+    if not product:
+        return None
     y = np.empty(out_shape, dtype=F32)
-    ptr, null = native.ptr, native.NULL
-    lib.ep_gemm(ptr(a), null, ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1, ptr(y), a.size // k,
-                k, n, prog, null if res is None else ptr(res), alpha, beta)
+    product(a, y, res)
     return y
+
+
+# Below this many multiply-adds in all, NumPy's matmul loop (with its copy of a transposed operand) is
+# cheaper than the strided-view bookkeeping here: at GPT-2's (1, 2, 16, 32) @ (1, 2, 32, 16) 2.5 us against
+# 8 us; at (8, 2, 128, 32) @ (8, 2, 32, 128), 8.4 M, 114 us against 135 us.
+BATCHED_MIN_MACS = 1 << 21
+
+
+def native_batched(lib, a, b):
+    """a @ b over stacked float32 matrices of the same batch shape (attention's q k^T and p v) by the
+    compiled GEMM, one small product each (native.gemm_fits), both operands read in place with their
+    strides (the views a Split, Reshape and Transpose leave: q, k^T, v); None where it does not serve
+    (broadcasting, more than two batch axes above 1, a's rows not contiguous, strides not whole elements)."""
+    if (a.ndim < 3 or b.ndim != a.ndim or a.dtype != F32 or b.dtype != F32 or a.shape[:-2] != b.shape[:-2]
+            or a.shape[-1] != b.shape[-2] or not a.size or not b.size):
+        return None
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    if a.size // k * k * n < BATCHED_MIN_MACS:
+        return None
+    sa, sb = _elements(a), _elements(b)
+    if sa is None or sb is None or (sa[-1] != 1 and k > 1) or not native.gemm_fits(m, k, n):
+        return None
+    lead = [i for i, d in enumerate(a.shape[:-2]) if d != 1]
+    if len(lead) > 2:
+        return None
+    lead = [None] * (2 - len(lead)) + lead
+    outer, inner = (1 if i is None else a.shape[i] for i in lead)
+    sa1, sa2 = (0 if i is None else sa[i] for i in lead)
+    sb1, sb2 = (0 if i is None else sb[i] for i in lead)
+    y = np.empty((*a.shape[:-1], n), dtype=F32)
+    if lib.ep_matmul_batched(_address(a), _address(b), native.ptr(y), outer * inner, inner, m, k, n, sa1, sa2,
+                             sa[-2], sb1, sb2, sb[-2], sb[-1]):
+        return None
+    return y
+
+
+def _elements(x):
+    """x's strides in elements, or None when one is negative or not whole elements."""
+    size = x.itemsize
+    if any(st % size or st < 0 for st in x.strides):
+        return None
+    return [st // size for st in x.strides]
+
+
+def _address(x):
+    """A pointer to x's first element, for a view too (ffi.from_buffer takes contiguous buffers only)."""
+    return native.ptr(x) if x.flags.c_contiguous else native.ffi.cast("void *", x.__array_interface__["data"][0])
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -162,6 +226,8 @@ class Gemm(OpKernel):
 
     def bind_constants(self, constants):
         self._bound_b, self._bound_bt = constants.get(1), None
+        if not self.trans_b:
+            packed_gemm.declare_weight(self._bound_b)
 
     native_steps = ()
 
@@ -179,6 +245,7 @@ class Gemm(OpKernel):
                 return None
             if self._bound_bt is None:
                 self._bound_bt = np.ascontiguousarray(b.T)
+                packed_gemm.declare_weight(self._bound_bt)
             b = self._bound_bt
         return native_matmul(a, b, c, prog, res, alpha, beta) if a.ndim == 2 else None
 
@@ -217,6 +284,8 @@ class Gemm(OpKernel):
 class _SoftmaxBase(OpKernel):
     """Before opset 13 the input is coerced to 2-D at `axis` (default 1); since, axis is -1."""
 
+    log_form = 0  # ep_softmax's flag: 1 for LogSoftmax
+
     def __init__(self, node):
         super().__init__(node)
         self.legacy = self.opset < 13
@@ -226,6 +295,15 @@ class _SoftmaxBase(OpKernel):
         if x.size == 0:
             return (x.copy(),)
         axis = normalize_axis(self.axis, x.ndim)
+        lib = native.LIB
+        n = math.prod(x.shape[axis:])
+        if (lib is not None and x.dtype == F32 and x.flags.c_contiguous and n < 2**31
+                and (axis == x.ndim - 1 or self.legacy)):
+            # One pass per row in C (max, exp, sum, divide): NumPy's path makes four passes and three
+            # temporaries over the whole tensor (attention scores: 1.1 ms against 0.2 ms at [8, 2, 128, 128]).
+            y = np.empty_like(x)
+            lib.ep_softmax(native.ptr(x), native.ptr(y), x.size // n, n, self.log_form)
+            return (y,)
         ct = compute_dtype(x.dtype)
         xc = x.astype(ct, copy=False)
         if self.legacy:
@@ -245,6 +323,8 @@ class Softmax(_SoftmaxBase):
 
 @register("LogSoftmax")
 class LogSoftmax(_SoftmaxBase):
+    log_form = 1
+
     @staticmethod
     def _finish(shifted, axis):
         return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from host.cpu_ep import native
+from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_attention import _FAST_SOFTMAX, Attention  # noqa: F401  (Attention: moved there)
 from host.cpu_ep.ops_elementwise import gelu
@@ -314,6 +314,7 @@ class FusedMatMul(OpKernel):
 
     def bind_constants(self, constants):
         self._bound_b, self._bound_bias, self._tiles, self._runs = constants.get(1), constants.get(2), {}, {}
+        packed_gemm.declare_weight(self._bound_b)
 
     def fused_native(self, args, prog, res, alpha, beta):
         """The output with an epilogue program (fusion.py's chains; it starts with this node's activation)

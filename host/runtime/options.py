@@ -157,7 +157,8 @@ SESSION_OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("profile_file_prefix", "ephost_profile_", _path_text,
            "the profile's file name prefix (a path prefix: directories are kept)"),
     Option("enable_cpu_mem_arena", True, _bool,
-           "ignored: the CPU EP allocates with NumPy", honoured=False),
+           "on: glibc's heap keeps the memory freed by the CPU EP for the next run (process-wide, set by the "
+           "first session with it on; host/cpu_ep/heap.py)"),
     Option("enable_mem_pattern", True, _bool,
            "ignored: no memory-pattern planning on the CPU EP", honoured=False),
     Option("enable_mem_reuse", True, _bool,

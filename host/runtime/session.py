@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from abi.dtypes import STRING, dtype_type_name, to_numpy, type_name
+from host.cpu_ep import heap
 from host.errors import EpError, EphostError, InvalidArgument, PluginLoadError
 from host.plugins.environment import Environment
 from host.plugins.ep import CPU_LOCATION, PluginEp, check_options_without_device
@@ -146,6 +147,8 @@ class InferenceSession:
                           if self.options.enable_profiling else profiling.NULL)
         self._profiling = self._profiler.enabled  # the one check the run path makes
         self._threads = threads.POOLS.bounded(threads.resolve(self.options.intra_op_num_threads))  # 0: cores
+        if self.options.enable_cpu_mem_arena:
+            heap.keep_freed_memory()  # freed activations stay in the heap for the next run (cpu_ep/heap.py)
         self._fallback_enabled = True
         t0 = time.perf_counter_ns()
         self.fallbacks: Counter[str] = Counter()

@@ -83,6 +83,11 @@ class Pools:
         if clear is not None:
             clear()
 
+    def share(self) -> int:
+        """The thread count of the runs inside now (the compiled kernels that split work use it): the
+        bound applied to the BLAS libraries, or 1 outside runs and while the caller's counts apply."""
+        return self._applied or 1
+
     def counts(self) -> list[int]:
         """Each BLAS library's current thread count."""
         return [lib.num_threads for lib in self.libraries()]

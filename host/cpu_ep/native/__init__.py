@@ -51,6 +51,13 @@ int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, cons
                     const void *res, float alpha, float beta);
 int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
               const void *res, float alpha, float beta);
+int64_t ep_packed_b_size(int K, int N);
+void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
+void ep_gemm_packed(const void *A, const void *Bp, const void *bias, void *C, int M, int K, int N, unsigned prog,
+                    const void *res, float alpha, float beta, int threads);
+int ep_matmul_batched(const void *A, const void *B, void *C, int batch, int inner, int M, int K, int N, int64_t sa1,
+                      int64_t sa2, int64_t lda, int64_t sb1, int64_t sb2, int64_t bk, int64_t bn);
+void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);
 int ep_f16_to_f32(const void *src, void *dst, int64_t n);
 int ep_f32_to_f16(const void *src, void *dst, int64_t n);
 int ep_squeeze_excite(const void *x, void *y, int N, int C, int HW, const void *w1, const void *b1,

@@ -15,18 +15,24 @@ import subprocess
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
+# Files kernels.c #includes (beside it): part of the source the hash covers.
+INCLUDES = ("kernels_rows.c", "kernels_gemm.c")
 LIB_NAME = "libephost_cpu_kernels.so"
 # The package build's extension module; it has no PyInit (it is a plain C library opened with
 # ffi.dlopen), the module form is only how setuptools compiles it and tags the wheel.
 MODULE = "host.cpu_ep.native._kernels"
 # -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
 CFLAGS = ("-O3", "-Wall")
-LIBRARIES = ("m",)
+LIBRARIES = ("m", "pthread")
 
 
 def hash_of(source: Path) -> str:
-    """The hash compiled into the library: the loader opens a build only when it matches kernels.c."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    """The hash compiled into the library: the loader opens a build only when it matches kernels.c and
+    the files it includes (INCLUDES, beside it)."""
+    digest = hashlib.sha256(source.read_bytes())
+    for name in INCLUDES:
+        digest.update(source.with_name(name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def source_hash() -> str:
@@ -43,7 +49,8 @@ def extension(root: Path):
 
     # optional: a source install on a machine without a compiler still installs (the kernels then keep their
     # NumPy paths, and native.LOAD_ERROR says how to build the library); -g0: Python's CFLAGS add -g.
-    return Extension(MODULE, sources=[SOURCE.relative_to(root).as_posix()], define_macros=[hash_macro()],
+    depends = [SOURCE.with_name(name).relative_to(root).as_posix() for name in INCLUDES]
+    return Extension(MODULE, sources=[SOURCE.relative_to(root).as_posix()], depends=depends, define_macros=[hash_macro()],
                      extra_compile_args=[*CFLAGS, "-g0"], libraries=list(LIBRARIES), optional=True)
 
 

@@ -696,3 +696,5 @@ HOT int ep_f32_to_f16(const void *src, void *dst, int64_t n) {
 int ep_f16_to_f32(const void *src, void *dst, int64_t n) { (void)src; (void)dst; (void)n; return 0; }
 int ep_f32_to_f16(const void *src, void *dst, int64_t n) { (void)src; (void)dst; (void)n; return 0; }
 #endif
+#include "kernels_rows.c" /* Softmax, LogSoftmax */
+#include "kernels_gemm.c" /* the packed GEMM */
