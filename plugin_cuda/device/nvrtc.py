@@ -172,7 +172,10 @@ def _compile(source: str, arch: str) -> bytes | None:
 
 
 def _load_binary(cp, binary: bytes):
-    mod = cp.cuda.function.Module()
+    function = getattr(cp.cuda, "function", None)
+    if function is None:  # a CuPy that has not imported the submodule yet
+        from cupy.cuda import function
+    mod = function.Module()
     mod.load(binary)
     return mod
 

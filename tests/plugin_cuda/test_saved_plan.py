@@ -83,7 +83,7 @@ DAMAGE = [
 ]
 
 
-@pytest.mark.parametrize(("damage", "pattern"), DAMAGE)
+@pytest.mark.parametrize(("damage", "pattern"), DAMAGE, ids=[f"damage{i}" for i in range(len(DAMAGE))])
 def test_damaged_contexts_are_refused(damage, pattern):
     with pytest.raises(saved.PlanBlobError, match=pattern):
         saved.unpack(damage(saved.pack(_plan())))
@@ -116,7 +116,7 @@ def test_a_context_installs_its_modules_and_choices(monkeypatch):
     (saved.pack(_plan()), r"^context of fused node 'CUDA_fused_0' was compiled for compute capability 90; device 0 "
                           r"has 80$"),
     (saved.pack(_plan())[:-5], r"^context of fused node 'CUDA_fused_0': truncated CUDA plan context: "),
-])
+], ids=["another-compute-capability", "truncated"])
 def test_a_context_of_another_device_or_damaged_is_refused(monkeypatch, blob, pattern):
     monkeypatch.setattr(nvrtc, "_provided", {})
     with pytest.raises(PluginError, match=pattern) as info:
