@@ -43,6 +43,7 @@ class PlanFunction:
         except PlanError as exc:
             raise PluginError(f"fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
         self._shapes = self.plan.output_shapes
+        resolve_functions(self.plan)
 
     def create_state(self):
         return None
@@ -190,6 +191,15 @@ class ShapePlanFunction(PlanFunction):
     def close(self) -> None:
         self.cache.close()
         self.constants.close()
+
+
+def resolve_functions(plan) -> None:
+    """Look up every kernel of the plan's module now: with CUDA's lazy module loading a function is
+    loaded at its lookup, which would otherwise happen in the first run."""
+    for variant in {id(v): v for v in (plan.eager, plan.graph)}.values():
+        for spec in variant.specs:
+            if spec is not None:
+                plan.module.function(spec.name)
 
 
 def saved_modules(plans) -> list:
