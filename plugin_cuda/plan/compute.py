@@ -11,7 +11,7 @@ import abi
 from abi import fused_blob
 from abi.sdk import PluginError
 from plugin_cuda.device import algo_cache, nvrtc
-from plugin_cuda.plan import saved
+from plugin_cuda.plan import prechoose, saved
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
 from plugin_cuda.plan.signatures import ConstantStore, PlanCache, is_dynamic, specialize
@@ -44,6 +44,7 @@ class PlanFunction:
             raise PluginError(f"fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
         self._shapes = self.plan.output_shapes
         resolve_functions(self.plan)
+        prechoose.make_choices(self.plan)  # in this partition's context, and out of run 1
 
     def create_state(self):
         return None

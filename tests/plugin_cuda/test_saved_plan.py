@@ -317,3 +317,83 @@ def test_conv_keys_name_the_whole_geometry():
     assert key != algo_cache.conv_key("90", "forward", other, "float32", False, "HEURISTIC")
     assert key != algo_cache.conv_key("80", "forward", geo, "float32", False, "HEURISTIC")
     assert key != algo_cache.conv_key("90", "forward", geo, "float32", True, "HEURISTIC")
+
+
+# -- choices made at session creation (plan/prechoose.py), through stand-ins for a Plan and its EP ------------
+
+def _stand_in_plan(calls: list):
+    from plugin_cuda.plan.fuse import Step
+    from plugin_cuda.plan.program import Op, Value
+
+    values = {0: Value(0, "x", (8, 64, 56, 56)), 1: Value(1, "w", (64, 64, 3, 3)), 2: Value(2, "y", (8, 64, 56, 56)),
+              3: Value(3, "b", (64,)), 4: Value(4, "a", (4, 16, 32)), 5: Value(5, "wt", (32, 48)),
+              6: Value(6, "bias", (48,)), 7: Value(7, "out", (4, 16, 48))}
+    conv = Op("cudnn_conv", "conv0", [0, 1, 3], [2], {"group": 1, "pads": (1, 1), "strides": (1, 1),
+                                                      "dilations": (1, 1), "relu": True})
+    gemm = Op("gemm", "fc0", [4, 5, 6], [7], {"alpha": 0.5, "epilogue": "relu_bias", "trans_a": 0, "trans_b": 0})
+    steps = [Step("cudnn_conv", conv, None, [0, 1, 3], [2], "conv0"), Step("gemm", gemm, None, [4, 5, 6], [7], "fc0"),
+             Step("ew", None, None, [7], [7], "relu1")]
+    variant = types.SimpleNamespace(name="eager", steps=steps, specs=[None, None, object()])
+
+    class Device:
+        def __init__(self, device_id):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Pool:
+        def take(self, stream):
+            calls.append(("take", stream))
+            return "handle"
+
+        def give_back(self, handle):
+            calls.append(("give_back", handle))
+
+    made = {}
+
+    def epilogue_gemm(key, make):
+        made[key] = make()
+        return made[key]
+
+    ep = types.SimpleNamespace(cudnn_handles=Pool())
+    plan = types.SimpleNamespace(ep=ep, eager=variant, graph=variant, prog=types.SimpleNamespace(values=values),
+                                 cupy=types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device)), device_id=0,
+                                 use_tf32=False, _const_base=4096, epilogue_gemm=epilogue_gemm,
+                                 location=lambda vid, v: ("const", 512) if vid == 6 else ("arena", 0))
+    return plan, steps, made
+
+
+def test_choices_are_made_at_creation_under_the_keys_the_first_run_uses(monkeypatch):
+    from plugin_cuda.device import cublaslt, cudnn_conv
+    from plugin_cuda.plan import prechoose
+
+    calls = []
+    plan, steps, made = _stand_in_plan(calls)
+    monkeypatch.setattr(cudnn_conv, "setup", lambda handle, kind, geo, dtype: calls.append((handle, kind, geo)))
+    monkeypatch.setattr(cublaslt, "EpilogueGemm", lambda *a: ("gemm", *a))
+    prechoose.make_choices(plan)
+    geo = cudnn_conv.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), (8, 64, 56, 56), 1, (1, 1), (1, 1), (1, 1),
+                                      (1, 1))
+    assert calls == [("take", 0), ("handle", "forward", geo), ("give_back", "handle")]
+    # m = 4 * 16 rows, n = 48, k = 32; the bias at the constant base + its offset; fp32 compute without TF32
+    assert made == {("eager", id(steps[1])): ("gemm", 0, 64, 48, 32, 0.5, 4096 + 512, "relu_bias", 68,
+                                              "plan step 'fc0'")}
+
+
+def test_a_failing_choice_is_left_to_the_first_run(monkeypatch):
+    from plugin_cuda.device import cudnn_conv
+    from plugin_cuda.plan import prechoose
+
+    calls = []
+    plan, _, made = _stand_in_plan(calls)
+
+    def refuse(*a):
+        raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(cudnn_conv, "setup", refuse)
+    prechoose.make_choices(plan)  # no error at creation
+    assert calls[-1] == ("give_back", "handle") and made == {}
