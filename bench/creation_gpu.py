@@ -190,14 +190,15 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| model | cold s | warm s | save s | from context s | context / model MB | NVRTC compiles "
-            "cold/warm/ctx | ctx run 1 ms | ctx run 100 ms | cold run 1 ms | cold run 100 ms |")
+            "cold/warm/ctx | searches cold/warm/ctx | ctx run 1 ms | ctx run 100 ms | cold run 1 ms | cold run 100 ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         c, w, s, x = (r.get(m, {"error": "missing"}) for m in MODES)
         compiles = "/".join(str(m.get("nvrtc", {}).get("compiles", "—")) for m in (c, w, x))
+        searches = "/".join(str(m.get("algo", {}).get("searches", "—")) for m in (c, w, x))
         lines.append(f"| {r['model']} | {_cell(c, 'create_s', '.2f')} | {_cell(w, 'create_s', '.2f')} | "
                      f"{_cell(s, 'create_s', '.2f')} | {_cell(x, 'create_s', '.2f')} | "
-                     f"{r.get('context_mb', '—')} / {r.get('model_mb', '—')} | {compiles} | "
+                     f"{r.get('context_mb', '—')} / {r.get('model_mb', '—')} | {compiles} | {searches} | "
                      f"{_cell(x, 'run1_ms', '.1f')} | {_cell(x, 'run100_ms', '.1f')} | "
                      f"{_cell(c, 'run1_ms', '.1f')} | {_cell(c, 'run100_ms', '.1f')} |")
     errors = [f"- {r['model']} {m}: {r[m]['error']}" for r in results for m in MODES if "error" in r.get(m, {})]

@@ -126,7 +126,7 @@ def _blob_edit(path, edit) -> None:
 
 @pytest.mark.parametrize("name", ["transformer", "mlp-2x512-b512"])
 def test_context_reloads_with_no_nvrtc_compile_and_the_same_bits(cp, genv, tmp_path, cold, monkeypatch, name):
-    from plugin_cuda.device import nvrtc
+    from plugin_cuda.device import algo_cache, nvrtc
     from plugin_cuda.plan import saved
 
     model = MODELS[name]()
@@ -143,7 +143,9 @@ def test_context_reloads_with_no_nvrtc_compile_and_the_same_bits(cp, genv, tmp_p
              if a.name == "ep_cache_context"]
     plans = [saved.unpack(b) for b in blobs]
     assert plans and all(p.format == saved.FORMAT and p.modules for p in plans), [len(p.modules) for p in plans]
-    before, _ = cold()  # a new process: nothing in memory, an empty disk cache
+    if name == "mlp-2x512-b512":  # its GEMMs run on cuBLASLt with RELU_BIAS epilogues: the heuristic's answers
+        assert any(k.startswith("cublaslt|") for p in plans for k in p.algos), [p.algos for p in plans]
+    before, searched = cold()  # a new process: nothing in memory, an empty disk cache
     seen = _lowering_counter(monkeypatch)
     t0 = time.perf_counter()
     with InferenceSession(str(ctx), providers=[(CUDA, OPTIONS)], env=genv) as s:
@@ -152,6 +154,7 @@ def test_context_reloads_with_no_nvrtc_compile_and_the_same_bits(cp, genv, tmp_p
         assert nvrtc.stats["compiles"] == before["compiles"], "a saved context compiled with NVRTC"
         assert nvrtc.stats["provided"] - before["provided"] >= len(blobs)
         again = [s.run(None, f)[0] for f in feeds]
+        assert algo_cache.stats["searches"] == searched["searches"], "a saved context searched again"
     for a, b in zip(first, again, strict=True):
         np.testing.assert_array_equal(a, b)  # the same kernels and GEMM algorithms: the same bits
     np.testing.assert_allclose(again[0], reference(model, feeds[0])[0], rtol=1e-4, atol=1e-4)
