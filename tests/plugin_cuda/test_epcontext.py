@@ -82,9 +82,11 @@ def cold(monkeypatch, tmp_path):
     """A process as if new: empty NVRTC and algorithm caches on disk and in memory."""
     from plugin_cuda.device import algo_cache, nvrtc
 
-    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / "cache"))
+    count = [0]
 
     def reset():
+        count[0] += 1
+        monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / f"cache{count[0]}"))  # a new, empty cache
         nvrtc.clear()
         algo_cache.clear()
         return dict(nvrtc.stats), dict(algo_cache.stats)
