@@ -34,8 +34,8 @@ class PlanFunction:
     def __init__(self, ep, fused):
         self.ep = ep
         self.name = fused.name
-        # Saved as this partition's context (ABI v7; NVRTC output is in the disk cache), only when the
-        # session writes a context model: the subgraph holds the weights in host memory.
+        # Saved in this partition's context (ABI v7, with the plan's NVRTC output and algorithm choices),
+        # kept only when the session writes a context model: the subgraph holds the weights in host memory.
         self.fused = fused if getattr(ep, "saves_contexts", False) else None
         self._algo_mark = algo_cache.mark()  # the choices made from here on are this partition's
         try:
