@@ -68,9 +68,9 @@ DAMAGE = [
      r"^CUDA plan context format 3; this plugin reads format 2 \(and bare fused graphs\)$"),
     (lambda b: b[:-5], r"^truncated CUDA plan context: section 'module' needs bytes \d+\.\.\d+, \d+ follow the header$"),
     (lambda b: _flip(b, len(b) - 3), r"^damaged CUDA plan context: section 'module' \(18 bytes\) does not match its "
-                                     r"SHA-256$"),
+                                     r"CRC-32$"),
     (lambda b: _flip(b, len(b) - 300), r"^damaged CUDA plan context: section 'graph' \(\d+ bytes\) does not match "
-                                       r"its SHA-256$"),
+                                       r"its CRC-32$"),
     (lambda b: _repack(b, lambda h: h.update(format=1)),
      r"^CUDA plan context header says format 1; expected 2$"),
     (lambda b: _repack(b, lambda h: h["sections"][1].update(name="ptxas")),
