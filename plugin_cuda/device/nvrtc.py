@@ -100,7 +100,8 @@ def load(cp, source: str, device_id: int, probe: str | None = None) -> Module:
 
 def _module(cp, source: str, digest: str, arch: str) -> Module:
     path = _disk_path(arch, digest)
-    for where, binary in (("provided", _provided.get((arch, digest))), ("disk", _read(path))):
+    for where, read in (("provided", lambda: _provided.get((arch, digest))), ("disk", lambda: _read(path))):
+        binary = read()
         if binary is None:
             continue
         try:
@@ -137,7 +138,8 @@ def architecture(cp, device_id: int) -> str:
     known = _supported_archs()
     if not known or cc in known:
         return f"sm_{cc}"
-    return f"compute_{max(a for a in known if a <= cc) if any(a <= cc for a in known) else min(known)}"
+    older = [a for a in known if a <= cc]
+    return f"compute_{max(older) if older else min(known)}"
 
 
 @functools.cache
