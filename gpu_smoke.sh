@@ -15,5 +15,5 @@ timeout 60 python3 -m pytest tests/plugin_cuda/test_plan.py -k "cache" tests/plu
     "tests/plugin_cuda/test_dynamic_plans.py::test_each_new_shape_gets_a_plan_and_a_shape_seen_before_reuses_it" \
     -m gpu -q -p no:cacheprovider --timeout=120 2>&1 | grep -v "^$" | tail -25
 echo "== bench/creation_gpu.py resnet50 (fresh process per measurement)"
-timeout 80 python3 bench/creation_gpu.py resnet50 --budget 70 2>&1 | tail -12
+EPHOST_BENCH_PROFILE=1 timeout 80 python3 bench/creation_gpu.py resnet50 --budget 70 2>&1 | grep -v Warning | tail -75
 echo "== done $(date -u +%H:%M:%S) UTC"

@@ -15,7 +15,8 @@ in a fresh process (this script's `_measure`), so nothing is warm in memory:
 
 Creation is InferenceSession(...) alone (the Environment and plugin load are reported apart as
 `env_s`). Each process then runs the model 100 times: `run1_ms` is the first run, `run100_ms` the
-hundredth (outputs copied to the host both times). Models are time-boxed: a model whose budget share
+hundredth (outputs copied to the host both times). `EPHOST_BENCH_PROFILE=1` adds each creation's
+cProfile top functions. Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 """
 
@@ -108,6 +109,27 @@ def _feeds(session) -> dict:
     return feeds
 
 
+def _profiler():
+    """A running cProfile when $EPHOST_BENCH_PROFILE=1 (where session creation spends its time)."""
+    if os.environ.get("EPHOST_BENCH_PROFILE") != "1":
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _top(profiler, count: int = 14) -> list[str]:
+    """The functions with the most cumulative time, as 'seconds name (file:line)'."""
+    import pstats
+
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    return [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
+
+
 def measure(model: str, plugin: str, save: str | None) -> dict:
     t0 = time.perf_counter()
     import host
@@ -121,9 +143,12 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
     if save:
         so.add_session_config_entry("ep.context_enable", "1")
         so.add_session_config_entry("ep.context_file_path", save)
+    profiler = _profiler()
     t1 = time.perf_counter()
     session = InferenceSession(model, so, providers=[(CUDA, {})], env=env)
     out["create_s"] = time.perf_counter() - t1
+    if profiler is not None:
+        out["profile"] = _top(profiler)
     from plugin_cuda.device import algo_cache, nvrtc
 
     out.update(nvrtc={k: v for k, v in nvrtc.stats.items() if k != "compile_seconds"},
@@ -173,7 +198,10 @@ def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
             res[mode] = _child(model, plugin, caches[mode], ctx if mode == "save" else None, left)
         except subprocess.TimeoutExpired:
             res[mode] = {"error": f"timed out ({left:.0f} s left of the budget)"}
+        profile = res[mode].pop("profile", None)
         print(f"  {name} {mode}: {json.dumps(res[mode])}", flush=True)
+        for line in profile or ():
+            print(f"    {line}", flush=True)
     if ctx.is_file():
         res["context_mb"] = round(sum(p.stat().st_size for p in work.glob(f"{name}_ctx*")) / 1e6, 1)
         res["model_mb"] = round(path.stat().st_size / 1e6, 1)
