@@ -27,8 +27,10 @@ _state = {"versions": "", "loaded": False}
 stats = {"hits": 0, "searches": 0}
 
 
-def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int) -> str:
-    return f"cublaslt|cc{cc}|{m}x{n}x{k}|{epilogue}|{compute_type}"
+def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int, data_type: int) -> str:
+    """A cuBLASLt GEMM's key: `data_type` is the operands' cudaDataType (an algorithm found for one
+    type is not valid for another)."""
+    return f"cublaslt|cc{cc}|{m}x{n}x{k}|{epilogue}|{compute_type}|t{data_type}"
 
 
 def conv_key(cc: str, kind: str, geo, dtype: str, use_tf32: bool, search: str) -> str:

@@ -153,7 +153,7 @@ class EpilogueGemm:
         zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
         check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, zero, 8),
               f"{what}: cublasLtMatmulPreferenceSetAttribute")
-        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type)
+        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, CUDA_R_32F)
         saved = algo_cache.lookup(key)
         if saved is not None and len(bytes.fromhex(saved)) == ffi.sizeof("cublasLtMatmulAlgo_t"):
             # The heuristic's earlier answer for this device, shape and epilogue (a disk cache or context).

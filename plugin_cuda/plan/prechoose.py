@@ -32,12 +32,19 @@ def make_choices(plan) -> None:
 def _make_choices(plan, ep) -> None:
     for variant in {id(v): v for v in (plan.eager, plan.graph)}.values():
         for step, spec in zip(variant.steps, variant.specs):
-            if spec is not None or step.op is None:
+            if spec is not None or step.op is None or not _float32(plan, step.op):
                 continue
             if step.kind == cudnn_step.KIND:
                 _conv(plan, ep, step)
             elif "epilogue" in step.op.attrs and step.op.kind != "bgemm":
                 _epilogue_gemm(plan, step, variant)
+
+
+def _float32(plan, op) -> bool:
+    """Only float32 steps: the setups and GEMMs made here are float32 ones (a value without a dtype
+    is float32, the plan's only type before half-precision plans)."""
+    value = plan.prog.values[op.outputs[0]]
+    return np.dtype(getattr(value, "dtype", np.float32)) == np.float32
 
 
 def _conv(plan, ep, step) -> None:

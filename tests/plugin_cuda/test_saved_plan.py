@@ -9,6 +9,7 @@ import hashlib
 import json
 import types
 
+import numpy as np
 import pytest
 
 import abi
@@ -289,7 +290,7 @@ def algos(monkeypatch, tmp_path):
 
 
 def test_choices_persist_per_library_versions(algos):
-    key = algo_cache.lt_key("90", 8, 16, 32, "bias", 68)
+    key = algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0)
     assert algo_cache.lookup(key) is None
     start = algo_cache.mark()
     algo_cache.record(key, "ab" * 64)
@@ -305,7 +306,11 @@ def test_choices_persist_per_library_versions(algos):
 def test_a_damaged_choice_file_means_searching_again(algos):
     (algos / "algos").mkdir()
     (algos / "algos" / "14.0.0_12080.json").write_text("{\"cut")
-    assert algo_cache.lookup("cublaslt|cc90|1x1x1|bias|68") is None
+    assert algo_cache.lookup(algo_cache.lt_key("90", 1, 1, 1, "bias", 68, 0)) is None
+
+
+def test_lt_keys_name_the_data_type():
+    assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 2)
 
 
 def test_conv_keys_name_the_whole_geometry():
@@ -397,3 +402,17 @@ def test_a_failing_choice_is_left_to_the_first_run(monkeypatch):
     monkeypatch.setattr(cudnn_conv, "setup", refuse)
     prechoose.make_choices(plan)  # no error at creation
     assert calls[-1] == ("give_back", "handle") and made == {}
+
+
+def test_steps_of_other_types_are_left_to_their_first_run(monkeypatch):
+    from plugin_cuda.device import cublaslt, cudnn_conv
+    from plugin_cuda.plan import prechoose
+
+    calls = []
+    plan, _, made = _stand_in_plan(calls)
+    for v in plan.prog.values.values():
+        v.dtype = np.dtype(np.float16)  # a half-precision plan: its setups are not float32 ones
+    monkeypatch.setattr(cudnn_conv, "setup", lambda *a: calls.append(a))
+    monkeypatch.setattr(cublaslt, "EpilogueGemm", lambda *a: ("gemm", *a))
+    prechoose.make_choices(plan)
+    assert calls == [] and made == {}
