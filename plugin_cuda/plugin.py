@@ -13,10 +13,12 @@ import threading
 import numpy as np
 
 import abi
-from abi import fused_blob, sdk
+from abi import sdk
 from abi.dtypes import ONNX_TO_NUMPY, to_numpy
 from abi.sdk import PluginError
+from plugin_cuda.device import algo_cache
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
+from plugin_cuda.plan import saved as saved_context
 
 EP_NAME = "CUDAExecutionProvider"
 NVIDIA_VENDOR_ID = 0x10DE
@@ -75,6 +77,7 @@ class CudaFactory(sdk.FactoryBase):
         if not devices:
             raise PluginError(f"{EP_NAME}: no CUDA device; the options are valid", abi.EP_NOT_FOUND)
         ep = CudaEp(self.runtime, self, opts, logger)
+        algo_cache.set_versions(self.cuda_versions())  # its disk file of algorithm choices
         # ABI v7: plans keep their subgraph (weights included) only for a session that saves contexts.
         ep.saves_contexts = self.api.config_entry(session_options, "ep.context_enable") == "1"
         return ep
@@ -89,13 +92,14 @@ class CudaFactory(sdk.FactoryBase):
         return None  # streams are per EP: see CudaEp.CreateSyncStreamForDevice
 
     def validate_compatibility(self, devices, info):
-        """ABI v7: a context is the fused subgraph (fused_blob); another plugin version, ABI, device
-        architecture or library version plans it again, another EP's string is unsupported."""
+        """ABI v7 (contexts: plan/saved.py, subgraphs kept in the model): another context format, plugin
+        version, ABI, architecture or library version plans again; another EP's string is unsupported."""
         fields = sdk.compatibility_fields(info, EP_NAME)
-        if fields is None or fields.get("format") != str(fused_blob.FORMAT):
+        if fields is None:
             return sdk.COMPILED_MODEL_UNSUPPORTED
         here = {f"cc={self.compute_capability(d.device_id)}" for d in devices}
-        same = (fields.get("plugin") == self.plugin_version and fields.get("abi") == str(self.runtime.compiled_version)
+        same = (fields.get("format") == str(saved_context.FORMAT) and fields.get("plugin") == self.plugin_version
+                and fields.get("abi") == str(self.runtime.compiled_version)
                 and f"cc={fields.get('cc')}" in here and fields.get("cuda") == self.cuda_versions())
         return sdk.COMPILED_MODEL_SUPPORTED_OPTIMAL if same else sdk.COMPILED_MODEL_SUPPORTED_PREFER_RECOMPILATION
 
@@ -353,16 +357,15 @@ class CudaEp(sdk.EpBase):
 
     # -- saved contexts (ABI v7) -----------------------------------------------------------------------
     def compile_from_context(self, fused, blob):
-        try:
-            saved = fused_blob.from_bytes(blob)
-        except fused_blob.BlobError as exc:
-            raise PluginError(f"context of fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
-        return self.compile([sdk.FusedGraph(fused.name, saved.graph)])[0]
+        """A saved context's partition, planned without NVRTC or searches (plan/compute.py)."""
+        from plugin_cuda.plan.compute import subgraph_from_context
+
+        return self.compile([sdk.FusedGraph(fused.name, subgraph_from_context(self, fused.name, blob))])[0]
 
     def compatibility_info(self):
         f = self.factory
         return sdk.compatibility_string(EP_NAME, plugin=f.plugin_version, abi=self.runtime.compiled_version,
-                                        format=fused_blob.FORMAT, cc=f.compute_capability(self.device_id),
+                                        format=saved_context.FORMAT, cc=f.compute_capability(self.device_id),
                                         cuda=f.cuda_versions())
 
     # -- v2 ------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ A compiled plan folds `Add(bias)` and `Relu` after a GEMM that runs on cuBLAS in
 (CUBLASLT_EPILOGUE_BIAS / RELU_BIAS), so no separate epilogue kernel reads and rewrites the GEMM's
 result. Everything but the stream is fixed when the plan is built: the descriptor (with the bias
 address), the matrix layouts and the algorithm (the first heuristic answer, no workspace, so a
-call never allocates and is capturable). Statuses are cublasStatus_t: cublas.check names them.
+call never allocates and is capturable; remembered in device/algo_cache.py, so a later process or a
+saved context does not ask the heuristic again). Statuses are cublasStatus_t: cublas.check names them.
 
 Enum values and the heuristic-result layout are those of cublasLt.h (CUDA 11 to 13).
 """
@@ -13,11 +14,13 @@ Enum values and the heuristic-result layout are those of cublasLt.h (CUDA 11 to 
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import threading
 import weakref
 
 import cffi
 
+from plugin_cuda.device import algo_cache
 from plugin_cuda.device.cublas import CublasError, check, open_first
 
 _CDEF = """
@@ -105,6 +108,13 @@ def handle(device_id: int):
     return h
 
 
+@functools.cache
+def compute_capability(device_id: int) -> str:
+    import cupy
+
+    return str(cupy.cuda.Device(device_id).compute_capability)
+
+
 def _destroy(lib, desc, layouts, pref) -> None:
     lib.cublasLtMatmulDescDestroy(desc)
     for layout in layouts:
@@ -143,17 +153,30 @@ class EpilogueGemm:
         zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
         check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, zero, 8),
               f"{what}: cublasLtMatmulPreferenceSetAttribute")
-        result = ffi.new("cublasLtMatmulHeuristicResult_t *")
-        count = ffi.new("int *")
-        b_layout, a_layout, d_layout = layouts
-        check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, b_layout, a_layout, d_layout, d_layout,
-                                                 self.pref, 1, result, count), f"{what}: cublasLtMatmulAlgoGetHeuristic")
-        if count[0] < 1:
-            raise CublasError(f"{what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} float32 GEMM with "
-                              f"epilogue {epilogue!r} and no workspace")
-        self.algo = ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
+        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, CUDA_R_32F)
+        saved = algo_cache.lookup(key)
+        if saved is not None and len(bytes.fromhex(saved)) == ffi.sizeof("cublasLtMatmulAlgo_t"):
+            # The heuristic's earlier answer for this device, shape and epilogue (a disk cache or context).
+            self.algo = ffi.new("cublasLtMatmulAlgo_t *")
+            ffi.memmove(self.algo, bytes.fromhex(saved), len(bytes.fromhex(saved)))
+        else:
+            self.algo = self._heuristic(m, n, k, epilogue)
+            algo_cache.record(key, bytes(ffi.buffer(self.algo)).hex())
         self.alpha = ffi.new("float *", float(alpha))
         self.beta = ffi.new("float *", 0.0)
+
+    def _heuristic(self, m: int, n: int, k: int, epilogue: str):
+        """cuBLASLt's first answer for this GEMM (the algorithm struct)."""
+        result = ffi.new("cublasLtMatmulHeuristicResult_t *")
+        count = ffi.new("int *")
+        b_layout, a_layout, d_layout = self.layouts
+        check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, b_layout, a_layout, d_layout, d_layout,
+                                                      self.pref, 1, result, count),
+              f"{self.what}: cublasLtMatmulAlgoGetHeuristic")
+        if count[0] < 1:
+            raise CublasError(f"{self.what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} float32 GEMM with "
+                              f"epilogue {epilogue!r} and no workspace")
+        return ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
 
     def _set(self, attr: int, value, size: int) -> None:
         check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, value, size),

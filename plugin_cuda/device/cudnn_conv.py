@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plugin_cuda.device import cudnn
+from plugin_cuda.device import algo_cache, cudnn
 from plugin_cuda.device.cudnn import NULL, ONE, ZERO, CudnnError, check, ffi
 
 try:
@@ -288,15 +288,25 @@ def choose(handle, s: ConvSetup, search: str) -> None:
     """Set s.algo (and its math type) by `search`, and s.workspace_bytes."""
     lib, raw = handle.lib, handle.raw
     fwd = s.kind == "forward"
-    perf = None if search == "DEFAULT" else _query(handle, s, search)
-    if perf is None:
-        s.algo = (cudnn.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM if fwd
-                  else cudnn.CUDNN_CONVOLUTION_BWD_DATA_ALGO_1)
+    key = algo_cache.conv_key(str(cupy.cuda.Device().compute_capability), s.kind, s.geo, s.dtype.name,
+                              handle.use_tf32, search)
+    saved = algo_cache.lookup(key)
+    if isinstance(saved, list) and len(saved) == 2:  # [algorithm, math type] of an earlier search
+        algo, math_type = (int(v) for v in saved)
     else:
-        s.algo = int(perf.algo)
-        if not s.strict and perf.mathType != s.math:  # the math the algorithm was measured with
-            s.math = int(perf.mathType)
-            check(lib.cudnnSetConvolutionMathType(s.conv, s.math), "cudnnSetConvolutionMathType")
+        perf = None if search == "DEFAULT" else _query(handle, s, search)
+        if perf is None:
+            algo = (cudnn.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM if fwd
+                    else cudnn.CUDNN_CONVOLUTION_BWD_DATA_ALGO_1)
+            math_type = s.math
+        else:
+            algo = int(perf.algo)
+            math_type = s.math if s.strict else int(perf.mathType)  # the math the algorithm was measured with
+        algo_cache.record(key, [algo, math_type])
+    s.algo = algo
+    if math_type != s.math:
+        s.math = math_type
+        check(lib.cudnnSetConvolutionMathType(s.conv, s.math), "cudnnSetConvolutionMathType")
     size = ffi.new("size_t *")
     if fwd:
         check(lib.cudnnGetConvolutionForwardWorkspaceSize(raw, s.x, s.w, s.conv, s.y, s.algo, size),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import abi
 from abi import fused_blob
 from abi.sdk import PluginError
-from plugin_cuda.device import nvrtc
+from plugin_cuda.device import algo_cache, nvrtc
+from plugin_cuda.plan import prechoose, saved
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
 from plugin_cuda.plan.signatures import ConstantStore, PlanCache, is_dynamic, specialize
@@ -33,22 +34,33 @@ class PlanFunction:
     def __init__(self, ep, fused):
         self.ep = ep
         self.name = fused.name
-        # Saved as this partition's context (ABI v7; NVRTC output is in the disk cache), only when the
-        # session writes a context model: the subgraph holds the weights in host memory.
+        # Saved in this partition's context (ABI v7, with the plan's NVRTC output and algorithm choices),
+        # kept only when the session writes a context model: the subgraph holds the weights in host memory.
         self.fused = fused if getattr(ep, "saves_contexts", False) else None
+        self._algo_mark = algo_cache.mark()  # the choices made from here on are this partition's
         try:
             self.plan = Plan.build(fused.graph, ep, **build_options(ep.opts))
         except PlanError as exc:
             raise PluginError(f"fused node '{fused.name}': {exc}", abi.EP_INVALID_GRAPH) from None
         self._shapes = self.plan.output_shapes
+        resolve_functions(self.plan)
+        prechoose.make_choices(self.plan)  # in this partition's context, and out of run 1
 
     def create_state(self):
         return None
 
     def context(self) -> bytes | None:
-        """ABI v7: the fused subgraph as bytes; CudaEp.compile_from_context plans it again (no host
-        optimization or partitioning; kernels come from the NVRTC disk cache)."""
-        return None if self.fused is None else fused_blob.to_bytes(self.fused)
+        """ABI v7: the fused subgraph with the plan's NVRTC output and algorithm choices
+        (plan/saved.py); CudaEp.compile_from_context plans it again without compiling or searching."""
+        if self.fused is None:
+            return None
+        ep = self.ep
+        return saved.pack(saved.SavedPlan(fused_blob.to_bytes(self.fused),
+                                          cc=ep.factory.compute_capability(ep.device_id),
+                                          modules=saved_modules(self._plans()), algos=algo_cache.taken(self._algo_mark)))
+
+    def _plans(self) -> list:
+        return [self.plan]
 
     def compute(self, state, frame) -> None:
         outs = frame.output_ptrs()
@@ -105,6 +117,7 @@ class ShapePlanFunction(PlanFunction):
         self.ep = ep
         self.name = fused.name
         self.fused = fused if getattr(ep, "saves_contexts", False) else None
+        self._algo_mark = algo_cache.mark()
         graph = fused.graph
         self._graph = graph
         self._input_ids = list(graph.input_ids) or [graph.values.index(v) for v in graph.inputs]
@@ -163,6 +176,9 @@ class ShapePlanFunction(PlanFunction):
         finally:
             self.cache.release(signature, plan)
 
+    def _plans(self) -> list:
+        return self.cache.plans()  # the signatures planned so far: their modules go in the context
+
     def forget_stream(self, stream: int) -> None:
         for plan in self.cache.plans():
             plan.forget_stream(stream)
@@ -176,6 +192,44 @@ class ShapePlanFunction(PlanFunction):
     def close(self) -> None:
         self.cache.close()
         self.constants.close()
+
+
+def resolve_functions(plan) -> None:
+    """Look up every kernel of the plan's module now: with CUDA's lazy module loading a function is
+    loaded at its lookup, which would otherwise happen in the first run."""
+    for variant in {id(v): v for v in (plan.eager, plan.graph)}.values():
+        for spec in variant.specs:
+            if spec is not None:
+                plan.module.function(spec.name)
+
+
+def saved_modules(plans) -> list:
+    """The NVRTC output of `plans`' modules (one per source), for a context."""
+    out = {}
+    for plan in plans:
+        m = plan.module
+        if m.binary is not None:  # None: CuPy compiled it (no bytes to keep); the loader compiles it again
+            out[m.digest] = saved.SavedModule(m.arch, m.digest, m.binary)
+    return list(out.values())
+
+
+def subgraph_from_context(ep, name: str, blob: bytes):
+    """The subgraph of a saved context (plan/saved.py), its modules and algorithm choices installed
+    for the plan built next (no NVRTC compile, no search). A context that does not read, or was made
+    on another compute capability, is refused (PluginError): the host compiles the kept subgraph."""
+    try:
+        plan = saved.unpack(blob)
+        graph = plan.fused_graph().graph
+    except fused_blob.BlobError as exc:
+        raise PluginError(f"context of fused node '{name}': {exc}", abi.EP_INVALID_GRAPH) from None
+    here = ep.factory.compute_capability(ep.device_id)
+    if plan.cc and plan.cc != here:
+        raise PluginError(f"context of fused node '{name}' was compiled for compute capability {plan.cc}; "
+                          f"device {ep.device_id} has {here}", abi.EP_INVALID_GRAPH)
+    for m in plan.modules:
+        nvrtc.provide(m.arch, m.digest, m.binary)
+    algo_cache.provide(plan.algos)
+    return graph
 
 
 def make_function(ep, fused):

@@ -6,6 +6,7 @@ per-node path for the session test. TF32 is off so float32 results compare tight
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -168,24 +169,28 @@ sys.path.insert(0, sys.argv[1])
 from host.cli import zoo
 from plugin_cuda.plan.onnx_spec import spec_from_onnx
 from plugin_cuda.plan.plan import Plan
+from plugin_cuda.device import nvrtc
 plan = Plan.build(spec_from_onnx(zoo.mlp(layers=2, hidden=24, batch=3, seed=7)), use_tf32=False)
-print(json.dumps(plan.describe()))
+print(json.dumps({k: v for k, v in nvrtc.stats.items() if k != "compile_seconds"}))
 """
 
 
 def test_kernel_cache_on_disk_serves_a_new_process(cp, tmp_path):
-    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, EPHOST_CACHE_DIR=str(tmp_path / "cache"), CUPY_CACHE_DIR=str(tmp_path / "cache" / "cupy"))
 
     def files():
-        return sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+        return sorted(p.name for p in (tmp_path / "cache" / "nvrtc").rglob("*") if p.is_file())
 
+    stats = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _DISK_SCRIPT, str(ROOT)], env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
+        stats.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         if _ == 0:
             first = files()
     assert first and files() == first  # the second process compiled nothing new: it loaded the binary
+    assert stats[0]["compiles"] >= 1 and stats[1]["compiles"] == 0 and stats[1]["disk"] >= 1, stats
 
 
 def test_capture_replays_the_same_launches(cp):

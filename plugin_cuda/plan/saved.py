@@ -1,0 +1,142 @@
+"""The CUDA plugin's saved context (ABI v7): a compiled partition as bytes, and back.
+
+A context holds what rebuilding the partition's plan would otherwise redo on the device:
+
+  graph    the fused subgraph, in abi/fused_blob.py's own framing (its format number inside);
+  modules  NVRTC's output for the plan's generated source, one per module, each with its
+           architecture ("sm_90": a cubin; "compute_90": PTX) and source hash (nvrtc.source_hash):
+           loaded through nvrtc.provide, so the plan's `nvrtc.load` finds it without compiling;
+  algos    the cuBLASLt heuristic answers and cuDNN algorithm choices the partition made
+           (device/algo_cache.py keys), handed to algo_cache.provide.
+
+Lowering and code generation run again at load (pure Python: the generated source's hash is what
+finds the saved module); a symbolic-shape partition keeps the modules of the signatures it had
+planned when the context was written, and plans each signature again at its first call.
+
+Layout: MAGIC, the plan format (uint32 LE), the header's length (uint64 LE), the header (JSON),
+then the sections back to back. The header lists each section's offset, size and CRC-32 (damage, not
+tampering, is what it detects: a context is as trusted as the model holding it; CRC-32 reads a
+BERT-size section three times faster than SHA-256), so a truncated or altered context is refused
+(PlanBlobError) before anything is loaded from it; the
+plugin then answers CompileFromContext with an error and the host compiles the kept subgraph.
+A bare fused_blob (what the plugin wrote before plan format 2) still loads: graph only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+
+from abi import fused_blob
+from abi.graph_spec import FusedGraph
+
+MAGIC = b"EPHOST-CUDA-PLAN\0"
+FORMAT = 2  # 1 was the bare fused graph (abi/fused_blob.py), still read by `unpack`
+_FIXED = len(MAGIC) + 4 + 8
+
+__all__ = ["FORMAT", "MAGIC", "PlanBlobError", "SavedModule", "SavedPlan", "pack", "unpack"]
+
+
+class PlanBlobError(fused_blob.BlobError):
+    """Bytes that are not a CUDA plan context this plugin reads (damaged, truncated, another format)."""
+
+
+@dataclass(frozen=True)
+class SavedModule:
+    arch: str  # "sm_XY" or "compute_XY"
+    digest: str  # nvrtc.source_hash of the generated source
+    binary: bytes
+
+
+@dataclass
+class SavedPlan:
+    graph: bytes  # abi/fused_blob.py bytes
+    cc: str = ""  # the compute capability it was compiled on ("" for a bare fused graph)
+    modules: list[SavedModule] = field(default_factory=list)
+    algos: dict = field(default_factory=dict)
+    format: int = FORMAT
+
+    def fused_graph(self) -> FusedGraph:
+        """The subgraph; PlanBlobError when its own bytes do not read."""
+        try:
+            return fused_blob.from_bytes(self.graph)
+        except fused_blob.BlobError as exc:
+            raise PlanBlobError(f"graph section: {exc}") from None
+
+
+def pack(saved: SavedPlan) -> bytes:
+    """`saved` as bytes that `unpack` turns back into an equal SavedPlan."""
+    sections, payload, offset = [], [], 0
+
+    def add(name: str, data: bytes, **extra) -> None:
+        nonlocal offset
+        sections.append({"name": name, "offset": offset, "size": len(data),
+                         "crc32": zlib.crc32(data), **extra})
+        payload.append(data)
+        offset += len(data)
+
+    add("graph", saved.graph)
+    for m in saved.modules:
+        add("module", m.binary, arch=m.arch, digest=m.digest)
+    head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections},
+                      sort_keys=True).encode()
+    return MAGIC + FORMAT.to_bytes(4, "little") + len(head).to_bytes(8, "little") + head + b"".join(payload)
+
+
+def unpack(blob: bytes) -> SavedPlan:
+    """The SavedPlan `pack` wrote (or a bare fused graph's, graph only); PlanBlobError on anything else."""
+    blob = bytes(blob)
+    if blob.startswith(fused_blob.MAGIC):
+        return SavedPlan(graph=blob, format=1)
+    if not blob.startswith(MAGIC):
+        raise PlanBlobError(f"not a CUDA plan context ({len(blob)} bytes): no {MAGIC[:-1].decode()} header "
+                            f"(allowed: plan format {FORMAT}, or a bare fused graph)")
+    if len(blob) < _FIXED:
+        raise PlanBlobError(f"truncated CUDA plan context: {len(blob)} bytes, the fixed header needs {_FIXED}")
+    version = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 4], "little")
+    if version != FORMAT:
+        raise PlanBlobError(f"CUDA plan context format {version}; this plugin reads format {FORMAT} "
+                            "(and bare fused graphs)")
+    size = int.from_bytes(blob[len(MAGIC) + 4:_FIXED], "little")
+    if _FIXED + size > len(blob):
+        raise PlanBlobError(f"truncated CUDA plan context: the header needs {size} bytes, "
+                            f"{len(blob) - _FIXED} follow")
+    try:
+        head = json.loads(blob[_FIXED:_FIXED + size])
+        return _read_sections(head, memoryview(blob)[_FIXED + size:])
+    except PlanBlobError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanBlobError(f"unreadable CUDA plan context header: {type(exc).__name__}: {exc}") from None
+
+
+def _read_sections(head: dict, payload: memoryview) -> SavedPlan:
+    if head.get("format") != FORMAT:
+        raise PlanBlobError(f"CUDA plan context header says format {head.get('format')!r}; expected {FORMAT}")
+    saved = SavedPlan(graph=b"", cc=str(head["cc"]), algos=dict(head["algos"]))
+    graphs = 0
+    for s in head["sections"]:
+        data = _section(s, payload)
+        if s["name"] == "graph":
+            saved.graph = data
+            graphs += 1
+        elif s["name"] == "module":
+            saved.modules.append(SavedModule(str(s["arch"]), str(s["digest"]), data))
+        else:
+            raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: 'graph', 'module'")
+    if graphs != 1:
+        raise PlanBlobError(f"CUDA plan context has {graphs} graph sections; expected 1")
+    return saved
+
+
+def _section(s: dict, payload: memoryview) -> bytes:
+    start, size = int(s["offset"]), int(s["size"])
+    if start < 0 or size < 0 or start + size > len(payload):
+        raise PlanBlobError(f"truncated CUDA plan context: section {s['name']!r} needs bytes {start}..{start + size}, "
+                            f"{len(payload)} follow the header")
+    data = bytes(payload[start:start + size])
+    if zlib.crc32(data) != s["crc32"]:
+        raise PlanBlobError(f"damaged CUDA plan context: section {s['name']!r} ({size} bytes) does not match "
+                            "its CRC-32")
+    return data
