@@ -263,13 +263,27 @@ def test_concurrent_clients_get_onnxruntime_answers_in_padded_batches(url, refer
     assert sum(int(k) * v for k, v in stats["batch_sizes"].items()) == stats["requests"]
 
 
-def _replicas_seen(url: str, tries: int) -> set[str]:
-    seen = set()
-    with requests.Session() as http:
-        for i in range(tries):
+def _replicas_seen(url: str, tries: int, want: int = 2) -> set[str]:
+    """Replica names that answered probes: up to `tries` rounds of 4 concurrent probes, stopping
+    once `want` names are seen (one at a time, Ray's router may keep choosing the same replica; a
+    loaded machine may also bring the second replica up late)."""
+    seen: set[str] = set()
+
+    def probe(i: int) -> None:
+        with requests.Session() as http:
             status, _, _, meta = infer(http, url, f"probe-{i}", np.ones((1, FEATURES), np.float32), binary=False)
             if status == 200:
                 seen.add(meta["replica"])
+
+    for r in range(tries):
+        threads = [threading.Thread(target=probe, args=(4 * r + k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if len(seen) >= want:
+            break
+        time.sleep(0.1)
     return seen
 
 
