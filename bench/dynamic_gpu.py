@@ -73,11 +73,28 @@ def timed(fn, iters: int) -> float:
     return float(np.median(samples)) * 1e3
 
 
+def _pinned_constants(torch):
+    """transformers' masks call torch.tensor(value, device=cuda) in forward, a copy from pageable
+    memory that capture refuses; made from pinned memory the copy is captured. The pinned blocks
+    are kept (`keep`) for as long as the graph lives, so its replays read the same constants."""
+    original, keep = torch.tensor, []
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is None or torch.device(device).type != "cuda":
+            return original(data, *args, device=device, **kwargs)
+        host = original(data, *args, **kwargs).pin_memory()
+        keep.append(host)
+        return host.to(device, non_blocking=True)
+    return original, tensor, keep
+
+
 def torch_graph(torch, model, args):
     """A replay function of a torch.cuda.CUDAGraph of model(*args) (static inputs), or None when the
     module refuses capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    original, pinned, keep = _pinned_constants(torch)
+    torch.tensor = pinned
     try:
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(3):
@@ -89,8 +106,10 @@ def torch_graph(torch, model, args):
     except RuntimeError as exc:
         print(f"torch CUDA graph refused: {str(exc).splitlines()[0]}")
         return None
+    finally:
+        torch.tensor = original
 
-    def replay():
+    def replay(keep=keep):
         graph.replay()
         torch.cuda.synchronize()
     return replay
