@@ -29,13 +29,19 @@ stats = {"hits": 0, "searches": 0}
 
 def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int, data_type: int) -> str:
     """A cuBLASLt GEMM's key: `data_type` is the operands' cudaDataType (an algorithm found for one
-    type is not valid for another)."""
-    return f"cublaslt|cc{cc}|{m}x{n}x{k}|{epilogue}|{compute_type}|t{data_type}"
+    type is not valid for another). Sizes are keyed by value: a symbolic plan's sizes are SymInts,
+    which format as their C expression ("S0*S1"), the same for every signature."""
+    return f"cublaslt|cc{cc}|{int(m)}x{int(n)}x{int(k)}|{epilogue}|{compute_type}|t{data_type}"
+
+
+def _ints(xs) -> list[int]:
+    return [int(x) for x in xs]  # by value, as in lt_key
 
 
 def conv_key(cc: str, kind: str, geo, dtype: str, use_tf32: bool, search: str) -> str:
-    return (f"cudnn|cc{cc}|{kind}|x{list(geo.x_shape)}|w{list(geo.w_shape)}|y{list(geo.y_shape)}|p{list(geo.pads)}"
-            f"|s{list(geo.strides)}|d{list(geo.dilations)}|g{geo.group}|{dtype}|tf32={int(use_tf32)}|{search}")
+    return (f"cudnn|cc{cc}|{kind}|x{_ints(geo.x_shape)}|w{_ints(geo.w_shape)}|y{_ints(geo.y_shape)}"
+            f"|p{_ints(geo.pads)}|s{_ints(geo.strides)}|d{_ints(geo.dilations)}|g{int(geo.group)}|{dtype}"
+            f"|tf32={int(use_tf32)}|{search}")
 
 
 def set_versions(text: str) -> None:

@@ -313,6 +313,22 @@ def test_lt_keys_name_the_data_type():
     assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 2)
 
 
+def test_keys_of_symbolic_sizes_are_their_values():
+    """A symbolic plan's GEMM sizes are SymInts printing as C expressions ("S0*S1"): one signature's
+    algorithm reused at another size failed with CUBLAS_STATUS_NOT_SUPPORTED on BERT-base (H100)."""
+    from plugin_cuda.device.cudnn_conv import forward_geometry
+    from plugin_cuda.plan.symint import SymInt
+
+    small, large = SymInt(16, "S0*S1"), SymInt(1024, "S0*S1")
+    assert str(small) == str(large)  # what made the keys equal
+    assert algo_cache.lt_key("90", small, 768, 768, "bias", 68, 0) != algo_cache.lt_key("90", large, 768, 768, "bias", 68, 0)
+    assert algo_cache.lt_key("90", large, 768, 768, "bias", 68, 0) == algo_cache.lt_key("90", 1024, 768, 768, "bias", 68, 0)
+    geo = [forward_geometry((SymInt(b, "S0"), 3, 8, 8), (4, 3, 3, 3), (SymInt(b, "S0"), 4, 8, 8), 1, (1, 1), (1, 1),
+                            (1, 1), (1, 1)) for b in (1, 8)]
+    assert algo_cache.conv_key("90", "forward", geo[0], "float32", False, "HEURISTIC") != \
+        algo_cache.conv_key("90", "forward", geo[1], "float32", False, "HEURISTIC")
+
+
 def test_conv_keys_name_the_whole_geometry():
     from plugin_cuda.device.cudnn_conv import forward_geometry
 
