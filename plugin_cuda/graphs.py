@@ -141,6 +141,11 @@ class GraphManager:
             # path (abort, then run eagerly) sees it as the first kernel's failure.
             raise RuntimeError("capture failure forced by debug_force_capture_failure=1")
 
+    def capture_keep(self) -> list | None:
+        """The list of objects this thread's capture in progress keeps for its graph, or None."""
+        t = self._tls.__dict__.get("v")
+        return t.capturing.keep if t is not None and t.capturing is not None else None
+
     def capturing(self) -> bool:
         t = self._tls.__dict__.get("v")
         return t is not None and t.capturing is not None

@@ -23,7 +23,6 @@ from plugin_cuda.plan import saved as saved_context
 EP_NAME = "CUDAExecutionProvider"
 NVIDIA_VENDOR_ID = 0x10DE
 _log = logging.getLogger("ephost.plugin_cuda")
-_MEMCPY_H2D, _MEMCPY_D2H, _MEMCPY_D2D = 1, 2, 3
 
 
 def probe_devices():
@@ -86,6 +85,8 @@ class CudaFactory(sdk.FactoryBase):
         return None  # allocators are per EP (per session): see CudaEp.CreateAllocator
 
     def create_data_transfer(self):
+        from plugin_cuda.transfer import CudaDataTransfer
+
         return CudaDataTransfer(self.runtime, self)
 
     def create_sync_stream(self, spec):
@@ -189,7 +190,7 @@ class CudaEp(sdk.EpBase):
         self.memory = DeviceMemory(cp, self.ffi, opts, opts.device_id)
         self.streams: dict[int, StreamState] = {}
         self.blocks: dict[int, object] = {}
-        self.stats = {"copies_default_stream": 0, "copies_compute_stream": 0, "tagged_scratch": 0,
+        self.stats = {"copies_default_stream": 0, "copies_compute_stream": 0, "copies_captured": 0, "tagged_scratch": 0,
                       "untagged_scratch": 0, "capture_allocations": 0}
         self._views: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -653,48 +654,3 @@ class CudaNotification(sdk.NotificationBase):
     def WaitOnHost(self):
         if self.event is not None:
             self.event.synchronize()
-
-
-class CudaDataTransfer(sdk.Impl):
-    """Host<->device and device<->device copies, on the compute stream or the default stream."""
-
-    table = "EpDataTransfer"
-
-    def __init__(self, runtime, factory: CudaFactory):
-        super().__init__(runtime, factory)
-        self.factory = factory
-
-    def CanCopy(self, src, dst):
-        kinds = {src.device_type, dst.device_type}
-        return int(kinds <= {abi.DEVICE_CPU, abi.DEVICE_GPU} and abi.DEVICE_GPU in kinds)
-
-    def CopyTensors(self, src, dst, streams, count):
-        for i in range(count):
-            owner = self.runtime.obj(streams[i]) if streams != self.ffi.NULL and streams[i] != self.ffi.NULL else None
-            self._copy(src[i], dst[i], owner.state if isinstance(owner, CudaSyncStream) else None)
-
-    def _copy(self, s, d, state: StreamState | None) -> None:
-        cp = self.factory.cupy
-        rt = cp.cuda.runtime
-        n = int(s.nbytes)
-        if n == 0:
-            return
-        sp, dp = int(self.ffi.cast("uintptr_t", s.data)), int(self.ffi.cast("uintptr_t", d.data))
-        kind = (_MEMCPY_H2D if s.device_type == abi.DEVICE_CPU else
-                _MEMCPY_D2H if d.device_type == abi.DEVICE_CPU else _MEMCPY_D2D)
-        ep = state.ep if state is not None else None
-        default = ep is None or ep.opts.do_copy_in_default_stream
-        copy_stream = cp.cuda.Stream.null if default else state.stream
-        if ep is not None:
-            ep.stats["copies_default_stream" if default else "copies_compute_stream"] += 1
-        if default and state is not None and kind != _MEMCPY_H2D:
-            # The default stream must first see the compute stream's work on the source.
-            cp.cuda.Stream.null.wait_event(state.stream.record())
-        rt.memcpyAsync(dp, sp, n, kind, copy_stream.ptr)
-        if kind == _MEMCPY_D2H:
-            copy_stream.synchronize()  # host memory must be readable when CopyTensors returns
-        elif default and state is not None:
-            state.stream.wait_event(copy_stream.record())
-
-    def Release(self):
-        self.runtime.forget(self._c_table, "EpDataTransfer")
