@@ -237,3 +237,31 @@ def test_a_limit_that_can_be_negative_gets_no_length(path):
     model.graph.initializer.append(numpy_helper.from_array(np.array(5, np.int64), "five"))
     assert _lengths(model, [(1, 2), (1, 7)]) == [0, 2]
     assert dims.compile_dim(_range_dim(ANNOTATORS[path](model)), SYMBOLS) is None
+
+
+@pytest.mark.parametrize("path", sorted(ANNOTATORS))
+def test_a_step_other_than_one_gets_no_length(path):
+    """Range(0, s1, 2) has ceil(s1 / 2) elements: the limit alone is not its length."""
+    model = _position_ids()
+    model.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.array(2, np.int64), "one"))
+    assert _lengths(model, [(1, 4), (1, 5)]) == [2, 3]
+    dim = _range_dim(ANNOTATORS[path](model))
+    assert dims.compile_dim(dim, SYMBOLS) is None, dim
+
+
+@pytest.mark.parametrize("path", sorted(ANNOTATORS))
+def test_a_stepped_slice_of_the_shape_is_followed(path):
+    """Range(0, Slice(Shape(X), 0, 3, axis 0, step 2)[1] * s1): the slice is [s0, 3], so the length is 3 * s1."""
+    model = _position_ids()
+    consts = {"b": [0], "e": [3], "ax": [0], "st": [2], "i1": 1}
+    model.graph.node.insert(1, helper.make_node("Slice", ["sh", "b", "e", "ax", "st"], ["sl"]))
+    model.graph.node[3].input[:] = ["sl", "i1"]  # Gather(sl, 1): 3, not s1
+    model.graph.node.insert(4, helper.make_node("Gather", ["sh", "i1"], ["s1v"], axis=0))
+    model.graph.node.insert(5, helper.make_node("Mul", ["seq", "s1v"], ["seq3"]))
+    model.graph.node[6].input[1] = "seq3"
+    for name, v in consts.items():
+        if name != "i1":
+            model.graph.initializer.append(numpy_helper.from_array(np.array(v, np.int64), name))
+    assert _lengths(model, [(1, 2), (1, 5)]) == [6, 15]
+    fn, _ = dims.compile_dim(_range_dim(ANNOTATORS[path](model)), SYMBOLS)
+    assert [fn({"s0": 1, "s1": 2}), fn({"s0": 1, "s1": 5})] == [6, 15]
