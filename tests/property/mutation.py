@@ -62,12 +62,15 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "host.runtime.epcontext_save": ("save_if_enabled", "_context_of", "_context_model", "_context_node",
                                     "_attach_kept"),
     "host.optimizer.cache": ("enabled", "budget", "OptimizedModelCache.*", "_encode", "_decode", "optimize_cached"),
+    # The symbolic-shapes gate (session.ephost.symbolic_shapes) and its never-raise fallback.
+    "host.runtime.symbolic_shapes": ("enabled", "annotate"),
 }
 
 # module -> the test files that exercise it, run under its mutants instead of every test that reaches
 # it (a mutant of a function every session calls would otherwise run 130 to 170 property tests).
 TESTS: dict[str, tuple[str, ...]] = {
     "host.runtime.range_lengths": ("tests/property/test_range_lengths.py", "tests/property/test_shape_cache.py"),
+    "host.runtime.symbolic_shapes": ("tests/property/test_range_lengths.py", "tests/property/test_shape_cache.py"),
     "host.runtime.epcontext_save": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",
                                     "tests/property/test_fallbacks.py"),
     "host.runtime.epcontext": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",

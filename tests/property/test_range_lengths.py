@@ -182,7 +182,7 @@ def _position_ids(start_op="Constant") -> onnx.ModelProto:
              helper.make_node("Identity", ["pos"], ["out"])]
     inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one")]
     graph = helper.make_graph(nodes, "pos", [helper.make_tensor_value_info("X", TensorProto.FLOAT, X_SHAPE)],
-                              [helper.make_tensor_value_info("out", TensorProto.INT64, None)], initializer=inits)
+                              [helper.make_tensor_value_info("out", TensorProto.INT64, [None])], initializer=inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -265,3 +265,31 @@ def test_a_stepped_slice_of_the_shape_is_followed(path):
     assert _lengths(model, [(1, 2), (1, 5)]) == [6, 15]
     fn, _ = dims.compile_dim(_range_dim(ANNOTATORS[path](model)), SYMBOLS)
     assert [fn({"s0": 1, "s1": 2}), fn({"s0": 1, "s1": 5})] == [6, 15]
+
+
+@pytest.mark.parametrize("value", [None, "1", "0", "yes"])
+def test_the_symbolic_shapes_entry_picks_the_annotation(value, monkeypatch):
+    """session.ephost.symbolic_shapes: "1" (the default) annotates with symbolic_shapes, "0" with
+    range_lengths only, anything else is refused; either way the session's outputs are onnxruntime's."""
+    from host.errors import InvalidArgument
+    from host.runtime.session import InferenceSession, SessionOptions
+
+    called = []
+    for module in (range_lengths, symbolic_shapes):
+        monkeypatch.setattr(module, "annotate", lambda m, *a, _f=module.annotate, _n=module.__name__, **k:
+                            called.append(_n.rsplit(".", 1)[1]) or _f(m, *a, **k))
+    so = SessionOptions()
+    if value is not None:
+        so.add_session_config_entry(symbolic_shapes.ENABLE_KEY, value)
+    model = _position_ids()
+    if value == "yes":
+        with pytest.raises(InvalidArgument, match=r"^session config 'session.ephost.symbolic_shapes' = 'yes': expected "
+                                                  r"'1' \(default: infer symbolic shapes\) or '0' \(Range lengths only\)$"):
+            InferenceSession(model.SerializeToString(), so)
+        return
+    x = np.zeros((2, 5, 3), np.float32)
+    want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    with InferenceSession(model.SerializeToString(), so) as sess:
+        got = sess.run(None, {"X": x})
+    assert called == ["range_lengths" if value == "0" else "symbolic_shapes"]
+    np.testing.assert_array_equal(got[0], want[0])
