@@ -293,3 +293,12 @@ def test_the_symbolic_shapes_entry_picks_the_annotation(value, monkeypatch):
         got = sess.run(None, {"X": x})
     assert called == ["range_lengths" if value == "0" else "symbolic_shapes"]
     np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("path", sorted(ANNOTATORS))
+def test_a_model_the_annotation_cannot_read_comes_back_unchanged(path):
+    """A Range with one input (invalid ONNX): the annotation is a hint, the loader's checks report the model."""
+    broken = _position_ids()
+    del broken.graph.node[3].input[1:]
+    assert ANNOTATORS[path](broken) is broken if path == "range_lengths" else \
+        symbolic_shapes.annotate(broken) is broken
