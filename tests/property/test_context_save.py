@@ -126,3 +126,24 @@ def test_an_epcontext_node_follows_the_producers_of_its_inputs():
         with InferenceSession(str(target), h.session_options(), providers=[(h.EXAMPLE_EP, OPS)], env=env) as sess:
             got = sess.run(None, {"x": X})[0]
     np.testing.assert_allclose(got, X + X - X, **h.TIGHT)
+
+
+def test_the_context_model_goes_beside_the_source_or_where_the_entry_says():
+    """Without ep.context_file_path: `<model>_ctx.onnx` beside a model given as a path; a model given as
+    bytes needs the entry; a path that cannot be written is refused with the OS's reason."""
+    with tempfile.TemporaryDirectory() as tmp, h.example_env(7, (7,)) as env:
+        source = Path(tmp) / "net.onnx"
+        onnx.save(MODEL, str(source))
+        so = h.session_options()
+        so.add_session_config_entry("ep.context_enable", "1")
+        with InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, OPS)], env=env):
+            pass
+        assert sorted(p.name for p in Path(tmp).iterdir()) == ["net.onnx", "net_ctx.onnx"]
+        with pytest.raises(InvalidArgument, match=r"^ep.context_enable=1 with a model given as bytes: set "
+                                                  r"ep.context_file_path to the file the context model goes to$"):
+            InferenceSession(MODEL.SerializeToString(), so, providers=[(h.EXAMPLE_EP, OPS)], env=env)
+        blocked = source / "m_ctx.onnx"  # a folder under a file: mkdir finds the file
+        so.add_session_config_entry("ep.context_file_path", str(blocked))
+        with pytest.raises(InvalidArgument, match=rf"^ep.context_file_path '{re.escape(str(blocked))}': cannot write "
+                                                  r"the context model \(File exists\); expected a writable file path$"):
+            InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, OPS)], env=env)
