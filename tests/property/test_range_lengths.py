@@ -341,9 +341,11 @@ def _chain(nodes, consts) -> onnx.ModelProto:
 
 
 CHAINS = {
-    # Slice without axes or steps: sh[0:3] = [s0, s1, 3]; [1] is s1
-    "slice without steps": ([helper.make_node("Slice", ["sh", "b0", "e3"], ["sl"]),
-                             helper.make_node("Gather", ["sl", "i1"], ["lim"], axis=0)], {"b0": [0], "e3": [3], "i1": 1}),
+    # Slice without axes or steps: sh[1:3] = [s1, 3]; [1] is 3, times s0 (s0 * 3)
+    "slice without steps": ([helper.make_node("Slice", ["sh", "b1", "e3"], ["sl"]),
+                             helper.make_node("Gather", ["sl", "i1"], ["g"], axis=0),
+                             helper.make_node("Gather", ["sh", "i0"], ["g0"], axis=0),
+                             helper.make_node("Mul", ["g", "g0"], ["lim"])], {"b1": [1], "e3": [3], "i1": 1, "i0": 0}),
     # Clip(s1, 0, 1) is 1: an op with three one-element inputs that is not followed (not a Slice)
     "clip": ([helper.make_node("Gather", ["sh", "i1"], ["g1"], axis=0),
               helper.make_node("Clip", ["g1", "lo", "hi"], ["cl"]),
