@@ -371,3 +371,40 @@ def test_each_follower_form_gives_onnxruntimes_length(path, name):
     if name == "clip" and compiled is None:
         return  # not followed: unknown is right; a length must be onnxruntime's
     assert [compiled[0]({"s0": a, "s1": b}) for a, b in sizes] == _lengths(model, sizes)
+
+
+def _reshape_model() -> onnx.ModelProto:
+    """Reshape(X[s0, s1, 3], [Shape(X)[0], Shape(X)[1] * Shape(X)[2]]), then Relu; value_info names `sh`."""
+    nodes = [helper.make_node("Shape", ["X"], ["sh"]), helper.make_node("Gather", ["sh", "i0"], ["g0"], axis=0),
+             helper.make_node("Gather", ["sh", "i1"], ["g1"], axis=0), helper.make_node("Gather", ["sh", "i2"], ["g2"], axis=0),
+             helper.make_node("Mul", ["g1", "g2"], ["m"]), helper.make_node("Concat", ["g0", "m"], ["tgt"], axis=0),
+             helper.make_node("Reshape", ["X", "tgt"], ["r"]), helper.make_node("Relu", ["r"], ["Y"])]
+    inits = [numpy_helper.from_array(np.array([k], np.int64), f"i{k}") for k in range(3)]
+    graph = helper.make_graph(nodes, "reshape", [helper.make_tensor_value_info("X", TensorProto.FLOAT, X_SHAPE)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, None])], initializer=inits,
+                              value_info=[helper.make_tensor_value_info("sh", TensorProto.INT64, [3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_folded_shape_values_keep_onnxruntimes_outputs(fold):
+    """With `fold`, the Reshape target [s0, s1 * 3] becomes the constant [0, -1] (and Shape(X)[2] the
+    constant 3); without, the target stays computed. Either way: a new model, the caller's value_info
+    entries kept, the Reshape's output named (s0, s1 * 3), onnxruntime's outputs at random sizes."""
+    model = _reshape_model()
+    annotated = symbolic_shapes.annotate(model, fold=fold)
+    assert annotated is not model
+    inits = {t.name: numpy_helper.to_array(t).tolist() for t in annotated.graph.initializer}
+    reshape = next(n for n in annotated.graph.node if n.op_type == "Reshape")
+    assert (inits.get(reshape.input[1]) == [0, -1]) == fold and (inits.get("g2") == [3]) == fold
+    entries = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+               for vi in annotated.graph.value_info}
+    assert entries["sh"] == [3] and list(entries).count("sh") == 1
+    fn, _ = dims.compile_dim(entries["r"][1], SYMBOLS)
+    assert entries["r"][0] == "s0" and fn({"s0": 2, "s1": 5}) == 15
+    rng = np.random.default_rng(0)
+    for a, b in [(2, 5), (4, 1)]:
+        x = rng.standard_normal((a, b, 3)).astype(np.float32)
+        want, got = (onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+                     .run(None, {"X": x})[0] for m in (model, annotated))
+        np.testing.assert_array_equal(got, want)
