@@ -408,3 +408,22 @@ def test_folded_shape_values_keep_onnxruntimes_outputs(fold):
         want, got = (onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
                      .run(None, {"X": x})[0] for m in (model, annotated))
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_fold_with_no_new_dim_still_changes_the_model():
+    """Reshape(X, [Shape(X)[0], Shape(X)[1], Shape(X)[2]]): plain inference names every dim already (no
+    value_info to add), but the target still folds to the constant [0, 0, 3]; onnxruntime's outputs."""
+    model = _reshape_model()
+    g = model.graph
+    del g.node[4:6]
+    g.node.insert(4, helper.make_node("Concat", ["g0", "g1", "g2"], ["tgt"], axis=0))
+    g.output[0].CopyFrom(helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, None, None]))
+    annotated = symbolic_shapes.annotate(model, fold=True)
+    assert annotated is not model and symbolic_shapes.annotate(model, fold=False) is model
+    reshape = next(n for n in annotated.graph.node if n.op_type == "Reshape")
+    target = next(t for t in annotated.graph.initializer if t.name == reshape.input[1])
+    assert numpy_helper.to_array(target).tolist() == [0, 0, 3]
+    x = np.random.default_rng(1).standard_normal((2, 4, 3)).astype(np.float32)
+    want, got = (onnxruntime.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+                 .run(None, {"X": x})[0] for m in (model, annotated))
+    np.testing.assert_array_equal(got, want)
