@@ -147,3 +147,26 @@ def test_the_context_model_goes_beside_the_source_or_where_the_entry_says():
         with pytest.raises(InvalidArgument, match=rf"^ep.context_file_path '{re.escape(str(blocked))}': cannot write "
                                                   r"the context model \(File exists\); expected a writable file path$"):
             InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, OPS)], env=env)
+
+
+def test_check_compatibility_names_unregistered_eps_and_missing_strings():
+    """ephost compile --check's answers without a session: an EP no plugin of the environment provides,
+    and a model without the EP's compatibility string, are NOT_APPLICABLE with their whole reasons."""
+    import abi
+    from host.plugins.environment import Environment
+
+    key = epcontext.COMPATIBILITY_KEY + h.EXAMPLE_EP
+    with tempfile.TemporaryDirectory() as tmp, h.example_env(7, (7,)) as env:
+        target = Path(tmp) / "m_ctx.onnx"
+        _save(env, Path(tmp), "1", target)
+        proto = onnx.load(str(target))
+        (saved,) = [p.value for p in proto.metadata_props if p.key == key]
+        with Environment(api_version=7) as bare:
+            assert epcontext.check_compatibility(str(target), bare) == [epcontext.Compatibility(
+                h.EXAMPLE_EP, saved, abi.COMPILED_MODEL_NOT_APPLICABLE,
+                f"no EP called '{h.EXAMPLE_EP}' is registered; its partitions would run from the kept subgraphs")]
+        for p in [p for p in proto.metadata_props if p.key == key]:
+            proto.metadata_props.remove(p)
+        assert epcontext.check_compatibility(proto, env) == [epcontext.Compatibility(
+            h.EXAMPLE_EP, "", abi.COMPILED_MODEL_NOT_APPLICABLE, "the model holds no compatibility string for this EP: "
+            "its contexts are tried as they are")]
