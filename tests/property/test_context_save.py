@@ -161,12 +161,14 @@ def test_check_compatibility_names_unregistered_eps_and_missing_strings():
         _save(env, Path(tmp), "1", target)
         proto = onnx.load(str(target))
         (saved,) = [p.value for p in proto.metadata_props if p.key == key]
+        unregistered = f"no EP called '{h.EXAMPLE_EP}' is registered; its partitions would run from the kept subgraphs"
         with Environment(api_version=7) as bare:
             assert epcontext.check_compatibility(str(target), bare) == [epcontext.Compatibility(
-                h.EXAMPLE_EP, saved, abi.COMPILED_MODEL_NOT_APPLICABLE,
-                f"no EP called '{h.EXAMPLE_EP}' is registered; its partitions would run from the kept subgraphs")]
-        for p in [p for p in proto.metadata_props if p.key == key]:
-            proto.metadata_props.remove(p)
+                h.EXAMPLE_EP, saved, abi.COMPILED_MODEL_NOT_APPLICABLE, unregistered)]
+            for p in [p for p in proto.metadata_props if p.key == key]:
+                proto.metadata_props.remove(p)
+            assert epcontext.check_compatibility(proto, bare) == [epcontext.Compatibility(
+                h.EXAMPLE_EP, "", abi.COMPILED_MODEL_NOT_APPLICABLE, unregistered)]
         assert epcontext.check_compatibility(proto, env) == [epcontext.Compatibility(
             h.EXAMPLE_EP, "", abi.COMPILED_MODEL_NOT_APPLICABLE, "the model holds no compatibility string for this EP: "
             "its contexts are tried as they are")]
