@@ -172,3 +172,18 @@ def test_check_compatibility_names_unregistered_eps_and_missing_strings():
         assert epcontext.check_compatibility(proto, env) == [epcontext.Compatibility(
             h.EXAMPLE_EP, "", abi.COMPILED_MODEL_NOT_APPLICABLE, "the model holds no compatibility string for this EP: "
             "its contexts are tried as they are")]
+
+
+def test_a_context_model_given_as_a_proto_is_left_as_it_was():
+    """SavedContexts.split strips the EPContext nodes' contexts from the model it reads: from a copy when the
+    caller handed over their own ModelProto (the caller's model still holds every context)."""
+    with tempfile.TemporaryDirectory() as tmp, h.example_env(7, (7,)) as env:
+        target = Path(tmp) / "m_ctx.onnx"
+        _save(env, Path(tmp), "1", target)
+        proto = onnx.load(str(target))
+        before = proto.SerializeToString()
+        with InferenceSession(proto, h.session_options(), providers=[(h.EXAMPLE_EP, OPS)], env=env) as sess:
+            got = sess.run(None, {"x": X})[0]
+            assert sess.fallbacks["context_loaded"] == GROUPS
+        assert proto.SerializeToString() == before
+    np.testing.assert_allclose(got, WANT, **h.TIGHT)
