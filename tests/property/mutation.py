@@ -179,6 +179,9 @@ def test_files(argv: list[str], modules: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:  # any other flag-free call starts a run of hours
+        print(__doc__)
+        return 0
     if "--list" in argv:
         print("\n".join(globs()))
         return 0
