@@ -93,3 +93,17 @@ def _hang_limit():
     yield
     if limit:
         faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_collection_modifyitems(config, items):
+    """EPHOST_MUTATION_TESTS=a.py,b.py (set by tests/property/mutation.py --tests or its TESTS table)
+    runs only those test files under a mutant: mutmut runs every test its stats run saw reach the
+    mutated function, which for a function every session reaches is most of the property suite.
+    The stats and clean runs (MUTANT_UNDER_TEST without a mutant name) keep every test."""
+    wanted = [p for p in os.environ.get("EPHOST_MUTATION_TESTS", "").split(",") if p]
+    if not wanted or "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+        return
+    kept = [item for item in items if any(item.nodeid.startswith(p) for p in wanted)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

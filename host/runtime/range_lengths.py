@@ -166,8 +166,9 @@ def _range_length(node, env, shapes, symbols: set[str]):
     if isinstance(length, int):
         return length if length >= 0 else None
     # A symbolic length limit - start is sound only where it cannot be negative: Range(0, dim), the
-    # exporters' position ids (a dim is never negative).
-    if start[0] != 0:
+    # exporters' position ids (a dim is never negative), or a sum or product of dims and whole numbers.
+    # A '-' (a Sub, a negative constant) can make it negative, where Range gives an empty output.
+    if start[0] != 0 or "-" in length:
         return None
     return length if dims.compile_dim(length, symbols) is not None else None
 

@@ -38,7 +38,8 @@ back to this EP's per-node kernels.
 
 Saved contexts (ABI v7): each compiled group's context() is its program (op types, value ids, node
 names) and constants, serialised with np.savez behind a magic header; compile_from_context()
-rebuilds the same closure from it. context=0 writes no context (the host keeps the nodes).
+rebuilds the same closure from it. context=0 writes no context (the host keeps the nodes);
+context=fail makes GetContext fail (the host keeps the nodes and warns).
 compatibility_info() names the plugin version, the ABI it was built for, the context format and
 the device; the factory answers: another format or a device it does not have -> unsupported,
 another plugin version or ABI -> prefer recompilation, else optimal.
@@ -218,6 +219,7 @@ class ExampleEp(sdk.EpBase):
         self.compile_fails = options.get("compile_fails", "")
         self.scratch_bytes = int(options.get("scratch", "0"))
         self.write_context = options.get("context", "1") == "1"
+        self.context_fails = options.get("context") == "fail"  # GetContext answers EP_FAIL
         self.last_output_ptrs: list[int] = []
         self.last_compiled: list = []
         self.lock = threading.Lock()
@@ -449,6 +451,8 @@ class ExampleCompute:
 
     def context(self) -> bytes | None:
         """The program and constants as bytes (None with option context=0: no context saved)."""
+        if self.ep.context_fails:
+            raise sdk.PluginError(f"context of fused node '{self.fused.name}' refused (option context=fail)")
         if not self.ep.write_context:
             return None
         head = {"format": CONTEXT_FORMAT, "program": [list(step) for step in self.program],

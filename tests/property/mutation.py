@@ -5,6 +5,12 @@
     python -m tests.property.mutation --list       # the mutant-name globs passed to mutmut
     python -m tests.property.mutation abi.sdk ...  # only these modules of TARGETS
     python -m tests.property.mutation --pending    # only mutants not run yet or not killed (resumes a run)
+    python -m tests.property.mutation --tests tests/property/test_x.py,... <module>  # only these test files
+
+Under a mutant, mutmut runs every test its stats run saw reach the mutated function; for a module of
+TESTS, or with --tests, tests/conftest.py deselects all but the listed files (EPHOST_MUTATION_TESTS).
+The stats run is unchanged, so the mutants/ results of other modules stay valid (changing mutmut's own
+test selection in pyproject.toml would reset them all).
 
 pyproject.toml's [tool.mutmut] names the files mutmut copies and mutates and makes tests/property
 the test command; TARGETS narrows the run to the functions that gate, negotiate and fall back (a
@@ -56,6 +62,21 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "host.runtime.epcontext_save": ("save_if_enabled", "_context_of", "_context_model", "_context_node",
                                     "_attach_kept"),
     "host.optimizer.cache": ("enabled", "budget", "OptimizedModelCache.*", "_encode", "_decode", "optimize_cached"),
+    # The symbolic-shapes gate (session.ephost.symbolic_shapes) and its never-raise fallback.
+    "host.runtime.symbolic_shapes": ("enabled", "annotate"),
+}
+
+# module -> the test files that exercise it, run under its mutants instead of every test that reaches
+# it (a mutant of a function every session calls would otherwise run 130 to 170 property tests).
+TESTS: dict[str, tuple[str, ...]] = {
+    "host.runtime.range_lengths": ("tests/property/test_range_lengths.py", "tests/property/test_shape_cache.py"),
+    "host.runtime.symbolic_shapes": ("tests/property/test_range_lengths.py", "tests/property/test_shape_cache.py"),
+    "host.runtime.epcontext_save": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",
+                                    "tests/property/test_fallbacks.py"),
+    "host.runtime.epcontext": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",
+                               "tests/property/test_fallbacks.py", "tests/property/test_gates.py"),
+    "host.runtime.shape_program": ("tests/property/test_shape_cache.py", "tests/property/test_partition_paths.py",
+                                   "tests/property/test_range_lengths.py", "tests/property/test_same_answers.py"),
 }
 
 # A test that takes longer than this under a mutant is a hang (a lock left held): tests/conftest.py ends
@@ -147,11 +168,25 @@ def summary() -> int:
     return 1 if unexplained else 0
 
 
+def test_files(argv: list[str], modules: list[str]) -> list[str]:
+    """--tests a,b (the next argument), else the TESTS files of the modules named (all of them only when
+    every module named has an entry); [] means every test that reaches the mutant."""
+    if "--tests" in argv:
+        return argv[argv.index("--tests") + 1].split(",")
+    if modules and all(m in TESTS for m in modules):
+        return sorted({f for m in modules for f in TESTS[m]})
+    return []
+
+
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:  # any other flag-free call starts a run of hours
+        print(__doc__)
+        return 0
     if "--list" in argv:
         print("\n".join(globs()))
         return 0
-    modules = [a for a in argv if not a.startswith("-")]
+    skip = {argv.index("--tests") + 1} if "--tests" in argv else set()
+    modules = [a for i, a in enumerate(argv) if not a.startswith("-") and i not in skip]
     unknown = sorted(set(modules) - set(TARGETS))
     if unknown:
         print(f"unknown module(s) {unknown}; TARGETS has {sorted(TARGETS)}")
@@ -161,6 +196,9 @@ def main(argv: list[str]) -> int:
         names = pending(modules) if "--pending" in argv else globs(modules)
         if names:
             env = {**os.environ, "EPHOST_TEST_TIMEOUT": os.environ.get("EPHOST_TEST_TIMEOUT", str(HANG_LIMIT_S))}
+            tests = test_files(argv, modules)
+            if tests:
+                env["EPHOST_MUTATION_TESTS"] = ",".join(tests)
             subprocess.run([sys.executable, "-m", "mutmut", "run", *names], cwd=ROOT, env=env, check=False)
     return summary()
 
