@@ -134,14 +134,15 @@ def _io_spec(v: ValueSpec) -> ValueSpec:
     return ValueSpec(v.name, v.elem_type, shape, v.kind, v.constant)
 
 
-def read_graph(ffi, g) -> GraphSpec:
-    """Python copy of an EpGraphView (done at session creation, never per run)."""
+def read_graph(ffi, g, flags: bool = True) -> GraphSpec:
+    """Python copy of an EpGraphView (done at session creation, never per run). `flags`: read
+    EpValueInfo.flags (an EP that negotiated v7 or later; before, the field is reserved)."""
     values = []
     for i in range(g.num_values):
         v = g.values[i]
         shape = None if v.ndim < 0 else tuple(int(v.shape[d]) for d in range(v.ndim))
         const = tensor_to_numpy(ffi, v.constant[0]) if v.constant != ffi.NULL else None
-        values.append(ValueSpec(_s(ffi, v.name), v.elem_type, shape, v.kind, const, int(v.flags)))
+        values.append(ValueSpec(_s(ffi, v.name), v.elem_type, shape, v.kind, const, int(v.flags) if flags else 0))
     nodes = []
     for i in range(g.num_nodes):
         n = g.nodes[i]

@@ -181,7 +181,8 @@ class EpBase(Impl):
         # The host shows one view per session for GetCapability and all CreateKernel calls.
         key = (int(self.ffi.cast("uintptr_t", g)), g.num_nodes, g.num_values)
         if self._graph is None or self._graph[0] != key:
-            self._graph = (key, read_graph(self.ffi, g))
+            # EpValueInfo.flags mean something from v7 on (reserved, zero, before).
+            self._graph = (key, read_graph(self.ffi, g, flags=self.runtime.version >= 7))
         return self._graph[1]
 
     def GetName(self):

@@ -407,6 +407,19 @@ HOST_ROWS: tuple[HostRow, ...] = (
             "its requests, the replica serves on",
             "the replica's `stats` (`requests` counts only batched ones, `failed_runs`)", "—",
             "test_serving_errors.py::test_bad_requests_get_400_and_never_join_a_batch"),
+    HostRow("Host-computed values at host-read inputs",
+            "n >= 7: a value the shape program computes (`EpValueInfo.flags` `EP_VALUE_HOST_COMPUTED`) reaches a "
+            "kernel in host memory at an input its op reads on the host (`abi/host_inputs.py`: a Reshape's shape, "
+            "Slice bounds); n < 7, other inputs and compiled partitions: copied to the EP's device",
+            "nothing recorded", "`Record.input_devices` (kernel inputs by device type, ExampleEP)",
+            "test_host_values.py::test_host_computed_shapes_reach_v7_kernels_in_host_memory"),
+    HostRow("CPU shape nodes beside a captured graph",
+            "an EP with `GRAPH_ALLOW_CPU_FOR_SHAPES` (ExampleEP `graph_policy=shapes`, the CUDA EP): CPU nodes with "
+            "int64 outputs of input shapes, constants and shape-program values run in the capture runs and are "
+            "skipped by replays, the device copies of their results kept with that shape's graph; a CPU node "
+            "reading data is a `GraphCaptureError` at session creation",
+            "`graph_captured` (per shape's graph)", "—",
+            "test_host_values.py::test_cpu_shape_nodes_beside_a_capture"),
 )
 
 HEADER = ("| Fallback | When (n = min(host API version, plugin ABI version)) | Host: `session.fallbacks` | "

@@ -71,7 +71,8 @@ class Partitioner:
         # Shape arithmetic leaves the plan: the host evaluates it once per input-shape signature.
         self.shape_program = shape_program.build(graph, view.value_index, self.shape_signatures)
         graph.shape_nodes = self.shape_program.nodes
-        view.mark_host_computed(self.shape_program.exported)
+        if not self.eps or max(ep.slots.negotiated for ep in self.eps) >= 7:  # reserved before v7
+            view.mark_host_computed(self.shape_program.exported)
         plan = self.plan_graph(graph, view)
         plan.host_computed = frozenset(self.shape_program.exported)
         return graph, plan
