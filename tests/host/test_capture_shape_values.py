@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import threading
 
 import numpy as np
@@ -19,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import host
 from host.errors import GraphCaptureError
 from host.runtime.session import InferenceSession
-from tests.plugins.example_ep import MOCK_DEVICE_ENV
+from tests.plugins.example_ep import mock_device
 
 TABLE = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
 PROVIDER = ("ExampleEP", {"ops": "Add,Gather", "enable_graph": "1", "min_runs": "1", "graph_policy": "shapes"})
@@ -56,16 +55,9 @@ def _read_mock(t) -> np.ndarray:
 
 @pytest.fixture
 def env(example_plugin):
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"  # the EP's memory is a (mock) device: the host copies the ids
-    try:
+    with mock_device():  # read when the plugin registers
         env = host.Environment()
         env.register_plugin("ex", example_plugin(7))
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
     yield env
     gc.collect()
     env.close()

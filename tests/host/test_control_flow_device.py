@@ -6,7 +6,6 @@ results against onnxruntime. The CUDA side: tests/plugin_cuda/test_control_flow_
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import onnx
@@ -17,23 +16,16 @@ from abi import sdk
 from host.runtime.tensor import DeviceTensor
 from tests.host.test_control_flow import LOOP_FEEDS, if_model, loop_model, ort_run
 from tests.host.test_cpu_control_flow_export import load_loop
-from tests.plugins.example_ep import MOCK_DEVICE_ENV
+from tests.plugins.example_ep import mock_device
 
 EP = "ExampleEP"
 
 
 @pytest.fixture(scope="module")
 def device_env(example_plugin):
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"
-    try:
+    with mock_device():  # read when the plugin registers
         env = host.Environment()
         env.register_plugin("ex", example_plugin(6))
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
     yield env
     gc.collect()
     env.close()

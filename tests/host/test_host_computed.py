@@ -6,7 +6,6 @@ EPs get them on their device as before."""
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import onnx
@@ -21,21 +20,14 @@ from host.plugins.hostapi import ffi
 from tests.conftest import example_record
 from tests.host.test_shape_program import SHAPES, _reference
 from tests.models import dynamic
-from tests.plugins.example_ep import MOCK_DEVICE_ENV
+from tests.plugins.example_ep import mock_device
 
 
 def _mock_device_env(path: str):
     """An environment whose ExampleEP computes in (mock) device memory the host must copy to."""
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"
-    try:
+    with mock_device():  # read when the plugin registers
         env = host.Environment()
         env.register_plugin("ex", path)
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
     return env
 
 

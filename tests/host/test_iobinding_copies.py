@@ -10,7 +10,6 @@ or a wrong value, without a GPU.
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import onnx
@@ -22,7 +21,7 @@ import abi
 import host
 from host.runtime.tensor import DeviceTensor
 from tests.conftest import example_record
-from tests.plugins.example_ep import MOCK_DEVICE_ENV
+from tests.plugins.example_ep import mock_device
 
 SHAPE = (2, 3)
 # Which EP produces the output Z of Z = relu(X + Y) * X (the node 'mul').
@@ -45,16 +44,9 @@ def chain_model() -> onnx.ModelProto:
 
 @pytest.fixture(scope="module")
 def mock_env(example_plugin):
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"  # read when the factory is created, at registration
-    try:
+    with mock_device():  # read when the plugin registers
         env = host.Environment()
         env.register_plugin("ex", example_plugin(5))
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
     yield env
     gc.collect()
     env.close()

@@ -200,20 +200,12 @@ def test_build_without_shape_arithmetic_is_empty():
 def mock_device_env(example_plugin):
     """An environment whose ExampleEP computes in device memory the host must copy to."""
     import gc
-    import os
 
-    from tests.plugins.example_ep import MOCK_DEVICE_ENV
+    from tests.plugins.example_ep import mock_device
 
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"
-    try:
+    with mock_device():  # read when the plugin registers
         env = host.Environment()
         env.register_plugin("ex", example_plugin(6))
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
     yield env
     gc.collect()
     env.close()

@@ -47,6 +47,7 @@ another plugin version or ABI -> prefer recompilation, else optimal.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -63,6 +64,20 @@ from abi.dtypes import to_numpy
 
 FAULT_ENV = "EPHOST_TEST_FAULT"
 MOCK_DEVICE_ENV = "EPHOST_TEST_MOCK_DEVICE"
+
+
+@contextlib.contextmanager
+def mock_device():
+    """EPHOST_TEST_MOCK_DEVICE=1 while inside (plugins registered there get the mock device), restored after."""
+    old = os.environ.get(MOCK_DEVICE_ENV)
+    os.environ[MOCK_DEVICE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MOCK_DEVICE_ENV)
+        else:
+            os.environ[MOCK_DEVICE_ENV] = old
 EP_NAME = "ExampleEP"
 
 _OPS = {

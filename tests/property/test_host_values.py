@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import onnxruntime as ort
@@ -24,7 +23,7 @@ from host.errors import GraphCaptureError
 from host.runtime.session import InferenceSession
 from tests.host.test_capture_shape_values import PROVIDER, _model, _read_mock
 from tests.host.test_host_computed import _reshape_by_program
-from tests.plugins.example_ep import MOCK_DEVICE_ENV
+from tests.plugins.example_ep import mock_device
 from tests.property import harness as h
 from tests.property import strategies as s
 
@@ -35,16 +34,9 @@ SHAPES = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=1, m
 
 @contextlib.contextmanager
 def _mock_device(host_version: int, plugin_version: int):
-    old = os.environ.get(MOCK_DEVICE_ENV)
-    os.environ[MOCK_DEVICE_ENV] = "1"  # read when the plugin registers
-    try:
+    with mock_device():  # read when the plugin registers
         with h.example_env(host_version, (plugin_version,)) as env:
             yield env
-    finally:
-        if old is None:
-            os.environ.pop(MOCK_DEVICE_ENV)
-        else:
-            os.environ[MOCK_DEVICE_ENV] = old
 
 
 @given(pair=st.sampled_from(PAIRS), shapes=SHAPES)
