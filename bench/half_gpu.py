@@ -119,20 +119,13 @@ def check_fixture(name: str, precision: str, env) -> dict:
 
 
 def _torch_graph(torch, model, args):
-    """A replay function of a torch.cuda.CUDAGraph of model(*args) on static inputs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        for _ in range(3):
-            model(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        model(*args)
+    """A replay of a torch.cuda.CUDAGraph of model(*args), made as bench/dynamic_gpu.py makes it
+    (transformers' mask constants from pinned memory); raises where capture is still refused."""
+    from bench.dynamic_gpu import torch_graph
 
-    def replay():
-        graph.replay()
-        torch.cuda.synchronize()
+    replay = torch_graph(torch, model, args)
+    if replay is None:
+        raise RuntimeError("torch CUDA graph capture refused (printed above)")
     return replay
 
 
