@@ -1,0 +1,97 @@
+"""Attention-23 as one fused kernel (flash style, flash_source.py): the choice between it and the
+two-GEMM path of attention.py, its argument layout and its launch.
+
+The choice (`choose`): option `attention_kernel` = auto | flash | gemm. `flash` and `auto` take
+the fused kernel only where it fits: head size in HEAD_SIZES and V's head size equal to Q's
+(others run on the two GEMMs, the reference path). `auto` takes it from AUTO_MIN_KEYS keys on,
+where the two-GEMM path's Sq x Skv float32 scores (read and written three times) cost more than
+the fused kernel's recomputation in registers (docs/cuda_ops.md has the figures).
+
+The launch needs no workspace and makes no allocation or synchronisation: capturable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import numpy as np
+
+from ..device.nvrtc import KernelLibrary
+from .flash_source import BLOCK_Q, HEAD_SIZES, THREADS, library_source
+
+__all__ = ["AUTO_MIN_KEYS", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice",
+           "strides"]
+
+CHOICES = ("auto", "flash", "gemm")
+AUTO_MIN_KEYS = 1024
+# The option's value for compiled plans being lowered on this thread (Plan.build sets it).
+_PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default="auto")
+
+LIBRARY = KernelLibrary("", tuple(f"ephost_flash_d{d}" for d in HEAD_SIZES),
+                        lambda _body, dtype: library_source(np.dtype(dtype).name))
+
+
+def fits(plan) -> bool:
+    """Whether the fused kernel computes `plan` (an attention.AttentionPlan)."""
+    return plan.head in HEAD_SIZES and plan.v_head == plan.head and plan.kv_len > 0
+
+
+def choose(plan, choice: str = "auto") -> bool:
+    """True: run `plan` on the fused kernel; False: on the two GEMMs."""
+    if choice not in CHOICES:
+        raise ValueError(f"attention_kernel {choice!r}; allowed: {', '.join(CHOICES)}")
+    if choice == "gemm" or not fits(plan):
+        return False
+    return choice == "flash" or plan.kv_len >= AUTO_MIN_KEYS
+
+
+@contextlib.contextmanager
+def kernel_choice(choice: str):
+    """Lower compiled plans under `choice` (the EP's attention_kernel option) in this block."""
+    if choice not in CHOICES:
+        raise ValueError(f"attention_kernel {choice!r}; allowed: {', '.join(CHOICES)}")
+    token = _PLAN_CHOICE.set(choice)
+    try:
+        yield
+    finally:
+        _PLAN_CHOICE.reset(token)
+
+
+def plan_choice() -> str:
+    """The attention_kernel choice in force for plan lowering (kernel_choice's, else auto)."""
+    return _PLAN_CHOICE.get()
+
+
+def strides(plan) -> tuple:
+    """Element strides (batch, head, position) of Q, of K and V, of Y: 4-D (B, H, S, D) or the 3-D
+    (B, S, H * D) form."""
+    d, hq, hkv, sq, skv = plan.head, plan.q_heads, plan.kv_heads, plan.q_len, plan.kv_len
+    if plan.seq_major:
+        q = (sq * hq * d, d, hq * d)
+        kv = (skv * hkv * d, d, hkv * d)
+    else:
+        q = (hq * sq * d, sq * d, d)
+        kv = (hkv * skv * d, skv * d, d)
+    return q, kv, q
+
+
+def grid(plan) -> tuple:
+    return ((plan.q_len + BLOCK_Q - 1) // BLOCK_Q, plan.q_heads, plan.batch)
+
+
+def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int) -> None:
+    """Y of `plan` (fits(plan) holds) on CuPy's current stream; pointers as ints, mask 0 when absent."""
+    if plan.batch * plan.q_heads * plan.q_len == 0:
+        return
+    sq_, skv_, sy_ = strides(plan)
+    mb, mh, mi, _ = plan.mask_strides
+    kind = plan.mask_kind if mask else 0
+    i64, i32 = np.int64, np.int32
+    LIBRARY.function(f"ephost_flash_d{plan.head}", plan.dtype)(
+        grid(plan), (THREADS,),
+        (np.uint64(q), np.uint64(k), np.uint64(v), np.uint64(mask), np.uint64(y),
+         *(i64(s) for s in sq_ + skv_ + sy_), i64(mb), i64(mh), i64(mi), i32(kind), i32(plan.mask_len),
+         i32(plan.q_heads // plan.kv_heads), i32(plan.q_len), i32(plan.kv_len), i32(plan.causal),
+         np.float32(plan.scale), np.float32(plan.softcap)),
+    )
