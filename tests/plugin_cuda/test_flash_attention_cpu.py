@@ -135,3 +135,147 @@ def test_plan_module_with_two_flash_steps_compiles(tmp_path):
     assert specs[0].grid == (2, 4, 2) and specs[1].grid == (3, 3, 1)  # (query tiles, heads, batch)
     text = ptx(source, tmp_path, "plan")
     assert ".entry ep_k0(" in text and ".entry ep_k1(" in text
+
+
+# ---- the kernel's logic on the CPU ---------------------------------------------------------------
+# The float32 library compiled by g++ behind a shim: one std::thread per CUDA thread of a block,
+# std::barrier for __syncthreads and for the half-warp shuffles (every thread of a block reaches
+# each of them), static arrays for __shared__. Slow, so the cases are small; the GPU tests cover
+# the sizes, the half types and the speed.
+SHIM = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+using std::min;
+struct ep_dim3 { int x, y, z; };
+static thread_local ep_dim3 threadIdx, blockIdx;
+static std::barrier<>* ep_bar;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __restrict__
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define asm(...)
+struct float4 { float x, y, z, w; };
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+static inline void __syncthreads() { ep_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+  static float buf[128];
+  buf[threadIdx.x] = v; ep_bar->arrive_and_wait();
+  const float r = buf[threadIdx.x ^ off]; ep_bar->arrive_and_wait();
+  return r;
+}
+"""
+LAUNCH = r"""
+extern "C" void launch(int d, int gx, int gy, int gz, const T* q, const T* k, const T* v, const void* mask, T* y,
+    const fa_i64* st, int mask_kind, int mask_len, int group, int sq, int skv, int causal, float scale, float softcap) {
+  for (int z = 0; z < gz; ++z) for (int yb = 0; yb < gy; ++yb) for (int x = 0; x < gx; ++x) {
+    std::barrier<> bar(128);
+    ep_bar = &bar;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 128; ++t) threads.emplace_back([=] {
+      threadIdx = {t, 0, 0}; blockIdx = {x, yb, z};
+#define EP_ARGS q, k, v, mask, y, st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], \
+    st[11], mask_kind, mask_len, group, sq, skv, causal, scale, softcap
+      switch (d) {
+        case 32: ephost_flash_d32(EP_ARGS); break;
+        case 64: ephost_flash_d64(EP_ARGS); break;
+        case 80: ephost_flash_d80(EP_ARGS); break;
+        case 96: ephost_flash_d96(EP_ARGS); break;
+        default: ephost_flash_d128(EP_ARGS); break;
+      }
+    });
+    for (auto& th : threads) th.join();
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cpu_flash(tmp_path_factory):
+    import ctypes
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed: cannot build the CPU shim of the flash kernel")
+    tmp = tmp_path_factory.mktemp("flash")
+    (tmp / "flash.cpp").write_text(SHIM + library_source("float32") + LAUNCH)
+    done = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(tmp / "flash.so"),
+                           str(tmp / "flash.cpp")], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "barrier" in done.stderr:
+        pytest.skip(f"g++ lacks C++20 std::barrier: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    return ctypes.CDLL(str(tmp / "flash.so"))
+
+
+def numpy_attention(q4, k4, v4, bias, scale, softcap=0.0):
+    """softmax(softcap(scale Q K^T) + bias) V in float64 per (B, H); K, V heads repeated for GQA;
+    rows with no key kept give zeros (the ONNX reference's rule)."""
+    g = q4.shape[1] // k4.shape[1]
+    k4, v4 = np.repeat(k4, g, axis=1), np.repeat(v4, g, axis=1)
+    s = scale * np.einsum("bhid,bhjd->bhij", q4.astype(np.float64), k4.astype(np.float64))
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = s + bias
+    m = s.max(-1, keepdims=True)
+    e = np.where(np.isneginf(m), 0.0, np.exp(s - np.where(np.isneginf(m), 0.0, m)))
+    p = e / np.where(e.sum(-1, keepdims=True) == 0, 1.0, e.sum(-1, keepdims=True))
+    return np.einsum("bhij,bhjd->bhid", p, v4.astype(np.float64))
+
+
+def run_cpu(lib, plan, q, k, v, mask):
+    import ctypes
+
+    y = np.full(plan.out_shape, np.nan, np.float32)
+    st = np.array([s for group in flash.strides(plan) for s in group] + list(plan.mask_strides[:3]), np.int64)
+    ptr = ctypes.c_void_p
+    kind = plan.mask_kind if mask is not None else 0
+    lib.launch(ctypes.c_int(plan.head), *(ctypes.c_int(g) for g in flash.grid(plan)),
+               *(ptr(a.ctypes.data) for a in (q, k, v)), ptr(mask.ctypes.data if mask is not None else 0),
+               ptr(y.ctypes.data), ptr(st.ctypes.data), *(ctypes.c_int(x) for x in (
+                   kind, plan.mask_len, plan.q_heads // plan.kv_heads, plan.q_len, plan.kv_len, int(plan.causal))),
+               ctypes.c_float(plan.scale), ctypes.c_float(plan.softcap))
+    return y
+
+
+CPU_CASES = {  # name -> (Q, K, V shapes, mask shape, mask dtype, q heads, kv heads, causal, softcap)
+    "4d-causal-gqa-bool": ((1, 4, 37, 32), (1, 2, 70, 32), (1, 2, 70, 32), (1, 4, 37, 70), np.bool_, None, None, 1,
+                           0.0),
+    "3d-padded-float-mask": ((2, 33, 2 * 80), (2, 45, 2 * 80), (2, 45, 2 * 80), (33, 40), np.float32, 2, 2, 0, 0.0),
+    "4d-d128-softcap-sq>skv": ((1, 1, 40, 128), (1, 1, 9, 128), (1, 1, 9, 128), None, None, None, None, 1, 3.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_kernel_logic_on_cpu_matches_numpy(cpu_flash, case):
+    qs, ks, vs, ms, mdt, hq, hkv, causal, softcap = CPU_CASES[case]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (qs, ks, vs))
+    mask = None
+    if ms is not None:
+        mask = rng.random(ms) > 0.3 if mdt == np.bool_ else rng.uniform(-2, 1, ms).astype(np.float32)
+        mask[..., 0] = True if mdt == np.bool_ else 0.0
+    plan = attention_plan(qs, ks, vs, ms, mdt, hq, hkv, causal, None, softcap, np.float32)
+    got = run_cpu(cpu_flash, plan, q, k, v, mask)
+    # The reference in (B, H, S, D), the bias from the mask (padded) and the causal frontier.
+    to4 = (lambda x, h: x) if len(qs) == 4 else (lambda x, h: x.reshape(x.shape[0], x.shape[1], h, -1).transpose(0, 2, 1, 3))
+    q4, k4, v4 = to4(q, hq), to4(k, hkv), to4(v, hkv)
+    sq, skv = q4.shape[2], k4.shape[2]
+    bias = np.zeros((1, 1, sq, skv))
+    if mask is not None:
+        m = np.where(mask, 0.0, -np.inf) if mdt == np.bool_ else mask.astype(np.float64)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        bias = bias + np.concatenate([m, np.full(m.shape[:3] + (skv - m.shape[3],), -np.inf)], axis=3)
+    if causal:
+        bias = bias + np.where(np.tril(np.ones((sq, skv), bool)), 0.0, -np.inf)
+    want = numpy_attention(q4, k4, v4, bias, plan.scale, softcap)
+    if len(qs) == 3:
+        want = want.transpose(0, 2, 1, 3).reshape(plan.out_shape)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
