@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPU check of branch flash (issue 25 item 2: attention as one fused kernel).
+# Run from the repo root after `python3 build.py`, with PYTHONPATH=/tmp/site:$PWD. Under 3 minutes.
+set -u
+echo "== commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%H:%M:%S) UTC"
+nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null || true
+LOG=$(mktemp)
+echo "== GPU tests: tests/plugin_cuda/test_flash_attention.py"
+timeout 150 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -s --timeout=120 -rfE \
+    -p no:cacheprovider >"$LOG" 2>&1
+echo "(exit $?)"
+grep -E "max abs error" "$LOG" | sed 's/^[.FEs]*//' | head -80
+grep -vE "max abs error" "$LOG" | grep -v "^$" | tail -60
+echo "== bench/attention_gpu.py (B=8 H=12 D=64)"
+timeout 100 python3 bench/attention_gpu.py --seqs 128 512 1024 2048 2>&1 | tail -60
+timeout 40 python3 bench/attention_gpu.py --seqs 2048 --causal --dtypes float16 float32 2>&1 | tail -12
+echo "== planted bugs: each must make the tests fail"
+SRC=plugin_cuda/kernels/flash_source.py
+cp "$SRC" "$LOG.orig"
+for plant in 's/ \* mul : 0.0f;/ * mul * 1.01f : 0.0f;/' 's/(fa_i64)min(i, sq - 1) \* mi;/(fa_i64)min(i + 1, sq - 1) * mi;/'; do
+  sed -i "$plant" "$SRC"
+  if cmp -s "$SRC" "$LOG.orig"; then echo "plant '$plant': did not apply"; continue; fi
+  timeout 60 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -p no:cacheprovider \
+      -k "sdpa and float32 and (gqa-bcast-mask or bool-mask)" 2>&1 | tail -1 | sed "s|^|plant '$plant': |"
+  cp "$LOG.orig" "$SRC"
+done
+echo "== done $(date -u +%H:%M:%S) UTC"
