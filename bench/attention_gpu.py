@@ -61,7 +61,7 @@ def bench_one(cp, torch, dtype, batch, heads, seq, head, causal, iters):
     for tf32 in ((True, False) if dtype == "float32" else (True,)):
         handle = CublasHandle(0, use_tf32=tf32)
         name = "two-GEMM" + (" tf32" if tf32 and dtype == "float32" else "")
-        rows[name] = _time_ms(lambda: launch_attention(handle, plan, *ptrs, 0, y, work.data.ptr), cp_events, iters)
+        rows[name] = _time_ms(lambda h=handle: launch_attention(h, plan, *ptrs, 0, y, work.data.ptr), cp_events, iters)
         cp.cuda.Device().synchronize()
         err = float((ty.float() - ref.float()).abs().max())
         rows[name + " (max |diff| vs flash)"] = err
