@@ -7,6 +7,8 @@ the fused kernel only where it fits: head size in HEAD_SIZES and V's head size e
 where the two-GEMM path's Sq x Skv float32 scores (read and written three times) cost more than
 the fused kernel's recomputation in registers (docs/cuda_ops.md has the figures).
 
+float16 and bfloat16 run on tensor cores (mma.sync, float32 accumulation: flash_mma_source.py),
+float32 on the SIMT kernel in exact float32 (flash_source.py).
 The launch needs no workspace and makes no allocation or synchronisation: capturable.
 """
 
@@ -14,21 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import numpy as np
 
 from ..device.nvrtc import KernelLibrary
+from .flash_mma_source import BLOCK_Q_MMA
 from .flash_source import BLOCK_Q, HEAD_SIZES, THREADS, library_source
 
 __all__ = ["AUTO_MIN_KEYS", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice",
-           "strides"]
+           "strides", "tensor_cores"]
 
 CHOICES = ("auto", "flash", "gemm")
 AUTO_MIN_KEYS = 1024
 # The option's value for compiled plans being lowered on this thread (Plan.build sets it).
 _PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default="auto")
 
-LIBRARY = KernelLibrary("", tuple(f"ephost_flash_d{d}" for d in HEAD_SIZES),
+LIBRARY = KernelLibrary("", tuple(f"ephost_flash_{v}d{d}" for v in ("", "mma_") for d in HEAD_SIZES),
                         lambda _body, dtype: library_source(np.dtype(dtype).name))
 
 
@@ -76,20 +80,44 @@ def strides(plan) -> tuple:
     return q, kv, q
 
 
-def grid(plan) -> tuple:
-    return ((plan.q_len + BLOCK_Q - 1) // BLOCK_Q, plan.q_heads, plan.batch)
+def tensor_cores(plan) -> bool:
+    """The half types run on the tensor-core kernel (flash_mma_source.py) from sm_80 on, float32 and
+    older devices on the SIMT one."""
+    return plan.dtype.itemsize == 2 and _capability() >= 80
 
 
-def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int) -> None:
-    """Y of `plan` (fits(plan) holds) on CuPy's current stream; pointers as ints, mask 0 when absent."""
+@functools.cache
+def _capability_of(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def _capability() -> int:
+    import cupy
+
+    return _capability_of(cupy.cuda.runtime.getDevice())
+
+
+def grid(plan, mma: bool = False) -> tuple:
+    rows = BLOCK_Q_MMA if mma else BLOCK_Q
+    return ((plan.q_len + rows - 1) // rows, plan.q_heads, plan.batch)
+
+
+def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int, mma: bool | None = None) -> None:
+    """Y of `plan` (fits(plan) holds) on CuPy's current stream; pointers as ints, mask 0 when absent.
+    `mma`: the tensor-core kernel (half types only); None: tensor_cores(plan)."""
     if plan.batch * plan.q_heads * plan.q_len == 0:
         return
+    mma = tensor_cores(plan) if mma is None else mma
+    if mma and plan.dtype.itemsize != 2:
+        raise ValueError(f"the tensor-core flash kernel takes float16 and bfloat16; got {plan.dtype}")
     sq_, skv_, sy_ = strides(plan)
     mb, mh, mi, _ = plan.mask_strides
     kind = plan.mask_kind if mask else 0
     i64, i32 = np.int64, np.int32
-    LIBRARY.function(f"ephost_flash_d{plan.head}", plan.dtype)(
-        grid(plan), (THREADS,),
+    LIBRARY.function(f"ephost_flash_{'mma_' if mma else ''}d{plan.head}", plan.dtype)(
+        grid(plan, mma), (THREADS,),
         (np.uint64(q), np.uint64(k), np.uint64(v), np.uint64(mask), np.uint64(y),
          *(i64(s) for s in sq_ + skv_ + sy_), i64(mb), i64(mh), i64(mi), i32(kind), i32(plan.mask_len),
          i32(plan.q_heads // plan.kv_heads), i32(plan.q_len), i32(plan.kv_len), i32(plan.causal),

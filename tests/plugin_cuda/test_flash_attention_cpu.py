@@ -11,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from abi.dtypes import BFLOAT16_DTYPE
 from plugin_cuda.kernels import flash_attention as flash
 from plugin_cuda.kernels.attention import attention_plan
 from plugin_cuda.kernels.flash_source import HEAD_SIZES, library_source
@@ -27,7 +28,9 @@ def ptx(source: str, tmp_path, name: str) -> str:
     src = tmp_path / f"{name}.cu"
     src.write_text(source)
     out = tmp_path / f"{name}.ptx"
-    done = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", str(src), "-o", str(out)],
+    # -Xcicc -O1: the front end and PTX code generation in full, without the slow optimiser passes
+    # (CI time); NVRTC compiles with full optimisation at run time.
+    done = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-std=c++17", "-Xcicc", "-O1", str(src), "-o", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return out.read_text()
@@ -39,6 +42,7 @@ def test_library_compiles_for_every_head_size(dtype, tmp_path):
     text = ptx(library_source(dtype), tmp_path, dtype)
     for d in HEAD_SIZES:
         assert f".entry ephost_flash_d{d}(" in text
+        assert (f".entry ephost_flash_mma_d{d}(" in text) == (dtype != "float32")  # tensor cores: half types
 
 
 def test_library_refuses_other_dtypes():
@@ -173,9 +177,33 @@ static inline float __shfl_xor_sync(unsigned, float v, int off) {
   return r;
 }
 """
+HOST_MMA = r"""
+// mma.sync m16n8k16 of one warp: every thread posts its fragments, then computes its 4 accumulators.
+static unsigned ep_frag[128][6];
+template <typename T>
+static void fa_mma_host(T, float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  const int me = threadIdx.x, lane = me & 31, w0 = me - lane, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) ep_frag[me][i] = a[i];
+  ep_frag[me][4] = b0; ep_frag[me][5] = b1;
+  ep_bar->arrive_and_wait();
+  auto half = [](unsigned reg, int hi) { T v; v.b = (unsigned short)(hi ? reg >> 16 : reg & 0xffffu); return fa_to_f(v); };
+  for (int x = 0; x < 4; ++x) {
+    const int row = g + 8 * (x >> 1), col = 2 * t + (x & 1);
+    float acc = 0.0f;
+    for (int kk = 0; kk < 16; ++kk) {
+      const int al = w0 + (row & 7) * 4 + (kk & 7) / 2, areg = (row >= 8) + 2 * (kk >= 8);
+      const int bl = w0 + col * 4 + (kk & 7) / 2, breg = 4 + (kk >= 8);
+      acc += half(ep_frag[al][areg], kk & 1) * half(ep_frag[bl][breg], kk & 1);
+    }
+    c[x] += acc;
+  }
+  ep_bar->arrive_and_wait();
+}
+"""
 LAUNCH = r"""
-extern "C" void launch(int d, int gx, int gy, int gz, const T* q, const T* k, const T* v, const void* mask, T* y,
-    const fa_i64* st, int mask_kind, int mask_len, int group, int sq, int skv, int causal, float scale, float softcap) {
+extern "C" void launch(int kernel, int gx, int gy, int gz, const T* q, const T* k, const T* v, const void* mask,
+    T* y, const fa_i64* st, int mask_kind, int mask_len, int group, int sq, int skv, int causal, float scale,
+    float softcap) {
   for (int z = 0; z < gz; ++z) for (int yb = 0; yb < gy; ++yb) for (int x = 0; x < gx; ++x) {
     std::barrier<> bar(128);
     ep_bar = &bar;
@@ -184,12 +212,8 @@ extern "C" void launch(int d, int gx, int gy, int gz, const T* q, const T* k, co
       threadIdx = {t, 0, 0}; blockIdx = {x, yb, z};
 #define EP_ARGS q, k, v, mask, y, st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], \
     st[11], mask_kind, mask_len, group, sq, skv, causal, scale, softcap
-      switch (d) {
-        case 32: ephost_flash_d32(EP_ARGS); break;
-        case 64: ephost_flash_d64(EP_ARGS); break;
-        case 80: ephost_flash_d80(EP_ARGS); break;
-        case 96: ephost_flash_d96(EP_ARGS); break;
-        default: ephost_flash_d128(EP_ARGS); break;
+      switch (kernel) {
+CASES
       }
     });
     for (auto& th : threads) th.join();
@@ -198,21 +222,34 @@ extern "C" void launch(int d, int gx, int gy, int gz, const T* q, const T* k, co
 """
 
 
-@pytest.fixture(scope="module")
-def cpu_flash(tmp_path_factory):
+def build_shim(tmp, dtype: str, mma: bool):
     import ctypes
 
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed: cannot build the CPU shim of the flash kernel")
-    tmp = tmp_path_factory.mktemp("flash")
-    (tmp / "flash.cpp").write_text(SHIM + library_source("float32") + LAUNCH)
-    done = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(tmp / "flash.so"),
-                           str(tmp / "flash.cpp")], capture_output=True, text=True, timeout=300)
+    cases = "\n".join(f"        case {i}: ephost_flash_{'mma_' if mma else ''}d{d}(EP_ARGS); break;"
+                      for i, d in enumerate(HEAD_SIZES))
+    source = SHIM + library_source(dtype, HOST_MMA if mma else "") + LAUNCH.replace("CASES", cases)
+    (tmp / f"{dtype}.cpp").write_text(source)
+    done = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(tmp / f"{dtype}.so"),
+                           str(tmp / f"{dtype}.cpp")], capture_output=True, text=True, timeout=300)
     if done.returncode != 0 and "barrier" in done.stderr:
         pytest.skip(f"g++ lacks C++20 std::barrier: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr[-4000:]
-    return ctypes.CDLL(str(tmp / "flash.so"))
+    return ctypes.CDLL(str(tmp / f"{dtype}.so"))
+
+
+@pytest.fixture(scope="module")
+def cpu_flash(tmp_path_factory):
+    """The float32 SIMT kernels."""
+    return build_shim(tmp_path_factory.mktemp("flash"), "float32", mma=False)
+
+
+@pytest.fixture(scope="module")
+def cpu_flash_mma(tmp_path_factory):
+    """The bfloat16 tensor-core kernels, their MMA emulated (float16's conversions are PTX)."""
+    return build_shim(tmp_path_factory.mktemp("flash_mma"), "bfloat16", mma=True)
 
 
 def numpy_attention(q4, k4, v4, bias, scale, softcap=0.0):
@@ -230,19 +267,19 @@ def numpy_attention(q4, k4, v4, bias, scale, softcap=0.0):
     return np.einsum("bhij,bhjd->bhid", p, v4.astype(np.float64))
 
 
-def run_cpu(lib, plan, q, k, v, mask):
+def run_cpu(lib, plan, q, k, v, mask, mma=False):
     import ctypes
 
-    y = np.full(plan.out_shape, np.nan, np.float32)
+    y = np.full(plan.out_shape, np.nan, plan.dtype)
     st = np.array([s for group in flash.strides(plan) for s in group] + list(plan.mask_strides[:3]), np.int64)
     ptr = ctypes.c_void_p
     kind = plan.mask_kind if mask is not None else 0
-    lib.launch(ctypes.c_int(plan.head), *(ctypes.c_int(g) for g in flash.grid(plan)),
+    lib.launch(ctypes.c_int(HEAD_SIZES.index(plan.head)), *(ctypes.c_int(g) for g in flash.grid(plan, mma)),
                *(ptr(a.ctypes.data) for a in (q, k, v)), ptr(mask.ctypes.data if mask is not None else 0),
                ptr(y.ctypes.data), ptr(st.ctypes.data), *(ctypes.c_int(x) for x in (
                    kind, plan.mask_len, plan.q_heads // plan.kv_heads, plan.q_len, plan.kv_len, int(plan.causal))),
                ctypes.c_float(plan.scale), ctypes.c_float(plan.softcap))
-    return y
+    return y.astype(np.float32)
 
 
 CPU_CASES = {  # name -> (Q, K, V shapes, mask shape, mask dtype, q heads, kv heads, causal, softcap)
@@ -255,15 +292,27 @@ CPU_CASES = {  # name -> (Q, K, V shapes, mask shape, mask dtype, q heads, kv he
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_kernel_logic_on_cpu_matches_numpy(cpu_flash, case):
+    check_on_cpu(cpu_flash, case, np.float32, False, 1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_tensor_core_kernel_logic_on_cpu_matches_numpy(cpu_flash_mma, case):
+    """bfloat16 inputs (the reference takes the same rounded values); P is rounded to bfloat16 before
+    P V, and Y on output: a few bfloat16 ulps of an O(1) result."""
+    check_on_cpu(cpu_flash_mma, case, BFLOAT16_DTYPE, True, 1e-2)
+
+
+def check_on_cpu(lib, case, dtype, mma, atol):
     qs, ks, vs, ms, mdt, hq, hkv, causal, softcap = CPU_CASES[case]
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in (qs, ks, vs))
+    q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in (qs, ks, vs))
     mask = None
     if ms is not None:
         mask = rng.random(ms) > 0.3 if mdt == np.bool_ else rng.uniform(-2, 1, ms).astype(np.float32)
         mask[..., 0] = True if mdt == np.bool_ else 0.0
-    plan = attention_plan(qs, ks, vs, ms, mdt, hq, hkv, causal, None, softcap, np.float32)
-    got = run_cpu(cpu_flash, plan, q, k, v, mask)
+    plan = attention_plan(qs, ks, vs, ms, mdt, hq, hkv, causal, None, softcap, dtype)
+    got = run_cpu(lib, plan, q, k, v, mask, mma)
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
     # The reference in (B, H, S, D), the bias from the mask (padded) and the causal frontier.
     to4 = (lambda x, h: x) if len(qs) == 4 else (lambda x, h: x.reshape(x.shape[0], x.shape[1], h, -1).transpose(0, 2, 1, 3))
     q4, k4, v4 = to4(q, hq), to4(k, hkv), to4(v, hkv)
@@ -278,4 +327,5 @@ def test_kernel_logic_on_cpu_matches_numpy(cpu_flash, case):
     want = numpy_attention(q4, k4, v4, bias, plan.scale, softcap)
     if len(qs) == 3:
         want = want.transpose(0, 2, 1, 3).reshape(plan.out_shape)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    print(f"{case}: max abs error {np.abs(got - want).max():.2e}")
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
