@@ -55,7 +55,10 @@ def bench_one(cp, torch, dtype, batch, heads, seq, head, causal, iters):
     cp_events = lambda: (cp.cuda.Event(), cp.cuda.Event())  # noqa: E731 - CuPy's current stream is the null one
     torch_events = lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # noqa: E731
     rows = {}
-    rows["flash"] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y), cp_events, iters)
+    if dtype != "float32":  # the SIMT kernel, which the tensor-core one replaces for the half types
+        rows["flash SIMT"] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y, False), cp_events, iters)
+    name = "flash" + (" tensor cores" if flash.tensor_cores(plan) else "")
+    rows[name] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y), cp_events, iters)
     ref = ty.clone()
     work = cp.empty((plan.workspace_bytes,), np.uint8)
     for tf32 in ((True, False) if dtype == "float32" else (True,)):

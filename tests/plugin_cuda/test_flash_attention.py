@@ -110,10 +110,10 @@ def plan_for(case: str, feeds: dict, dtype):
                           a.get("kv_num_heads"), a.get("is_causal", 0), a.get("scale"), a.get("softcap", 0.0), dtype)
 
 
-def run_flash(cp, plan, dev: dict, y) -> None:
+def run_flash(cp, plan, dev: dict, y, mma=None) -> None:
     m = dev.get("M")
     flash.launch_flash(plan, dev["Q"].data.ptr, dev["K"].data.ptr, dev["V"].data.ptr, 0 if m is None else m.data.ptr,
-                       y.data.ptr)
+                       y.data.ptr, mma)
 
 
 def run_gemm(cp, plan, dev: dict, y) -> None:
@@ -136,20 +136,25 @@ def assert_close(got, want, tol, what):
     assert err <= tol, f"{what}: max abs error {err} > {tol}"
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
+# dtype and kernel: the SIMT kernel for every dtype, the tensor-core one for the half types
+VARIANTS = ["float32-simt", "float16-simt", "float16-mma", "bfloat16-simt", "bfloat16-mma"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_flash_matches_torch_sdpa_and_the_gemm_path(cp, torch, case, dtype):
+def test_flash_matches_torch_sdpa_and_the_gemm_path(cp, torch, case, variant):
+    dtype, kernel = variant.split("-")
     feeds = inputs(case, dtype)
     dev = {n: cp.asarray(x) for n, x in feeds.items()}
     plan = plan_for(case, feeds, DTYPES[dtype])
     assert flash.fits(plan)
     y = cp.full(plan.out_shape, np.nan, DTYPES[dtype])
-    run_flash(cp, plan, dev, y)
+    run_flash(cp, plan, dev, y, kernel == "mma")
     got = cp.asnumpy(y).astype(np.float32)
-    assert_close(got, torch_reference(torch, case, feeds), TOL[dtype], f"{case} {dtype} flash vs torch SDPA")
+    assert_close(got, torch_reference(torch, case, feeds), TOL[dtype], f"{case} {variant} flash vs torch SDPA")
     y2 = cp.full(plan.out_shape, np.nan, DTYPES[dtype])
     run_gemm(cp, plan, dev, y2)
-    assert_close(got, cp.asnumpy(y2).astype(np.float32), 2 * TOL[dtype], f"{case} {dtype} flash vs two-GEMM")
+    assert_close(got, cp.asnumpy(y2).astype(np.float32), 2 * TOL[dtype], f"{case} {variant} flash vs two-GEMM")
 
 
 @pytest.mark.parametrize("head", [32, 64, 80, 96, 128])
@@ -175,6 +180,13 @@ def test_fully_masked_rows_give_zeros(cp):
     run_flash(cp, plan, dev, y)
     got = cp.asnumpy(y)
     assert np.all(got[0, 1, 5] == 0) and not np.isnan(got).any()
+
+
+def test_half_types_take_the_tensor_cores(cp):
+    capability = int(cp.cuda.Device().compute_capability)
+    plan = plan_for("4d-plain", inputs("4d-plain", "float16"), np.float16)
+    assert flash.tensor_cores(plan) == (capability >= 80)
+    assert not flash.tensor_cores(plan_for("4d-plain", inputs("4d-plain", "float32"), np.float32))
 
 
 def test_capture_and_replay(cp, torch):
