@@ -15,13 +15,18 @@ echo "== bench/attention_gpu.py (B=8 H=12 D=64)"
 timeout 100 python3 bench/attention_gpu.py --seqs 128 512 1024 2048 2>&1 | tail -60
 timeout 40 python3 bench/attention_gpu.py --seqs 2048 --causal --dtypes float16 float32 2>&1 | tail -12
 echo "== planted bugs: each must make the tests fail"
-SRC=plugin_cuda/kernels/flash_source.py
-cp "$SRC" "$LOG.orig"
-for plant in 's/ \* mul : 0.0f;/ * mul * 1.01f : 0.0f;/' 's/(fa_i64)min(i, sq - 1) \* mi;/(fa_i64)min(i + 1, sq - 1) * mi;/'; do
-  sed -i "$plant" "$SRC"
-  if cmp -s "$SRC" "$LOG.orig"; then echo "plant '$plant': did not apply"; continue; fi
-  timeout 60 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -p no:cacheprovider \
-      -k "sdpa and float32 and (gqa-bcast-mask or bool-mask)" 2>&1 | tail -1 | sed "s|^|plant '$plant': |"
-  cp "$LOG.orig" "$SRC"
-done
+plant() {  # file, sed expression, -k selection
+  cp "$1" "$LOG.orig"
+  sed -i "$2" "$1"
+  if cmp -s "$1" "$LOG.orig"; then echo "plant '$2': did not apply"; return; fi
+  timeout 60 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -p no:cacheprovider -k "$3" \
+      2>&1 | tail -1 | sed "s|^|plant '$2': |"
+  cp "$LOG.orig" "$1"
+}
+plant plugin_cuda/kernels/flash_source.py 's/ \* mul : 0.0f;/ * mul * 1.01f : 0.0f;/' \
+    "sdpa and float32 and (gqa-bcast-mask or bool-mask)"
+plant plugin_cuda/kernels/flash_source.py 's/(fa_i64)min(i, sq - 1) \* mi;/(fa_i64)min(i + 1, sq - 1) * mi;/' \
+    "sdpa and float32 and (gqa-bcast-mask or bool-mask)"
+plant plugin_cuda/kernels/flash_mma_source.py 's/float val = s\[n\]\[x\] \* scale;/float val = s[n][x] * scale * 1.02f;/' \
+    "sdpa and float16-mma and (gqa-bcast-mask or 4d-plain)"
 echo "== done $(date -u +%H:%M:%S) UTC"
