@@ -310,8 +310,9 @@ class Attention(CudaKernel):
         y = ctx.output(0, plan.out_shape, q.dtype)
         mask_ptr = 0 if mask is None else mask.data.ptr
         choice = getattr(self.options, "attention_kernel", "auto")
-        if flash_attention.choose(plan, choice):
-            flash_attention.launch_flash(plan, q.data.ptr, k.data.ptr, v.data.ptr, mask_ptr, y.data.ptr)
+        tf32 = ctx.cublas.use_tf32
+        if flash_attention.choose(plan, choice, tf32):
+            flash_attention.launch_flash(plan, q.data.ptr, k.data.ptr, v.data.ptr, mask_ptr, y.data.ptr, tf32=tf32)
         else:
             work = cupy.empty((plan.workspace_bytes,), np.uint8)
             launch_attention(ctx.cublas, plan, q.data.ptr, k.data.ptr, v.data.ptr, mask_ptr, y.data.ptr,

@@ -3,12 +3,14 @@ two-GEMM path of attention.py, its argument layout and its launch.
 
 The choice (`choose`): option `attention_kernel` = auto | flash | gemm. `flash` and `auto` take
 the fused kernel only where it fits: head size in HEAD_SIZES and V's head size equal to Q's
-(others run on the two GEMMs, the reference path). `auto` takes it from AUTO_MIN_KEYS keys on,
-where the two-GEMM path's Sq x Skv float32 scores (read and written three times) cost more than
-the fused kernel's recomputation in registers (docs/cuda_ops.md has the figures).
+(others run on the two GEMMs, the reference path). `auto` takes it from AUTO_MIN_KEYS keys on
+(one threshold for the tensor-core kernels, one for the exact-float32 SIMT kernel), where the
+two-GEMM path's Sq x Skv float32 scores (written, read, written, read) cost more than the fused
+kernel's on-chip softmax (docs/cuda_ops.md has the figures).
 
 float16 and bfloat16 run on tensor cores (mma.sync, float32 accumulation: flash_mma_source.py),
-float32 on the SIMT kernel in exact float32 (flash_source.py).
+float32 on TF32 tensor cores where use_tf32 is on (flash_tf32_source.py), else on the SIMT kernel
+in exact float32 (flash_source.py).
 The launch needs no workspace and makes no allocation or synchronisation: capturable.
 """
 
@@ -24,15 +26,16 @@ from ..device.nvrtc import KernelLibrary
 from .flash_mma_source import BLOCK_Q_MMA
 from .flash_source import BLOCK_Q, HEAD_SIZES, THREADS, library_source
 
-__all__ = ["AUTO_MIN_KEYS", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice",
+__all__ = ["AUTO_MIN_KEYS", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice", "plan_tf32",
            "strides", "tensor_cores"]
 
 CHOICES = ("auto", "flash", "gemm")
-AUTO_MIN_KEYS = 1024
+# auto: the fused kernel from this many keys on, per kernel kind (bench/attention_gpu.py's crossovers).
+AUTO_MIN_KEYS = {"tensor cores": 512, "simt": 2048}
 # The option's value for compiled plans being lowered on this thread (Plan.build sets it).
-_PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default="auto")
+_PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default=("auto", False))
 
-LIBRARY = KernelLibrary("", tuple(f"ephost_flash_{v}d{d}" for v in ("", "mma_") for d in HEAD_SIZES),
+LIBRARY = KernelLibrary("", tuple(f"ephost_flash_{v}d{d}" for v in ("", "mma_", "tf32_") for d in HEAD_SIZES),
                         lambda _body, dtype: library_source(np.dtype(dtype).name))
 
 
@@ -41,21 +44,24 @@ def fits(plan) -> bool:
     return plan.head in HEAD_SIZES and plan.v_head == plan.head and plan.kv_len > 0
 
 
-def choose(plan, choice: str = "auto") -> bool:
-    """True: run `plan` on the fused kernel; False: on the two GEMMs."""
+def choose(plan, choice: str = "auto", tf32: bool = False) -> bool:
+    """True: run `plan` on the fused kernel; False: on the two GEMMs. `tf32`: float32 may use TF32
+    tensor cores (option use_tf32), which moves auto's threshold."""
     if choice not in CHOICES:
         raise ValueError(f"attention_kernel {choice!r}; allowed: {', '.join(CHOICES)}")
     if choice == "gemm" or not fits(plan):
         return False
-    return choice == "flash" or plan.kv_len >= AUTO_MIN_KEYS
+    tensor = plan.dtype.itemsize == 2 or bool(tf32)
+    return choice == "flash" or plan.kv_len >= AUTO_MIN_KEYS["tensor cores" if tensor else "simt"]
 
 
 @contextlib.contextmanager
-def kernel_choice(choice: str):
-    """Lower compiled plans under `choice` (the EP's attention_kernel option) in this block."""
+def kernel_choice(choice: str, tf32: bool = False):
+    """Lower compiled plans under `choice` (the EP's attention_kernel option) and `tf32` (the plan's
+    use_tf32: float32 flash steps on TF32 tensor cores) in this block."""
     if choice not in CHOICES:
         raise ValueError(f"attention_kernel {choice!r}; allowed: {', '.join(CHOICES)}")
-    token = _PLAN_CHOICE.set(choice)
+    token = _PLAN_CHOICE.set((choice, bool(tf32)))
     try:
         yield
     finally:
@@ -64,7 +70,17 @@ def kernel_choice(choice: str):
 
 def plan_choice() -> str:
     """The attention_kernel choice in force for plan lowering (kernel_choice's, else auto)."""
-    return _PLAN_CHOICE.get()
+    return _PLAN_CHOICE.get()[0]
+
+
+def plan_tf32() -> bool:
+    """Whether float32 flash steps of plans lowered now run on TF32 tensor cores (sm_80 on)."""
+    if not _PLAN_CHOICE.get()[1]:
+        return False
+    try:
+        return _capability() >= 80
+    except Exception:  # noqa: BLE001 - no CuPy or no device: the exact SIMT kernel
+        return False
 
 
 def strides(plan) -> tuple:
@@ -80,10 +96,10 @@ def strides(plan) -> tuple:
     return q, kv, q
 
 
-def tensor_cores(plan) -> bool:
-    """The half types run on the tensor-core kernel (flash_mma_source.py) from sm_80 on, float32 and
-    older devices on the SIMT one."""
-    return plan.dtype.itemsize == 2 and _capability() >= 80
+def tensor_cores(plan, tf32: bool = False) -> bool:
+    """Whether `plan` runs on tensor cores (sm_80 on): the half types always (flash_mma_source.py),
+    float32 with `tf32` (the use_tf32 option: flash_tf32_source.py); else the SIMT kernel."""
+    return (plan.dtype.itemsize == 2 or bool(tf32)) and _capability() >= 80
 
 
 @functools.cache
@@ -104,19 +120,18 @@ def grid(plan, mma: bool = False) -> tuple:
     return ((plan.q_len + rows - 1) // rows, plan.q_heads, plan.batch)
 
 
-def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int, mma: bool | None = None) -> None:
+def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int, mma: bool | None = None, tf32: bool = False) -> None:
     """Y of `plan` (fits(plan) holds) on CuPy's current stream; pointers as ints, mask 0 when absent.
-    `mma`: the tensor-core kernel (half types only); None: tensor_cores(plan)."""
+    `mma`: on tensor cores (None: tensor_cores(plan, tf32)); float32 there is TF32."""
     if plan.batch * plan.q_heads * plan.q_len == 0:
         return
-    mma = tensor_cores(plan) if mma is None else mma
-    if mma and plan.dtype.itemsize != 2:
-        raise ValueError(f"the tensor-core flash kernel takes float16 and bfloat16; got {plan.dtype}")
+    mma = tensor_cores(plan, tf32) if mma is None else mma
+    variant = ("mma_" if plan.dtype.itemsize == 2 else "tf32_") if mma else ""
     sq_, skv_, sy_ = strides(plan)
     mb, mh, mi, _ = plan.mask_strides
     kind = plan.mask_kind if mask else 0
     i64, i32 = np.int64, np.int32
-    LIBRARY.function(f"ephost_flash_{'mma_' if mma else ''}d{plan.head}", plan.dtype)(
+    LIBRARY.function(f"ephost_flash_{variant}d{plan.head}", plan.dtype)(
         grid(plan, mma), (THREADS,),
         (np.uint64(q), np.uint64(k), np.uint64(v), np.uint64(mask), np.uint64(y),
          *(i64(s) for s in sq_ + skv_ + sy_), i64(mb), i64(mh), i64(mi), i32(kind), i32(plan.mask_len),

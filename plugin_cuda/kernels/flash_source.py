@@ -212,11 +212,24 @@ extern "C" __global__ void __launch_bounds__(128) ephost_flash_mma_d{d}(
 """
 
 
+_ENTRY_TF32 = r"""
+extern "C" __global__ void __launch_bounds__(128) ephost_flash_tf32_d{d}(
+    const float* q, const float* k, const float* v, const void* mask, float* y, fa_i64 qb, fa_i64 qh, fa_i64 qs,
+    fa_i64 kb, fa_i64 kh, fa_i64 ks, fa_i64 yb, fa_i64 yh, fa_i64 ys, fa_i64 mb, fa_i64 mh, fa_i64 mi,
+    int mask_kind, int mask_len, int group, int sq, int skv, int causal, float scale, float softcap) {{
+  fa_tile_tf32<{d}, {bn}>(q, k, v, mask, y, qb, qh, qs, kb, kh, ks, yb, yh, ys, mb, mh, mi, mask_kind, mask_len,
+                         group, sq, skv, causal, scale, softcap);
+}}
+"""
+
+
 def library_source(dtype_name: str, host_mma: str = "") -> str:
     """The per-node module for one element type: one kernel `ephost_flash_d<D>` per head size, and
-    for the half types the tensor-core ones `ephost_flash_mma_d<D>` (flash_mma_source.py).
-    `host_mma`: C code put between the two bodies (the CPU test shim's MMA)."""
+    the tensor-core ones: `ephost_flash_mma_d<D>` for the half types (flash_mma_source.py),
+    `ephost_flash_tf32_d<D>` for float32 (flash_tf32_source.py), from sm_80 on.
+    `host_mma`: C code put before the tensor-core bodies (the CPU test shim's MMAs)."""
     from .flash_mma_source import BODY_MMA
+    from .flash_tf32_source import BODY_TF32
 
     ctype = TYPES.get(dtype_name)
     if ctype is None:
@@ -224,5 +237,7 @@ def library_source(dtype_name: str, host_mma: str = "") -> str:
     entries = "".join(_ENTRY.format(d=d, bn=key_block(d)) for d in HEAD_SIZES)
     if dtype_name != "float32":
         mma = "".join(_ENTRY_MMA.format(d=d) for d in HEAD_SIZES)
-        entries += f"#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800\n{mma}#endif\n"
-    return f"{BODY}\n{host_mma}\n{BODY_MMA}\ntypedef {ctype} T;\n{entries}"
+    else:
+        mma = "".join(_ENTRY_TF32.format(d=d, bn=key_block(d)) for d in HEAD_SIZES)
+    entries += f"#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800\n{mma}#endif\n"
+    return f"{BODY}\n{host_mma}\n{BODY_MMA}\n{BODY_TF32}\ntypedef {ctype} T;\n{entries}"

@@ -129,7 +129,7 @@ def _flash(ctx, node, plan, inputs: list) -> bool:
     if not flash_step.wants_flash(plan):
         return False
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
-    ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan)
+    ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=flash_step.tf32())
     return True
 
 

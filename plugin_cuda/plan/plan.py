@@ -84,7 +84,7 @@ class Plan:
         self.warmup = max(1, int(warmup))
         self.num_nodes = len(graph.nodes)
         choice = ep.opts.attention_kernel if ep is not None else flash_attention.plan_choice()
-        with flash_attention.kernel_choice(choice):  # the Attention lowering reads it
+        with flash_attention.kernel_choice(choice, self.use_tf32):  # the Attention lowering reads them
             self.prog = prog = lower(graph, inputs, outputs)
         # Two ways to run: eager (mid-size GEMMs as generated kernels: fewest launches) and graph
         # (those GEMMs on cuBLAS: fastest kernels, launches being free in a graph). Often the same.

@@ -57,9 +57,16 @@ def _plan(q=(2, 4, 100, 64), k=(2, 2, 300, 64), v=None, **kw):
 
 
 def test_choice_by_option_head_size_and_length():
-    long = _plan(k=(2, 2, flash.AUTO_MIN_KEYS, 64))
-    short = _plan(k=(2, 2, flash.AUTO_MIN_KEYS - 1, 64))
+    simt, tensor = flash.AUTO_MIN_KEYS["simt"], flash.AUTO_MIN_KEYS["tensor cores"]
+    long = _plan(k=(2, 2, simt, 64))
+    short = _plan(k=(2, 2, simt - 1, 64))
     assert flash.choose(long, "auto") and not flash.choose(short, "auto")
+    # float32 under TF32, and the half types, run on tensor cores: their own threshold
+    assert flash.choose(_plan(k=(2, 2, tensor, 64)), "auto", tf32=True)
+    assert not flash.choose(_plan(k=(2, 2, tensor - 1, 64)), "auto", tf32=True)
+    half = attention_plan((1, 2, 8, 64), (1, 2, tensor, 64), (1, 2, tensor, 64), None, None, None, None, 0, None,
+                          0.0, np.float16)
+    assert flash.choose(half, "auto")
     assert flash.choose(short, "flash") and not flash.choose(long, "gemm")
     for d in (16, 48, 256):  # head sizes without an instantiation: the two GEMMs, whatever the option
         assert not flash.choose(_plan(q=(1, 2, 8, d), k=(1, 2, 4096, d)), "flash")
@@ -115,9 +122,12 @@ def test_lowering_follows_the_choice():
 
 
 @needs_nvcc
-def test_plan_module_with_two_flash_steps_compiles(tmp_path):
+@pytest.mark.parametrize("tf32", [False, True])
+def test_plan_module_with_two_flash_steps_compiles(tmp_path, monkeypatch, tf32):
     """Two attention nodes in one plan: the shared body is defined once, each step's wrapper bakes
-    its sizes (3-D GQA with a broadcast mask; 4-D causal)."""
+    its sizes (3-D GQA with a broadcast mask; 4-D causal); with use_tf32 on an sm_90 device, the
+    TF32 tensor-core body."""
+    monkeypatch.setattr(flash, "_capability", lambda: 90)
     import onnx
     from onnx import TensorProto, helper
 
@@ -131,12 +141,14 @@ def test_plan_module_with_two_flash_steps_compiles(tmp_path):
     model = helper.make_model(helper.make_graph(nodes, "two", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 23)])
     onnx.checker.check_model(model)
-    with flash.kernel_choice("flash"):
+    with flash.kernel_choice("flash", tf32):
         prog = lower.lower(spec_from_onnx(model))
     steps = fuse.build_steps(prog)
     assert [s.kind for s in steps] == ["flash_attention", "flash_attention"]
     source, specs = codegen.generate(prog, steps, "ep_k")
-    assert specs[0].grid == (2, 4, 2) and specs[1].grid == (3, 3, 1)  # (query tiles, heads, batch)
+    # (query tiles, heads, batch): 32 query rows per SIMT block, 64 per TF32 one
+    assert [spec.grid for spec in specs] == ([(1, 4, 2), (2, 3, 1)] if tf32 else [(2, 4, 2), (3, 3, 1)])
+    assert source.count("fa_tile_tf32<") == (2 if tf32 else 0)  # one call per step
     text = ptx(source, tmp_path, "plan")
     assert ".entry ep_k0(" in text and ".entry ep_k1(" in text
 
@@ -199,6 +211,24 @@ static void fa_mma_host(T, float (&c)[4], const unsigned (&a)[4], unsigned b0, u
   }
   ep_bar->arrive_and_wait();
 }
+// mma.sync m16n8k8 with TF32 operands (their bits in float registers).
+static void fa_mma_tf32_host(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  const int me = threadIdx.x, lane = me & 31, w0 = me - lane, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < 4; ++i) ep_frag[me][i] = a[i];
+  ep_frag[me][4] = b0; ep_frag[me][5] = b1;
+  ep_bar->arrive_and_wait();
+  for (int x = 0; x < 4; ++x) {
+    const int row = g + 8 * (x >> 1), col = 2 * t + (x & 1);
+    float acc = 0.0f;
+    for (int kk = 0; kk < 8; ++kk) {
+      const int al = w0 + (row & 7) * 4 + (kk & 3), areg = (row >= 8) + 2 * (kk >= 4);
+      const int bl = w0 + col * 4 + (kk & 3), breg = 4 + (kk >= 4);
+      acc += __uint_as_float(ep_frag[al][areg]) * __uint_as_float(ep_frag[bl][breg]);
+    }
+    c[x] += acc;
+  }
+  ep_bar->arrive_and_wait();
+}
 """
 LAUNCH = r"""
 extern "C" void launch(int kernel, int gx, int gy, int gz, const T* q, const T* k, const T* v, const void* mask,
@@ -222,15 +252,23 @@ CASES
 """
 
 
-def build_shim(tmp, dtype: str, mma: bool):
+VARIANTS = ("", "mma_", "tf32_")  # SIMT, half tensor cores, TF32 tensor cores
+
+
+def kernel_index(variant: str, head: int) -> int:
+    return VARIANTS.index(variant) * len(HEAD_SIZES) + HEAD_SIZES.index(head)
+
+
+def build_shim(tmp, dtype: str):
     import ctypes
 
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ is not installed: cannot build the CPU shim of the flash kernel")
-    cases = "\n".join(f"        case {i}: ephost_flash_{'mma_' if mma else ''}d{d}(EP_ARGS); break;"
-                      for i, d in enumerate(HEAD_SIZES))
-    source = SHIM + library_source(dtype, HOST_MMA if mma else "") + LAUNCH.replace("CASES", cases)
+    variants = ("", "tf32_") if dtype == "float32" else ("", "mma_")
+    cases = "\n".join(f"        case {kernel_index(v, d)}: ephost_flash_{v}d{d}(EP_ARGS); break;"
+                      for v in variants for d in HEAD_SIZES)
+    source = SHIM + library_source(dtype, HOST_MMA) + LAUNCH.replace("CASES", cases)
     (tmp / f"{dtype}.cpp").write_text(source)
     done = subprocess.run([gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(tmp / f"{dtype}.so"),
                            str(tmp / f"{dtype}.cpp")], capture_output=True, text=True, timeout=300)
@@ -242,14 +280,14 @@ def build_shim(tmp, dtype: str, mma: bool):
 
 @pytest.fixture(scope="module")
 def cpu_flash(tmp_path_factory):
-    """The float32 SIMT kernels."""
-    return build_shim(tmp_path_factory.mktemp("flash"), "float32", mma=False)
+    """The float32 kernels: SIMT and TF32 tensor cores (MMA emulated)."""
+    return build_shim(tmp_path_factory.mktemp("flash"), "float32")
 
 
 @pytest.fixture(scope="module")
 def cpu_flash_mma(tmp_path_factory):
     """The bfloat16 tensor-core kernels, their MMA emulated (float16's conversions are PTX)."""
-    return build_shim(tmp_path_factory.mktemp("flash_mma"), "bfloat16", mma=True)
+    return build_shim(tmp_path_factory.mktemp("flash_mma"), "bfloat16")
 
 
 def numpy_attention(q4, k4, v4, bias, scale, softcap=0.0):
@@ -267,14 +305,14 @@ def numpy_attention(q4, k4, v4, bias, scale, softcap=0.0):
     return np.einsum("bhij,bhjd->bhid", p, v4.astype(np.float64))
 
 
-def run_cpu(lib, plan, q, k, v, mask, mma=False):
+def run_cpu(lib, plan, q, k, v, mask, variant=""):
     import ctypes
 
     y = np.full(plan.out_shape, np.nan, plan.dtype)
     st = np.array([s for group in flash.strides(plan) for s in group] + list(plan.mask_strides[:3]), np.int64)
     ptr = ctypes.c_void_p
     kind = plan.mask_kind if mask is not None else 0
-    lib.launch(ctypes.c_int(HEAD_SIZES.index(plan.head)), *(ctypes.c_int(g) for g in flash.grid(plan, mma)),
+    lib.launch(ctypes.c_int(kernel_index(variant, plan.head)), *(ctypes.c_int(g) for g in flash.grid(plan, variant != "")),
                *(ptr(a.ctypes.data) for a in (q, k, v)), ptr(mask.ctypes.data if mask is not None else 0),
                ptr(y.ctypes.data), ptr(st.ctypes.data), *(ctypes.c_int(x) for x in (
                    kind, plan.mask_len, plan.q_heads // plan.kv_heads, plan.q_len, plan.kv_len, int(plan.causal))),
@@ -292,17 +330,23 @@ CPU_CASES = {  # name -> (Q, K, V shapes, mask shape, mask dtype, q heads, kv he
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_kernel_logic_on_cpu_matches_numpy(cpu_flash, case):
-    check_on_cpu(cpu_flash, case, np.float32, False, 1e-5)
+    check_on_cpu(cpu_flash, case, np.float32, "", 1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_tf32_kernel_logic_on_cpu_matches_numpy(cpu_flash, case):
+    """float32 inputs rounded to TF32 (10-bit mantissa) in both products: a few 1e-3 of an O(1) result."""
+    check_on_cpu(cpu_flash, case, np.float32, "tf32_", 5e-3)
 
 
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_tensor_core_kernel_logic_on_cpu_matches_numpy(cpu_flash_mma, case):
     """bfloat16 inputs (the reference takes the same rounded values); P is rounded to bfloat16 before
     P V, and Y on output: a few bfloat16 ulps of an O(1) result."""
-    check_on_cpu(cpu_flash_mma, case, BFLOAT16_DTYPE, True, 1e-2)
+    check_on_cpu(cpu_flash_mma, case, BFLOAT16_DTYPE, "mma_", 1e-2)
 
 
-def check_on_cpu(lib, case, dtype, mma, atol):
+def check_on_cpu(lib, case, dtype, variant, atol):
     qs, ks, vs, ms, mdt, hq, hkv, causal, softcap = CPU_CASES[case]
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in (qs, ks, vs))
@@ -311,7 +355,7 @@ def check_on_cpu(lib, case, dtype, mma, atol):
         mask = rng.random(ms) > 0.3 if mdt == np.bool_ else rng.uniform(-2, 1, ms).astype(np.float32)
         mask[..., 0] = True if mdt == np.bool_ else 0.0
     plan = attention_plan(qs, ks, vs, ms, mdt, hq, hkv, causal, None, softcap, dtype)
-    got = run_cpu(lib, plan, q, k, v, mask, mma)
+    got = run_cpu(lib, plan, q, k, v, mask, variant)
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
     # The reference in (B, H, S, D), the bias from the mask (padded) and the causal frontier.
     to4 = (lambda x, h: x) if len(qs) == 4 else (lambda x, h: x.reshape(x.shape[0], x.shape[1], h, -1).transpose(0, 2, 1, 3))
@@ -327,5 +371,5 @@ def check_on_cpu(lib, case, dtype, mma, atol):
     want = numpy_attention(q4, k4, v4, bias, plan.scale, softcap)
     if len(qs) == 3:
         want = want.transpose(0, 2, 1, 3).reshape(plan.out_shape)
-    print(f"{case}: max abs error {np.abs(got - want).max():.2e}")
+    print(f"{case} {variant or 'simt'} {np.dtype(dtype)}: max abs error {np.abs(got - want).max():.2e}")
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
