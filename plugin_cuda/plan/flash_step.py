@@ -47,9 +47,10 @@ def kernel(prog, step, name: str):
     decls += (["const float* __restrict__ p3"] if has_mask else []) + [f"float* __restrict__ {out}"]
     sizes = ", ".join(_i64(s) for s in q_st + kv_st + y_st + (mb, mh, mi))
     tensor = bool(op.attrs.get("tf32"))
-    body = f"fa_tile_tf32<{plan.head}, " if tensor else f"fa_tile<float, {plan.head}, "
+    head = int(plan.head)  # a template argument: a literal even where the size is symbolic
+    body = f"fa_tile_tf32<{head}, " if tensor else f"fa_tile<float, {head}, "
     src = (f'extern "C" __global__ void __launch_bounds__({THREADS}) {name}({", ".join(decls)}) {{\n'
-           f"  {body}{key_block(plan.head)}>(p0, p1, p2, {mask}, {out}, {sizes},\n"
+           f"  {body}{key_block(head)}>(p0, p1, p2, {mask}, {out}, {sizes},\n"
            f"      {MASK_F32 if has_mask else 0}, {plan.mask_len}, {plan.q_heads // plan.kv_heads}, {plan.q_len}, "
            f"{plan.kv_len}, {int(plan.causal)}, {f32_literal(plan.scale)}, {f32_literal(plan.softcap)});\n}}\n")
     return KernelSpec(name, list(op.inputs) + list(op.outputs), flash.grid(plan, tensor), (THREADS, 1, 1),

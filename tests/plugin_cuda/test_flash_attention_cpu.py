@@ -373,3 +373,30 @@ def check_on_cpu(lib, case, dtype, variant, atol):
         want = want.transpose(0, 2, 1, 3).reshape(plan.out_shape)
     print(f"{case} {variant or 'simt'} {np.dtype(dtype)}: max abs error {np.abs(got - want).max():.2e}")
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+
+
+@needs_nvcc
+def test_symbolic_plan_source_is_shared_by_signatures(tmp_path):
+    """Dynamic batch and sequence: the flash step's sizes are the symbols' expressions, so two shape
+    signatures give one source (one NVRTC compile), and it compiles."""
+    from onnx import TensorProto, helper
+
+    from plugin_cuda.plan.signatures import specialize
+
+    dims = ["B", 2, "S", 64]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, dims) for n in ("Q", "K", "V")]
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=1)
+    graph = helper.make_graph([node], "dyn", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, dims)])
+    spec = spec_from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    ids = [spec.values.index(v) for v in spec.inputs]
+    sources = []
+    for b, s in ((2, 100), (3, 77)):
+        with flash.kernel_choice("flash"):
+            prog = lower.lower(specialize(spec, ids, [(b, 2, s, 64)] * 3))
+        steps = fuse.build_steps(prog)
+        assert [st.kind for st in steps] == ["flash_attention"]
+        source, specs = codegen.generate(prog, steps, "ep_k")
+        assert specs[0].grid == ((s + 31) // 32, 2, b)
+        sources.append(source)
+    assert sources[0] == sources[1] and "S1" in sources[0]
+    assert ".entry ep_k0(" in ptx(sources[0], tmp_path, "dyn")
