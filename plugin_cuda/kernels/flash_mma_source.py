@@ -54,6 +54,16 @@ template <int D, int ROWS>
 __device__ __forceinline__ void fa_load16(unsigned short* dst, const unsigned short* __restrict__ src, fa_i64 ld,
                                           int r0, int n) {
   constexpr int LD = D + 8, W = D / 2;  // 32-bit words per row
+  if ((((unsigned long long)src) & 15) == 0 && (ld & 7) == 0) {  // rows in 16-byte pieces
+    constexpr int W8 = D / 8;
+    for (int e = threadIdx.x; e < ROWS * W8; e += 128) {
+      const int r = e / W8, w = e - r * W8;
+      uint4 x = {0u, 0u, 0u, 0u};
+      if (r0 + r < n) x = *(const uint4*)(src + (fa_i64)(r0 + r) * ld + 8 * w);
+      *(uint4*)&dst[r * LD + 8 * w] = x;
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < ROWS * W; e += 128) {
     const int r = e / W, w = e - r * W;
     unsigned v = 0u;

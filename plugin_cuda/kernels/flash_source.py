@@ -67,6 +67,19 @@ __device__ __forceinline__ float fa_mask(const void* row, int kind, int j) {
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void fa_load(float* dst, const T* __restrict__ src, fa_i64 ld, int r0, int n, float mul) {
   constexpr int LD = D + 4;
+  if constexpr (sizeof(T) == 4) {
+    if ((((unsigned long long)src) & 15) == 0 && (ld & 3) == 0) {  // float32 rows in 16-byte pieces
+      constexpr int W = D / 4;
+      for (int e = threadIdx.x; e < ROWS * W; e += 128) {
+        const int r = e / W, w = e - r * W;
+        float4 x = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (r0 + r < n) x = *(const float4*)((const float*)src + (fa_i64)(r0 + r) * ld + 4 * w);
+        x.x *= mul; x.y *= mul; x.z *= mul; x.w *= mul;
+        *(float4*)&dst[r * LD + 4 * w] = x;
+      }
+      return;
+    }
+  }
   for (int e = threadIdx.x; e < ROWS * D; e += 128) {
     const int r = e / D, d = e - r * D;
     dst[r * LD + d] = r0 + r < n ? fa_to_f(src[(fa_i64)(r0 + r) * ld + d]) * mul : 0.0f;

@@ -178,6 +178,7 @@ static std::barrier<>* ep_bar;
 #define __align__(n) __attribute__((aligned(n)))
 #define asm(...)
 struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
