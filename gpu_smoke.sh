@@ -23,10 +23,10 @@ plant() {  # file, sed expression, -k selection
       2>&1 | tail -1 | sed "s|^|plant '$2': |"
   cp "$LOG.orig" "$1"
 }
-plant plugin_cuda/kernels/flash_source.py 's/ \* mul : 0.0f;/ * mul * 1.01f : 0.0f;/' \
-    "sdpa and float32 and (gqa-bcast-mask or bool-mask)"
+plant plugin_cuda/kernels/flash_source.py 's/qs, q0, sq, scale);/qs, q0, sq, scale * 1.01f);/' \
+    "sdpa and float32-simt and (gqa-bcast-mask or bool-mask)"
 plant plugin_cuda/kernels/flash_source.py 's/(fa_i64)min(i, sq - 1) \* mi;/(fa_i64)min(i + 1, sq - 1) * mi;/' \
-    "sdpa and float32 and (gqa-bcast-mask or bool-mask)"
+    "sdpa and float32-simt and (gqa-bcast-mask or bool-mask)"
 plant plugin_cuda/kernels/flash_mma_source.py 's/float val = s\[n\]\[x\] \* scale;/float val = s[n][x] * scale * 1.02f;/' \
     "sdpa and float16-mma and (gqa-bcast-mask or 4d-plain)"
 echo "== done $(date -u +%H:%M:%S) UTC"

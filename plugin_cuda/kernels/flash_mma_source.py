@@ -3,7 +3,7 @@ float32 accumulation), in the style of FlashAttention-2.
 
 One block of 4 warps computes BM = 64 query rows (16 per warp) of one (batch, query head). Each
 warp keeps its Q rows as A fragments in registers; K and V tiles of 64 keys pass through one
-shared buffer. S = Q K^T is one m16n8k16 MMA per (8 keys, 16 head columns); the softmax is online
+shared buffer (V transposed, so that its B fragments are 32-bit loads). S = Q K^T is one m16n8k16 MMA per (8 keys, 16 head columns); the softmax is online
 in float32 on the accumulators (a row's values live in the 4 threads of a quad: 2 shuffles); the
 probabilities are rounded to the input type and reused in registers as the A fragments of O += P V
 (an accumulator's layout is the A layout of the next MMA), so P never touches shared memory.
@@ -75,15 +75,43 @@ __device__ __forceinline__ void fa_load16(unsigned short* dst, const unsigned sh
   }
 }
 
+// The same rows transposed: dst[d * LDV + r] (LDV = ROWS + 8), so that the B fragments of P V (two
+// consecutive keys of one column) are 32-bit loads. Consecutive threads take consecutive rows, which
+// keeps the 16-bit stores free of bank conflicts.
+template <int D, int ROWS>
+__device__ __forceinline__ void fa_load16_t(unsigned short* dst, const unsigned short* __restrict__ src, fa_i64 ld,
+                                            int r0, int n) {
+  constexpr int LDV = ROWS + 8;
+  if ((((unsigned long long)src) & 15) == 0 && (ld & 7) == 0) {
+    for (int e = threadIdx.x; e < ROWS * (D / 8); e += 128) {
+      const int r = e % ROWS, w = e / ROWS;
+      uint4 x = {0u, 0u, 0u, 0u};
+      if (r0 + r < n) x = *(const uint4*)(src + (fa_i64)(r0 + r) * ld + 8 * w);
+      const unsigned u[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        dst[(8 * w + 2 * i) * LDV + r] = (unsigned short)(u[i] & 0xffffu);
+        dst[(8 * w + 2 * i + 1) * LDV + r] = (unsigned short)(u[i] >> 16);
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < ROWS * D; e += 128) {
+    const int r = e % ROWS, d = e / ROWS;
+    dst[d * LDV + r] = r0 + r < n ? src[(fa_i64)(r0 + r) * ld + d] : (unsigned short)0;
+  }
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void fa_tile_mma(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const void* __restrict__ mask,
     T* __restrict__ y, fa_i64 qb, fa_i64 qh, fa_i64 qs, fa_i64 kb, fa_i64 kh, fa_i64 ks, fa_i64 yb, fa_i64 yh,
     fa_i64 ys, fa_i64 mb, fa_i64 mh, fa_i64 mi, int mask_kind, int mask_len, int group, int sq, int skv,
     int causal, float scale, float softcap) {
-  constexpr int BM = 64, BN = 64, LD = D + 8, KC = D / 16, NT = BN / 8, DT = D / 8;
+  constexpr int BM = 64, BN = 64, LD = D + 8, LDV = BN + 8, KC = D / 16, NT = BN / 8, DT = D / 8;
+  constexpr int KV = BN * LD > D * LDV ? BN * LD : D * LDV;  // a K tile, then the V tile transposed
   __shared__ __align__(16) unsigned short qt[BM * LD];
-  __shared__ __align__(16) unsigned short kv[BN * LD];
+  __shared__ __align__(16) unsigned short kv[KV];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int q0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const unsigned short* K = (const unsigned short*)k + b * kb + hk * kh;
@@ -170,7 +198,7 @@ __device__ __forceinline__ void fa_tile_mma(
       l[r] += sum[r];
     }
     __syncthreads();  // every warp is done with the K tile: the buffer takes the V tile
-    fa_load16<D, BN>(kv, V, ks, k0, skv);
+    fa_load16_t<D, BN>(kv, V, ks, k0, skv);
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < BN / 16; ++c) {
@@ -178,13 +206,10 @@ __device__ __forceinline__ void fa_tile_mma(
       const unsigned pa[4] = {fa_pack<T>(s[2 * c][0], s[2 * c][1]), fa_pack<T>(s[2 * c][2], s[2 * c][3]),
                               fa_pack<T>(s[2 * c + 1][0], s[2 * c + 1][1]),
                               fa_pack<T>(s[2 * c + 1][2], s[2 * c + 1][3])};
-      const unsigned short* v0 = &kv[(c * 16 + 2 * t) * LD + g];
 #pragma unroll
-      for (int n = 0; n < DT; ++n) {
-        const unsigned short* vp = v0 + n * 8;
-        const unsigned b0 = (unsigned)vp[0] | ((unsigned)vp[LD] << 16);
-        const unsigned b1 = (unsigned)vp[8 * LD] | ((unsigned)vp[9 * LD] << 16);
-        fa_mma(T(), o[n], pa, b0, b1);
+      for (int n = 0; n < DT; ++n) {  // B: keys 16 c + 2 t, + 1 (and + 8, + 9) of column 8 n + g
+        const unsigned short* vp = &kv[(n * 8 + g) * LDV + c * 16 + 2 * t];
+        fa_mma(T(), o[n], pa, *(const unsigned*)vp, *(const unsigned*)(vp + 8));
       }
     }
   }

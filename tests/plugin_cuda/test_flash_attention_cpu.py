@@ -347,10 +347,25 @@ def test_tensor_core_kernel_logic_on_cpu_matches_numpy(cpu_flash_mma, case):
     check_on_cpu(cpu_flash_mma, case, BFLOAT16_DTYPE, "mma_", 1e-2)
 
 
-def check_on_cpu(lib, case, dtype, variant, atol):
+@pytest.mark.parametrize("variant", ["", "tf32_", "mma_"])
+def test_unaligned_rows_take_the_scalar_loads(cpu_flash, cpu_flash_mma, variant):
+    """Q, K, V one element past a 16-byte boundary: the tile loaders' element-wise paths."""
+    lib, dtype = (cpu_flash_mma, BFLOAT16_DTYPE) if variant == "mma_" else (cpu_flash, np.float32)
+    check_on_cpu(lib, "3d-padded-float-mask", dtype, variant, 1e-5 if variant == "" else 1e-2, shift=1)
+
+
+def _shifted(x, shift: int):
+    """`x` copied into a buffer `shift` elements past its start (an address off 16-byte alignment)."""
+    buf = np.empty(x.size + shift, x.dtype)
+    out = buf[shift:].reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def check_on_cpu(lib, case, dtype, variant, atol, shift=0):
     qs, ks, vs, ms, mdt, hq, hkv, causal, softcap = CPU_CASES[case]
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(s).astype(np.float32).astype(dtype) for s in (qs, ks, vs))
+    q, k, v = (_shifted(rng.standard_normal(s).astype(np.float32).astype(dtype), shift) for s in (qs, ks, vs))
     mask = None
     if ms is not None:
         mask = rng.random(ms) > 0.3 if mdt == np.bool_ else rng.uniform(-2, 1, ms).astype(np.float32)
