@@ -271,7 +271,7 @@ def test_session_capture_replay_with_flash(cp, genv, compiled_plan, monkeypatch)
 
     calls = []
     original = flash.launch_flash
-    monkeypatch.setattr(flash, "launch_flash", lambda *a: (calls.append(1), original(*a)))
+    monkeypatch.setattr(flash, "launch_flash", lambda *a, **kw: (calls.append(1), original(*a, **kw)))
     model = attention_block(seed=3)
     opts = {"attention_kernel": "flash", "use_tf32": "0", "enable_cuda_graph": "1", "compiled_plan": compiled_plan}
     s = InferenceSession(model, providers=[(CUDA, opts)], env=genv)
