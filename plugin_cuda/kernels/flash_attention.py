@@ -35,8 +35,10 @@ AUTO_MIN_KEYS = {"tensor cores": 512, "simt": 2048}
 # The option's value for compiled plans being lowered on this thread (Plan.build sets it).
 _PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default=("auto", False))
 
-LIBRARY = KernelLibrary("", tuple(f"ephost_flash_{v}d{d}" for v in ("", "mma_", "tf32_") for d in HEAD_SIZES),
-                        lambda _body, dtype: library_source(np.dtype(dtype).name))
+# One module per kind and dtype, compiled at first use: a dtype's SIMT kernels or its tensor-core ones.
+LIBRARIES = {kind: KernelLibrary("", tuple(f"ephost_flash_{v}d{d}" for v in prefixes for d in HEAD_SIZES),
+                                 lambda _body, dtype, kind=kind: library_source(np.dtype(dtype).name, kernels=(kind,)))
+             for kind, prefixes in (("simt", ("",)), ("tensor", ("mma_", "tf32_")))}
 
 
 def fits(plan) -> bool:
@@ -131,7 +133,7 @@ def launch_flash(plan, q: int, k: int, v: int, mask: int, y: int, mma: bool | No
     mb, mh, mi, _ = plan.mask_strides
     kind = plan.mask_kind if mask else 0
     i64, i32 = np.int64, np.int32
-    LIBRARY.function(f"ephost_flash_{variant}d{plan.head}", plan.dtype)(
+    LIBRARIES["tensor" if mma else "simt"].function(f"ephost_flash_{variant}d{plan.head}", plan.dtype)(
         grid(plan, mma), (THREADS,),
         (np.uint64(q), np.uint64(k), np.uint64(v), np.uint64(mask), np.uint64(y),
          *(i64(s) for s in sq_ + skv_ + sy_), i64(mb), i64(mh), i64(mi), i32(kind), i32(plan.mask_len),

@@ -236,10 +236,10 @@ extern "C" __global__ void __launch_bounds__(128) ephost_flash_tf32_d{d}(
 """
 
 
-def library_source(dtype_name: str, host_mma: str = "") -> str:
-    """The per-node module for one element type: one kernel `ephost_flash_d<D>` per head size, and
-    the tensor-core ones: `ephost_flash_mma_d<D>` for the half types (flash_mma_source.py),
-    `ephost_flash_tf32_d<D>` for float32 (flash_tf32_source.py), from sm_80 on.
+def library_source(dtype_name: str, host_mma: str = "", kernels: tuple = ("simt", "tensor")) -> str:
+    """The per-node module for one element type: `kernels` "simt" gives one kernel `ephost_flash_d<D>`
+    per head size; "tensor" the tensor-core ones, from sm_80 on: `ephost_flash_mma_d<D>` for the half
+    types (flash_mma_source.py), `ephost_flash_tf32_d<D>` for float32 (flash_tf32_source.py).
     `host_mma`: C code put before the tensor-core bodies (the CPU test shim's MMAs)."""
     from .flash_mma_source import BODY_MMA
     from .flash_tf32_source import BODY_TF32
@@ -247,10 +247,9 @@ def library_source(dtype_name: str, host_mma: str = "") -> str:
     ctype = TYPES.get(dtype_name)
     if ctype is None:
         raise ValueError(f"flash attention got dtype {dtype_name}; allowed: {', '.join(TYPES)}")
-    entries = "".join(_ENTRY.format(d=d, bn=key_block(d)) for d in HEAD_SIZES)
-    if dtype_name != "float32":
-        mma = "".join(_ENTRY_MMA.format(d=d) for d in HEAD_SIZES)
-    else:
-        mma = "".join(_ENTRY_TF32.format(d=d, bn=key_block(d)) for d in HEAD_SIZES)
-    entries += f"#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800\n{mma}#endif\n"
+    entries = "".join(_ENTRY.format(d=d, bn=key_block(d)) for d in HEAD_SIZES) if "simt" in kernels else ""
+    if "tensor" in kernels:
+        entry = _ENTRY_MMA if dtype_name != "float32" else _ENTRY_TF32
+        tensor = "".join(entry.format(d=d, bn=key_block(d)) for d in HEAD_SIZES)
+        entries += f"#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800\n{tensor}#endif\n"
     return f"{BODY}\n{host_mma}\n{BODY_MMA}\n{BODY_TF32}\ntypedef {ctype} T;\n{entries}"
