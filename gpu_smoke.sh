@@ -27,6 +27,6 @@ plant plugin_cuda/kernels/flash_source.py 's/qs, q0, sq, scale);/qs, q0, sq, sca
     "sdpa and float32-simt and (gqa-bcast-mask or bool-mask)"
 plant plugin_cuda/kernels/flash_source.py 's/(fa_i64)min(i, sq - 1) \* mi;/(fa_i64)min(i + 1, sq - 1) * mi;/' \
     "sdpa and float32-simt and (gqa-bcast-mask or bool-mask)"
-plant plugin_cuda/kernels/flash_mma_source.py 's/float val = s\[n\]\[x\] \* scale;/float val = s[n][x] * scale * 1.02f;/' \
+plant plugin_cuda/kernels/flash_source.py 's/float val = s\[n\]\[x\] \* scale;/float val = s[n][x] * scale * 1.02f;/' \
     "sdpa and float16-mma and (gqa-bcast-mask or 4d-plain)"
 echo "== done $(date -u +%H:%M:%S) UTC"

@@ -199,6 +199,64 @@ __device__ __forceinline__ void fa_tile(
     for (int c = 0; c < DN; ++c) fa_put(yr + tx + 16 * c, o[r][c] * inv);
   }
 }
+// One warp's score tiles in the m16n8 accumulator layout (NT tiles of 8 keys; the thread holds rows
+// rows[0] = g and rows[1] = g + 8 of the warp's 16, keys k0 + n * 8 + 2 t + {0, 1}): logits (scale,
+// softcap, causal, mask), the online-softmax update of the running max m and sum l, the rescale of
+// the output tiles o; s is left holding the probabilities. A row's 4 threads are one quad.
+template <int NT, int DT>
+__device__ __forceinline__ void fa_quad_softmax(float (&s)[NT][4], float (&o)[DT][4], float (&m)[2], float (&l)[2],
+                                                const int (&rows)[2], const void* const (&mrow)[2], int k0, int t,
+                                                int kv_end, int causal, int mask_kind, float scale, float softcap) {
+  float mx[2] = {FA_NEG_INF, FA_NEG_INF};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = x >> 1, j = k0 + n * 8 + 2 * t + (x & 1);
+      float val = s[n][x] * scale;
+      if (softcap > 0.0f) val = softcap * tanhf(val / softcap);
+      const bool allowed = j < kv_end && (!causal || j <= rows[r]);
+      if (allowed && mask_kind) val += fa_mask(mrow[r], mask_kind, j);
+      s[n][x] = allowed ? val : FA_NEG_INF;
+      mx[r] = fmaxf(mx[r], s[n][x]);
+    }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float mnew = fmaxf(m[r], mx[r]);
+    base[r] = mnew == FA_NEG_INF ? 0.0f : mnew;  // nothing kept yet: exp(-inf) = 0, no NaN
+    const float corr = expf(m[r] - base[r]);
+    l[r] *= corr;
+    m[r] = mnew;
+#pragma unroll
+    for (int c = 0; c < DT; ++c) { o[c][2 * r] *= corr; o[c][2 * r + 1] *= corr; }
+  }
+  float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      s[n][x] = expf(s[n][x] - base[x >> 1]);
+      sum[x >> 1] += s[n][x];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+    l[r] += sum[r];
+  }
+}
+
+// The first key of each of the thread's two rows in the mask (kind 1 bool, 2 float32, else 16-bit).
+__device__ __forceinline__ void fa_mask_rows(const void* (&mrow)[2], const void* mask, int mask_kind,
+                                             fa_i64 at, fa_i64 mi, const int (&rows)[2], int sq) {
+  const int bytes = mask_kind == 1 ? 1 : mask_kind == 2 ? 4 : 2;
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+    mrow[x] = mask_kind ? (const char*)mask + (at + (fa_i64)min(rows[x], sq - 1) * mi) * bytes : (const char*)0;
+}
 #endif
 """
 

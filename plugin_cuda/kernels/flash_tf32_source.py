@@ -65,13 +65,8 @@ __device__ __forceinline__ void fa_tile_tf32(
   int kv_end = skv;
   if (causal) kv_end = min(kv_end, q0 + BM);
   if (mask_kind) kv_end = min(kv_end, mask_len);
-  const void* mrow[2] = {0, 0};
-  if (mask_kind) {
-    const int bytes = mask_kind == 1 ? 1 : mask_kind == 2 ? 4 : 2;
-#pragma unroll
-    for (int x = 0; x < 2; ++x)
-      mrow[x] = (const char*)mask + (b * mb + h * mh + (fa_i64)min(rows[x], sq - 1) * mi) * bytes;
-  }
+  const void* mrow[2];
+  fa_mask_rows(mrow, mask, mask_kind, b * mb + h * mh, mi, rows, sq);
   float* pw = pt + wr * LP;  // this warp's 16 rows of P
   float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
   float o[DT][4];
@@ -91,47 +86,11 @@ __device__ __forceinline__ void fa_tile_tf32(
         fa_mma_tf32(s[n], qa[c], fa_tf32(kr[0]), fa_tf32(kr[4]));
       }
     }
-    float mx[2] = {FA_NEG_INF, FA_NEG_INF};
+    fa_quad_softmax<NT, DT>(s, o, m, l, rows, mrow, k0, t, kv_end, causal, mask_kind, scale, softcap);
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {  // accumulator (n, x): row rows[x / 2], key k0 + n * 8 + 2 t + x % 2
-        const int r = x >> 1, j = k0 + n * 8 + 2 * t + (x & 1);
-        float val = s[n][x] * scale;
-        if (softcap > 0.0f) val = softcap * tanhf(val / softcap);
-        const bool allowed = j < kv_end && (!causal || j <= rows[r]);
-        if (allowed && mask_kind) val += fa_mask(mrow[r], mask_kind, j);
-        s[n][x] = allowed ? val : FA_NEG_INF;
-        mx[r] = fmaxf(mx[r], s[n][x]);
-      }
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mnew = fmaxf(m[r], mx[r]);
-      base[r] = mnew == FA_NEG_INF ? 0.0f : mnew;
-      const float corr = expf(m[r] - base[r]);
-      l[r] *= corr;
-      m[r] = mnew;
-#pragma unroll
-      for (int c = 0; c < DT; ++c) { o[c][2 * r] *= corr; o[c][2 * r + 1] *= corr; }
-    }
-    float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float p = expf(s[n][x] - base[x >> 1]);
-        sum[x >> 1] += p;
-        pw[(g + 8 * (x >> 1)) * LP + n * 8 + 2 * t + (x & 1)] = p;
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
-      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-      l[r] += sum[r];
-    }
+      for (int x = 0; x < 4; ++x) pw[(g + 8 * (x >> 1)) * LP + n * 8 + 2 * t + (x & 1)] = s[n][x];
     __syncthreads();  // every warp is done with the K tile (and its P rows are written)
     fa_load<float, D, BN>(kv, v, ks, k0, skv, 1.0f);
     __syncthreads();
