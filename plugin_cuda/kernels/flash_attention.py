@@ -3,10 +3,10 @@ two-GEMM path of attention.py, its argument layout and its launch.
 
 The choice (`choose`): option `attention_kernel` = auto | flash | gemm. `flash` and `auto` take
 the fused kernel only where it fits: head size in HEAD_SIZES and V's head size equal to Q's
-(others run on the two GEMMs, the reference path). `auto` takes it from AUTO_MIN_KEYS keys on
-(one threshold for the tensor-core kernels, one for the exact-float32 SIMT kernel), where the
-two-GEMM path's Sq x Skv float32 scores (written, read, written, read) cost more than the fused
-kernel's on-chip softmax (docs/cuda_ops.md has the figures).
+(others run on the two GEMMs, the reference path). `auto` takes it from AUTO_MIN_KEYS keys (one
+threshold for the tensor-core kernels, one for the exact-float32 SIMT kernel) and AUTO_MIN_QUERIES
+queries on, where the two-GEMM path's Sq x Skv float32 scores (written, read, written, read) cost
+more than the fused kernel's on-chip softmax (docs/cuda_ops.md has the figures).
 
 float16 and bfloat16 run on tensor cores (mma.sync, float32 accumulation: flash_mma_source.py),
 float32 on TF32 tensor cores where use_tf32 is on (flash_tf32_source.py), else on the SIMT kernel
@@ -26,12 +26,15 @@ from ..device.nvrtc import KernelLibrary
 from .flash_mma_source import BLOCK_Q_MMA
 from .flash_source import BLOCK_Q, HEAD_SIZES, THREADS, library_source
 
-__all__ = ["AUTO_MIN_KEYS", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice", "plan_tf32",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_QUERIES", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice", "plan_tf32",
            "strides", "tensor_cores"]
 
 CHOICES = ("auto", "flash", "gemm")
 # auto: the fused kernel from this many keys on, per kernel kind (bench/attention_gpu.py's crossovers).
 AUTO_MIN_KEYS = {"tensor cores": 512, "simt": 2048}
+# and from this many queries: the kernel parallelises over query tiles (no split over the keys), so a
+# few queries against many keys (decoding) leave the GPU idle; the GEMMs are cheap there anyway.
+AUTO_MIN_QUERIES = 64
 # The option's value for compiled plans being lowered on this thread (Plan.build sets it).
 _PLAN_CHOICE = contextvars.ContextVar("attention_kernel", default=("auto", False))
 
@@ -53,8 +56,10 @@ def choose(plan, choice: str = "auto", tf32: bool = False) -> bool:
         raise ValueError(f"attention_kernel {choice!r}; allowed: {', '.join(CHOICES)}")
     if choice == "gemm" or not fits(plan):
         return False
+    if choice == "flash":
+        return True
     tensor = plan.dtype.itemsize == 2 or bool(tf32)
-    return choice == "flash" or plan.kv_len >= AUTO_MIN_KEYS["tensor cores" if tensor else "simt"]
+    return plan.kv_len >= AUTO_MIN_KEYS["tensor cores" if tensor else "simt"] and plan.q_len >= AUTO_MIN_QUERIES
 
 
 @contextlib.contextmanager

@@ -67,6 +67,9 @@ def test_choice_by_option_head_size_and_length():
     half = attention_plan((1, 2, 8, 64), (1, 2, tensor, 64), (1, 2, tensor, 64), None, None, None, None, 0, None,
                           0.0, np.float16)
     assert flash.choose(half, "auto")
+    # one query (decoding) against many keys: auto keeps the GEMMs, flash is still allowed
+    decode = _plan(q=(2, 4, flash.AUTO_MIN_QUERIES - 1, 64), k=(2, 2, 4 * simt, 64))
+    assert not flash.choose(decode, "auto") and flash.choose(decode, "flash")
     assert flash.choose(short, "flash") and not flash.choose(long, "gemm")
     for d in (16, 48, 256):  # head sizes without an instantiation: the two GEMMs, whatever the option
         assert not flash.choose(_plan(q=(1, 2, 8, d), k=(1, 2, 4096, d)), "flash")
