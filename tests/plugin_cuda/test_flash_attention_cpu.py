@@ -64,7 +64,7 @@ def test_choice_by_option_head_size_and_length():
     # float32 under TF32, and the half types, run on tensor cores: their own threshold
     assert flash.choose(_plan(k=(2, 2, tensor, 64)), "auto", tf32=True)
     assert not flash.choose(_plan(k=(2, 2, tensor - 1, 64)), "auto", tf32=True)
-    half = attention_plan((1, 2, 8, 64), (1, 2, tensor, 64), (1, 2, tensor, 64), None, None, None, None, 0, None,
+    half = attention_plan((1, 2, 64, 64), (1, 2, tensor, 64), (1, 2, tensor, 64), None, None, None, None, 0, None,
                           0.0, np.float16)
     assert flash.choose(half, "auto")
     # one query (decoding) against many keys: auto keeps the GEMMs, flash is still allowed
