@@ -92,8 +92,7 @@ def torch_reference(torch, case: str, feeds: dict) -> np.ndarray:
              for n, x in t.items()}
     group = q4[1] // k4[1]
     kk, vv = (t[n].repeat_interleave(group, dim=1) for n in "KV")
-    bias = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(bias_for(case, feeds, q4, k4),
-                                                                 (q4[0], q4[1], q4[2], k4[2])))).cuda()
+    bias = torch.from_numpy(np.broadcast_to(bias_for(case, feeds, q4, k4), (q4[0], q4[1], q4[2], k4[2])).copy()).cuda()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH]):  # plain float32 GEMMs and softmax (TF32 is off by default)
