@@ -216,7 +216,8 @@ def test_capture_and_replay(cp, torch):
 # ---- in sessions: per node and in a compiled plan -------------------------------------------------
 
 def attention_block(batch=2, seq=160, hidden=256, heads=4, causal=1, seed=0):
-    """A pre-norm attention block with an Attention-23 node in its 3-D form: x + Wo(Attn(LN(x)))."""
+    """A pre-norm attention block with an Attention-23 node in its 3-D form: x + Wo(Attn(LN(x)));
+    batch and seq may be dim names (dynamic)."""
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array((rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32), n)
              for n in ("Wq", "Wk", "Wv", "Wo")]
@@ -291,4 +292,20 @@ def test_session_capture_replay_with_flash(cp, genv, compiled_plan, monkeypatch)
     cp.cuda.get_current_stream().synchronize()
     s.run_with_iobinding(b)  # replay
     assert_close(cp.asnumpy(yd), onnx_reference(model, {"X": new}), 1e-4, "session replay")
+    s.close()
+
+
+def test_dynamic_shapes_plan_with_flash(cp, genv):
+    """Dynamic batch and sequence: the compiled plans of two signatures share the flash step's source
+    (sizes as kernel arguments) and both match the reference."""
+    from host.runtime.session import InferenceSession
+
+    model = attention_block(batch="B", seq="S", seed=4)
+    opts = {"attention_kernel": "flash", "use_tf32": "0", "compiled_plan": "1"}
+    s = InferenceSession(model, providers=[(CUDA, opts)], env=genv)
+    rng = np.random.default_rng(6)
+    for shape in ((2, 100, 256), (3, 77, 256)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        (got,) = s.run(None, {"X": x})
+        assert_close(got, onnx_reference(model, {"X": x}), 1e-4, f"dynamic {shape}")
     s.close()
