@@ -12,14 +12,14 @@ echo "(exit $?)"
 grep -E "max abs error" "$LOG" | sed "s/^[.FEs]*//" | head -150
 grep -vE "max abs error" "$LOG" | grep -v "^$" | tail -60
 echo "== bench/attention_gpu.py (B=8 H=12 D=64)"
-timeout 100 python3 bench/attention_gpu.py --seqs 128 512 1024 2048 2>&1 | tail -60
-timeout 40 python3 bench/attention_gpu.py --seqs 2048 --causal --dtypes float16 float32 2>&1 | tail -12
+timeout 120 python3 bench/attention_gpu.py --seqs 128 512 1024 2048 2>&1 | tail -120
+timeout 60 python3 bench/attention_gpu.py --seqs 2048 --causal --dtypes float16 float32 2>&1 | tail -20
 echo "== planted bugs: each must make the tests fail"
 plant() {  # file, sed expression, -k selection
   cp "$1" "$LOG.orig"
   sed -i "$2" "$1"
   if cmp -s "$1" "$LOG.orig"; then echo "plant '$2': did not apply"; return; fi
-  timeout 60 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -p no:cacheprovider -k "$3" \
+  timeout 120 python3 -m pytest tests/plugin_cuda/test_flash_attention.py -m gpu -q -p no:cacheprovider -k "$3" \
       2>&1 | tail -1 | sed "s|^|plant '$2': |"
   cp "$LOG.orig" "$1"
 }

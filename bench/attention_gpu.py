@@ -3,7 +3,8 @@
     python bench/attention_gpu.py [--batch 8] [--heads 12] [--seqs 128 512 2048] [--head 64] [--causal]
 
 Per dtype (float32, float16, bfloat16) and sequence length (Sq = Skv): the median time over CUDA events
-of the plugin's fused kernel (kernels/flash_attention.py), its two-GEMM path (kernels/attention.py;
+of the plugin's fused kernels (kernels/flash_attention.py: the SIMT one, the tensor-core one, TF32 for
+float32), its two-GEMM path (kernels/attention.py;
 float32 with TF32 on, ephost's default, and off) and torch.nn.functional.scaled_dot_product_attention
 (torch's own choice of backend; torch's TF32 setting as it is, off by default), in ms and in TFLOP/s
 (4 B H Sq Skv D flops, halved under --causal). The same inputs for all three.
@@ -55,11 +56,13 @@ def bench_one(cp, torch, dtype, batch, heads, seq, head, causal, iters):
     cp_events = lambda: (cp.cuda.Event(), cp.cuda.Event())  # noqa: E731 - CuPy's current stream is the null one
     torch_events = lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # noqa: E731
     rows = {}
-    if dtype != "float32":  # the SIMT kernel, which the tensor-core one replaces for the half types
-        rows["flash SIMT"] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y, False), cp_events, iters)
-    name = "flash" + (" tensor cores" if flash.tensor_cores(plan) else "")
-    rows[name] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y), cp_events, iters)
-    ref = ty.clone()
+    rows["flash SIMT"] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y, False), cp_events, iters)
+    ref = ty.clone()  # the exact kernel's result: the others are compared with it
+    if flash.tensor_cores(plan, tf32=True):  # float32: TF32, the plugin's default (use_tf32=1)
+        name = "flash tensor cores" + (" tf32" if dtype == "float32" else "")
+        rows[name] = _time_ms(lambda: flash.launch_flash(plan, *ptrs, 0, y, True), cp_events, iters)
+        cp.cuda.Device().synchronize()
+        rows[name + " (max |diff| vs SIMT)"] = float((ty.float() - ref.float()).abs().max())
     work = cp.empty((plan.workspace_bytes,), np.uint8)
     for tf32 in ((True, False) if dtype == "float32" else (True,)):
         handle = CublasHandle(0, use_tf32=tf32)

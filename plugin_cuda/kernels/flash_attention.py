@@ -26,12 +26,15 @@ from ..device.nvrtc import KernelLibrary
 from .flash_mma_source import BLOCK_Q_MMA
 from .flash_source import BLOCK_Q, HEAD_SIZES, THREADS, library_source
 
-__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_QUERIES", "CHOICES", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice", "plan_tf32",
+__all__ = ["AUTO_MIN_KEYS", "AUTO_MIN_QUERIES", "CHOICES", "auto_kind", "choose", "fits", "kernel_choice", "launch_flash", "plan_choice", "plan_tf32",
            "strides", "tensor_cores"]
 
 CHOICES = ("auto", "flash", "gemm")
-# auto: the fused kernel from this many keys on, per kernel kind (bench/attention_gpu.py's crossovers).
-AUTO_MIN_KEYS = {"tensor cores": 512, "simt": 2048}
+# auto: the fused kernel from this many keys on, per kernel kind (bench/attention_gpu.py on an H100,
+# B=8 H=12 D=64: the half-type tensor-core kernel beats the two GEMMs from 128 keys on (1.9x), the
+# exact float32 SIMT kernel beats the strict-float32 GEMMs at 2048 keys (1.2x); TF32: not measured
+# yet, the SIMT kernel's crossover kept).
+AUTO_MIN_KEYS = {"half": 64, "tf32": 1024, "simt": 1024}
 # and from this many queries: the kernel parallelises over query tiles (no split over the keys), so a
 # few queries against many keys (decoding) leave the GPU idle; the GEMMs are cheap there anyway.
 AUTO_MIN_QUERIES = 64
@@ -58,8 +61,22 @@ def choose(plan, choice: str = "auto", tf32: bool = False) -> bool:
         return False
     if choice == "flash":
         return True
-    tensor = plan.dtype.itemsize == 2 or bool(tf32)
-    return plan.kv_len >= AUTO_MIN_KEYS["tensor cores" if tensor else "simt"] and plan.q_len >= AUTO_MIN_QUERIES
+    return plan.kv_len >= AUTO_MIN_KEYS[auto_kind(plan, tf32)] and plan.q_len >= AUTO_MIN_QUERIES
+
+
+def auto_kind(plan, tf32: bool = False) -> str:
+    """Which AUTO_MIN_KEYS threshold `plan` goes by: the kernel it would run on."""
+    if plan.dtype.itemsize == 2:
+        return "half" if _tensor_capable() else "simt"
+    return "tf32" if tf32 and _tensor_capable() else "simt"
+
+
+def _tensor_capable() -> bool:
+    """sm_80 or newer; True where no device can be asked (lowering on a machine without one)."""
+    try:
+        return _capability() >= 80
+    except Exception:  # noqa: BLE001 - no CuPy or no device
+        return True
 
 
 @contextlib.contextmanager

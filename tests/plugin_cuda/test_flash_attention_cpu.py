@@ -57,16 +57,17 @@ def _plan(q=(2, 4, 100, 64), k=(2, 2, 300, 64), v=None, **kw):
 
 
 def test_choice_by_option_head_size_and_length():
-    simt, tensor = flash.AUTO_MIN_KEYS["simt"], flash.AUTO_MIN_KEYS["tensor cores"]
+    simt, tensor = flash.AUTO_MIN_KEYS["simt"], flash.AUTO_MIN_KEYS["tf32"]
     long = _plan(k=(2, 2, simt, 64))
     short = _plan(k=(2, 2, simt - 1, 64))
     assert flash.choose(long, "auto") and not flash.choose(short, "auto")
     # float32 under TF32, and the half types, run on tensor cores: their own threshold
     assert flash.choose(_plan(k=(2, 2, tensor, 64)), "auto", tf32=True)
     assert not flash.choose(_plan(k=(2, 2, tensor - 1, 64)), "auto", tf32=True)
-    half = attention_plan((1, 2, 64, 64), (1, 2, tensor, 64), (1, 2, tensor, 64), None, None, None, None, 0, None,
-                          0.0, np.float16)
-    assert flash.choose(half, "auto")
+    half_keys = flash.AUTO_MIN_KEYS["half"]
+    half = attention_plan((1, 2, 64, 64), (1, 2, half_keys, 64), (1, 2, half_keys, 64), None, None, None, None, 0,
+                          None, 0.0, np.float16)
+    assert flash.choose(half, "auto") and flash.auto_kind(half) == "half"
     # one query (decoding) against many keys: auto keeps the GEMMs, flash is still allowed
     decode = _plan(q=(2, 4, flash.AUTO_MIN_QUERIES - 1, 64), k=(2, 2, 4 * simt, 64))
     assert not flash.choose(decode, "auto") and flash.choose(decode, "flash")
