@@ -309,3 +309,35 @@ def test_dynamic_shapes_plan_with_flash(cp, genv):
         (got,) = s.run(None, {"X": x})
         assert_close(got, onnx_reference(model, {"X": x}), 1e-4, f"dynamic {shape}")
     s.close()
+
+
+@pytest.mark.parametrize("dtype,seq,tf32", [("float16", 128, "1"), ("float32", 1024, "1"), ("float32", 1024, "0")])
+def test_auto_takes_flash_per_node(cp, genv, torch, monkeypatch, dtype, seq, tf32):
+    """attention_kernel=auto (the default) in a per-node session: float16 at 128 keys, float32 at 1024
+    (TF32 under use_tf32=1, exact SIMT under 0) run on the fused kernel and match torch's SDPA."""
+    from host.runtime.session import InferenceSession
+
+    calls = []
+    original = flash.launch_flash
+    monkeypatch.setattr(flash, "launch_flash", lambda *a, **kw: (calls.append(kw.get("tf32")), original(*a, **kw)))
+    shape = (1, 4, seq, 64)
+    elem = TensorProto.FLOAT16 if dtype == "float16" else TensorProto.FLOAT
+    names = ("Q", "K", "V")
+    graph = helper.make_graph([helper.make_node("Attention", list(names), ["Y"], is_causal=1)], "attn",
+                              [helper.make_tensor_value_info(n, elem, list(shape)) for n in names],
+                              [helper.make_tensor_value_info("Y", elem, list(shape))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    s = InferenceSession(model, providers=[(CUDA, {"compiled_plan": "0", "use_tf32": tf32})], env=genv)
+    rng = np.random.default_rng(9)
+    feeds = {n: rng.standard_normal(shape).astype(dtype) for n in names}
+    (got,) = s.run(None, feeds)
+    s.close()
+    assert calls == [tf32 == "1"], "auto did not take the fused kernel (or not with this use_tf32)"
+    t = {n: torch.from_numpy(feeds[n].astype(np.float32)).cuda() for n in names}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(t["Q"], t["K"], t["V"], is_causal=True).cpu().numpy()
+    tol = TOL["tf32"] if dtype == "float32" and tf32 == "1" else TOL[dtype]
+    assert_close(got, want, tol, f"auto per node {dtype} S={seq} use_tf32={tf32}")
