@@ -53,6 +53,16 @@ def _algo_search(key: str, raw: str) -> str:
     return v
 
 
+ATTENTION_KERNELS = ("auto", "flash", "gemm")  # kernels/flash_attention.py: CHOICES
+
+
+def _choice(key: str, raw: str, allowed: tuple, what: str) -> str:
+    v = raw.strip().lower()
+    if v not in allowed:
+        raise OptionError(f"option {key}={raw!r}: expected {what}; allowed: {', '.join(allowed)}")
+    return v
+
+
 def _pointer(key: str, raw: str) -> int:
     text = raw.strip().lower()
     if not (_HEX.fullmatch(text) or _DECIMAL.fullmatch(text)):
@@ -86,6 +96,7 @@ class CudaOptions:
     plan_shape_cache: int = 32  # plans kept per dynamic partition (LRU over input-shape signatures)
     plan_shape_cache_mb: int = 2048  # and their arenas' bytes per partition, in MiB
     cudnn_conv_algo_search: str = "HEURISTIC"  # how cuDNN convolutions pick their algorithm
+    attention_kernel: str = "auto"  # Attention: fused flash kernel, two cuBLAS GEMMs, or by size
 
     @property
     def has_user_compute_stream(self) -> bool:
@@ -122,6 +133,7 @@ OPTION_TABLE = {
     "plan_shape_cache": ("plan_shape_cache", lambda key, raw: _int(key, raw, 1)),
     "plan_shape_cache_mb": ("plan_shape_cache_mb", _int),
     "cudnn_conv_algo_search": ("cudnn_conv_algo_search", _algo_search),
+    "attention_kernel": ("attention_kernel", lambda key, raw: _choice(key, raw, ATTENTION_KERNELS, "an attention kernel")),
 }
 assert {f for f, _ in OPTION_TABLE.values()} == {f.name for f in fields(CudaOptions)}  # table and dataclass agree
 

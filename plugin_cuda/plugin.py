@@ -507,6 +507,7 @@ class CudaKernelAdapter(sdk.KernelBase):
         self.node = node
         cls = kernels.lookup(node.op_type, node.opset, node.domain)
         self.kernel = cls(node.attrs, node.opset, node.name)
+        self.kernel.options = ep.opts  # kernels with a choice read it (Attention: attention_kernel)
         self.needs_cublas = cls.needs_cublas
         self.needs_cudnn = cls.needs_cudnn
         self.constants = {i: graph.values[v].constant for i, v in enumerate(node.inputs)

@@ -1,7 +1,8 @@
 """ONNX Attention-23 on the GPU: two cuBLAS strided-batched GEMMs (the plugin's own cffi handles,
 so the launches are capturable) around one fused kernel that applies softcap, the causal mask and
 the attention mask (bool or additive float, broadcast, shorter than the keys = padded as masked)
-and the softmax, in float32.
+and the softmax, in float32; or, where option attention_kernel picks it (flash_attention.choose),
+one fused flash-style kernel (flash_attention.py) that never writes the scores out.
 
 Covered: Q/K/V 4-D (B, H, S, D) or 3-D (B, S, H*D) with q_num_heads/kv_num_heads, grouped-query
 attention (q heads a multiple of kv heads), attn_mask bool/float32/float16/bfloat16, is_causal, scale,
@@ -30,6 +31,7 @@ from abi.dtypes import BFLOAT16_DTYPE
 from ..device import cublas
 from ..device.nvrtc import KernelLibrary
 from ..device.streams import row_threads
+from . import flash_attention
 from .base import BOOL, FLOAT, CudaKernel, num_outputs, register
 from .fused import source_for
 
@@ -287,6 +289,7 @@ class Attention(CudaKernel):
         self.softcap = self.attr_float("softcap", 0.0)
         self.attr_int("qk_matmul_output_mode", 0, (0, 1, 2, 3))
         self.attr_int("softmax_precision", 1, (1, 10, 11, 16))  # float32 softmax is at least as precise
+        self.options = None  # the EP's CudaOptions, set by the plugin (attention_kernel)
 
     @classmethod
     def claims(cls, attrs, dtypes, opset):
@@ -305,9 +308,15 @@ class Attention(CudaKernel):
                None if mask is None else mask.dtype, q.dtype)
         plan = self.plan(key, self._plan)
         y = ctx.output(0, plan.out_shape, q.dtype)
-        work = cupy.empty((plan.workspace_bytes,), np.uint8)
-        launch_attention(ctx.cublas, plan, q.data.ptr, k.data.ptr, v.data.ptr, 0 if mask is None else mask.data.ptr,
-                         y.data.ptr, work.data.ptr)
+        mask_ptr = 0 if mask is None else mask.data.ptr
+        choice = getattr(self.options, "attention_kernel", "auto")
+        tf32 = ctx.cublas.use_tf32
+        if flash_attention.choose(plan, choice, tf32):
+            flash_attention.launch_flash(plan, q.data.ptr, k.data.ptr, v.data.ptr, mask_ptr, y.data.ptr, tf32=tf32)
+        else:
+            work = cupy.empty((plan.workspace_bytes,), np.uint8)
+            launch_attention(ctx.cublas, plan, q.data.ptr, k.data.ptr, v.data.ptr, mask_ptr, y.data.ptr,
+                             work.data.ptr)
         count = num_outputs(ctx)
         for index, (x, shape) in enumerate(zip((k, v), plan.present_shapes), start=1):
             if count > index:

@@ -565,9 +565,17 @@ def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
 
 
+def flash_attention_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """A fused attention step: plan/flash_step.py (imported here: it needs the kernels package)."""
+    from plugin_cuda.plan import flash_step
+
+    return flash_step.kernel(prog, step, name)
+
+
 GENERATORS = {"ew": ew_kernel, "softmax": softmax_kernel, "norm": norm_kernel, "transpose": transpose_kernel,
               "copy": copy_kernel, "rotary": rotary_kernel, "conv_partial": conv_partial_kernel,
-              "mean": mean_kernel, "pool": pool_kernel, "place": place_kernel}
+              "mean": mean_kernel, "pool": pool_kernel, "place": place_kernel,
+              "flash_attention": flash_attention_kernel}
 
 
 def _take_symbols(spec: KernelSpec, symbols: list) -> None:

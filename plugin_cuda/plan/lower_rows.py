@@ -108,6 +108,8 @@ def _attention(ctx, node):
                               f"Attention node '{node.name}'")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
+    if _flash(ctx, node, plan, [q, k, v] + ([] if mask is None else [mask])):
+        return
     rows = plan.batch * plan.q_heads * plan.q_len
     scores = ctx.temp(node, (rows, plan.kv_len), "scores")
     probs = ctx.temp(node, (rows, plan.kv_len), "probs")
@@ -118,6 +120,17 @@ def _attention(ctx, node):
     ctx.emit("softmax", node, [scores] + ([] if mask is None else [mask]), [probs], log=False, cols=plan.kv_len,
              causal=plan.causal, q_len=plan.q_len, **masked)
     ctx.emit("bgemm", node, [v, probs], [node.outputs[0]], gemm=plan.values, alpha=1.0)
+
+
+def _flash(ctx, node, plan, inputs: list) -> bool:
+    """Attention as one fused flash kernel (plan/flash_step.py) where option attention_kernel picks it."""
+    from plugin_cuda.plan import flash_step
+
+    if not flash_step.wants_flash(plan):
+        return False
+    ctx.set_shape(node, node.outputs[0], plan.out_shape)
+    ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=flash_step.tf32())
+    return True
 
 
 @lowers("RotaryEmbedding")

@@ -29,6 +29,7 @@ import numpy as np
 
 from plugin_cuda.device import capture, cublas, cublaslt, driver, nvrtc
 from plugin_cuda.device.streams import NoScope, stream_scope
+from plugin_cuda.kernels import flash_attention
 from plugin_cuda.plan import codegen, cudnn_step
 from plugin_cuda.plan.errors import DriverError, PlanError
 from plugin_cuda.plan.fuse import build_steps
@@ -82,7 +83,9 @@ class Plan:
         self.auto_graph = bool(auto_graph)
         self.warmup = max(1, int(warmup))
         self.num_nodes = len(graph.nodes)
-        self.prog = prog = lower(graph, inputs, outputs)
+        choice = ep.opts.attention_kernel if ep is not None else flash_attention.plan_choice()
+        with flash_attention.kernel_choice(choice, self.use_tf32):  # the Attention lowering reads them
+            self.prog = prog = lower(graph, inputs, outputs)
         # Two ways to run: eager (mid-size GEMMs as generated kernels: fewest launches) and graph
         # (those GEMMs on cuBLAS: fastest kernels, launches being free in a graph). Often the same.
         if auto_graph or prog.symbols:

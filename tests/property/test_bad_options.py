@@ -114,7 +114,7 @@ def test_malformed_graph_id_is_invalid_argument_and_the_session_goes_on(case, ho
 # ---- the exact text of every CUDA option error ---------------------------------------------------------
 # The messages are part of the contract (what was expected, what arrived, what is allowed), so each
 # is pinned whole: a dropped clause or a wrong range in the text is a bug a user reads.
-ALLOWED_KEYS = ("arena.max_mem, arena.use_cuda_mempool, compiled_plan, cudnn_conv_algo_search, "
+ALLOWED_KEYS = ("arena.max_mem, arena.use_cuda_mempool, attention_kernel, compiled_plan, cudnn_conv_algo_search, "
                 "debug_force_capture_failure, device_id, "
                 "do_copy_in_default_stream, enable_cuda_graph, gpu_external_alloc, gpu_external_empty_cache, "
                 "gpu_external_free, min_num_runs_before_cuda_graph_capture, plan_auto_graph, plan_dynamic_shapes, plan_shape_cache, plan_shape_cache_mb, use_ep_level_unified_stream, "
