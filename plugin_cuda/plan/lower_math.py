@@ -6,7 +6,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import EPHOST_DOMAIN, attributes, broadcast, ew, lowers, present
-from plugin_cuda.plan.program import f32_literal
+from plugin_cuda.plan.program import BF16, F16, F32, f32_literal, plan_dtype
 from plugin_cuda.semantics import shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +113,23 @@ def _clip(ctx, node):
     ew(ctx, node, [node.inputs[0]], node.outputs[0], expr)
 
 
+# Cast between the plan's float types: the value rounded to the target type (kernels compute in
+# float32, so a cast inside a fused kernel would otherwise keep float32 precision; the store into a
+# 16-bit buffer rounds the same way again, which changes nothing). ep_round_* are codegen's.
+CAST_EXPRS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
+
+
+@lowers("Cast")
+def _cast(ctx, node):
+    to = attributes(node).integer("to")
+    dtype = plan_dtype(to)
+    if dtype is None:
+        raise PlanError(f"Cast node '{node.name}': to {to}; a compiled plan casts to float32 (1), float16 (10) "
+                        "or bfloat16 (16)")
+    ctx.prog.values[node.outputs[0]].dtype = dtype
+    ew(ctx, node, [node.inputs[0]], node.outputs[0], CAST_EXPRS[dtype])
+
+
 @lowers("BiasGelu", domain=EPHOST_DOMAIN)
 def _bias_gelu(ctx, node):
     x, b = node.inputs[0], node.inputs[1]
@@ -135,8 +152,10 @@ def _matmul(ctx, node):
 
 def _transposed_const(ctx, node, vid: int) -> int:
     """A constant 2-D B stored transposed once at build time, so the GEMM reads it row-major."""
-    c = ctx.const(vid)
-    return ctx.prog.const_value(f"{node.name}/B^T", np.ascontiguousarray(np.asarray(c, np.float32).T))
+    c = np.asarray(ctx.const(vid))
+    if c.dtype == np.float64:
+        c = c.astype(np.float32)
+    return ctx.prog.const_value(f"{node.name}/B^T", np.ascontiguousarray(c.T))
 
 
 @lowers("Gemm")
