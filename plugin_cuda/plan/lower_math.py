@@ -130,6 +130,29 @@ def _cast(ctx, node):
     ew(ctx, node, [node.inputs[0]], node.outputs[0], CAST_EXPRS[dtype])
 
 
+@lowers("BatchNormalization")
+def _batch_norm(ctx, node):
+    """Inference BatchNormalization with constant statistics: y = x * a + b per channel, with
+    a = scale / sqrt(var + eps) and b = bias - mean * a folded at build time (float32 constants,
+    so a half model keeps their precision). Left to the optimizer's Conv folding where it applies;
+    this runs the ones it cannot fold (a Cast between the Conv and the BatchNormalization)."""
+    attrs = attributes(node)
+    if attrs.flag("training_mode") or any(v >= 0 for v in node.outputs[1:]):
+        raise PlanError(f"BatchNormalization node '{node.name}': training mode is not supported in a compiled plan")
+    x = node.inputs[0]
+    shape = ctx.shape(x)
+    params = [ctx.const(v) for v in node.inputs[1:5]]
+    if len(shape) < 2 or any(p is None or np.asarray(p).size != shape[1] for p in params):
+        raise PlanError(f"BatchNormalization node '{node.name}': scale, bias, mean and var must be constants of "
+                        f"{shape[1] if len(shape) > 1 else '?'} values (the channels of input {shape})")
+    scale, bias, mean, var = (np.asarray(p, np.float64).reshape(-1) for p in params)
+    a = scale / np.sqrt(var + attrs.number("epsilon", 1e-5))
+    channel = (shape[1],) + (1,) * (len(shape) - 2)
+    va = ctx.prog.const_value(f"{node.name}/a", (a.astype(np.float32)).reshape(channel))
+    vb = ctx.prog.const_value(f"{node.name}/b", (bias - mean * a).astype(np.float32).reshape(channel))
+    ew(ctx, node, [x, va, vb], node.outputs[0], "({0} * {1} + {2})")
+
+
 @lowers("BiasGelu", domain=EPHOST_DOMAIN)
 def _bias_gelu(ctx, node):
     x, b = node.inputs[0], node.inputs[1]

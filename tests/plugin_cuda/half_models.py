@@ -18,6 +18,7 @@ from host.cli import zoo
 from tests.plugin_cuda.attention_models import CASES as ATTENTION_CASES
 from tests.plugin_cuda.attention_models import attention_model
 from tests.plugin_cuda.layout_models import CASES as LAYOUT_CASES
+from tests.plugin_cuda.layout_models import _conv
 
 FLOAT = TensorProto.FLOAT
 HALVES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -69,13 +70,37 @@ def mixed_model(elem: int, rows: int = 4, cols: int = 48) -> onnx.ModelProto:
     return model
 
 
+def gelu_mlp(batch: int = 8, hidden: int = 64, layers: int = 2, opset: int = 20) -> onnx.ModelProto:
+    """A float32 MLP of (MatMul, Add, Gelu) layers (ONNX Gelu, opset 20), its output of shape [batch, hidden]."""
+    rng = np.random.default_rng(5)
+    nodes, inits, x = [], [], "X"
+    for k in range(layers):
+        inits += [numpy_helper.from_array((rng.standard_normal((hidden, hidden)) / 8).astype(np.float32), f"W{k}"),
+                  numpy_helper.from_array((rng.standard_normal(hidden) / 4).astype(np.float32), f"B{k}")]
+        y = "Y" if k == layers - 1 else f"g{k}"
+        nodes += [helper.make_node("MatMul", [x, f"W{k}"], [f"mm{k}"], name=f"mm{k}"),
+                  helper.make_node("Add", [f"mm{k}", f"B{k}"], [f"h{k}"], name=f"bias{k}"),
+                  helper.make_node("Gelu", [f"h{k}"], [y], name=f"gelu{k}")]
+        x = y
+    graph = helper.make_graph(nodes, "gelu_mlp", [helper.make_tensor_value_info("X", FLOAT, [batch, hidden])],
+                              [helper.make_tensor_value_info("Y", FLOAT, [batch, hidden])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
 # Float32 models whose half versions every compile check covers: each generated kernel kind, GEMMs
 # as GEMV, tiled and cuBLAS steps, norms, masked / causal attention, the convolutions and pools.
 FLOAT_MODELS = {
     "mlp-gemv-b1": lambda: zoo.mlp(layers=2, hidden=64, batch=1),
     "mlp-tiled-b32": lambda: zoo.mlp(layers=2, hidden=64, batch=32),
     "mlp-gemm-b4": lambda: zoo.mlp(layers=2, hidden=48, batch=4, in_features=20, use_gemm=True),
+    "mlp-cublas-b256": lambda: zoo.mlp(layers=2, hidden=256, batch=256),  # cuBLAS in the graph variant
+    "gelu-mlp": gelu_mlp,
     "transformer": lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),
+    "transformer-gelu20": lambda: zoo.transformer_block(seq=8, hidden=32, heads=2, ffn=64, opset=20),
+    # 115M multiply-adds: a cuDNN step on a GPU (plan/cudnn_step.py), a generated kernel without one.
+    "conv-cudnn": lambda: _conv((1, 32, 28, 28), (64, 32, 3, 3), bias=True, pads=[1, 1, 1, 1]),
     **{f"layout-{k}": v for k, v in LAYOUT_CASES.items()},
     **{f"attention-{k}": (lambda c=c: attention_model(*c[:4], c[4])) for k, c in ATTENTION_CASES.items()},
 }
