@@ -113,10 +113,12 @@ def _clip(ctx, node):
     ew(ctx, node, [node.inputs[0]], node.outputs[0], expr)
 
 
-# Cast between the plan's float types: the value rounded to the target type (kernels compute in
-# float32, so a cast inside a fused kernel would otherwise keep float32 precision; the store into a
-# 16-bit buffer rounds the same way again, which changes nothing). ep_round_* are codegen's.
-CAST_EXPRS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
+# Cast between the plan's float types: the value rounded to its own type, then to the target type.
+# Kernels keep a fused group's intermediates in float32, so without the roundings a half value cast
+# to float32 (or a float32 one cast to half, then read in the same kernel) would keep float32
+# precision; a store into a 16-bit buffer rounds the same way again, which changes nothing.
+# ep_round_* are codegen's (HALF_PRELUDE).
+ROUNDINGS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
 
 
 @lowers("Cast")
@@ -127,7 +129,9 @@ def _cast(ctx, node):
         raise PlanError(f"Cast node '{node.name}': to {to}; a compiled plan casts to float32 (1), float16 (10) "
                         "or bfloat16 (16)")
     ctx.prog.values[node.outputs[0]].dtype = dtype
-    ew(ctx, node, [node.inputs[0]], node.outputs[0], CAST_EXPRS[dtype])
+    source = ctx.dtype(node.inputs[0])
+    expr = ROUNDINGS[dtype] if source in (dtype, F32) else ROUNDINGS[dtype].format(ROUNDINGS[source])
+    ew(ctx, node, [node.inputs[0]], node.outputs[0], expr)
 
 
 @lowers("BatchNormalization")
