@@ -113,12 +113,14 @@ def _destroy(lib, desc, layouts, pref) -> None:
 
 
 class EpilogueGemm:
-    """out (M, N) = epilogue(alpha * A (M, K) @ B (K, N) + bias (N)), row-major float32, through one
-    cublasLtMatmul; `epilogue` in EPILOGUES. The bias address is fixed; A, B and out are given per
-    call (see __call__), the stream too."""
+    """out (M, N) = epilogue(alpha * A (M, K) @ B (K, N) + bias (N)), row-major, through one
+    cublasLtMatmul; `epilogue` in EPILOGUES. A, B, out and the bias are of `data_type` (CUDA_R_32F,
+    or CUDA_R_16F / CUDA_R_16BF with compute_type CUBLAS_COMPUTE_32F; alpha and beta are float32
+    either way). The bias address is fixed; A, B and out are given per call (see __call__), the
+    stream too."""
 
     def __init__(self, device_id: int, m: int, n: int, k: int, alpha: float, bias_ptr: int, epilogue: str,
-                 compute_type: int, what: str):
+                 compute_type: int, what: str, data_type: int = CUDA_R_32F):
         if epilogue not in EPILOGUES:
             raise ValueError(f"{what}: epilogue {epilogue!r}; allowed: {sorted(EPILOGUES)}")
         lib = self.lib = load_library()
@@ -131,7 +133,7 @@ class EpilogueGemm:
         # Row-major C = A @ B is column-major C^T = B^T A^T: the first operand is B (N x K), then A.
         for rows, cols in ((n, k), (k, m), (n, m)):
             lbox = ffi.new("cublasLtMatrixLayout_t *")
-            check(lib.cublasLtMatrixLayoutCreate(lbox, CUDA_R_32F, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
+            check(lib.cublasLtMatrixLayoutCreate(lbox, data_type, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
             layouts.append(lbox[0])
         pbox = ffi.new("cublasLtMatmulPreference_t *")
         check(lib.cublasLtMatmulPreferenceCreate(pbox), f"{what}: cublasLtMatmulPreferenceCreate")
@@ -149,7 +151,7 @@ class EpilogueGemm:
         check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, b_layout, a_layout, d_layout, d_layout,
                                                  self.pref, 1, result, count), f"{what}: cublasLtMatmulAlgoGetHeuristic")
         if count[0] < 1:
-            raise CublasError(f"{what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} float32 GEMM with "
+            raise CublasError(f"{what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} GEMM of data type {data_type} with "
                               f"epilogue {epilogue!r} and no workspace")
         self.algo = ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
         self.alpha = ffi.new("float *", float(alpha))

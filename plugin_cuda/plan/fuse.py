@@ -133,6 +133,8 @@ def _bias_of(prog: Program, add: Op, gemm_out: int, n: int) -> int | None:
     v = prog.values[other]
     if other == gemm_out or v.const is None or v.size != n or (v.shape and v.shape[-1] != n):
         return None
+    if v.dtype != prog.values[gemm_out].dtype:  # cuBLASLt reads the bias in the output's type
+        return None
     return other
 
 
@@ -146,8 +148,8 @@ def cublaslt_epilogues(prog: Program, tiled: bool) -> Program:
     for op in prog.ops:
         if op.kind != "gemm" or small_gemm(prog, op, tiled) or op.attrs["trans_a"] or op.attrs["trans_b"]:
             continue
-        if any(prog.values[v].dtype not in (None, F32) for v in op.inputs + op.outputs):
-            continue  # device/cublaslt.py's epilogue GEMMs are float32: a half bias add stays a generated kernel
+        if len({prog.values[v].dtype or F32 for v in op.inputs + op.outputs}) != 1:
+            continue  # one data type for A, B and D (cublaslt.EpilogueGemm); the bias is checked below
         b_shape = prog.values[op.inputs[1]].shape
         add = _only_ew_reader(prog, users, op.outputs[0], BIAS_ADD) if len(b_shape) == 2 else None
         bias = _bias_of(prog, add, op.outputs[0], b_shape[1]) if add is not None else None

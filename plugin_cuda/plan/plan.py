@@ -528,7 +528,7 @@ class _CublasStep:
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
             return
         if "epilogue" in op.attrs:  # bias (and ReLU) in the GEMM's epilogue (fuse.cublaslt_epilogues)
-            self._cublaslt(step, a_shape, b_shape, compute, variant)
+            self._cublaslt(step, a_shape, b_shape, compute, variant, ta)
             return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
@@ -559,7 +559,7 @@ class _CublasStep:
                         plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
 
-    def _cublaslt(self, step, a_shape, b_shape, compute, variant) -> None:
+    def _cublaslt(self, step, a_shape, b_shape, compute, variant, data_type: int) -> None:
         inst = self.inst
         op = step.op
         ext_index, bias = inst.address(op.inputs[2], variant)
@@ -570,7 +570,8 @@ class _CublasStep:
         gemm = plan.epilogue_gemm(
             (variant.name, id(step)),
             lambda: cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
-                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'"))
+                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'",
+                                          data_type))
         self.lt = (gemm, [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])])
 
     def _run_lt(self) -> None:

@@ -101,6 +101,19 @@ def test_cast_to_an_integer_is_refused_by_the_lowering():
         _cast(LowerCtx(prog, spec, set()), spec.nodes[0])
 
 
+@pytest.mark.parametrize("elem", [FP16, BFLOAT16], ids=["fp16", "bf16"])
+def test_half_gemms_on_cublas_take_their_bias_and_relu_into_the_call(elem):
+    prog = lowered(retyped(FLOAT_MODELS["mlp-cublas-b256"](), elem))
+    gemms = [s for s in fuse.build_steps(prog, tiled=False) if s.kind == "gemm"]
+    assert [s.op.attrs.get("epilogue") for s in gemms] == ["relu_bias", "relu_bias"]
+    # A float32 bias on a half GEMM (a mixed graph) stays a generated kernel: cuBLASLt reads the
+    # bias in the output's type.
+    for vid, v in prog.values.items():
+        if v.const is not None and v.shape == (256,):
+            v.const, v.dtype = np.asarray(v.const, np.float32), F32
+    assert all("epilogue" not in s.op.attrs for s in fuse.build_steps(prog, tiled=False) if s.kind == "gemm")
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the arena and the constants in each value's own size
 
