@@ -108,7 +108,7 @@ def test_half_gemms_on_cublas_take_their_bias_and_relu_into_the_call(elem):
     assert [s.op.attrs.get("epilogue") for s in gemms] == ["relu_bias", "relu_bias"]
     # A float32 bias on a half GEMM (a mixed graph) stays a generated kernel: cuBLASLt reads the
     # bias in the output's type.
-    for vid, v in prog.values.items():
+    for v in prog.values.values():
         if v.const is not None and v.shape == (256,):
             v.const, v.dtype = np.asarray(v.const, np.float32), F32
     assert all("epilogue" not in s.op.attrs for s in fuse.build_steps(prog, tiled=False) if s.kind == "gemm")
