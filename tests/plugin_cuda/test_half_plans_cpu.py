@@ -114,6 +114,25 @@ def test_half_gemms_on_cublas_take_their_bias_and_relu_into_the_call(elem):
     assert all("epilogue" not in s.op.attrs for s in fuse.build_steps(prog, tiled=False) if s.kind == "gemm")
 
 
+@pytest.mark.parametrize("precision", list(HALVES))
+@pytest.mark.parametrize("name", ["cnn", "transformer", "mixed"])
+def test_converted_graphs_with_casts_are_one_partition(name, precision):
+    """`ephost convert` keeps some ops in float32 between Casts (bfloat16 Conv and MaxPool at opset 17,
+    its op block list): the Casts are fused roundings, so the graph is still one partition."""
+    from host.precision import convert_precision
+    from plugin_cuda.plan.partition import fusable_groups
+
+    models = {"cnn": lambda: convert_precision(zoo.cnn(batch=2), precision),
+              "transformer": lambda: convert_precision(zoo.transformer_block(seq=8, hidden=32, heads=2, ffn=64,
+                                                                             opset=20), precision),
+              "mixed": lambda: mixed_model(HALVES[precision])}
+    spec = spec_from_onnx(models[name]())
+    casts = [n for n in spec.nodes if n.op_type == "Cast"]
+    if name == "mixed" or (name, precision) == ("cnn", "bf16"):
+        assert len(casts) >= 2, [n.op_type for n in spec.nodes]  # a float32 island between Casts
+    assert fusable_groups(spec) == [[n.index for n in spec.nodes]]
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the arena and the constants in each value's own size
 
