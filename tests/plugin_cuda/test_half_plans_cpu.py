@@ -133,6 +133,17 @@ def test_converted_graphs_with_casts_are_one_partition(name, precision):
     assert fusable_groups(spec) == [[n.index for n in spec.nodes]]
 
 
+def test_batch_norm_with_statistics_from_an_input_stays_per_node():
+    consts = {"s": np.ones(3, np.float32), "b": np.zeros(3, np.float32), "var": np.ones(3, np.float32)}
+    model = _model("BatchNormalization", {"X": (2, 3, 4, 5), "mean": (3,)}, consts, 1, 15)
+    node = model.graph.node[0]
+    node.input[:] = ["X", "s", "b", "mean", "var"]
+    spec = spec_from_onnx(model)
+    assert lower.unsupported_reason(spec, spec.nodes[0]) == (
+        "BatchNormalization node 'n': scale, bias, mean and var must be constants of 3 values (the channels of "
+        "input (2, 3, 4, 5))")
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the arena and the constants in each value's own size
 
