@@ -99,8 +99,9 @@ FLOAT_MODELS = {
     "gelu-mlp": gelu_mlp,
     "transformer": lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),
     "transformer-gelu20": lambda: zoo.transformer_block(seq=8, hidden=32, heads=2, ffn=64, opset=20),
-    # 115M multiply-adds: a cuDNN step on a GPU (plan/cudnn_step.py), a generated kernel without one.
-    "conv-cudnn": lambda: _conv((1, 32, 28, 28), (64, 32, 3, 3), bias=True, pads=[1, 1, 1, 1]),
+    # 29M multiply-adds (above cudnn_step.CUDNN_MIN_MACS, 2^24): a cuDNN step on a GPU
+    # (plan/cudnn_step.py), a generated kernel without cuDNN.
+    "conv-cudnn": lambda: _conv((1, 64, 28, 28), (64, 64, 3, 3), bias=True, pads=[1, 1, 1, 1]),
     **{f"layout-{k}": v for k, v in LAYOUT_CASES.items()},
     **{f"attention-{k}": (lambda c=c: attention_model(*c[:4], c[4])) for k, c in ATTENTION_CASES.items()},
 }

@@ -128,6 +128,14 @@ def test_half_plan_matches_float32_reference(cp, name, precision):
             errors.append(relative_error(g.astype(np.float32), w))
         report(f"plan {name} {precision} capture={capture}: steps {kinds} max rel err {max(errors):.2e}")
     assert max(errors) <= TOL, f"{name} {precision}: {errors}"
+    if name == "conv-cudnn" and cudnn_usable():
+        assert "cudnn_conv" in kinds, f"{name} {precision}: steps {kinds}; the convolution did not go to cuDNN"
+
+
+def cudnn_usable() -> bool:
+    from plugin_cuda.device import cudnn
+
+    return cudnn.usable()
 
 
 # ---------------------------------------------------------------------------------------------
