@@ -13,6 +13,7 @@ module's prelude when the program has half values), so the arithmetic is float32
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -630,6 +631,22 @@ def _take_symbols(spec: KernelSpec, symbols: list) -> None:
     spec.source = f"{spec.source[:at]}{decls}, {spec.source[at:]}"
 
 
+_POINTER = re.compile(r"(\w+)\* __restrict__ (p\d+)\b")
+
+
+def check_pointer_types(prog: Program, spec: KernelSpec) -> None:
+    """PlanError unless each pointer parameter of the kernel has its value's C type: a generator that
+    declares `float*` for a float16 buffer would read garbage, and the partition then falls back to
+    per-node kernels instead (the host's handling of a failed Compile)."""
+    head = spec.source[spec.source.index(f"{spec.name}("):]
+    declared = dict((name, ctype_) for ctype_, name in _POINTER.findall(head[:head.index("{")]))
+    for k, vid in enumerate(spec.params):
+        got, want = declared.get(f"p{k}"), ctype(prog, vid)
+        if got is not None and got != want:
+            raise PlanError(f"kernel {spec.name} ({spec.step.name}) declares p{k} as {got}*; value "
+                            f"'{prog.values[vid].name}' is {prog.values[vid].dtype} ({want})")
+
+
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:
     """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`;
     kernels are named `prefix` + step index."""
@@ -641,6 +658,7 @@ def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = T
             specs.append(None)
             continue
         spec = gen(prog, step, f"{prefix}{i}")
+        check_pointer_types(prog, spec)
         if prog.symbols:
             _take_symbols(spec, prog.symbols)
         parts.append(f"/* {step.name} */\n" + spec.source)

@@ -144,6 +144,23 @@ def test_batch_norm_with_statistics_from_an_input_stays_per_node():
         "input (2, 3, 4, 5))")
 
 
+def test_a_kernel_declaring_float_for_a_half_buffer_is_refused():
+    """The safety net of codegen.generate: a generator that ignores the value's type (a float32
+    pointer to a float16 buffer) is a PlanError, so the partition falls back to per-node kernels."""
+    from types import SimpleNamespace
+
+    from plugin_cuda.plan.errors import PlanError
+
+    prog = lowered(mixed_model(FP16))
+    x = prog.inputs[0]
+    spec = codegen.KernelSpec("k", [x], (1, 1, 1), (32, 1, 1),
+                              'extern "C" __global__ void k(const float* __restrict__ p0) {}', SimpleNamespace(name="mm"))
+    with pytest.raises(PlanError, match=r"^kernel k \(mm\) declares p0 as float\*; value 'X' is float16 \(half_bits\)$"):
+        codegen.check_pointer_types(prog, spec)
+    spec.source = spec.source.replace("float*", "half_bits*")
+    codegen.check_pointer_types(prog, spec)
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: the arena and the constants in each value's own size
 
