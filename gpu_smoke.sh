@@ -21,6 +21,12 @@ from tests.models import load
 from tests.plugin_cuda.test_half_plans import half_dtype, rounded
 import onnx
 
+import build
+import host
+
+env = host.Environment()
+spec = build.PYTHON_PLUGINS["cuda"]
+env.register_plugin("cuda", build.build_python_plugin("cuda", max(spec.versions)))
 for name in ("bert_torchscript", "llama_dynamo"):
     path, feeds, _ = load(name)
     for precision in ("fp16", "bf16"):
@@ -28,7 +34,7 @@ for name in ("bert_torchscript", "llama_dynamo"):
         half, _ = rounded(feeds, half_dtype(precision))
         line = []
         for plan in ("1", "0"):
-            s = InferenceSession(data, providers=[("CUDAExecutionProvider", {"compiled_plan": plan})])
+            s = InferenceSession(data, providers=[("CUDAExecutionProvider", {"compiled_plan": plan})], env=env)
             for _ in range(3):
                 s.run(None, half)
             times = []
