@@ -123,12 +123,14 @@ def _destroy(lib, desc, layouts, pref) -> None:
 
 
 class EpilogueGemm:
-    """out (M, N) = epilogue(alpha * A (M, K) @ B (K, N) + bias (N)), row-major float32, through one
-    cublasLtMatmul; `epilogue` in EPILOGUES. The bias address is fixed; A, B and out are given per
-    call (see __call__), the stream too."""
+    """out (M, N) = epilogue(alpha * A (M, K) @ B (K, N) + bias (N)), row-major, through one
+    cublasLtMatmul; `epilogue` in EPILOGUES. A, B, out and the bias are of `data_type` (CUDA_R_32F,
+    or CUDA_R_16F / CUDA_R_16BF with compute_type CUBLAS_COMPUTE_32F; alpha and beta are float32
+    either way). The bias address is fixed; A, B and out are given per call (see __call__), the
+    stream too."""
 
     def __init__(self, device_id: int, m: int, n: int, k: int, alpha: float, bias_ptr: int, epilogue: str,
-                 compute_type: int, what: str):
+                 compute_type: int, what: str, data_type: int = CUDA_R_32F):
         if epilogue not in EPILOGUES:
             raise ValueError(f"{what}: epilogue {epilogue!r}; allowed: {sorted(EPILOGUES)}")
         lib = self.lib = load_library()
@@ -141,7 +143,7 @@ class EpilogueGemm:
         # Row-major C = A @ B is column-major C^T = B^T A^T: the first operand is B (N x K), then A.
         for rows, cols in ((n, k), (k, m), (n, m)):
             lbox = ffi.new("cublasLtMatrixLayout_t *")
-            check(lib.cublasLtMatrixLayoutCreate(lbox, CUDA_R_32F, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
+            check(lib.cublasLtMatrixLayoutCreate(lbox, data_type, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
             layouts.append(lbox[0])
         pbox = ffi.new("cublasLtMatmulPreference_t *")
         check(lib.cublasLtMatmulPreferenceCreate(pbox), f"{what}: cublasLtMatmulPreferenceCreate")
@@ -153,19 +155,19 @@ class EpilogueGemm:
         zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
         check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, zero, 8),
               f"{what}: cublasLtMatmulPreferenceSetAttribute")
-        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, CUDA_R_32F)
+        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, data_type)
         saved = algo_cache.lookup(key)
         if saved is not None and len(bytes.fromhex(saved)) == ffi.sizeof("cublasLtMatmulAlgo_t"):
-            # The heuristic's earlier answer for this device, shape and epilogue (a disk cache or context).
+            # The heuristic's earlier answer for this device, shape, type and epilogue (a disk cache or context).
             self.algo = ffi.new("cublasLtMatmulAlgo_t *")
             ffi.memmove(self.algo, bytes.fromhex(saved), len(bytes.fromhex(saved)))
         else:
-            self.algo = self._heuristic(m, n, k, epilogue)
+            self.algo = self._heuristic(m, n, k, epilogue, data_type)
             algo_cache.record(key, bytes(ffi.buffer(self.algo)).hex())
         self.alpha = ffi.new("float *", float(alpha))
         self.beta = ffi.new("float *", 0.0)
 
-    def _heuristic(self, m: int, n: int, k: int, epilogue: str):
+    def _heuristic(self, m: int, n: int, k: int, epilogue: str, data_type: int):
         """cuBLASLt's first answer for this GEMM (the algorithm struct)."""
         result = ffi.new("cublasLtMatmulHeuristicResult_t *")
         count = ffi.new("int *")
@@ -174,8 +176,8 @@ class EpilogueGemm:
                                                       self.pref, 1, result, count),
               f"{self.what}: cublasLtMatmulAlgoGetHeuristic")
         if count[0] < 1:
-            raise CublasError(f"{self.what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} float32 GEMM with "
-                              f"epilogue {epilogue!r} and no workspace")
+            raise CublasError(f"{self.what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} GEMM of data type "
+                              f"{data_type} with epilogue {epilogue!r} and no workspace")
         return ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
 
     def _set(self, attr: int, value, size: int) -> None:

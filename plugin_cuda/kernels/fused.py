@@ -40,6 +40,7 @@ from ..device import cublas
 from ..device.nvrtc import KernelLibrary
 from ..device.streams import arg_ptr, grid_1d, row_threads
 from ..semantics import GELU_CUDA
+from ..semantics.half import HALF_CUDA
 from .base import EPHOST_DOMAIN, FLOAT, CudaKernel, num_outputs, register
 
 try:
@@ -66,29 +67,8 @@ ACTIVATIONS = {"": ACT_NONE, "Relu": ACT_RELU, "Gelu": ACT_GELU, "GeluTanh": ACT
 
 # Device helpers shared with attention.py's source. T is `float`, `half_bits` (float16 bits) or
 # `bf16_bits` (bfloat16 bits).
-PRELUDE = GELU_CUDA + r"""
-typedef long long i64;
-typedef unsigned short half_bits;
+PRELUDE = GELU_CUDA + HALF_CUDA + r"""
 #define EPHOST_NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(half_bits h) {
-  float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ void put(float* p, i64 i, float v) { p[i] = v; }
-__device__ __forceinline__ void put(half_bits* p, i64 i, float v) {
-  half_bits h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(v)); p[i] = h;
-}
-// bfloat16: the high 16 bits of a float32. A struct, so that its overloads differ from float16's.
-struct bf16_bits { unsigned short bits; };
-__device__ __forceinline__ float to_f(bf16_bits h) { return __uint_as_float((unsigned)h.bits << 16); }
-__device__ __forceinline__ void put(bf16_bits* p, i64 i, float v) {
-  const unsigned u = __float_as_uint(v);
-  bf16_bits h;
-  if ((u & 0x7fffffffu) > 0x7f800000u) h.bits = (unsigned short)((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
-  else h.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
-  p[i] = h;
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

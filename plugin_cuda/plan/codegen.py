@@ -4,21 +4,27 @@ Pure Python (no CuPy): the source is checked with `nvcc -ptx` on machines withou
 Shapes are static, so every size, stride and scalar constant is baked into the source as a
 literal and a kernel's only parameters are its buffers' device pointers: launching it needs no
 per-call argument packing beyond those pointers.
+
+Element types: every pointer has its value's C type (program.C_TYPES); float32 buffers are read
+and written directly, float16 / bfloat16 ones through `to_f` / `put` (semantics/half.py, in the
+module's prelude when the program has half values), so the arithmetic is float32 throughout.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
-from plugin_cuda.plan.program import Program, f32_literal, strides
+from plugin_cuda.plan.program import C_TYPES, F32, Program, f32_literal, strides
 from plugin_cuda.plan.symint import SymInt
 from plugin_cuda.plan.templates import TILED_GEMM
 from plugin_cuda.semantics import GELU_CUDA
+from plugin_cuda.semantics.half import HALF_CUDA
 
 EW_BLOCK = 256
 INT32_MAX = 2**31 - 1
@@ -61,6 +67,38 @@ __device__ float ep_block_max(float v, float* sh) {
   return ep_warp_max(lane < nw ? sh[lane] : -EP_INF);
 }
 """
+# With half values: the storage types and conversions, and the roundings of a Cast (lower_math).
+HALF_PRELUDE = HALF_CUDA + r"""
+__device__ __forceinline__ float ep_round_f16(float v) { half_bits h; put(&h, 0, v); return to_f(h); }
+__device__ __forceinline__ float ep_round_bf16(float v) { bf16_bits h; put(&h, 0, v); return to_f(h); }
+"""
+
+
+def ctype(prog: Program, vid: int) -> str:
+    """The C element type of value `vid`'s buffer."""
+    return C_TYPES[prog.values[vid].dtype or F32]
+
+
+def load(prog: Program, vid: int, ref: str) -> str:
+    """A float expression reading element `ref` (e.g. "p0[i]") of value `vid`'s buffer."""
+    return ref if ctype(prog, vid) == "float" else f"to_f({ref})"
+
+
+def store(prog: Program, vid: int, ptr: str, index: str, val: str) -> str:
+    """A statement writing float `val` at ptr[index] in value `vid`'s type (rounded to nearest even)."""
+    return f"{ptr}[{index}] = {val};" if ctype(prog, vid) == "float" else f"put({ptr}, {index}, {val});"
+
+
+def move(prog: Program, src: int, src_ref: str, dst: int, ptr: str, index: str) -> str:
+    """A statement copying one element: the bits as they are when both types are the same."""
+    if ctype(prog, src) == ctype(prog, dst):
+        return f"{ptr}[{index}] = {src_ref};"
+    return store(prog, dst, ptr, index, load(prog, src, src_ref))
+
+
+def decl(prog: Program, vid: int, name: str, const: bool) -> str:
+    """A kernel parameter: the typed restrict pointer to value `vid`'s buffer."""
+    return f"{'const ' if const else ''}{ctype(prog, vid)}* __restrict__ {name}"
 
 
 @dataclass
@@ -132,7 +170,8 @@ def _inline_scalar(prog: Program, vid: int) -> str | None:
 class _Body:
     """Assembles a kernel's parameter list and statements."""
 
-    def __init__(self):
+    def __init__(self, prog: Program):
+        self.prog = prog
         self.params: list = []  # value ids
         self.decls: list = []
         self.names: dict = {}
@@ -140,8 +179,7 @@ class _Body:
     def pointer(self, vid: int, const: bool) -> str:
         name = f"p{len(self.params)}"
         self.params.append(vid)
-        qual = "const float* __restrict__" if const else "float* __restrict__"
-        self.decls.append(f"{qual} {name}")
+        self.decls.append(decl(self.prog, vid, name, const))
         return name
 
 
@@ -160,7 +198,8 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
             var[leaf] = lit
             continue
         p = body.pointer(leaf, const=True)
-        lines.append(f"const float a{k} = {p}[{index_expr(shape, prog.values[leaf].shape, i)}];")
+        ref = f"{p}[{index_expr(shape, prog.values[leaf].shape, i)}]"
+        lines.append(f"const float a{k} = {load(prog, leaf, ref)};")
         var[leaf] = f"a{k}"
     for k, m in enumerate(group.members):
         args = [var[v] for v in m.inputs]
@@ -168,7 +207,7 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
         var[m.outputs[0]] = f"v{k}"
     for v in group.exports:
         p = body.pointer(v, const=False)
-        lines.append(f"{p}[{i}] = {var[v]};")
+        lines.append(store(prog, v, p, i, var[v]))
     return lines
 
 
@@ -179,7 +218,7 @@ def ew_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     shape = g.shape
     n = math.prod(shape)
     _check_size(prog, g.leaves + g.exports)
-    body = _Body()
+    body = _Body(prog)
     lines = _epilogue(prog, body, g, shape, "i", None)
     src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(body.decls)}) {{\n'
            f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
@@ -220,13 +259,14 @@ def tiled_gemm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     t = tile_size(m_dim, n_dim)
     r_ = t // 16  # outputs per thread along each axis, and loads per thread per tile
     shift = t.bit_length() - 1  # e / t as a shift
-    body = _Body()
+    body = _Body(prog)
     pa = body.pointer(op.inputs[0], const=True)
     pb = body.pointer(op.inputs[1], const=True)
     scaled = "acc[r][c]" if alpha == 1.0 else f"(acc[r][c] * {f32_literal(alpha)})"
     lines = _epilogue(prog, body, g, g.shape, "i", "g0")
+    cva, cvb = ("" if ctype(prog, v) == "float" else "to_f" for v in op.inputs[:2])
     src = TILED_GEMM.format(name=name, decls=", ".join(body.decls), t=t, t4=t + 4, tmask=t - 1, r_=r_, shift=shift,
-                            m_dim=m_dim, n_dim=n_dim, k_dim=k_dim, pa=pa, pb=pb, scaled=scaled,
+                            m_dim=m_dim, n_dim=n_dim, k_dim=k_dim, pa=pa, pb=pb, cva=cva, cvb=cvb, scaled=scaled,
                             epilogue=(chr(10) + "        ").join(lines))
     grid = (-(-n_dim // t), -(-m_dim // t), 1)
     return KernelSpec(name, body.params, grid, (256, 1, 1), src, step)
@@ -243,7 +283,7 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     ks = 32 if k_dim >= 128 else 8
     alpha = float(op.attrs.get("alpha", 1.0))
     _check_size(prog, list(op.inputs) + g.leaves + g.exports)
-    body = _Body()
+    body = _Body(prog)
     pa = body.pointer(op.inputs[0], const=True)
     pb = body.pointer(op.inputs[1], const=True)
     scaled = "s" if alpha == 1.0 else f"(s * {f32_literal(alpha)})"
@@ -258,9 +298,9 @@ def gemv_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
   if (col < {n_dim}) {{
 #pragma unroll 4
     for (int k = ty; k < {k_dim}; k += {ks}) {{
-      const float b = {pb}[k * {n_dim} + col];
+      const float b = {load(prog, op.inputs[1], f"{pb}[k * {n_dim} + col]")};
 #pragma unroll
-      for (int m = 0; m < {m_dim}; ++m) acc[m] += {pa}[m * {k_dim} + k] * b;
+      for (int m = 0; m < {m_dim}; ++m) acc[m] += {load(prog, op.inputs[0], f"{pa}[m * {k_dim} + k]")} * b;
     }}
   }}
 #pragma unroll
@@ -298,17 +338,20 @@ def _ll(x) -> str:
     return f"(long long){x}" if isinstance(x, SymInt) else f"{x}LL"
 
 
-def _softmax_logit(op) -> tuple[str, str, list]:
+def _softmax_logit(prog: Program, op) -> tuple[str, str, list]:
     """(row set-up, logit of column c, extra pointer params) of a softmax step; with an attention
     mask (Attention's additive float attn_mask), the mask row is found from the row's (b, h, i) and
     the mask's broadcast strides; columns past the mask's length are masked (padding)."""
+    x = load(prog, op.inputs[0], "xr[c]")
     if "mask_strides" not in op.attrs:
-        return "", "xr[c]", []
+        return "", x, []
     mb, mh, mi = op.attrs["mask_strides"]
     q_len, heads = op.attrs["q_len"], op.attrs["heads"]
     setup = (f"  const long long ri = blockIdx.x % {q_len}, rbh = blockIdx.x / {q_len};\n"
-             f"  const float* mr = p2 + (rbh / {heads}) * {_ll(mb)} + (rbh % {heads}) * {_ll(mh)} + ri * {_ll(mi)};\n")
-    return setup, f"(c < {op.attrs['mask_len']} ? xr[c] + mr[c] : -EP_INF)", [op.inputs[1]]
+             f"  const {ctype(prog, op.inputs[1])}* mr = p2 + (rbh / {heads}) * {_ll(mb)} + (rbh % {heads}) * {_ll(mh)}"
+             f" + ri * {_ll(mi)};\n")
+    mask = load(prog, op.inputs[1], "mr[c]")
+    return setup, f"(c < {op.attrs['mask_len']} ? {x} + {mask} : -EP_INF)", [op.inputs[1]]
 
 
 def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -318,24 +361,27 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     rows = math.prod(shape[:-1]) if shape else 1
     _check_size(prog, op.inputs + op.outputs)
     block = _row_block(cols)
-    setup, logit, extra = _softmax_logit(op)
+    setup, logit, extra = _softmax_logit(prog, op)
+    x, y = op.inputs[0], op.outputs[0]
     # Causal attention: row r is query i = r % q_len, which sees keys 0..i (the rest weigh 0).
     limit = f"(int)(blockIdx.x % {op.attrs['q_len']}) + 1" if op.attrs.get("causal") else "C"
     if op.attrs["log"]:
-        finish = "  const float ls = logf(s);\n  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] - m - ls;\n"
+        finish = ("  const float ls = logf(s);\n  for (int c = threadIdx.x; c < C; c += B) "
+                  + store(prog, y, "yr", "c", f"{load(prog, x, 'xr[c]')} - m - ls") + "\n")
     else:
-        finish = f"  for (int c = threadIdx.x; c < C; c += B) yr[c] = c < L ? expf({logit} - m) / s : 0.0f;\n"
+        finish = ("  for (int c = threadIdx.x; c < C; c += B) "
+                  + store(prog, y, "yr", "c", f"c < L ? expf({logit} - m) / s : 0.0f") + "\n")
     # A row whose every key is masked has no defined softmax: zeros, as the per-node kernel and the
     # ONNX reference give (the check follows ep_block_max, whose barriers precede every write).
-    empty = ("  if (m == -EP_INF) { for (int c = threadIdx.x; c < C; c += B) yr[c] = 0.0f; return; }\n"
-             if extra else "")
+    empty = ("  if (m == -EP_INF) { for (int c = threadIdx.x; c < C; c += B) "
+             + store(prog, y, "yr", "c", "0.0f") + " return; }\n" if extra else "")
     src = (f'extern "C" __global__ void __launch_bounds__({block}) {name}('
-           "const float* __restrict__ p0, float* __restrict__ p1"
-           + (", const float* __restrict__ p2" if extra else "") + ") {\n"
+           + decl(prog, x, "p0", True) + ", " + decl(prog, y, "p1", False)
+           + (", " + decl(prog, extra[0], "p2", True) if extra else "") + ") {\n"
            f"  const int C = {cols}; constexpr int B = {block};\n"
            "  __shared__ float sh[32];\n"
-           "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
-           "  float* yr = p1 + (long long)blockIdx.x * C;\n"
+           f"  const {ctype(prog, x)}* xr = p0 + (long long)blockIdx.x * C;\n"
+           f"  {ctype(prog, y)}* yr = p1 + (long long)blockIdx.x * C;\n"
            + setup +
            f"  const int L = {limit};\n"
            "  float m = -EP_INF;\n"
@@ -349,6 +395,7 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
 
 
 def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
+    """LayerNorm / RMSNorm of one row per block; the statistics in float32 whatever the types."""
     op = step.op
     cols = op.attrs["cols"]
     rows = prog.values[op.inputs[0]].size // max(cols, 1)
@@ -357,30 +404,30 @@ def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     eps = f32_literal(op.attrs["eps"])
     has_bias = len(op.inputs) > 2
     params = [op.inputs[0], op.inputs[1]] + ([op.inputs[2]] if has_bias else []) + [op.outputs[0]]
-    decls = ["const float* __restrict__ p0", "const float* __restrict__ p1"]
-    if has_bias:
-        decls.append("const float* __restrict__ p2")
-    out = f"p{len(decls)}"
-    decls.append(f"float* __restrict__ {out}")
+    out = f"p{len(params) - 1}"
+    decls = [decl(prog, v, f"p{k}", k < len(params) - 1) for k, v in enumerate(params)]
+    x, y = op.inputs[0], op.outputs[0]
+    xc, scale = load(prog, x, "xr[c]"), load(prog, op.inputs[1], "p1[c]")
     head = (f'extern "C" __global__ void __launch_bounds__({block}) {name}({", ".join(decls)}) {{\n'
             f"  const int C = {cols}; constexpr int B = {block};\n"
             "  __shared__ float sh[32];\n"
-            "  const float* xr = p0 + (long long)blockIdx.x * C;\n"
-            f"  float* yr = {out} + (long long)blockIdx.x * C;\n")
+            f"  const {ctype(prog, x)}* xr = p0 + (long long)blockIdx.x * C;\n"
+            f"  {ctype(prog, y)}* yr = {out} + (long long)blockIdx.x * C;\n")
     if op.attrs["kind"] == "rms":
         body = ("  float q = 0.0f;\n"
-                "  for (int c = threadIdx.x; c < C; c += B) q += xr[c] * xr[c];\n"
+                f"  for (int c = threadIdx.x; c < C; c += B) {{ const float v = {xc}; q += v * v; }}\n"
                 f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
-                "  for (int c = threadIdx.x; c < C; c += B) yr[c] = xr[c] * r * p1[c];\n")
+                f"  for (int c = threadIdx.x; c < C; c += B) {store(prog, y, 'yr', 'c', f'{xc} * r * {scale}')}\n")
     else:
-        affine = " + p2[c]" if has_bias else ""
+        affine = f" + {load(prog, op.inputs[2], 'p2[c]')}" if has_bias else ""
         body = ("  float s = 0.0f;\n"
-                "  for (int c = threadIdx.x; c < C; c += B) s += xr[c];\n"
+                f"  for (int c = threadIdx.x; c < C; c += B) s += {xc};\n"
                 "  const float mean = ep_block_sum(s, sh) / (float)C;\n"
                 "  float q = 0.0f;\n"
-                "  for (int c = threadIdx.x; c < C; c += B) { const float d = xr[c] - mean; q += d * d; }\n"
+                f"  for (int c = threadIdx.x; c < C; c += B) {{ const float d = {xc} - mean; q += d * d; }}\n"
                 f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
-                f"  for (int c = threadIdx.x; c < C; c += B) yr[c] = (xr[c] - mean) * r * p1[c]{affine};\n")
+                f"  for (int c = threadIdx.x; c < C; c += B) "
+                f"{store(prog, y, 'yr', 'c', f'({xc} - mean) * r * {scale}{affine}')}\n")
     return KernelSpec(name, params, (max(rows, 1), 1, 1), (block, 1, 1), head + body + "}\n", step)
 
 
@@ -395,18 +442,15 @@ def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     terms = [f"((i / {ostr[d]}) % {out_shape[d]}) * {istr[perm[d]]}" for d in range(len(perm))
              if not _literal_one(out_shape[d])]
     src_index = " + ".join(terms) if terms else "0"
-    src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}('
-           "const float* __restrict__ p0, float* __restrict__ p1) {\n"
-           f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
-           f"  if (i >= {n}) return;\n"
-           f"  p1[i] = p0[{src_index}];\n}}\n")
-    return KernelSpec(name, [op.inputs[0], op.outputs[0]], (max(1, -(-n // EW_BLOCK)), 1, 1), (EW_BLOCK, 1, 1),
-                      src, step)
+    line = "  " + move(prog, op.inputs[0], f"p0[{src_index}]", op.outputs[0], "p1", "i") + "\n"
+    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], n, line, step)
 
 
-def _elementwise_spec(name: str, params: list, n: int, body: str, step: Step, consts: int = 1) -> KernelSpec:
-    """A one-thread-per-output-element kernel: `consts` read-only pointers then the output p{consts}."""
-    decls = [f"const float* __restrict__ p{k}" for k in range(consts)] + [f"float* __restrict__ p{consts}"]
+def _elementwise_spec(prog: Program, name: str, params: list, n: int, body: str, step: Step,
+                      consts: int = 1) -> KernelSpec:
+    """A one-thread-per-output-element kernel: `consts` read-only pointers then the output p{consts},
+    each of its value's type (params: the value ids)."""
+    decls = [decl(prog, v, f"p{k}", k < consts) for k, v in enumerate(params)]
     src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(decls)}) {{\n'
            f"  const int i = blockIdx.x * {EW_BLOCK} + threadIdx.x;\n"
            f"  if (i >= {n}) return;\n" + body + "}\n")
@@ -421,8 +465,9 @@ def _strided_copy(prog: Program, step: Step, name: str, shape: tuple, other: lis
     own = strides(shape)
     index = " + ".join([str(op.attrs["offset"])] + [f"((i / {own[d]}) % {shape[d]}) * {other[d]}"
                                                     for d in range(len(shape)) if not _literal_one(shape[d])])
-    line = f"  p1[i] = p0[{index}];\n" if gather else f"  p1[{index}] = p0[i];\n"
-    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], math.prod(shape), line, step)
+    x, y = op.inputs[0], op.outputs[0]
+    line = "  " + (move(prog, x, f"p0[{index}]", y, "p1", "i") if gather else move(prog, x, "p0[i]", y, "p1", index)) + "\n"
+    return _elementwise_spec(prog, name, [x, y], math.prod(shape), line, step)
 
 
 def copy_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -444,17 +489,23 @@ def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     size, seq, rot, half = a["size"], a["seq"], a["rot"], a["rot"] // 2
     row = f"{a['heads'] * size}" if a["seq_major"] else f"{size}"  # elements between two tokens of a head
     per_batch = seq * a["heads"] * size
+    xv, y = op.inputs[0], op.outputs[0]
+
+    def x_at(ref: str) -> str:
+        return load(prog, xv, f"p0[{ref}]")
+
     if a["interleaved"]:
-        j, partner = "(d >> 1)", "((d & 1) ? x * c + p0[i - 1] * s : x * c - p0[i + 1] * s)"
+        j, partner = "(d >> 1)", f"((d & 1) ? x * c + {x_at('i - 1')} * s : x * c - {x_at('i + 1')} * s)"
     else:
-        j, partner = f"(d < {half} ? d : d - {half})", f"(d < {half} ? x * c - p0[i + {half}] * s : x * c + p0[i - {half}] * s)"
+        j = f"(d < {half} ? d : d - {half})"
+        partner = f"(d < {half} ? x * c - {x_at(f'i + {half}')} * s : x * c + {x_at(f'i - {half}')} * s)"
     body = (f"  const int d = i % {size}, t = (i / {row}) % {seq}, b = i / {per_batch};\n"
-            f"  const float x = p0[i];\n"
-            f"  if (d >= {rot}) {{ p3[i] = x; return; }}\n"
+            f"  const float x = {x_at('i')};\n"
+            f"  if (d >= {rot}) {{ {store(prog, y, 'p3', 'i', 'x')} return; }}\n"
             f"  const int k = b * {a['cache_batch']} + t * {half} + {j};\n"
-            f"  const float c = p1[k], s = p2[k];\n"
-            f"  p3[i] = {partner};\n")
-    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n, body, step, consts=3)
+            f"  const float c = {load(prog, op.inputs[1], 'p1[k]')}, s = {load(prog, op.inputs[2], 'p2[k]')};\n"
+            f"  {store(prog, y, 'p3', 'i', partner)}\n")
+    return _elementwise_spec(prog, name, list(op.inputs) + [y], n, body, step, consts=3)
 
 
 def _conv_sum(prog: Program, op, x: str, w: str, i: str, channels: tuple) -> list:
@@ -468,8 +519,8 @@ def _conv_sum(prog: Program, op, x: str, w: str, i: str, channels: tuple) -> lis
     per_group = cout // a["group"]
     return [f"const int ox = {i} % {ow}, oy = ({i} / {ow}) % {oh}, co = ({i} / {ow * oh}) % {cout}, "
             f"b = {i} / {ow * oh * cout};",
-            f"const float* xb = {x} + ((long long)b * {cin} + (co / {per_group}) * {cpg}) * {h * w_};",
-            f"const float* wb = {w} + (long long)co * {cpg * kh * kw};",
+            f"const {ctype(prog, op.inputs[0])}* xb = {x} + ((long long)b * {cin} + (co / {per_group}) * {cpg}) * {h * w_};",
+            f"const {ctype(prog, op.inputs[1])}* wb = {w} + (long long)co * {cpg * kh * kw};",
             "float acc = 0.0f;",
             f"for (int c = {channels[0]}; c < {channels[1]}; ++c) {{",
             f"  for (int ky = 0; ky < {kh}; ++ky) {{",
@@ -477,7 +528,8 @@ def _conv_sum(prog: Program, op, x: str, w: str, i: str, channels: tuple) -> lis
             f"    if (iy < 0 || iy >= {h}) continue;",
             f"    for (int kx = 0; kx < {kw}; ++kx) {{",
             f"      const int ix = ox * {sw} - {pw} + kx * {dw};",
-            f"      if (ix >= 0 && ix < {w_}) acc += xb[(c * {h} + iy) * {w_} + ix] * wb[(c * {kh} + ky) * {kw} + kx];",
+            f"      if (ix >= 0 && ix < {w_}) acc += {load(prog, op.inputs[0], f'xb[(c * {h} + iy) * {w_} + ix]')} * "
+            f"{load(prog, op.inputs[1], f'wb[(c * {kh} + ky) * {kw} + kx]')};",
             "    }", "  }", "}"]
 
 
@@ -490,9 +542,9 @@ def _head_sum(prog: Program, op, ptrs: list) -> list:
     else:  # slice_sum: the partial sums of conv_partial, slice-major
         n = math.prod(shape)
         lines = [f"const int co = (i / {math.prod(shape[2:])}) % {shape[1]};", "float acc = 0.0f;",
-                 f"for (int s = 0; s < {op.attrs['slices']}; ++s) acc += {ptrs[0]}[s * {n} + i];"]
+                 f"for (int s = 0; s < {op.attrs['slices']}; ++s) acc += {load(prog, op.inputs[0], f'{ptrs[0]}[s * {n} + i]')};"]
     if len(ptrs) > (2 if op.kind == "conv" else 1):
-        lines.append(f"acc += {ptrs[-1]}[co];")  # the bias
+        lines.append(f"acc += {load(prog, op.inputs[-1], f'{ptrs[-1]}[co]')};")  # the bias
     return lines
 
 
@@ -502,7 +554,7 @@ def head_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     g = step.group
     n = math.prod(g.shape)
     _check_size(prog, list(g.head.inputs) + g.leaves + g.exports)
-    body = _Body()
+    body = _Body(prog)
     ptrs = [body.pointer(v, const=True) for v in g.head.inputs]
     lines = _head_sum(prog, g.head, ptrs) + _epilogue(prog, body, g, g.shape, "i", "acc")
     src = (f'extern "C" __global__ void __launch_bounds__({EW_BLOCK}) {name}({", ".join(body.decls)}) {{\n'
@@ -522,9 +574,9 @@ def conv_partial_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     _check_size(prog, op.inputs + op.outputs)
     lines = [f"const int s = i / {n}, j = i % {n};"]
     lines += _conv_sum(prog, op, "p0", "p1", "j", (f"s * {chunk}", f"((s + 1) * {chunk} < {cpg} ? (s + 1) * {chunk} : {cpg})"))
-    lines.append("p2[i] = acc;")
-    return _elementwise_spec(name, list(op.inputs) + [op.outputs[0]], n * slices, "  " + "\n  ".join(lines) + "\n",
-                             step, consts=2)
+    lines.append(store(prog, op.outputs[0], "p2", "i", "acc"))
+    return _elementwise_spec(prog, name, list(op.inputs) + [op.outputs[0]], n * slices,
+                             "  " + "\n  ".join(lines) + "\n", step, consts=2)
 
 
 def pool_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -542,27 +594,27 @@ def pool_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     else:
         init, inside, outside, result = "float acc = -3.402823466e+38f;", "{ if (v > acc) acc = v; }", "", "acc"
     body = (f"  const int ox = i % {ow}, oy = (i / {ow}) % {oh};\n"
-            f"  const float* xb = p0 + (long long)(i / {ow * oh}) * {h * w};\n"
+            f"  const {ctype(prog, op.inputs[0])}* xb = p0 + (long long)(i / {ow * oh}) * {h * w};\n"
             f"  {init}\n"
             f"  for (int ky = 0; ky < {kh}; ++ky) {{\n"
             f"    const int iy = oy * {sh} - {ph} + ky * {dh};\n"
             f"    for (int kx = 0; kx < {kw}; ++kx) {{\n"
             f"      const int ix = ox * {sw} - {pw} + kx * {dw};\n"
-            f"      if (iy >= 0 && iy < {h} && ix >= 0 && ix < {w}) {{ const float v = xb[iy * {w} + ix]; {inside} }}\n"
+            f"      if (iy >= 0 && iy < {h} && ix >= 0 && ix < {w}) {{ const float v = {load(prog, op.inputs[0], f'xb[iy * {w} + ix]')}; {inside} }}\n"
             + (f"      else {outside}\n" if outside else "")
             + "    }\n  }\n"
-            f"  p1[i] = {result};\n")
-    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
+            f"  {store(prog, op.outputs[0], 'p1', 'i', result)}\n")
+    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
 
 
 def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     op = step.op
     inner = op.attrs["inner"]
     _check_size(prog, op.inputs + op.outputs)
-    body = (f"  const float* xr = p0 + (long long)i * {inner};\n"
-            f"  float s = 0.0f;\n  for (int k = 0; k < {inner}; ++k) s += xr[k];\n"
-            f"  p1[i] = s * {f32_literal(1.0 / inner)};\n")
-    return _elementwise_spec(name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
+    body = (f"  const {ctype(prog, op.inputs[0])}* xr = p0 + (long long)i * {inner};\n"
+            f"  float s = 0.0f;\n  for (int k = 0; k < {inner}; ++k) s += {load(prog, op.inputs[0], 'xr[k]')};\n"
+            f"  {store(prog, op.outputs[0], 'p1', 'i', f's * {f32_literal(1.0 / inner)}')}\n")
+    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
 
 
 def flash_attention_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -587,17 +639,34 @@ def _take_symbols(spec: KernelSpec, symbols: list) -> None:
     spec.source = f"{spec.source[:at]}{decls}, {spec.source[at:]}"
 
 
+_POINTER = re.compile(r"(\w+)\* __restrict__ (p\d+)\b")
+
+
+def check_pointer_types(prog: Program, spec: KernelSpec) -> None:
+    """PlanError unless each pointer parameter of the kernel has its value's C type: a generator that
+    declares `float*` for a float16 buffer would read garbage, and the partition then falls back to
+    per-node kernels instead (the host's handling of a failed Compile)."""
+    head = spec.source[spec.source.index(f"{spec.name}("):]
+    declared = dict((name, ctype_) for ctype_, name in _POINTER.findall(head[:head.index("{")]))
+    for k, vid in enumerate(spec.params):
+        got, want = declared.get(f"p{k}"), ctype(prog, vid)
+        if got is not None and got != want:
+            raise PlanError(f"kernel {spec.name} ({spec.step.name}) declares p{k} as {got}*; value "
+                            f"'{prog.values[vid].name}' is {prog.values[vid].dtype} ({want})")
+
+
 def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:
     """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`;
     kernels are named `prefix` + step index."""
     specs = []
-    parts = [PRELUDE] if prelude else []
+    parts = [PRELUDE + (HALF_PRELUDE if prog.has_half() else "")] if prelude else []
     for i, step in enumerate(steps):
         gen = GENERATORS.get(step.kind)
         if gen is None:
             specs.append(None)
             continue
         spec = gen(prog, step, f"{prefix}{i}")
+        check_pointer_types(prog, spec)
         if prog.symbols:
             _take_symbols(spec, prog.symbols)
         parts.append(f"/* {step.name} */\n" + spec.source)

@@ -28,21 +28,23 @@ _probe_lock = threading.Lock()
 ADD = "({0} + {1})"
 
 
-def wants_cudnn(x_shape, w_shape, out_shape, begin, end, group: int = 1, strides=(1, 1), dilations=(1, 1)) -> bool:
+def wants_cudnn(x_shape, w_shape, out_shape, begin, end, group: int = 1, strides=(1, 1), dilations=(1, 1),
+                dtype=np.float32) -> bool:
     """Whether a plan's 2-D convolution goes to cuDNN: big enough, symmetric pads, cuDNN usable here
-    (cudnn.usable) and taking its descriptors (host-side calls: a geometry cuDNN refuses stays a generated kernel)."""
+    (cudnn.usable) and taking its descriptors in `dtype` (host-side calls: a geometry cuDNN refuses
+    stays a generated kernel)."""
     macs = math.prod(out_shape) * math.prod(w_shape[1:])
     if macs < CUDNN_MIN_MACS or tuple(begin) != tuple(end) or not cudnn.usable():
         return False
     return descriptors_ok(cudnn_conv.forward_geometry(x_shape, w_shape, out_shape, group, begin, end, strides,
-                                                      dilations))
+                                                      dilations), dtype)
 
 
-def descriptors_ok(geo) -> bool:
+def descriptors_ok(geo, dtype=np.float32) -> bool:
     """Whether cuDNN takes the descriptors of `geo` and its heuristic names an algorithm with its
     workspace size (host-side calls, no device work)."""
     try:
-        setup = cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, np.float32, False)
+        setup = cudnn_conv.ConvSetup(cudnn.load_library(), "forward", geo, dtype, False)
         handle = cudnn.probe_handle()
         if handle is not None:
             with _probe_lock:  # one handle, sessions built on several threads
@@ -128,7 +130,8 @@ class CudnnStep:
         self.handle = _handle(inst)
         geo = geometry(plan.prog, op)
         with plan.cupy.cuda.Device(plan.device_id):
-            self.setup = cudnn_conv.setup(self.handle, "forward", geo, np.float32)
+            # The data type is the input's (float32, float16 or bfloat16, as the per-node cuDNN path).
+            self.setup = cudnn_conv.setup(self.handle, "forward", geo, plan.prog.values[op.inputs[0]].dtype)
         nbytes = self.setup.workspace_bytes
         self._ws_mem = plan._malloc(nbytes, inst.stream_ptr) if nbytes else None
         self.workspace = int(self._ws_mem.ptr) if nbytes else 0

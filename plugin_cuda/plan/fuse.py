@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from plugin_cuda.plan import cudnn_step
-from plugin_cuda.plan.program import Op, Program
+from plugin_cuda.plan.program import F32, Op, Program
 
 SMALL_GEMM_MAX_ROWS = 8  # rows M up to which a GEMM is a generated GEMV-like kernel
 # Multiply-adds up to which a GEMM with more rows is a generated tiled kernel (with its epilogue
@@ -133,6 +133,8 @@ def _bias_of(prog: Program, add: Op, gemm_out: int, n: int) -> int | None:
     v = prog.values[other]
     if other == gemm_out or v.const is None or v.size != n or (v.shape and v.shape[-1] != n):
         return None
+    if v.dtype != prog.values[gemm_out].dtype:  # cuBLASLt reads the bias in the output's type
+        return None
     return other
 
 
@@ -146,6 +148,8 @@ def cublaslt_epilogues(prog: Program, tiled: bool) -> Program:
     for op in prog.ops:
         if op.kind != "gemm" or small_gemm(prog, op, tiled) or op.attrs["trans_a"] or op.attrs["trans_b"]:
             continue
+        if len({prog.values[v].dtype or F32 for v in op.inputs + op.outputs}) != 1:
+            continue  # one data type for A, B and D (cublaslt.EpilogueGemm); the bias is checked below
         b_shape = prog.values[op.inputs[1]].shape
         add = _only_ew_reader(prog, users, op.outputs[0], BIAS_ADD) if len(b_shape) == 2 else None
         bias = _bias_of(prog, add, op.outputs[0], b_shape[1]) if add is not None else None

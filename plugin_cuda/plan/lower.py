@@ -15,10 +15,13 @@ import numpy as np
 from plugin_cuda.plan import lower_conv, lower_layout, lower_math, lower_rows  # noqa: F401
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import LOWERINGS, LowerCtx, domain_of, mask_only_expand, run_rule
-from plugin_cuda.plan.program import Program, Value
+from plugin_cuda.plan.program import F32, PLAN_DTYPES, Program, Value, plan_dtype
 from plugin_cuda.plan.symint import dim, symbols_of
 
 FLOAT32 = 1  # ONNX TensorProto.FLOAT
+# The element types a plan runs (float32, float16, bfloat16: program.PLAN_DTYPES); 0 / None: unknown.
+RUN_TYPES = tuple(PLAN_DTYPES)
+TYPES_TEXT = "plans run float32, float16 and bfloat16"
 MAX_OPSET = 23
 # The size a node's symbolic dims take when its lowering rule is checked at claim time (a plan is
 # then built per input-shape signature): small and odd, so no rule passes only on a round size.
@@ -38,7 +41,8 @@ def _elem_type(v) -> int | None:
 
 
 def unsupported_reason(graph, node, need_static: bool = True, probe: int | None = None) -> str:
-    """'' when a plan can run `node` (op, opset, float32, static shapes); otherwise the reason.
+    """'' when a plan can run `node` (op, opset, float32 / float16 / bfloat16, static shapes); otherwise
+    the reason.
 
     need_static: also ask for static shapes of every input (the planner infers the rest itself).
     probe: accept symbolic dims (-1) too, checking the lowering rule with each of them set to
@@ -57,27 +61,32 @@ def unsupported_reason(graph, node, need_static: bool = True, probe: int | None 
             if v.constant is None and not mask_only_expand(graph, node):
                 return f"input {pos} must be a constant"
             continue
-        if _elem_type(v) not in (FLOAT32, 0, None) or need_static and _elem_type(v) != FLOAT32:
-            return f"input {pos} has element type {_elem_type(v)}; plans run float32"
+        if _elem_type(v) not in RUN_TYPES + (0, None) or need_static and _elem_type(v) not in RUN_TYPES:
+            return f"input {pos} has element type {_elem_type(v)}; {TYPES_TEXT}"
         if need_static and v.shape is None:
             return f"input {pos} has no static shape"
         if need_static and probe is None and any(d is None or d < 0 for d in v.shape):
             return f"input {pos} has no static shape"
     for vid in node.outputs:
-        if vid >= 0 and _elem_type(graph.values[vid]) not in (FLOAT32, 0, None):
-            return f"an output has element type {_elem_type(graph.values[vid])}; plans run float32"
+        if vid >= 0 and _elem_type(graph.values[vid]) not in RUN_TYPES + (0, None):
+            return f"an output has element type {_elem_type(graph.values[vid])}; {TYPES_TEXT}"
     return _lowering_error(graph, node, probe) if need_static else ""
 
 
 def _value(i: int, v, probe: int | None = None) -> Value:
+    """The program value of graph value `v`: its shape, its constant and its plan dtype (None when
+    its element type is unknown: run_rule then gives it its node's input type)."""
     const = None if v.constant is None else np.asarray(v.constant)
     if const is not None and const.dtype == np.float64:
         const = const.astype(np.float32)
     unknown = -1 if probe is None else probe
     shape = None if v.shape is None else tuple(unknown if d is None or d < 0 else dim(d) for d in v.shape)
+    dtype = plan_dtype(_elem_type(v))
     if const is not None:
         shape = tuple(const.shape)
-    return Value(i, v.name, shape, const)
+        if const.dtype in PLAN_DTYPES.values():
+            dtype = const.dtype
+    return Value(i, v.name, shape, const, dtype)
 
 
 def _lowering_error(graph, node, probe: int | None = None) -> str:
@@ -176,6 +185,9 @@ def lower(graph, inputs=None, outputs=None) -> Program:
             if vid >= 0 and values[vid].shape is None and values[vid].const is None:
                 raise PlanError(f"node '{node.name}': input '{values[vid].name}' has an unknown shape")
         run_rule(ctx, node)
+    for v in values.values():
+        if v.dtype is None:  # never read by a step (a host input's value): planned as float32
+            v.dtype = F32
     for vid in outs:
         if vid in ins:
             raise PlanError(f"partition output '{values[vid].name}' is also a partition input; nothing computes it")

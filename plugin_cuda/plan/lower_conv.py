@@ -12,6 +12,7 @@ from plugin_cuda.plan.lowering import (
     lowers,
     present,
 )
+from plugin_cuda.plan.program import F32
 from plugin_cuda.semantics import OpError, shapes
 
 
@@ -68,13 +69,13 @@ def _conv(ctx, node):
     geometry = dict(group=group, strides=strides_, dilations=dil, pads=tuple(begin))
     slices = conv_slices(math.prod(out_shape), ws[1], ws[2] * ws[3])
     extra = [bias] if bias is not None else []
-    if cudnn_step.wants_cudnn(xs, ws, out_shape, begin, end, group, strides_, dil):
+    if cudnn_step.wants_cudnn(xs, ws, out_shape, begin, end, group, strides_, dil, ctx.dtype(x)):
         ctx.emit(cudnn_step.KIND, node, [x, w] + extra, [node.outputs[0]], **geometry)
         return
     if slices == 1:
         ctx.emit("conv", node, [x, w] + extra, [node.outputs[0]], **geometry)
         return
-    partial = ctx.temp(node, (slices,) + out_shape, "partial")
+    partial = ctx.temp(node, (slices,) + out_shape, "partial", F32)  # float32 partial sums in any type
     ctx.emit("conv_partial", node, [x, w], [partial], slices=slices, **geometry)
     ctx.emit("slice_sum", node, [partial] + extra, [node.outputs[0]], slices=slices)
 

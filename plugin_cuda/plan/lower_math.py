@@ -6,7 +6,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import EPHOST_DOMAIN, attributes, broadcast, ew, lowers, present
-from plugin_cuda.plan.program import f32_literal
+from plugin_cuda.plan.program import BF16, F16, F32, f32_literal, plan_dtype
 from plugin_cuda.semantics import shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +113,50 @@ def _clip(ctx, node):
     ew(ctx, node, [node.inputs[0]], node.outputs[0], expr)
 
 
+# Cast between the plan's float types: the value rounded to its own type, then to the target type.
+# Kernels keep a fused group's intermediates in float32, so without the roundings a half value cast
+# to float32 (or a float32 one cast to half, then read in the same kernel) would keep float32
+# precision; a store into a 16-bit buffer rounds the same way again, which changes nothing.
+# ep_round_* are codegen's (HALF_PRELUDE).
+ROUNDINGS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
+
+
+@lowers("Cast")
+def _cast(ctx, node):
+    to = attributes(node).integer("to")
+    dtype = plan_dtype(to)
+    if dtype is None:
+        raise PlanError(f"Cast node '{node.name}': to {to}; a compiled plan casts to float32 (1), float16 (10) "
+                        "or bfloat16 (16)")
+    ctx.prog.values[node.outputs[0]].dtype = dtype
+    source = ctx.dtype(node.inputs[0])
+    expr = ROUNDINGS[dtype] if source in (dtype, F32) else ROUNDINGS[dtype].format(ROUNDINGS[source])
+    ew(ctx, node, [node.inputs[0]], node.outputs[0], expr)
+
+
+@lowers("BatchNormalization")
+def _batch_norm(ctx, node):
+    """Inference BatchNormalization with constant statistics: y = x * a + b per channel, with
+    a = scale / sqrt(var + eps) and b = bias - mean * a folded at build time (float32 constants,
+    so a half model keeps their precision). Left to the optimizer's Conv folding where it applies;
+    this runs the ones it cannot fold (a Cast between the Conv and the BatchNormalization)."""
+    attrs = attributes(node)
+    if attrs.flag("training_mode") or any(v >= 0 for v in node.outputs[1:]):
+        raise PlanError(f"BatchNormalization node '{node.name}': training mode is not supported in a compiled plan")
+    x = node.inputs[0]
+    shape = ctx.shape(x)
+    params = [ctx.const(v) for v in node.inputs[1:5]]
+    if len(shape) < 2 or any(p is None or np.asarray(p).size != shape[1] for p in params):
+        raise PlanError(f"BatchNormalization node '{node.name}': scale, bias, mean and var must be constants of "
+                        f"{shape[1] if len(shape) > 1 else '?'} values (the channels of input {shape})")
+    scale, bias, mean, var = (np.asarray(p, np.float64).reshape(-1) for p in params)
+    a = scale / np.sqrt(var + attrs.number("epsilon", 1e-5))
+    channel = (shape[1],) + (1,) * (len(shape) - 2)
+    va = ctx.prog.const_value(f"{node.name}/a", (a.astype(np.float32)).reshape(channel))
+    vb = ctx.prog.const_value(f"{node.name}/b", (bias - mean * a).astype(np.float32).reshape(channel))
+    ew(ctx, node, [x, va, vb], node.outputs[0], "({0} * {1} + {2})")
+
+
 @lowers("BiasGelu", domain=EPHOST_DOMAIN)
 def _bias_gelu(ctx, node):
     x, b = node.inputs[0], node.inputs[1]
@@ -135,8 +179,10 @@ def _matmul(ctx, node):
 
 def _transposed_const(ctx, node, vid: int) -> int:
     """A constant 2-D B stored transposed once at build time, so the GEMM reads it row-major."""
-    c = ctx.const(vid)
-    return ctx.prog.const_value(f"{node.name}/B^T", np.ascontiguousarray(np.asarray(c, np.float32).T))
+    c = np.asarray(ctx.const(vid))
+    if c.dtype == np.float64:
+        c = c.astype(np.float32)
+    return ctx.prog.const_value(f"{node.name}/B^T", np.ascontiguousarray(c.T))
 
 
 @lowers("Gemm")

@@ -103,16 +103,18 @@ def _attention(ctx, node):
     mask = node.inputs[3] if present(node, 3) else None
     try:
         plan = attention_plan(ctx.shape(q), ctx.shape(k), ctx.shape(v), None if mask is None else ctx.shape(mask),
-                              np.float32, attrs.integer("q_num_heads"), attrs.integer("kv_num_heads"),
-                              attrs.flag("is_causal"), attrs.number("scale"), 0.0, np.float32,
-                              f"Attention node '{node.name}'")
+                              ctx.dtype(mask) if mask is not None else np.float32, attrs.integer("q_num_heads"),
+                              attrs.integer("kv_num_heads"), attrs.flag("is_causal"), attrs.number("scale"), 0.0,
+                              ctx.dtype(q), f"Attention node '{node.name}'")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     if _flash(ctx, node, plan, [q, k, v] + ([] if mask is None else [mask])):
         return
     rows = plan.batch * plan.q_heads * plan.q_len
-    scores = ctx.temp(node, (rows, plan.kv_len), "scores")
-    probs = ctx.temp(node, (rows, plan.kv_len), "probs")
+    # Scores in float32 whatever Q's type (cuBLAS writes a float32 C from half A and B); the
+    # probabilities in V's type, the second GEMM's B operand.
+    scores = ctx.temp(node, (rows, plan.kv_len), "scores", np.float32)
+    probs = ctx.temp(node, (rows, plan.kv_len), "probs", ctx.dtype(v))
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
     ctx.emit("bgemm", node, [k, q], [scores], gemm=plan.scores, alpha=plan.scale)
     masked = {} if mask is None else {"mask_strides": plan.mask_strides[:3], "mask_len": plan.mask_len,
@@ -127,6 +129,10 @@ def _flash(ctx, node, plan, inputs: list) -> bool:
     from plugin_cuda.plan import flash_step
 
     if not flash_step.wants_flash(plan):
+        return False
+    # flash_step's kernel reads float32 values; half plans take the two-GEMM path here (the fused
+    # kernel in half precision runs per node) until flash_step declares its pointers by value type.
+    if any(np.dtype(ctx.dtype(v)) != np.float32 for v in inputs):
         return False
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
     ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=flash_step.tf32())

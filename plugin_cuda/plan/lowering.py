@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
-from plugin_cuda.plan.program import Op, Program
+from plugin_cuda.plan.program import F32, Op, Program
 from plugin_cuda.plan.symint import dim
 from plugin_cuda.semantics import Attributes, OpError, shapes
 
@@ -106,8 +106,14 @@ class LowerCtx:
     def emit(self, op_kind: str, node, inputs, outputs, **attrs) -> None:
         self.prog.ops.append(Op(op_kind, node.name, list(inputs), list(outputs), attrs))
 
-    def temp(self, node, shape: tuple, suffix: str) -> int:
-        return self.prog.new_value(f"{node.name}/{suffix}", shape)
+    def dtype(self, vid: int):
+        """The plan dtype of a value (float32 when not known)."""
+        return self.prog.values[vid].dtype or F32
+
+    def temp(self, node, shape: tuple, suffix: str, dtype=None) -> int:
+        """An intermediate of `node`; by default in the type of its first input (the node's type)."""
+        dtype = dtype if dtype is not None else self.dtype(node.inputs[0])
+        return self.prog.new_value(f"{node.name}/{suffix}", shape, dtype=dtype)
 
 
 
@@ -160,3 +166,13 @@ def run_rule(ctx: LowerCtx, node) -> None:
         message = str(exc)
         prefix = where(node)
         raise PlanError(message if message.startswith(prefix) else f"{prefix}: {message}") from None
+    _infer_dtypes(ctx, node)
+
+
+def _infer_dtypes(ctx: LowerCtx, node) -> None:
+    """Outputs whose element type the graph left unknown take the node's first known input type
+    (every op a plan runs keeps its float type but Cast, whose rule sets it)."""
+    known = [ctx.prog.values[v].dtype for v in node.inputs if v >= 0 and ctx.prog.values[v].dtype is not None]
+    for vid in node.outputs:
+        if vid >= 0 and vid in ctx.prog.values and ctx.prog.values[vid].dtype is None:
+            ctx.prog.values[vid].dtype = known[0] if known else F32

@@ -37,7 +37,6 @@ from plugin_cuda.plan.lower import lower
 from plugin_cuda.plan.memory_plan import BufferRequest, align_up, lifetimes, plan_memory
 
 ALIGN = 256
-ITEMSIZE = 4  # float32
 
 
 class Plan:
@@ -174,7 +173,7 @@ class Plan:
             if c is None or base in offsets or base in self._in_index:
                 continue
             offsets[base] = top
-            arr = np.ascontiguousarray(np.asarray(c, np.float32))
+            arr = self._const_array(base)
             consts.append((top, arr))
             top += align_up(max(arr.nbytes, 1), ALIGN)
         self._const_offsets = offsets
@@ -183,15 +182,20 @@ class Plan:
         if not top:
             self._const_base = 0
             return
-        host = np.zeros(top // ITEMSIZE, np.float32)
+        host = np.zeros(top, np.uint8)
         for off, arr in consts:
-            host[off // ITEMSIZE: off // ITEMSIZE + arr.size] = arr.reshape(-1)
+            host[off: off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         cp = self.cupy
         with cp.cuda.Device(self.device_id):
             self._const_mem = self._malloc(top, None)
             self._const_mem.copy_from_host(host.ctypes.data, top)
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         self._const_base = int(self._const_mem.ptr)
+
+    def _const_array(self, vid: int) -> np.ndarray:
+        """A constant's bytes as the kernels read them: contiguous, in its value's type."""
+        v = self.prog.values[vid]
+        return np.ascontiguousarray(np.asarray(v.const).astype(v.dtype, copy=False))
 
     def _shared_constants(self) -> None:
         """Constants from the shared store: a location's offset is then the address itself."""
@@ -200,8 +204,7 @@ class Plan:
             base = self._base(vid)
             if self.prog.values[base].const is not None and base not in self._in_index and base not in bases:
                 bases.append(base)
-        items = [(self.prog.values[b].name, np.ascontiguousarray(np.asarray(self.prog.values[b].const, np.float32)))
-                 for b in bases]
+        items = [(self.prog.values[b].name, self._const_array(b)) for b in bases]
         with self.cupy.cuda.Device(self.device_id):
             addresses = self._store.addresses(items, ALIGN)
         self._const_offsets = dict(zip(bases, addresses))
@@ -222,7 +225,7 @@ class Plan:
                     arena_values.add(v)
         spans = lifetimes([([v for v in r if v in arena_values], [v for v in w if v in arena_values])
                            for r, w in rows])
-        requests = [BufferRequest(v, prog.values[v].size * ITEMSIZE, *spans[v]) for v in sorted(arena_values)]
+        requests = [BufferRequest(v, prog.values[v].nbytes, *spans[v]) for v in sorted(arena_values)]
         return plan_memory(requests, ALIGN)
 
     def _malloc(self, nbytes: int, stream_ptr: int | None):
@@ -448,8 +451,9 @@ class _Instance:
     # -- auto graph ----------------------------------------------------------------------------------
     def capture(self) -> None:
         plan = self.plan
-        in_bytes = [math.prod(s) * ITEMSIZE for s in plan.input_shapes]
-        out_bytes = [math.prod(s) * ITEMSIZE for s in plan.output_shapes]
+        values = plan.prog.values
+        in_bytes = [values[v].nbytes for v in plan.prog.inputs]
+        out_bytes = [values[v].nbytes for v in plan.prog.outputs]
         sizes = [align_up(max(n, 1), ALIGN) for n in in_bytes + out_bytes]
         self._stage_mem = plan._malloc(sum(sizes), self.stream_ptr)
         base = int(self._stage_mem.ptr)
@@ -505,7 +509,12 @@ class _CublasStep:
         ffi = cublas.ffi
         self._vp = cublas.void_ptr
         a_shape, b_shape = prog.values[op.inputs[0]].shape, prog.values[op.inputs[1]].shape
-        cuda_type, compute = cublas.gemm_types(np.dtype(np.float32), inst.plan.use_tf32)
+        # Each operand in its value's type (A and B alike; C float32 or theirs: Attention's scores);
+        # half operands accumulate in float32 (CUBLAS_COMPUTE_32F, tensor cores).
+        operands = [prog.values[v] for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
+        ta, tb, tc = (cublas.gemm_types(v.dtype, inst.plan.use_tf32)[0] for v in operands)
+        compute = cublas.gemm_types(operands[0].dtype, inst.plan.use_tf32)[1]
+        sa, sb, sc = (v.itemsize for v in operands)
         self.alpha = ffi.new("float *", float(op.attrs.get("alpha", 1.0)))
         zero = cublas.ZERO
         ptrs = [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])]
@@ -515,14 +524,14 @@ class _CublasStep:
             g = op.attrs["gemm"]
             for oa, ob, oc in g.calls:
                 args = [self.raw, g.transa, cublas.CUBLAS_OP_N, g.m, g.n, g.k,
-                        self.alpha, (0, oa * ITEMSIZE), cuda_type, g.lda, g.stride_a,
-                        (1, ob * ITEMSIZE), cuda_type, g.ldb, g.stride_b,
-                        zero, (2, oc * ITEMSIZE), cuda_type, g.ldc, g.stride_c,
+                        self.alpha, (0, oa * sa), ta, g.lda, g.stride_a,
+                        (1, ob * sb), tb, g.ldb, g.stride_b,
+                        zero, (2, oc * sc), tc, g.ldc, g.stride_c,
                         g.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
             return
         if "epilogue" in op.attrs:  # bias (and ReLU) in the GEMM's epilogue (fuse.cublaslt_epilogues)
-            self._cublaslt(step, a_shape, b_shape, compute, variant)
+            self._cublaslt(step, a_shape, b_shape, compute, variant, ta)
             return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
@@ -530,8 +539,8 @@ class _CublasStep:
             n = b_shape[0] if trans_b else b_shape[1]
             args = [self.raw, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                     cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k,
-                    self.alpha, (1, 0), cuda_type, b_shape[1], (0, 0), cuda_type, a_shape[1],
-                    zero, (2, 0), cuda_type, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
+                    self.alpha, (1, 0), tb, b_shape[1], (0, 0), ta, a_shape[1],
+                    zero, (2, 0), tc, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
             self._add(self.lib.cublasGemmEx, args, ptrs)
             return
         plan = cublas.matmul_plan(tuple(a_shape), tuple(b_shape))
@@ -542,18 +551,18 @@ class _CublasStep:
         for oa, ob, oc in plan.offsets:
             if plan.batch == 1:
                 args = [self.raw, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
-                        self.alpha, (1, ob * ITEMSIZE), cuda_type, n, (0, oa * ITEMSIZE), cuda_type, k,
-                        zero, (2, oc * ITEMSIZE), cuda_type, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
+                        self.alpha, (1, ob * sb), tb, n, (0, oa * sa), ta, k,
+                        zero, (2, oc * sc), tc, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmEx, args, ptrs)
             else:
                 args = [self.raw, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
-                        self.alpha, (1, ob * ITEMSIZE), cuda_type, n, plan.stride_b,
-                        (0, oa * ITEMSIZE), cuda_type, k, plan.stride_a,
-                        zero, (2, oc * ITEMSIZE), cuda_type, n, plan.stride_c,
+                        self.alpha, (1, ob * sb), tb, n, plan.stride_b,
+                        (0, oa * sa), ta, k, plan.stride_a,
+                        zero, (2, oc * sc), tc, n, plan.stride_c,
                         plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
 
-    def _cublaslt(self, step, a_shape, b_shape, compute, variant) -> None:
+    def _cublaslt(self, step, a_shape, b_shape, compute, variant, data_type: int) -> None:
         inst = self.inst
         op = step.op
         ext_index, bias = inst.address(op.inputs[2], variant)
@@ -564,7 +573,8 @@ class _CublasStep:
         gemm = plan.epilogue_gemm(
             (variant.name, id(step)),
             lambda: cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
-                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'"))
+                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'",
+                                          data_type))
         self.lt = (gemm, [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])])
 
     def _run_lt(self) -> None:

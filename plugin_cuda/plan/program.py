@@ -1,5 +1,9 @@
-"""The program a partition lowers to: values with static shapes, plan ops, and how generated
-CUDA C writes a float32 constant. Pure Python and NumPy (no CuPy).
+"""The program a partition lowers to: values with static shapes and element types, plan ops, and
+how generated CUDA C writes a float32 constant. Pure Python and NumPy (no CuPy).
+
+Element types: float32, float16 or bfloat16 per value (PLAN_DTYPES). Kernels compute in float32
+and read and write each buffer in its own type (plan/codegen.py); cuBLAS and cuDNN steps take
+the types from the values (docs/compiled_plan.md, "Half precision").
 
 Plan ops, each with value ids in and out:
   ew         one elementwise expression (attrs["expr"]: a C expression over {0}, {1}, ...)
@@ -23,9 +27,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from abi.dtypes import BFLOAT16_DTYPE
 from plugin_cuda.plan.symint import dim
 
-__all__ = ["Op", "Program", "Value", "f32_literal", "strides"]
+__all__ = ["BF16", "C_TYPES", "F16", "F32", "PLAN_DTYPES", "Op", "Program", "Value", "f32_literal", "plan_dtype",
+           "strides"]
+
+F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), BFLOAT16_DTYPE
+# ONNX element type -> the NumPy dtype of a plan value (the types a compiled plan runs).
+PLAN_DTYPES = {1: F32, 10: F16, 16: BF16}
+# The C type of a buffer of each dtype in generated kernels (plugin_cuda/semantics/half.py).
+C_TYPES = {F32: "float", F16: "half_bits", BF16: "bf16_bits"}
+
+
+def plan_dtype(elem_type) -> np.dtype | None:
+    """The plan dtype of an ONNX element type; None when a plan does not run that type (or unknown)."""
+    return PLAN_DTYPES.get(elem_type)
 
 
 @dataclass
@@ -36,10 +53,20 @@ class Value:
     name: str
     shape: tuple
     const: np.ndarray | None = None
+    dtype: np.dtype | None = None  # F32, F16 or BF16; None until the lowering knows it
 
     @property
     def size(self) -> int:
         return int(math.prod(self.shape))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (a value of unknown type is planned as float32)."""
+        return (self.dtype or F32).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
 
 
 @dataclass
@@ -59,17 +86,24 @@ class Program:
     outputs: list
     symbols: list = field(default_factory=list)  # SymInts S0, S1, ...: kernel parameters (plan/symint.py)
 
-    def new_value(self, name: str, shape: tuple, const=None) -> int:
+    def new_value(self, name: str, shape: tuple, const=None, dtype=F32) -> int:
         vid = max(self.values, default=-1) + 1
         vid = max(vid, 1 << 20)  # synthetic ids never collide with the graph's value indices
         while vid in self.values:
             vid += 1
-        self.values[vid] = Value(vid, name, tuple(dim(d) for d in shape), const)
+        self.values[vid] = Value(vid, name, tuple(dim(d) for d in shape), const, np.dtype(dtype))
         return vid
 
     def const_value(self, name: str, array: np.ndarray) -> int:
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        return self.new_value(name, array.shape, array)
+        """A constant the lowering derived, in its own type when a plan runs it (else float32)."""
+        array = np.asarray(array)
+        dtype = array.dtype if array.dtype in C_TYPES else F32
+        array = np.ascontiguousarray(array, dtype=dtype)
+        return self.new_value(name, array.shape, array, dtype)
+
+    def has_half(self) -> bool:
+        """Whether any value is float16 or bfloat16 (the kernels then need the half helpers)."""
+        return any(v.dtype is not None and v.dtype != F32 for v in self.values.values())
 
 
 

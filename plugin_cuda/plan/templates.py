@@ -7,6 +7,7 @@ __all__ = ["TILED_GEMM"]
 
 # codegen.tiled_gemm_kernel: out[m, n] = epilogue(alpha * A @ B) in T x T tiles (T = {t}), 16-deep
 # k slices in shared memory, the next one prefetched into registers; {r_} x {r_} outputs a thread.
+# {cva} / {cvb}: the float conversion of A's / B's elements ("" for float32, "to_f" for half types).
 TILED_GEMM = """extern "C" __global__ void __launch_bounds__(256) {name}({decls}) {{
   __shared__ float As[16][{t4}];
   __shared__ float Bs[16][{t4}];
@@ -23,9 +24,9 @@ TILED_GEMM = """extern "C" __global__ void __launch_bounds__(256) {name}({decls}
   for (int l = 0; l < {r_}; ++l) {{
     const int e = tid + l * 256;
     const int gm = row0 + (e >> 4), ak = e & 15;
-    ra[l] = (gm < {m_dim} && ak < {k_dim}) ? {pa}[gm * {k_dim} + ak] : 0.0f;
+    ra[l] = (gm < {m_dim} && ak < {k_dim}) ? {cva}({pa}[gm * {k_dim} + ak]) : 0.0f;
     const int bk = e >> {shift}, gn = col0 + (e & {tmask});
-    rb[l] = (bk < {k_dim} && gn < {n_dim}) ? {pb}[bk * {n_dim} + gn] : 0.0f;
+    rb[l] = (bk < {k_dim} && gn < {n_dim}) ? {cvb}({pb}[bk * {n_dim} + gn]) : 0.0f;
   }}
   for (int k0 = 0; k0 < {k_dim}; k0 += 16) {{
 #pragma unroll
@@ -40,9 +41,9 @@ TILED_GEMM = """extern "C" __global__ void __launch_bounds__(256) {name}({decls}
       for (int l = 0; l < {r_}; ++l) {{
         const int e = tid + l * 256;
         const int gm = row0 + (e >> 4), gk = k0 + 16 + (e & 15);
-        ra[l] = (gm < {m_dim} && gk < {k_dim}) ? {pa}[gm * {k_dim} + gk] : 0.0f;
+        ra[l] = (gm < {m_dim} && gk < {k_dim}) ? {cva}({pa}[gm * {k_dim} + gk]) : 0.0f;
         const int hk = k0 + 16 + (e >> {shift}), gn = col0 + (e & {tmask});
-        rb[l] = (hk < {k_dim} && gn < {n_dim}) ? {pb}[hk * {n_dim} + gn] : 0.0f;
+        rb[l] = (hk < {k_dim} && gn < {n_dim}) ? {cvb}({pb}[hk * {n_dim} + gn]) : 0.0f;
       }}
     }}
 #pragma unroll

@@ -161,7 +161,7 @@ def test_plan_lowering_chooses_cudnn_and_folds_the_relu(monkeypatch, x_shape, pa
     from plugin_cuda.plan.onnx_spec import spec_from_onnx
 
     monkeypatch.setattr(cudnn, "usable", lambda: True)  # as on a machine where cuDNN loads
-    monkeypatch.setattr(cudnn_step, "descriptors_ok", lambda geo: geo is not None)
+    monkeypatch.setattr(cudnn_step, "descriptors_ok", lambda geo, dtype=None: geo is not None)
     prog = lower.lower(spec_from_onnx(_conv_relu_model(x_shape, (x_shape[1], x_shape[1], 3, 3), pads=pads)))
     steps = fuse.build_steps(prog)
     kinds = [s.kind for s in steps]

@@ -286,7 +286,7 @@ MODELS = ["bert_torchscript", "gpt2_dynamo", "llama_dynamo", "vit_dynamo"]
 # Issue 24's accuracy goal. The CPU EP rounding every value to its declared type, as the per-node GPU
 # path does (EPHOST_HALF_ROUNDING=node), is within 1.4e-3 (float16) and 9.4e-3 (bfloat16) on these four.
 MODEL_TOL = {"fp16": 2e-2, "bf16": 2e-2}
-KERNELS_ONLY = {"compiled_plan": "0", "use_tf32": "0"}  # compiled plans are float32 only
+KERNELS_ONLY = {"compiled_plan": "0", "use_tf32": "0"}  # the per-node kernels (plans: test_half_plans.py)
 
 
 def half_feeds(feeds: dict, dtype) -> dict:
