@@ -132,7 +132,7 @@ def _flash(ctx, node, plan, inputs: list) -> bool:
         return False
     # flash_step's kernel reads float32 values; half plans take the two-GEMM path here (the fused
     # kernel in half precision runs per node) until flash_step declares its pointers by value type.
-    if any(np.dtype(ctx.dtype(v)) != np.float32 for v in inputs):
+    if any(np.dtype(ctx.dtype(v)) != np.float32 for v in inputs[:3]):  # q, k, v
         return False
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
     ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=flash_step.tf32())
