@@ -88,10 +88,11 @@ class DequantizeLinear(_PerAxis):
     def _compute(self, ctx):
         inputs = ctx.inputs
         x, scale = inputs[0], inputs[1]
-        zp = inputs[2] if len(inputs) > 2 and inputs[2] is not None else zero(x.dtype)
-        if zp.dtype != x.dtype:
+        zp = inputs[2] if len(inputs) > 2 else None
+        if zp is not None and zp.dtype != x.dtype:
             raise TypeError(f"{self.where}: x is {x.dtype} and x_zero_point {zp.dtype}; they must be one type")
-        kernel("dequantize")(x, self.param(scale, x.shape), self.param(zp, x.shape), ctx.output(0, x.shape, F32))
+        zp = zero(x.dtype) if zp is None else self.param(zp, x.shape)
+        kernel("dequantize")(x, self.param(scale, x.shape), zp, ctx.output(0, x.shape, F32))
 
 
 @register("DynamicQuantizeLinear", 11)
