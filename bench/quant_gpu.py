@@ -65,12 +65,19 @@ def _row(cp, size: int, iters: int) -> dict:
         "QLinearMM": _median_ms(cp, qlinear, iters),
         "float32": _median_ms(cp, lambda: cp.matmul(fa, fb), iters),
     }
-    mode = cp.cuda.device.get_cublas_handle()
-    cp.cuda.cublas.setMathMode(mode, 3)  # CUBLAS_TF32_TENSOR_OP_MATH
+    try:
+        from cupy_backends.cuda.libs import cublas as cupy_cublas
+
+        handle = cp.cuda.device.get_cublas_handle()
+        cupy_cublas.setMathMode(handle, 3)  # CUBLAS_TF32_TENSOR_OP_MATH
+    except (ImportError, AttributeError) as exc:  # an older or newer CuPy: no TF32 column
+        print(f"(no TF32 column: {type(exc).__name__}: {exc})")
+        out["TF32"] = float("nan")
+        return out
     try:
         out["TF32"] = _median_ms(cp, lambda: cp.matmul(fa, fb), iters)
     finally:
-        cp.cuda.cublas.setMathMode(mode, 0)
+        cupy_cublas.setMathMode(handle, 0)
     return out
 
 
