@@ -11,4 +11,11 @@ timeout 100 python3 -m pytest tests/plugin_cuda/test_quant_gpu.py -m gpu -q -s -
     --timeout=120 2>&1 | grep -v "^$\|WARNING:root\|Please use QuantFormat" | tail -80
 echo "== bench/quant_gpu.py: int8 GEMM vs float32"
 timeout 40 python3 -m bench.quant_gpu --sizes 256,1024,2048,4096 --iters 10 2>&1 | tail -8
+echo "== planted bug: q_acc without its K * za * zb term (the MatMulInteger / QLinearMatMul tests must fail)"
+cp plugin_cuda/kernels/quant_gemm.py /tmp/quant_gemm.py.orig
+sed -i 's/return p - zb \* ra - za \* cb + k \* za \* zb;/return p - zb * ra - za * cb;/' plugin_cuda/kernels/quant_gemm.py
+grep -c "return p - zb \* ra - za \* cb;" plugin_cuda/kernels/quant_gemm.py
+timeout 60 python3 -m pytest tests/plugin_cuda/test_quant_gpu.py -m gpu -q -p no:cacheprovider --timeout=60 \
+    -k "matmul_integer_with or qlinear_matmul" 2>&1 | tail -2
+cp /tmp/quant_gemm.py.orig plugin_cuda/kernels/quant_gemm.py
 echo "== done $(date -u +%H:%M:%S) UTC"

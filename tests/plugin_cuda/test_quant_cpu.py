@@ -118,7 +118,7 @@ def mirror_int_matmul(a, b, a_zp, b_zp) -> np.ndarray:
 
 @pytest.mark.parametrize("a_type, b_type", [(np.uint8, np.int8), (np.int8, np.int8), (np.uint8, np.uint8),
                                             (np.int8, np.uint8)])
-@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (5, 7, 9), (33, 3, 130)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (5, 7, 9), (4, 8, 12), (33, 3, 130)])
 def test_zero_point_correction_is_exact(a_type, b_type, m, n, k):
     rng = np.random.default_rng(m * n * k)
     info_a, info_b = np.iinfo(a_type), np.iinfo(b_type)
