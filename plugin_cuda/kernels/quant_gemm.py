@@ -105,6 +105,13 @@ SOURCES = {
     # float: float(acc) * (as * bs * alpha) + fbias
     "acc_float": (_ACC_IN + ", float32 as_, float32 bs, float32 alpha, float32 fbias", "float32 y",
                   _ACC + "y = __fadd_rn(__fmul_rn((float)acc, __fmul_rn(__fmul_rn(as_, bs), alpha)), fbias);"),
+    # com.microsoft QLinearGlobalAveragePool: an int32 window sum requantized by x_scale / (y_scale * size)
+    "qgap": ("int32 s, A zp, int32 size, float32 xs, float32 ys, Y yzp, float32 lo, float32 hi", "Y y",
+             """
+             const int acc = s - (int)zp * size;
+             const float scale = __fdiv_rn(xs, __fmul_rn(ys, (float)size));
+             y = (Y)q_round(__fmul_rn((float)acc, scale), (float)yzp, lo, hi);
+             """),
     # com.microsoft QLinearAdd in MLAS's form: zero points folded into one constant
     "qadd": ("A a, B b, float32 as_, A azp, float32 bs, B bzp, float32 cs, Y czp, float32 lo, float32 hi", "Y y",
              """

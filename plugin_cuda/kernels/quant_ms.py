@@ -1,16 +1,23 @@
 """The com.microsoft quantized ops onnxruntime's quantizer emits, on the GPU: MatMulIntegerToFloat,
 DynamicQuantizeMatMul, QGemm (quantize_dynamic / QDQ fusion / QOperator GEMMs, on the int8 tensor
-cores) and QLinearAdd, QLinearMul (element-wise). Registered in the com.microsoft domain, as
+cores), QLinearAdd, QLinearMul (element-wise) and QLinearGlobalAveragePool. Registered in the com.microsoft domain, as
 onnxruntime does; the arithmetic is that of the CPU EP's host/cpu_ep/ops_quant_ms.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .base import MS_DOMAIN, CudaKernel, register
 from .quant import F32_ONLY, per_column, per_row, quantize_dynamic
 from .quant_gemm import F32, Q8, bounds, kernel, matmul, zero
+
+try:
+    import cupy
+except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still loads
+    cupy = None
 
 MS = MS_DOMAIN
 INT32 = frozenset({"int32"})
@@ -117,3 +124,28 @@ class QLinearAdd(_QLinearBinary):
 class QLinearMul(_QLinearBinary):
     body = "qmul"
 
+
+
+@register("QLinearGlobalAveragePool", 1, domain=MS)
+class QLinearGlobalAveragePool(CudaKernel):
+    """int32 sums over the image (exact), minus the zero point's share, requantized by
+    x_scale / (y_scale * image size) as the CPU EP does it."""
+
+    input_types = (Q8, F32_ONLY, Q8, F32_ONLY, Q8)
+    same_type = ()
+
+    def __init__(self, attrs, opset, node_name):
+        super().__init__(attrs, opset, node_name)
+        self.channels_last = bool(self.attr_int("channels_last", 0, (0, 1)))
+
+    def _compute(self, ctx):
+        x, x_scale, x_zp, y_scale, y_zp = _padded(ctx.inputs, 5)
+        if x.ndim < 3:
+            raise ValueError(f"{self.where}: input shape {tuple(x.shape)}; allowed: rank 3 or more (N, C, spatial...)")
+        axes = tuple(range(1, x.ndim - 1)) if self.channels_last else tuple(range(2, x.ndim))
+        sums = cupy.sum(x, axis=axes, dtype=np.int32, keepdims=True)
+        dtype = y_zp.dtype if y_zp is not None else x.dtype
+        lo, hi = bounds(dtype)
+        kernel("qgap")(sums, zero(x.dtype) if x_zp is None else x_zp.reshape(()),
+                       math.prod(x.shape[a] for a in axes), x_scale.reshape(()), y_scale.reshape(()),
+                       zero(dtype) if y_zp is None else y_zp.reshape(()), lo, hi, ctx.output(0, sums.shape, dtype))

@@ -21,7 +21,7 @@ from plugin_cuda.kernels import quant_gemm
 U8, I8, F, I32 = "uint8", "int8", "float32", "int32"
 QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger",
              "QLinearMatMul", "QLinearConv", "QGemm", "QLinearAdd", "QLinearMul", "MatMulIntegerToFloat",
-             "DynamicQuantizeMatMul"}
+             "DynamicQuantizeMatMul", "QLinearGlobalAveragePool"}
 
 
 @pytest.mark.parametrize("op, domain, dtypes, claimed", [
@@ -83,7 +83,7 @@ def test_every_quantized_node_of_the_quantizers_models_is_claimed(quantized_mode
                                      num_outputs=len(node.output)), (name, fmt, node.op_type, dtypes)
             seen.add(node.op_type)
     assert {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "MatMulInteger", "ConvInteger",
-            "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear"} <= seen
+            "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear", "QLinearGlobalAveragePool"} <= seen
 
 
 # ---- NumPy mirrors of the device arithmetic ----------------------------------------------------

@@ -202,11 +202,21 @@ def test_qlinear_add_and_mul(genv, op, elem):
     check(genv, model, {"a": codes(elem, 4, 1, 33), "b": codes(elem, 5, 33)}, max_step=1)
 
 
+@pytest.mark.parametrize("channels_last", [0, 1])
+def test_qlinear_global_average_pool(genv, channels_last):
+    shape = [2, 5, 7, 3] if channels_last else [2, 3, 5, 7]
+    model = node_model("QLinearGlobalAveragePool", {"x": (U8, shape)}, {"y": (U8, [None] * 4)},
+                       [const("xs", np.float32(0.05)), const("xz", np.uint8(131)), const("ys", np.float32(0.02)),
+                        const("yz", np.uint8(125))], order=["x", "xs", "xz", "ys", "yz"], domain=MS,
+                       channels_last=channels_last)
+    check(genv, model, {"x": codes(U8, *shape)})
+
+
 # ---- models from onnxruntime's quantizer ----------------------------------------------------------
 
 QUANTIZED_NODE_OPS = {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "MatMulInteger",
-                      "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear",
-                      "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
+                      "QLinearGlobalAveragePool", "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear",
+                      "DequantizeLinear", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
 
 
 @pytest.fixture(scope="module")
