@@ -14,9 +14,10 @@ cuBLASLt's int8 tensor-core kernels want the "TN" form with m and k multiples of
 dimensions multiples of 4 and 4-byte aligned pointers (cublasLtMatmul's documentation, "regular data
 ordering"). Row-major C (M, N) = A (M, K) @ B (K, N) is column-major C^T = B^T A^T, so:
   Lt's A  = the packed B^T, (Np, Kp) row-major = column-major Kp x Np, transposed (m = Np);
-  Lt's B  = the packed A, (M + 1, Kp) row-major = column-major Kp x (M + 1) (n = M + 1);
-  Lt's D  = (M + 1, Np) int32 row-major = column-major Np x (M + 1).
-Kp is K rounded up to 4 (zero columns add nothing), Np is N + 1 rounded up to 4 (zero rows).
+  Lt's B  = the packed A, (Mp, Kp) row-major = column-major Kp x Mp (n = Mp);
+  Lt's D  = (Mp, Np) int32 row-major = column-major Np x Mp.
+Kp is K rounded up to 4 (zero columns add nothing), Mp and Np are M + 1 and N + 1 rounded up to 4 (zero
+rows).
 
 Everything but the pointers and the stream is fixed when a plan is made: descriptor, layouts and the
 algorithm (first heuristic answer, no workspace, so a call allocates nothing and is capturable).
@@ -47,9 +48,10 @@ def round_up(value: int, multiple: int = ALIGN) -> int:
 
 
 def padded_dims(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(rows of the packed A, rows of the packed B^T, padded K) for a (m, k) @ (k, n) product: A gets its
-    row of ones, B^T its row of ones and the padding to a multiple of 4, K the padding."""
-    return m + 1, round_up(n + 1), round_up(max(k, 1))
+    """(rows of the packed A, rows of the packed B^T, padded K) for a (m, k) @ (k, n) product: each
+    operand gets its row of ones, and every dimension of the GEMM is padded to a multiple of 4 (cuBLASLt
+    asks it of m and k; n too keeps every row of the result 16-byte aligned)."""
+    return round_up(m + 1), round_up(n + 1), round_up(max(k, 1))
 
 
 def _destroy(lib, desc, layouts, pref) -> None:

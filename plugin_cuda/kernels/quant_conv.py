@@ -59,7 +59,8 @@ class _IntConv(_Spatial):
         rows_a, rows_b, kp = int8gemm.padded_dims(rows, ocg, k)
         col = cupy.empty((g, rows_a, kp), np.int8)
         x_zp = zero(x.dtype) if x_zp is None else x_zp.reshape(())
-        kernel("im2col")(x, x_zp, shift(x.dtype), c, cg, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, rows, k, kp, col)
+        kernel("im2col_q8")(x, x_zp, shift(x.dtype), c, cg, h, wd, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, rows, k, kp,
+                         rows_a, col)
         wt = pack(w.reshape(g, ocg, k), ocg, k, rows_b, (ocg * k, k, 1), g)
         product = gemm(col, wt, rows, ocg, k)
 

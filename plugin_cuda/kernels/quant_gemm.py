@@ -68,19 +68,19 @@ SOURCES = {
              if (c < K && r <= R) v = (r == R) ? 1 : (int)x[b * sb + r * sr + c * sc] - shift;
              y = (signed char)v;
              """),
-    # a convolution's im2col, packed like "pack": (G, R + 1, Kp) int8, row r = (n, oy, ox) of group g,
+    # a convolution's im2col, packed like "pack": (G, RP, Kp) int8, row r = (n, oy, ox) of group g,
     # column c = (channel in the group, ky, kx); padding reads the zero point (centered: 0)
-    "im2col": ("raw T x, T zp, int32 shift, int32 C, int32 Cg, int32 H, int32 W, int32 OH, int32 OW, int32 KH, "
-               "int32 KW, int32 SH, int32 SW, int32 PH, int32 PW, int32 DH, int32 DW, int32 R, int32 K, int32 Kp",
+    "im2col_q8": ("raw T x, T zp, int32 shift, int32 C, int32 Cg, int32 H, int32 W, int32 OH, int32 OW, int32 KH, "
+               "int32 KW, int32 SH, int32 SW, int32 PH, int32 PW, int32 DH, int32 DW, int32 R, int32 K, int32 Kp, int32 RP",
                "int8 y",
                """
                ptrdiff_t t = i;
                const int c = (int)(t % Kp); t /= Kp;
-               const int r = (int)(t % (R + 1));
-               const int g = (int)(t / (R + 1));
+               const int r = (int)(t % RP);
+               const int g = (int)(t / RP);
                int v = 0;
                if (c < K && r == R) v = 1;
-               else if (c < K) {
+               else if (c < K && r < R) {
                  int rr = r;
                  const int ox = rr % OW; rr /= OW;
                  const int oy = rr % OH;

@@ -108,7 +108,7 @@ def mirror_int_matmul(a, b, a_zp, b_zp) -> np.ndarray:
     m, k = a.shape
     n = b.shape[1]
     rows_a, rows_b, kp = int8gemm.padded_dims(m, n, k)
-    assert rows_b % 4 == 0 and kp % 4 == 0 and rows_b > n and kp >= k
+    assert rows_a % 4 == 0 and rows_b % 4 == 0 and kp % 4 == 0 and rows_a > m and rows_b > n and kp >= k
     d = mirror_pack(a, m, k, rows_a) @ mirror_pack(b.T, n, k, rows_b).T  # (rows_a, rows_b), int32 on the GPU
     p, ra, cb = d[:m, :n], d[:m, n:n + 1], d[m:m + 1, :n]
     za = np.asarray(a_zp, np.int64).reshape(-1, 1) - _shift(a.dtype)
@@ -140,15 +140,15 @@ def mirror_im2col(x, zp, kernel, stride, pad, dilation, group) -> tuple[np.ndarr
     ow = (w + 2 * pad - dilation * (kw - 1) - 1) // stride + 1
     cg, rows = c // group, n * oh * ow
     k = cg * kh * kw
-    kp = int8gemm.round_up(k)
-    col = np.zeros((group, rows + 1, kp), np.int64)
+    rp, _, kp = int8gemm.padded_dims(rows, 1, k)
+    col = np.zeros((group, rp, kp), np.int64)
     flat = x.reshape(-1)
     for i in range(col.size):
         t = i
         cc = t % kp
         t //= kp
-        r, g = t % (rows + 1), t // (rows + 1)
-        if cc >= k:
+        r, g = t % rp, t // rp
+        if cc >= k or r > rows:
             continue
         if r == rows:
             col[g, r, cc] = 1
