@@ -96,6 +96,9 @@ def main(argv=None) -> None:
         ops = 2.0 * size ** 3
         cells = " | ".join(f"{ms:7.3f} ms {ops / ms / 1e9:5.1f} T" for ms in row.values())
         print(f"{size:>6} | {cells} | {row['float32'] / row['MatMulInt']:.2f}x")
+    from plugin_cuda.kernels.quant_gemm import stats
+
+    print(f"GEMMs cuBLASLt refused (run by CuPy's integer matmul instead): {stats['fallbacks']}")
 
 
 if __name__ == "__main__":

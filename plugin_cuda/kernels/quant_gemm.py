@@ -10,9 +10,12 @@ once, not twice, and would differ from MLAS in the last bit). rintf rounds half 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..device import int8gemm
+from ..device.cublas import CublasError
 from ..device.nvrtc import elementwise_table
 
 try:
@@ -20,6 +23,9 @@ try:
 except Exception:  # noqa: BLE001 - no CuPy means no device; the plugin still loads
     cupy = None
 
+_log = logging.getLogger(__name__)
+# GEMMs that cuBLASLt refused and CuPy's integer matmul ran (the GPU tests expect none)
+stats = {"fallbacks": 0}
 Q8 = frozenset({"int8", "uint8"})
 Q16 = Q8 | {"int16", "uint16"}
 F32 = np.dtype(np.float32)
@@ -190,7 +196,14 @@ def gemm(a_packed, bt_packed, m: int, n: int, k: int) -> Product:
     batch = max(a_packed.shape[0], bt_packed.shape[0])
     rows_a, rows_b, kp = a_packed.shape[1], bt_packed.shape[1], a_packed.shape[2]
     d = cupy.empty((batch, rows_a, rows_b), np.int32)
-    run = int8gemm.plan(cupy.cuda.runtime.getDevice(), rows_a, rows_b, kp)
+    try:
+        run = int8gemm.plan(cupy.cuda.runtime.getDevice(), rows_a, rows_b, kp)
+    except CublasError as exc:  # cuBLASLt refused these sizes: CuPy's integer matmul (exact, slow)
+        stats["fallbacks"] += 1
+        if stats["fallbacks"] == 1:
+            _log.warning("int8 GEMM through CuPy's integer matmul instead of cuBLASLt: %s", exc)
+        cupy.matmul(a_packed.astype(np.int32), bt_packed.astype(np.int32).transpose(0, 2, 1), out=d)
+        return Product(d, m, n, k)
     stream = cupy.cuda.get_current_stream().ptr
     step_a = a_packed.strides[0] if a_packed.shape[0] > 1 else 0
     step_b = bt_packed.strides[0] if bt_packed.shape[0] > 1 else 0

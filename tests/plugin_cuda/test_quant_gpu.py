@@ -289,3 +289,10 @@ def test_capture_and_replay(genv, cp):
         expected = ort_run(model, {"x": new})
         np.testing.assert_array_equal(cp.asnumpy(outs["y"]), expected[0])
         np.testing.assert_array_equal(cp.asnumpy(outs["d"]), expected[1])
+
+
+def test_every_integer_gemm_ran_on_cublaslt():
+    """Runs last in this module: no GEMM of the tests above fell back to CuPy's integer matmul."""
+    from plugin_cuda.kernels import quant_gemm
+
+    assert quant_gemm.stats["fallbacks"] == 0
