@@ -126,18 +126,25 @@ def quantize_dynamic(x, y=None, scale=None, zp=None):
     return y, scale, zp
 
 
-def per_row(zp, a_shape):
-    """MatMulInteger's a_zero_point: a scalar, or one per row of A (..., M, K) shaped (..., M, 1)."""
+def per_row(zp, p_shape):
+    """MatMulInteger's a_zero_point against the GEMM's (batch, M, N) product: a scalar, one per row
+    (M values, shared by the batch), or one per row of every matrix of the batch ((..., M, 1))."""
     if zp is None or zp.size == 1:
         return None if zp is None else zp.reshape(())
-    return zp.reshape(*zp.shape[:-1], -1, 1) if zp.ndim > 1 else zp.reshape(-1, 1)
+    if zp.size == p_shape[-2]:
+        return zp.reshape(-1, 1)
+    if zp.size != p_shape[0] * p_shape[-2]:
+        raise ValueError(f"a_zero_point of shape {tuple(zp.shape)} for {p_shape[-2]} rows in a batch of "
+                         f"{p_shape[0]}; allowed: a scalar, one per row, or one per row of each matrix")
+    return zp.reshape(p_shape[0], p_shape[-2], 1)
 
 
 def per_column(v):
-    """A b zero point or scale: a scalar, or one per column N, shaped (..., 1, N)."""
+    """A b zero point or scale against the GEMM's (batch, M, N) product: a scalar, one per column N
+    ((1, N)), or one per column of every matrix of the batch ((..., 1, N) -> (batch, 1, N))."""
     if v is None or v.size == 1:
         return None if v is None else v.reshape(())
-    return v.reshape(*v.shape[:-1], 1, -1) if v.ndim > 1 else v.reshape(1, -1)
+    return v.reshape(-1, 1, v.shape[-1]) if v.ndim > 1 else v.reshape(1, -1)
 
 
 @register("MatMulInteger", 10)
@@ -152,7 +159,7 @@ class MatMulInteger(CudaKernel):
         a, b, a_zp, b_zp = inputs
         product, out_shape = matmul(a, b)
         y = ctx.output(0, out_shape, np.int32)
-        args = product.args(per_row(a_zp, a.shape), per_column(b_zp), a.dtype, b.dtype)
+        args = product.args(per_row(a_zp, product.p.shape), per_column(b_zp), a.dtype, b.dtype)
         kernel("acc_int")(*args, y.reshape(product.p.shape))
 
 
@@ -169,6 +176,6 @@ class QLinearMatMul(CudaKernel):
         product, out_shape = matmul(a, b)
         y = ctx.output(0, out_shape, y_zp.dtype)
         lo, hi = bounds(y_zp.dtype)
-        args = product.args(per_row(a_zp, a.shape), per_column(b_zp), a.dtype, b.dtype)
+        args = product.args(per_row(a_zp, product.p.shape), per_column(b_zp), a.dtype, b.dtype)
         kernel("acc_quant")(*args, a_scale.reshape(()), per_column(b_scale), np.float32(1), y_scale.reshape(()),
                             y_zp.reshape(()), lo, hi, y.reshape(product.p.shape))

@@ -43,7 +43,7 @@ class MatMulIntegerToFloat(CudaKernel):
     def _compute(self, ctx):
         a, b, a_scale, b_scale, a_zp, b_zp, bias = _padded(ctx.inputs, 7)
         product, out_shape = matmul(a, b)
-        args = product.args(per_row(a_zp, a.shape), per_column(b_zp), a.dtype, b.dtype)
+        args = product.args(per_row(a_zp, product.p.shape), per_column(b_zp), a.dtype, b.dtype)
         _float_out(ctx, product, out_shape, args, a_scale, b_scale, bias)
 
 
