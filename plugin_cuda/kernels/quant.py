@@ -45,12 +45,13 @@ class _PerAxis(CudaKernel):
         axis = self.axis(self.axis_attr, len(x_shape))
         if p.ndim <= 1 and not self.block_size:
             if p.shape[0] != x_shape[axis]:
-                raise ValueError(f"{self.where}: per-axis parameter of length {p.shape[0]} does not match axis "
-                                 f"{axis} of input shape {tuple(x_shape)}")
+                raise ValueError(f"{self.where}: a per-axis parameter of length {p.shape[0]} for axis {axis} of input "
+                                 f"shape {tuple(x_shape)}; allowed: length {x_shape[axis]} (one per element of the axis)")
             return p.reshape([-1 if i == axis else 1 for i in range(len(x_shape))])
         if p.ndim != len(x_shape) or not self.block_size:
-            raise ValueError(f"{self.where}: blocked parameter of shape {tuple(p.shape)} needs block_size > 0 and "
-                             f"the rank of the input {tuple(x_shape)}")
+            raise ValueError(f"{self.where}: a parameter of shape {tuple(p.shape)} with block_size {self.block_size} for "
+                             f"input shape {tuple(x_shape)}; allowed: a scalar, one value per element of the axis, or "
+                             "the input's rank with block_size > 0 (blocked)")
         index = [slice(None)] * p.ndim
         index[axis] = slice(0, x_shape[axis])
         return cupy.repeat(p, self.block_size, axis=axis)[tuple(index)]

@@ -223,7 +223,8 @@ def matmul(a, b, trans_a: bool = False, trans_b: bool = False) -> tuple[Product,
         raise ValueError(f"integer MatMul of shapes {a.shape} and {b.shape}; allowed: rank 2 or more")
     k = a.shape[-1]
     if b.shape[-2] != k:
-        raise ValueError(f"integer MatMul of shapes {a.shape} and {b.shape}: inner dimensions {k} and {b.shape[-2]}")
+        raise ValueError(f"integer MatMul of shapes {a.shape} and {b.shape}: the inner dimensions {k} and "
+                         f"{b.shape[-2]} must match")
     n = b.shape[-1]
     if b.ndim == 2:
         m = int(np.prod(a.shape[:-1], dtype=np.int64))

@@ -86,6 +86,36 @@ def test_every_quantized_node_of_the_quantizers_models_is_claimed(quantized_mode
             "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear", "QLinearGlobalAveragePool"} <= seen
 
 
+class _Ctx:
+    def __init__(self, *inputs):
+        self.inputs = list(inputs)
+
+
+def test_shape_errors_name_what_arrived_and_what_is_allowed():
+    """Raised before any device work (NumPy arrays stand in for the device ones)."""
+    from plugin_cuda.kernels import quant, quant_conv, quant_ms
+
+    q = quant.QuantizeLinear({"axis": 1}, 21, "q")
+    with pytest.raises(ValueError, match=r"^QuantizeLinear node 'q': a per-axis parameter of length 3 for axis 1 of "
+                                         r"input shape \(2, 4\); allowed: length 4 \(one per element of the axis\)$"):
+        q.param(np.zeros(3, np.float32), (2, 4))
+    with pytest.raises(ValueError, match=r"^QuantizeLinear node 'q': a parameter of shape \(2, 2\) with block_size 0"):
+        q.param(np.zeros((2, 2), np.float32), (2, 4))
+    with pytest.raises(ValueError, match=r"^integer MatMul of shapes \(2, 3\) and \(4, 5\): the inner dimensions 3 "
+                                         r"and 4 must match$"):
+        quant_gemm.matmul(np.zeros((2, 3), np.uint8), np.zeros((4, 5), np.int8))
+    with pytest.raises(ValueError, match=r"^a_zero_point of shape \(6,\) for 4 rows in a batch of 3; allowed: a "
+                                         r"scalar, one per row, or one per row of each matrix$"):
+        quant.per_row(np.zeros(6, np.uint8), (3, 4, 5))
+    gemm = quant_ms.QGemm({}, 1, "g")
+    with pytest.raises(ValueError, match=r"^QGemm node 'g': A \(1, 2, 3\) and B \(3, 4\); allowed: two 2-D matrices"):
+        gemm.compute(_Ctx(np.zeros((1, 2, 3), np.uint8), None, None, np.zeros((3, 4), np.int8), None, None))
+    conv = quant_conv.ConvInteger({"group": 2}, 13, "c")
+    with pytest.raises(ValueError, match=r"^ConvInteger node 'c': input \(1, 3, 5, 5\), weight \(4, 2, 3, 3\) and "
+                                         r"group 2 do not agree"):
+        conv.compute(_Ctx(np.zeros((1, 3, 5, 5), np.uint8), np.zeros((4, 2, 3, 3), np.int8)))
+
+
 # ---- NumPy mirrors of the device arithmetic ----------------------------------------------------
 
 
