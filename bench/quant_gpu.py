@@ -1,6 +1,6 @@
 """The CUDA EP's int8 GEMM (cuBLASLt, CUBLAS_COMPUTE_32I) against a float32 GEMM of the same size.
 
-    python -m bench.quant_gpu [--sizes 512,1024,2048,4096] [--iters 20]
+    python -m bench.quant_gpu [--sizes 512,1024,2048,4096] [--iters 20] [--models]
 
 Per square size M = N = K, medians over `--iters` runs timed with CUDA events on one stream:
   int8 GEMM   the cuBLASLt call alone on packed operands (plugin_cuda/device/int8gemm.py);
@@ -10,6 +10,10 @@ Per square size M = N = K, medians over `--iters` runs timed with CUDA events on
   float32     CuPy's matmul (cuBLAS sgemm) on float32 operands;
   TF32        the same with TF32 tensor cores (CUPY_TF32 semantics through cublasSetMathMode).
 Prints TOPS (2 * M * N * K / time) and the ratio of float32's time to the int8 path's.
+
+--models: the small CNN and transformer of tests/host/test_quantized.py quantized by onnxruntime's quantizer
+(QOperator, QDQ, dynamic): median latency of one run (NumPy in and out) on the CUDA EP and on onnxruntime's
+CPU provider, and how many nodes ran on the GPU.
 """
 
 from __future__ import annotations
@@ -81,10 +85,53 @@ def _row(cp, size: int, iters: int) -> dict:
     return out
 
 
+def _models(iters: int) -> None:
+    import functools
+    import tempfile
+    import time
+
+    import onnx
+    import onnxruntime
+
+    import build
+    import host
+    from host.runtime.session import InferenceSession
+    from tests.host import test_quantized
+
+    env = host.Environment()
+    env.register_plugin("cuda", str(build.build_python_plugin("cuda", max(build.PYTHON_PLUGINS["cuda"].versions))))
+    out_dir = tempfile.mkdtemp()
+
+    def median_ms(fn):
+        fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(times))
+
+    print(f"{'model':>20} | {'CUDA EP':>9} | {'ort CPU':>9} | nodes on the GPU")
+    for name, (_, shape) in test_quantized.MODELS.items():
+        for fmt in ("qop", "qdq", "dynamic"):
+            model = onnx.load(test_quantized._quantized(out_dir, name, fmt))
+            model.ir_version = 10
+            feeds = {"x": np.random.default_rng(0).random(shape, dtype=np.float32)}
+            sess = InferenceSession(model, providers=[("CUDAExecutionProvider", {})], env=env)
+            ort = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            placed = list(sess.node_assignment().values())
+            on_gpu = sum(p == "CUDAExecutionProvider" for p in placed)
+            ours = median_ms(functools.partial(sess.run, None, feeds))
+            theirs = median_ms(functools.partial(ort.run, None, feeds))
+            print(f"{name + '/' + fmt:>20} | {ours:6.3f} ms | {theirs:6.3f} ms | {on_gpu} of {len(placed)}")
+            sess.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="512,1024,2048,4096")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--models", action="store_true", help="also the quantized models end to end")
     args = parser.parse_args(argv)
     import cupy as cp
 
@@ -99,6 +146,8 @@ def main(argv=None) -> None:
     from plugin_cuda.kernels.quant_gemm import stats
 
     print(f"GEMMs cuBLASLt refused (run by CuPy's integer matmul instead): {stats['fallbacks']}")
+    if args.models:
+        _models(args.iters)
 
 
 if __name__ == "__main__":
