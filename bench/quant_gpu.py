@@ -97,6 +97,7 @@ def _models(iters: int) -> None:
     import host
     from host.runtime.session import InferenceSession
     from tests.host import test_quantized
+    from tests.plugin_cuda.test_quant_gpu import quantized_model
 
     env = host.Environment()
     env.register_plugin("cuda", str(build.build_python_plugin("cuda", max(build.PYTHON_PLUGINS["cuda"].versions))))
@@ -114,7 +115,7 @@ def _models(iters: int) -> None:
     print(f"{'model':>20} | {'CUDA EP':>9} | {'ort CPU':>9} | nodes on the GPU")
     for name, (_, shape) in test_quantized.MODELS.items():
         for fmt in ("qop", "qdq", "dynamic"):
-            model = onnx.load(test_quantized._quantized(out_dir, name, fmt))
+            model = onnx.load(quantized_model(out_dir, name, fmt))
             model.ir_version = 10
             feeds = {"x": np.random.default_rng(0).random(shape, dtype=np.float32)}
             sess = InferenceSession(model, providers=[("CUDAExecutionProvider", {})], env=env)
