@@ -112,20 +112,27 @@ def _models(iters: int) -> None:
             times.append(time.perf_counter() - t0)
         return 1e3 * float(np.median(times))
 
+    def row(name, shape, fmt):
+        model = onnx.load(quantized_model(out_dir, name, fmt))
+        model.ir_version = 10
+        feeds = {"x": np.random.default_rng(0).random(shape, dtype=np.float32)}
+        sess = InferenceSession(model, providers=[("CUDAExecutionProvider", {})], env=env)
+        ort = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        placed = list(sess.node_assignment().values())
+        on_gpu = sum(p == "CUDAExecutionProvider" for p in placed)
+        ours = median_ms(functools.partial(sess.run, None, feeds))
+        theirs = median_ms(functools.partial(ort.run, None, feeds))
+        sess.close()
+        return f"{ours:6.3f} ms | {theirs:6.3f} ms | {on_gpu} of {len(placed)}"
+
     print(f"{'model':>20} | {'CUDA EP':>9} | {'ort CPU':>9} | nodes on the GPU")
     for name, (_, shape) in test_quantized.MODELS.items():
         for fmt in ("qop", "qdq", "dynamic"):
-            model = onnx.load(quantized_model(out_dir, name, fmt))
-            model.ir_version = 10
-            feeds = {"x": np.random.default_rng(0).random(shape, dtype=np.float32)}
-            sess = InferenceSession(model, providers=[("CUDAExecutionProvider", {})], env=env)
-            ort = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            placed = list(sess.node_assignment().values())
-            on_gpu = sum(p == "CUDAExecutionProvider" for p in placed)
-            ours = median_ms(functools.partial(sess.run, None, feeds))
-            theirs = median_ms(functools.partial(ort.run, None, feeds))
-            print(f"{name + '/' + fmt:>20} | {ours:6.3f} ms | {theirs:6.3f} ms | {on_gpu} of {len(placed)}")
-            sess.close()
+            try:
+                cells = row(name, shape, fmt)
+            except Exception as exc:  # noqa: BLE001 - one failed model must not hide the others
+                cells = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+            print(f"{name + '/' + fmt:>20} | {cells}")
 
 
 def main(argv=None) -> None:
