@@ -300,7 +300,7 @@ class CudaEp(sdk.EpBase):
         shape_values = shape_arithmetic_values(graph)
         chosen = []
         for node in graph.nodes:
-            if node.domain not in ("", "ai.onnx", kernels.EPHOST_DOMAIN):
+            if node.domain not in ("", "ai.onnx", kernels.EPHOST_DOMAIN, kernels.MS_DOMAIN):
                 continue
             outputs = [v for v in node.outputs if v >= 0]
             if outputs and all(v in shape_values for v in outputs):

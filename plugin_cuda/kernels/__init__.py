@@ -17,6 +17,9 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     nn,
+    quant,
+    quant_conv,
+    quant_ms,
     reduce,
     rnn,
     shape,
@@ -24,6 +27,7 @@ from . import (  # noqa: F401
 from .base import (
     EPHOST_DOMAIN,
     KERNELS,
+    MS_DOMAIN,
     CudaKernel,
     UnsupportedOpError,
     claimable,
@@ -32,4 +36,4 @@ from .base import (
     supported_ops,
 )
 
-__all__ = ["EPHOST_DOMAIN", "KERNELS", "CudaKernel", "UnsupportedOpError", "claimable", "lookup", "register", "supported_ops"]
+__all__ = ["EPHOST_DOMAIN", "KERNELS", "MS_DOMAIN", "CudaKernel", "UnsupportedOpError", "claimable", "lookup", "register", "supported_ops"]

@@ -40,6 +40,7 @@ __all__ = [
     "HALF",
     "INDEX",
     "KERNELS",
+    "MS_DOMAIN",
     "CudaKernel",
     "UnsupportedOpError",
     "claimable",
@@ -60,6 +61,7 @@ ALL = FLOAT | INDEX | BOOL
 NUMERIC = FLOAT | INDEX
 LATEST_OPSET = 23
 EPHOST_DOMAIN = "ai.ephost"
+MS_DOMAIN = "com.microsoft"  # the quantized ops onnxruntime's quantizer emits (kernels/quant_ms.py)
 _PLAN_LIMIT = 256
 
 # ONNX TensorProto.DataType -> NumPy dtype name.
@@ -284,11 +286,11 @@ def coverage_rows() -> list[str]:
     for key in sorted(KERNELS):
         versions = KERNELS[key]
         cls = versions[max(versions)]
-        ephost = key.startswith(EPHOST_DOMAIN + ".")
-        op = key[len(EPHOST_DOMAIN) + 1:] if ephost else key
-        opsets = "1" if ephost else f"{min(versions)}..{LATEST_OPSET}"
+        domain = next((d for d in (EPHOST_DOMAIN, MS_DOMAIN) if key.startswith(d + ".")), "ai.onnx")
+        op = key if domain == "ai.onnx" else key[len(domain) + 1:]
+        opsets = f"{min(versions)}..{LATEST_OPSET}" if domain == "ai.onnx" else "1"
         types = cls.input_types[0] if cls.input_types else None
         dtypes = "any" if types is None else ", ".join(sorted(types))
-        rows.append(f"| {op} | {EPHOST_DOMAIN if ephost else 'ai.onnx'} | {opsets} | {dtypes} | "
+        rows.append(f"| {op} | {domain} | {opsets} | {dtypes} | "
                     f"{cls.__module__.rsplit('.', 1)[-1]} |")
     return rows

@@ -48,6 +48,8 @@ def float_kernels() -> list[str]:
     out = []
     for key, versions in kernels.KERNELS.items():
         types = versions[max(versions)].input_types
+        if versions[max(versions)].__module__.rsplit(".", 1)[-1].startswith("quant"):
+            continue  # the quantized ops: float32 data and scales only (docs/quantization_ml.md)
         if types and types[0] is not None and "float32" in types[0]:
             out.append(key)
     return sorted(out)

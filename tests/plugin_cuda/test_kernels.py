@@ -657,6 +657,10 @@ EXPECTED_OPS = {
     # issue 26: recurrent layers (tests in test_rnn_cpu.py, test_rnn_gpu.py)
     "LSTM", "GRU", "RNN",
     "ai.ephost.SkipLayerNormalization", "ai.ephost.BiasGelu", "ai.ephost.FusedMatMul",
+    # issue 27: quantized ops (tests in test_quant_cpu.py, test_quant_gpu.py)
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul", "ConvInteger",
+    "QLinearConv", "com.microsoft.QGemm", "com.microsoft.MatMulIntegerToFloat", "com.microsoft.DynamicQuantizeMatMul",
+    "com.microsoft.QLinearAdd", "com.microsoft.QLinearMul", "com.microsoft.QLinearGlobalAveragePool",
 }
 
 
