@@ -12,7 +12,7 @@ from onnx import numpy_helper, shape_inference
 
 from abi.dtypes import ONNX_TO_NUMPY, supported_names, type_name
 from host.errors import InvalidArgument, ModelError, NoSuchFile
-from host.runtime import types
+from host.runtime import contrib_types, types
 from host.runtime.node import NodeInfo, node_info
 
 # The default-domain opsets the session loads: up to the newest the installed onnx defines (its schemas
@@ -218,6 +218,7 @@ def _graph(model, g: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, V
             info = NodeInfo(info.name or f"{n.op_type}_{i}", info.op_type, info.domain, info.opset, info.attrs,
                             info.inputs + implicit, info.outputs, len(implicit))
         nodes.append(info)
+    contrib_types.fill(nodes, values)
     implicit = [name for name in free_names(g) if name not in inits]
     for name in implicit:
         values.setdefault(name, outer.get(name) or ValueMeta(name))
