@@ -44,7 +44,7 @@ def _float32(plan, op) -> bool:
     """Only float32 steps: the setups and GEMMs made here are float32 ones (a value without a dtype
     is float32, the plan's only type before half-precision plans)."""
     value = plan.prog.values[op.outputs[0]]
-    return np.dtype(getattr(value, "dtype", np.float32)) == np.float32
+    return np.dtype(getattr(value, "dtype", None) or np.float32) == np.float32  # None: float32 (np.dtype(None) is float64)
 
 
 def _conv(plan, ep, step) -> None:
