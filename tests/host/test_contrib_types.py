@@ -50,6 +50,19 @@ def test_float_and_qgemm_outputs():
     assert [g.values[n].elem_type for n in "FQG"] == [TensorProto.FLOAT, TensorProto.UINT8, TensorProto.FLOAT]
 
 
+def test_onnx_nodes_after_them_get_types_too():
+    """A QLinearMatMul and a Reshape reading a QLinearAdd's output: onnx leaves them untyped."""
+    model = _model()
+    inits = [numpy_helper.from_array(np.array(v, t), n) for n, v, t in
+             (("w", np.ones((3, 3)), np.uint8), ("shape", [3, 2], np.int64))]
+    model.graph.initializer.extend(inits)
+    model.graph.node.insert(1, helper.make_node("QLinearMatMul", ["C", "sc", "zc", "w", "sb", "zb", "sa", "za"], ["M"]))
+    model.graph.node.insert(2, helper.make_node("Reshape", ["M", "shape"], ["R"]))
+    model.graph.node.insert(3, helper.make_node("MatMulInteger", ["C", "w"], ["I"]))
+    g = build_graph(model)
+    assert [g.values[n].elem_type for n in "MRI"] == [TensorProto.UINT8, TensorProto.UINT8, TensorProto.INT32]
+
+
 def test_the_cpu_ep_still_matches_onnxruntime():
     model = _model().SerializeToString()
     rng = np.random.default_rng(0)
