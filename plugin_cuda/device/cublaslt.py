@@ -115,7 +115,8 @@ def compute_capability(device_id: int) -> str:
     return str(cupy.cuda.Device(device_id).compute_capability)
 
 
-def _destroy(lib, desc, layouts, pref) -> None:
+def destroy_matmul(lib, desc, layouts, pref) -> None:
+    """Free a matmul descriptor, its layouts and its preference (EpilogueGemm's and int8gemm's)."""
     lib.cublasLtMatmulDescDestroy(desc)
     for layout in layouts:
         lib.cublasLtMatrixLayoutDestroy(layout)
@@ -149,7 +150,7 @@ class EpilogueGemm:
         check(lib.cublasLtMatmulPreferenceCreate(pbox), f"{what}: cublasLtMatmulPreferenceCreate")
         self.pref = pbox[0]
         self.layouts = layouts
-        self._finalizer = weakref.finalize(self, _destroy, lib, self.desc, layouts, self.pref)
+        self._finalizer = weakref.finalize(self, destroy_matmul, lib, self.desc, layouts, self.pref)
         self._set(DESC_EPILOGUE, ffi.new("uint32_t *", EPILOGUES[epilogue]), 4)
         self._set(DESC_BIAS_POINTER, ffi.new("void **", ffi.cast("void *", bias_ptr)), ffi.sizeof("void *"))
         zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable

@@ -54,13 +54,6 @@ def padded_dims(m: int, n: int, k: int) -> tuple[int, int, int]:
     return round_up(m + 1), round_up(n + 1), round_up(max(k, 1))
 
 
-def _destroy(lib, desc, layouts, pref) -> None:
-    lib.cublasLtMatmulDescDestroy(desc)
-    for layout in layouts:
-        lib.cublasLtMatrixLayoutDestroy(layout)
-    lib.cublasLtMatmulPreferenceDestroy(pref)
-
-
 class Int8Gemm:
     """D (rows_a, rows_b) int32 = packed A (rows_a, kp) int8 @ packed B^T (rows_b, kp) int8 transposed,
     row-major, one cublasLtMatmul. rows_b and kp must be multiples of 4 (padded_dims makes them so)."""
@@ -86,7 +79,7 @@ class Int8Gemm:
         pbox = ffi.new("cublasLtMatmulPreference_t *")
         check(lib.cublasLtMatmulPreferenceCreate(pbox), f"{self.what}: cublasLtMatmulPreferenceCreate")
         self.pref = pbox[0]
-        self._finalizer = weakref.finalize(self, _destroy, lib, self.desc, layouts, self.pref)
+        self._finalizer = weakref.finalize(self, cublaslt.destroy_matmul, lib, self.desc, layouts, self.pref)
         trans = ffi.new("int32_t *", CUBLAS_OP_T)
         check(lib.cublasLtMatmulDescSetAttribute(self.desc, DESC_TRANSA, trans, 4), f"{self.what}: set TRANSA")
         zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
