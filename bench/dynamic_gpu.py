@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import median_us  # noqa: E402 - after the repository root is on sys.path
+
 MODELS = ("bert", "gpt2", "gpt2_dynamo", "llama", "vit")
 TEXT_SHAPES = "1x16,8x128,3x50,8x128,1x16"
 IMAGE_SHAPES = "1,8,3,8,1"
@@ -65,12 +67,8 @@ def make_feeds(name: str, names: list[str], size: dict, shape: str, rng) -> dict
 
 
 def timed(fn, iters: int) -> float:
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return float(np.median(samples)) * 1e3
+    """Median milliseconds of fn() (bench/timing.py)."""
+    return median_us(fn, iters) / 1e3
 
 
 def _pinned_constants(torch):

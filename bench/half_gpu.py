@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import median_us  # noqa: E402 - after the repository root is on sys.path
+
 CUDA = "CUDAExecutionProvider"
 KERNELS = {"compiled_plan": "0", "use_tf32": "0"}
 FIXTURES = ["bert_torchscript", "bert_dynamo", "gpt2_dynamo", "gpt2_torchscript", "llama_dynamo", "vit_dynamo",
@@ -50,16 +52,7 @@ def _env():
     return env
 
 
-def _timed(fn, iters: int, warmup: int) -> float:
-    """Median microseconds of fn() (fn synchronises itself), after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return float(np.median(samples)) / 1e3
+_timed = median_us  # bench/timing.py
 
 
 def _bind(cp, session, feeds: dict, outputs: list):

@@ -553,17 +553,10 @@ def torch_module_from_onnx(model: onnx.ModelProto, device="cuda", dtype: torch.d
 
 
 def _timed(fn, iters: int, warmup: int) -> float:
-    """Median microseconds of fn() (fn synchronises itself), after `warmup` calls."""
-    import time
+    """bench/timing.py's median (imported here once main() has put the repository root on sys.path)."""
+    from bench.timing import median_us
 
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return float(np.median(samples)) / 1e3
+    return median_us(fn, iters, warmup)
 
 
 def torch_model_for_fixture(name: str, feeds: dict, device: str = "cuda"):
