@@ -110,7 +110,8 @@ def coverage(session) -> dict:
 
     assignment = session.node_assignment()
     on_cuda = sum(1 for v in assignment.values() if v == CUDA)
-    return {"nodes": len(assignment), "on_cuda": on_cuda, "plan": describe(session)}
+    off = sorted(f"{k} ({v})" for k, v in assignment.items() if v != CUDA)
+    return {"nodes": len(assignment), "on_cuda": on_cuda, "off_cuda": off[:8], "plan": describe(session)}
 
 
 def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, env) -> dict:
