@@ -16,10 +16,16 @@ opset (many ops admit bfloat16 only since opset 13) stays in float32 like a bloc
   its largest values (`finfo(float32).max` rounds to infinity in bfloat16), so it is clipped too, to
   bfloat16's largest finite value.
 - Graphs with subgraphs (If, Loop, Scan) are refused: their bodies are not converted yet.
+- bfloat16 is admitted by Conv, Sin, Cos, GlobalAveragePool and others only since opset 22: where
+  nodes would stay float32 for that reason alone, the model's default opset is first raised to 22 by
+  onnx's version converter (`upgrade_opset`, on by default), so a bfloat16 CNN is bfloat16 throughout
+  instead of float32 between Casts at every convolution. A model the converter cannot raise is
+  converted at its own opset, with a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import ml_dtypes
@@ -48,18 +54,21 @@ _TYPE_ATTRS = ("to", "dtype", "output_dtype", "output_datatype")
 _ALWAYS_FLOAT32 = frozenset({"BitCast"})
 # The largest finite value of each half type: finite float32 constants beyond it are clipped to it
 # (an attention mask's finfo(float32).min must not become -inf, whose product with 0 is NaN).
+# The opset from which the ops that took bfloat16 last (Conv, the trigonometric and pooling ops) admit it.
+HALF_OPSET = 22
 _HALF_MAX = {FLOAT16: float(np.finfo(np.float16).max), BFLOAT16: float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)}
 
 
 def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: bool = False,
-                      op_block_list: Iterable[str] | None = None) -> onnx.ModelProto:
-    """A copy of float32 `model` with its float32 values in `precision` ('fp16' or 'bf16')."""
+                      op_block_list: Iterable[str] | None = None, upgrade_opset: bool = True) -> onnx.ModelProto:
+    """A copy of float32 `model` with its float32 values in `precision` ('fp16' or 'bf16').
+    `upgrade_opset`: raise the default opset to HALF_OPSET where that lets more nodes take the half type."""
     if precision not in PRECISIONS:
         raise InvalidArgument(f"precision is {precision!r}; allowed: {', '.join(repr(p) for p in PRECISIONS)}")
     half = PRECISIONS[precision]
     blocked_ops = DEFAULT_OP_BLOCK_LIST if op_block_list is None else frozenset(op_block_list)
     out = onnx.ModelProto()
-    out.CopyFrom(model)
+    out.CopyFrom(_upgraded(model, half, blocked_ops) if upgrade_opset else model)
     g = out.graph
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in g.node for a in n.attribute):
         raise ModelError("convert: the model has control-flow subgraphs (If, Loop, Scan); converting their "
@@ -97,6 +106,28 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     except Exception as exc:  # noqa: BLE001 - checker and inference raise several types
         raise ModelError(f"convert: the {precision} model is not valid ONNX ({exc}); the float32 model may use an "
                          f"op that the converter should keep in float32 (op_block_list)") from exc
+
+
+def _upgraded(model: onnx.ModelProto, half: int, blocked_ops: frozenset) -> onnx.ModelProto:
+    """`model` at HALF_OPSET when some node admits `half` there but not at the model's opset (onnx's
+    version converter); `model` itself otherwise, or when the converter fails (with a warning)."""
+    opsets = {(o.domain or ""): o.version for o in model.opset_import}
+    if opsets.get("", HALF_OPSET) >= HALF_OPSET or onnx.defs.onnx_opset_version() < HALF_OPSET:
+        return model
+    target = {**opsets, "": HALF_OPSET}
+    gains = {n.op_type for n in model.graph.node if n.op_type not in blocked_ops
+             and not _admits(n, half, opsets) and _admits(n, half, target)}
+    if not gains:
+        return model
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(model, HALF_OPSET)
+    except Exception as exc:  # noqa: BLE001 - the converter raises several types; the model converts anyway
+        warnings.warn(f"convert: raising the model from opset {opsets['']} to {HALF_OPSET} (where "
+                      f"{', '.join(sorted(gains))} admit the half type) failed ({exc}); those nodes stay float32",
+                      RuntimeWarning, stacklevel=3)
+        return model
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, int]:

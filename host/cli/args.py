@@ -111,6 +111,8 @@ def add_convert(p: argparse.ArgumentParser) -> None:
                    help="keep float32 graph inputs and outputs (Casts at the edges)")
     p.add_argument("--block-op", action="append", metavar="OP", dest="block_ops",
                    help="keep this op type in float32 (repeatable; replaces the default block list)")
+    p.add_argument("--keep-opset", action="store_true",
+                   help="never raise the model's opset (bf16: Conv, Sin, Cos... admit bfloat16 only since opset 22)")
 
 
 def add_bench(p: argparse.ArgumentParser) -> None:

@@ -304,6 +304,51 @@ def test_convert_keeps_blocked_ops_in_float32():
     np.testing.assert_array_equal(v.astype(np.float32), want)
 
 
+def _conv_sin_model(opset: int) -> onnx.ModelProto:
+    """Conv -> Cos -> GlobalAveragePool at `opset`: none of the three admits bfloat16 before opset 22."""
+    rng = np.random.default_rng(4)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Cos", ["c"], ["s"]),
+             helper.make_node("GlobalAveragePool", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "conv_sin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 1, 1])],
+                              [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def test_bf16_convert_raises_the_opset_where_ops_take_bfloat16_only_since_22():
+    """At opset 17, Conv/Cos/GlobalAveragePool stay float32 between Casts; by default the converter
+    raises the model to opset 22, where they take bfloat16, and the result still matches float32."""
+    model = _conv_sin_model(17)
+    x = np.random.default_rng(5).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    kept = convert_precision(model, "bf16", upgrade_opset=False)
+    assert kept.opset_import[0].version == 17
+    assert [n.op_type for n in kept.graph.node].count("Cast") == 6  # each of the three between two Casts
+    raised = convert_precision(model, "bf16")
+    assert raised.opset_import[0].version == 22
+    assert "Cast" not in [n.op_type for n in raised.graph.node]
+    types = {v.name: v.type.tensor_type.elem_type for v in [*raised.graph.value_info, *raised.graph.output]}
+    assert types["c"] == types["s"] == types["y"] == TensorProto.BFLOAT16
+    got = host.InferenceSession(raised).run(None, {"x": x.astype(BF16)})[0]
+    assert got.dtype == BF16
+    assert _relative_error(got, want[0]) <= TOLERANCE
+    # float16 admits the three ops at opset 17 already: nothing to raise
+    assert convert_precision(model, "fp16").opset_import[0].version == 17
+
+
+def test_bf16_convert_keeps_the_opset_when_onnx_cannot_raise_it(monkeypatch):
+    from onnx import version_converter
+
+    def refuse(model, target):
+        raise RuntimeError("no adapter")
+    monkeypatch.setattr(version_converter, "convert_version", refuse)
+    with pytest.warns(RuntimeWarning, match=r"^convert: raising the model from opset 17 to 22 \(where "
+                                            r"Conv, Cos, GlobalAveragePool admit the half type\) failed \(no adapter\)"):
+        converted = convert_precision(_conv_sin_model(17), "bf16")
+    assert converted.opset_import[0].version == 17
+    assert [n.op_type for n in converted.graph.node].count("Cast") == 6
+
+
 def test_convert_refuses_bad_precision_and_subgraphs():
     model = onnx.load(str(load("bert_dynamo")[0]))
     with pytest.raises(InvalidArgument, match=r"^precision is 'fp8'; allowed: 'fp16', 'bf16'$"):
@@ -322,10 +367,16 @@ def test_cli_convert(tmp_path, capsys):
     out = tmp_path / "half" / "vit_bf16.onnx"
     rc = cli.main(["convert", str(load("vit_dynamo")[0]), "-o", str(out), "--precision", "bf16"])
     assert rc == 0
-    assert capsys.readouterr().out.startswith(f"wrote {out}: bf16, ")
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {out}: bf16, ")
+    assert printed.rstrip().endswith("; opset raised from 18 to 22")  # the patch embedding's Conv
     model = onnx.load(str(out))
     assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.BFLOAT16
     _check_model("vit_dynamo", model)
+    kept = tmp_path / "vit_bf16_18.onnx"
+    assert cli.main(["convert", str(load("vit_dynamo")[0]), "-o", str(kept), "--precision", "bf16", "--keep-opset"]) == 0
+    assert "opset raised" not in capsys.readouterr().out
+    assert onnx.load(str(kept)).opset_import[0].version == 18
     rc = cli.main(["convert", str(tmp_path / "missing.onnx"), "-o", str(out), "--precision", "fp16"])
     assert rc == cli.EXIT_ERROR
     assert "missing.onnx' does not exist" in capsys.readouterr().err
