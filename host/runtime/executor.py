@@ -23,6 +23,8 @@ from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import ffi
 from host.runtime.plan import Plan
+from host.runtime.program_copies import ProgramCopies
+from host.runtime.shape_program import DEFAULT_CAPACITY
 from host.runtime.steps import build_steps
 from host.runtime.tensor import Allocation, DeviceTensor, host_array
 
@@ -140,7 +142,7 @@ class Executor:
     crossing; None (the default) leaves the run path without any check for it."""
 
     def __init__(self, plan: Plan, concurrent: bool, ep_allocates_host: bool = False, observer=None,
-                 transfer_eps=None, subgraph: bool = False):
+                 transfer_eps=None, subgraph: bool = False, program_capacity: int = DEFAULT_CAPACITY):
         self.plan = plan
         # EPs whose data transfer copies may use: every EP of the session, not only those holding nodes
         # (an output of the CPU EP bound to a device buffer goes through that device's EP).
@@ -155,6 +157,8 @@ class Executor:
         self._shared: RunState | None = None
         # Initializers copied to a device once and reused by every run (weights stay resident).
         self._device_constants: dict[tuple[int, tuple[int, int]], object] = {}
+        # The shape program's values copied to a device once per signature (program_copies.py).
+        self.program_copies = ProgramCopies(program_capacity)
         self.steps, prelude = build_steps(plan, observer)
         # What a run starts from, built once: initializers (and Identity outputs over them) in
         # place, every other value None.
@@ -223,6 +227,7 @@ class Executor:
             sub.close()
         self._shared = None
         self._device_constants.clear()
+        self.program_copies.clear()
         self._tls = threading.local()
 
     # -- one run ---------------------------------------------------------------------------------
@@ -298,6 +303,8 @@ class Executor:
             return value
         if vid in self.plan.constants:
             return self._device_constant(vid, value, location, ep, stream)
+        if vid in self.plan.host_computed and location != CPU_LOCATION:
+            return self._program_copy(vid, value, location, ep, stream)
         moved = self.transfer(value, location, ep, stream)
         if location == CPU_LOCATION:
             if vid in self._handed_on_ids:
@@ -318,6 +325,18 @@ class Executor:
             yield
         finally:
             self._tls.copies = None
+
+    def _program_copy(self, vid: int, value, location, ep: PluginEp | None, stream: SyncStream | None):
+        sink = self._tls.__dict__.get("copies")
+        moved = self.program_copies.get(vid, location, value)
+        if moved is None:
+            moved = self.transfer(value, location, ep, stream)
+            if stream is not None and sink is None:  # (no host wait on a stream being captured)
+                stream.notify_and_wait(None)  # other threads read this copy on their own streams
+            moved = self.program_copies.put(vid, location, value, moved)
+        if sink is not None:  # a capture run: the graph keeps the copy its replays read
+            sink.append(moved)
+        return moved
 
     def _device_constant(self, vid: int, value, location, ep: PluginEp | None, stream: SyncStream | None):
         key = (vid, location)

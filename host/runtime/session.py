@@ -195,7 +195,8 @@ class InferenceSession:
             self._threads = contextlib.nullcontext()  # nothing to bound: no threadpoolctl calls per run
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
-                                 transfer_eps=self._eps)
+                                 transfer_eps=self._eps, program_capacity=getattr(
+                                     self.shape_program, "capacity", shape_program.DEFAULT_CAPACITY))
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
                                     None if self.executor.concurrent else self._lock,
                                     shape_graphs.capacity(self.options.entries))

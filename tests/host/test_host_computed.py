@@ -108,3 +108,62 @@ def test_the_host_read_table_matches_the_cuda_kernels():
     for op, versions in KERNELS.items():
         for since, cls in versions.items():
             assert set(cls.host_inputs) == set(host_read_inputs(op)), (op, since, cls.host_inputs)
+
+
+def _counting_transfers(session) -> list:
+    """Every host<->device copy the session's executor makes from now on, as (value name or '?', location)."""
+    calls, original = [], session.executor.transfer
+
+    def transfer(value, location, ep, stream):
+        calls.append(location)
+        return original(value, location, ep, stream)
+    session.executor.transfer = transfer
+    return calls
+
+
+@pytest.mark.parametrize("fuse", ["0", "1"])
+def test_program_values_read_as_data_are_copied_once_per_signature(example_plugin, fuse):
+    """positions(): the position-table slice and the 1/sqrt(seq) scale are program values that Add and
+    Mul read as data on the (mock) device. The first run of a signature copies them there; later runs
+    of that signature copy only X in and Y out; results match the reference at every run."""
+    env = _mock_device_env(example_plugin(7))
+    model = dynamic.positions()
+    s = host.InferenceSession(model.SerializeToString(), providers=[("ExampleEP", {"ops": "Add,Mul", "fuse": fuse})],
+                              env=env)
+    assert set(s.node_assignment().values()) == {"ExampleEP"}
+    ref = _reference(model)
+    calls = _counting_transfers(s)
+    rng, seen = np.random.default_rng(7), set()
+    for _ in range(3):
+        for batch, seq in SHAPES:
+            calls.clear()
+            x = rng.standard_normal((batch, seq, 8)).astype(np.float32)
+            np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-6, atol=1e-6)
+            first = (batch, seq) not in seen
+            seen.add((batch, seq))
+            assert len(calls) == (2 + 2 if first else 2), (batch, seq, calls)  # X in, Y out (+ pe, scale)
+    signatures = len(set(SHAPES))
+    assert s.executor.program_copies.made == 2 * signatures
+    s.close()
+    gc.collect()
+    env.close()
+
+
+def test_program_copies_are_bounded_by_the_shape_cache(example_plugin):
+    """With session.ephost.shape_cache_signatures = 2 the device copies of program values are kept for
+    at most two signatures per value; an evicted signature is copied again when it comes back."""
+    env = _mock_device_env(example_plugin(7))
+    options = host.SessionOptions()
+    options.add_session_config_entry("session.ephost.shape_cache_signatures", "2")
+    model = dynamic.positions()
+    s = host.InferenceSession(model.SerializeToString(), options,
+                              providers=[("ExampleEP", {"ops": "Add,Mul", "fuse": "0"})], env=env)
+    ref = _reference(model)
+    for seq in (3, 5, 7, 3):
+        x = np.ones((2, seq, 8), np.float32)
+        np.testing.assert_allclose(s.run(None, {"X": x})[0], ref.run(None, {"X": x})[0], rtol=1e-6, atol=1e-6)
+        assert len(s.executor.program_copies) <= 2 * 2  # two values, two signatures each
+    assert s.executor.program_copies.made == 2 * 4  # seq 3 came back after its eviction
+    s.close()
+    gc.collect()
+    env.close()
