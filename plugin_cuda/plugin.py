@@ -295,9 +295,9 @@ class CudaEp(sdk.EpBase):
     # -- capability and kernels -----------------------------------------------------------------
     def claim(self, graph):
         from plugin_cuda import kernels
-        from plugin_cuda.plan.partition import shape_arithmetic_values
+        from plugin_cuda.plan.partition import host_shape_values
 
-        shape_values = shape_arithmetic_values(graph)
+        shape_values = host_shape_values(graph)
         chosen = []
         for node in graph.nodes:
             if node.domain not in ("", "ai.onnx", kernels.EPHOST_DOMAIN, kernels.MS_DOMAIN):
@@ -328,9 +328,9 @@ class CudaEp(sdk.EpBase):
         plan_dynamic_shapes: a plan per input-shape signature), grouped without cycles."""
         if not self.opts.compiled_plan:
             return []
-        from plugin_cuda.plan.partition import fusable_groups, shape_arithmetic_values
+        from plugin_cuda.plan.partition import fusable_groups, host_shape_values
 
-        shape_values = shape_arithmetic_values(graph)
+        shape_values = host_shape_values(graph)
 
         def accept(node):  # shape arithmetic stays on the host (ALLOW_CPU_FOR_SHAPES)
             outs = [v for v in node.outputs if v >= 0]

@@ -8,6 +8,7 @@ node (the fused graph would otherwise have a cycle: group -> outside node -> gro
 
 from __future__ import annotations
 
+from abi.host_inputs import host_read_inputs
 from plugin_cuda.plan.lower import PROBE_DIM, topo_order, unsupported_reason
 
 
@@ -75,3 +76,32 @@ def shape_arithmetic_values(graph) -> set[int]:
                 shape.update(outputs)
                 changed = True
     return shape
+
+
+def host_shape_values(graph) -> set[int]:
+    """The shape-arithmetic values (shape_arithmetic_values) this EP leaves to the host: those the
+    host needs there, namely values it computes itself (flagged VALUE_HOST_COMPUTED, ABI v7), values
+    read at an input an op reads on the host (abi/host_inputs.py), and, transitively, the inputs of
+    nodes computing any of these; and graph outputs nothing reads. The rest are data that device
+    kernels read (BERT's token-type ids expanded to [batch, seq], a mask's additive term): on the
+    device they need no CPU node beside a captured graph and no copy per run. Without the flags (a
+    host or negotiation below v7) the host's shape program cannot be told apart from the rest: every
+    shape value stays on the host, as before."""
+    shape = shape_arithmetic_values(graph)
+    if not any(getattr(v, "host_computed", False) for v in graph.values):
+        return shape
+    needed = {i for i, v in enumerate(graph.values) if v.host_computed}
+    for node in graph.nodes:
+        needed.update(v for j, v in enumerate(node.inputs)
+                      if v >= 0 and j in host_read_inputs(node.op_type, node.domain))
+    changed = True
+    while changed:  # reverse topological order converges in one pass; a second confirms
+        changed = False
+        for node in reversed(graph.nodes):
+            if any(v in needed for v in node.outputs if v >= 0):
+                new = {v for v in node.inputs if v >= 0} - needed
+                if new:
+                    needed |= new
+                    changed = True
+    read = {v for node in graph.nodes for v in node.inputs if v >= 0}
+    return {v for v in shape if v in needed or v not in read}

@@ -174,3 +174,41 @@ def test_claim_leaves_shape_arithmetic_on_the_host_and_takes_the_data_path():
         node(9, "Cast", ["mask"], ["mask_f"], to=TensorProto.FLOAT),
     ]
     assert CudaEp.claim(None, GraphSpec(nodes, values)) == [4, 5, 6, 9]
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_claim_takes_shape_values_that_only_device_kernels_read(flagged):
+    """BERT's token-type ids, as transformers 5 exports them: a slice of a constant buffer (the host's
+    shape program computes it: flagged VALUE_HOST_COMPUTED) expanded to [batch, seq] and read by an
+    embedding Gather. The Expand is shape arithmetic, but only a device kernel reads its result: with
+    the v7 flags the EP takes it (no CPU node, no copy per run). A shape value read at an input an op
+    reads on the host (a Reshape's shape) stays on the host, and so does every shape value when the
+    flags are absent (a v6 host: the shape program cannot be told apart)."""
+    from abi.sdk import GraphSpec, NodeSpec, ValueSpec
+    from plugin_cuda.plugin import CudaEp
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    host = 1 if flagged else 0
+
+    def value(name, elem, const=None, flags=0):
+        return ValueSpec(name, elem, None, 0, None if const is None else np.asarray(const), flags)
+
+    values = [value("ids", i64), value("ids_shape", i64), value("target", i64, flags=host),
+              value("part", i64, flags=host), value("tt", i64), value("emb", f32, np.zeros((2, 4))),
+              value("out", f32), value("zero", i64, [0]), value("shape2", i64), value("x", f32), value("x2", f32),
+              value("table", i64, np.zeros((1, 16), np.int64)), value("starts", i64, [0])]
+    ix = {v.name: i for i, v in enumerate(values)}
+
+    def node(i, op, ins, outs, **attrs):
+        return NodeSpec(i, f"n{i}", op, "", 17, tuple(ix[n] for n in ins), tuple(ix[n] for n in outs), attrs)
+
+    nodes = [
+        node(0, "Shape", ["ids"], ["ids_shape"]),
+        node(1, "Concat", ["ids_shape"], ["target"], axis=0),
+        node(2, "Slice", ["table", "starts", "ids_shape"], ["part"]),
+        node(3, "Expand", ["part", "target"], ["tt"]),
+        node(4, "Gather", ["emb", "tt"], ["out"], axis=0),
+        node(5, "Add", ["target", "zero"], ["shape2"]),
+        node(6, "Reshape", ["x", "shape2"], ["x2"]),
+    ]
+    assert CudaEp.claim(None, GraphSpec(nodes, values)) == ([3, 4] if flagged else [4])
