@@ -147,7 +147,7 @@ def run_shape(ctx, shape: str) -> str:
         cp.cuda.Device().synchronize()
     cp.cuda.Device().synchronize()
     t, compiles = time.perf_counter(), nvrtc.stats["compiles"]
-    run()
+    profiled(run, ctx, shape)
     first, compiles = (time.perf_counter() - t) * 1e3, nvrtc.stats["compiles"] - compiles
     ours = timed(run, args.iters)
     got = binding.copy_outputs_to_cpu()[0]
@@ -168,6 +168,25 @@ def run_shape(ctx, shape: str) -> str:
         outputs.append(replayed)
     errs = [float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)) for out in outputs]
     return row + " " + " / ".join(f"{e:.1e}" for e in errs) + " |"
+
+
+def profiled(run, ctx, shape: str) -> None:
+    """run(), under cProfile for a new shape after the session's first one when --profile-first."""
+    seen = ctx.setdefault("profiled", set())
+    if not ctx["args"].profile_first or not seen or shape in seen:
+        seen.add(shape)
+        run()
+        return
+    import cProfile
+    import io
+    import pstats
+
+    seen.add(shape)
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
+    print(f"first run at {shape}:\n" + "\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
 def replay_cells(ctx, feeds: dict, t_args, out_shape) -> tuple[str, np.ndarray]:
@@ -202,6 +221,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help=f"default {TEXT_SHAPES} (ViT: batches {IMAGE_SHAPES})")
     p.add_argument("--graph", action="store_true", help="also replay a CUDA graph per shape against torch's")
     p.add_argument("--option", action="append", default=[], help="CUDA provider option KEY=VALUE (repeatable)")
+    p.add_argument("--profile-first", action="store_true",
+                   help="print where the host spends the first run at each new shape (cProfile, top 25)")
     p.add_argument("--churn", type=int, default=0, metavar="N",
                    help="after the table, N runs over N/5 distinct random shapes: device memory and errors")
     args = p.parse_args(argv)
