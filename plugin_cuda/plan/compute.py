@@ -193,6 +193,11 @@ class ShapePlanFunction(PlanFunction):
     def _plans(self) -> list:
         return self.cache.plans()  # the signatures planned so far: their modules go in the context
 
+    def context(self) -> bytes | None:
+        # A saved context keeps no value flags, and the host hands an EPContext node's inputs over on
+        # the device: a partition with host inputs saves none and is compiled again at load.
+        return None if self._host else super().context()
+
     def forget_stream(self, stream: int) -> None:
         for plan in self.cache.plans():
             plan.forget_stream(stream)
