@@ -225,3 +225,87 @@ def test_the_generated_views_compute_what_onnx_reference_does(batch, seq, tmp_pa
     assert got.shape == want.shape == (batch, 2, seq * 8)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     s.close()
+
+
+def _host_frame(arrays: list[np.ndarray]):
+    """An EpCallFrame whose inputs are host arrays (what the host lays out for host inputs)."""
+    keep = []
+    f = ffi.new("EpCallFrame*")
+    ins = ffi.new("EpFrameTensor[]", len(arrays))
+    for t, arr in zip(ins, arrays):
+        d = ffi.new("int64_t[]", list(arr.shape) or [0])
+        keep.append(d)
+        t.data, t.dims, t.rank = ffi.cast("void*", arr.ctypes.data), d, arr.ndim
+        t.elem_type = 7 if arr.dtype == np.int64 else 1
+    f.num_inputs, f.inputs = len(arrays), ins
+    return f, keep
+
+
+def test_the_sdk_reads_a_host_input_as_ints_and_refuses_other_tensors():
+    from abi import sdk
+
+    target, data = np.array([3, 50, 2, -1], np.int64), np.zeros((2, 2), np.float32)
+    frame, keep = _host_frame([target, data])
+    cf = sdk.CallFrame(ffi, None, frame)
+    assert cf.input_ints(0) == (3, 50, 2, -1)
+    with pytest.raises(sdk.PluginError, match=r"^input 1: expected a host int64 vector; got element type 1, "
+                                              r"rank 2$"):
+        cf.input_ints(1)
+
+
+class _FakePlan:
+    def __init__(self, graph):
+        self.graph = graph
+        self.output_shapes = [graph.values[o].shape for o in graph.output_ids]
+        self.arena_bytes = 0
+        self.runs = []
+
+    def run(self, stream, ins, outs, capturing):
+        self.runs.append(list(ins))
+
+    def close(self):
+        pass
+
+
+class _Frame:
+    """What ShapePlanFunction.compute reads of a call frame: input 0 data on the device, the
+    targets in host memory."""
+
+    stream, capturing = 0, False
+
+    def __init__(self, shape, values):
+        self.inputs = [SimpleNamespace(shape=shape, ptr=1000)] + [SimpleNamespace(shape=(len(v),), ptr=0)
+                                                                   for v in values]
+        self._values = values
+
+    def input_ints(self, j):
+        return tuple(self._values[j - 1])
+
+    def input_ptrs(self):
+        return [1000, 2000, 3000]
+
+    def output_ptrs(self):
+        return [4000]
+
+
+def test_the_compute_function_plans_per_target_value_and_passes_device_inputs_only(monkeypatch):
+    from abi.graph_spec import FusedGraph
+    from plugin_cuda.plan import compute
+
+    s, spec = session_spec(dynamo_models.gpt2_block(1))
+    (group,) = fusable_groups(spec, dynamic=True)
+    sub, _ = group_graph(spec, group)
+    built = []
+    monkeypatch.setattr(compute.Plan, "build", lambda graph, ep, **kw: built.append(_FakePlan(graph)) or built[-1])
+    opts = SimpleNamespace(plan_auto_graph=False, enable_cuda_graph=False, min_num_runs_before_cuda_graph_capture=1,
+                           plan_shape_cache=4, plan_shape_cache_mb=64)
+    fn = compute.make_function(SimpleNamespace(opts=opts, streams={}), FusedGraph("EP_fused_0", sub))
+    assert isinstance(fn, compute.ShapePlanFunction) and fn.context() is None
+    for batch, seq in [(3, 50), (8, 128), (3, 50)]:
+        fn.compute(None, _Frame((batch, seq, 16), [(batch, seq, 2, -1), (batch, seq, 16)]))
+    assert len(built) == 2  # (3, 50) came back: its plan is reused
+    assert all(p.runs and all(r == [1000] for r in p.runs) for p in built)  # the plan's one input: x
+    target = next(v for v in built[1].graph.values if v.name == "t4")
+    assert [int(d) for d in target.constant] == [8, 128, 2, -1] and target.constant[0].expr == "S0"
+    assert list(built[1].graph.input_ids) == [sub.input_ids[0]]
+    s.close()
