@@ -25,3 +25,18 @@ def host_read_inputs(op_type: str, domain: str = "") -> tuple[int, ...]:
     if domain not in ("", "ai.onnx"):
         return ()
     return HOST_READ_INPUTS.get(op_type, ())
+
+
+def host_only_values(nodes, candidates) -> set:
+    """Of `candidates` (value keys: names or ids), those that every node of `nodes` reading them reads
+    at a host position. `nodes`: (op_type, domain, inputs) triples of one compiled partition.
+
+    Such a value, when the host computes it (VALUE_HOST_COMPUTED) and it enters a compiled partition
+    (ABI v6 call frame), reaches a v7+ EP's Compute in host memory: the EP plans that partition per
+    value (a Reshape's target shape known per input-shape signature), never reading the device."""
+    candidates = set(candidates)
+    data_reads = set()
+    for op_type, domain, inputs in nodes:
+        host = host_read_inputs(op_type, domain)
+        data_reads.update(v for j, v in enumerate(inputs) if v in candidates and j not in host)
+    return candidates - data_reads

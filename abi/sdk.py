@@ -324,6 +324,16 @@ class CallFrame:
         c, cast = self._c, self._ffi.cast
         return [int(cast("uintptr_t", c.inputs[i].data)) for i in range(c.num_inputs)]
 
+    def input_ints(self, index: int) -> tuple[int, ...]:
+        """An int64 input the host handed over in host memory (a shape-program value that the
+        partition reads only on the host: abi/host_inputs.host_only_values), as Python ints."""
+        t = self._c.inputs[index]
+        if t.elem_type != 7 or t.rank < 0 or t.rank > 1:
+            raise PluginError(f"input {index}: expected a host int64 vector; got element type {t.elem_type}, "
+                              f"rank {t.rank}")
+        count = int(t.dims[0]) if t.rank == 1 else 1
+        return tuple(self._ffi.unpack(self._ffi.cast("int64_t*", t.data), count))
+
     def output_ptrs(self) -> list[int]:
         c, cast = self._c, self._ffi.cast
         return [int(cast("uintptr_t", c.outputs[i].data)) for i in range(c.num_outputs)]

@@ -14,7 +14,7 @@ from plugin_cuda.device import algo_cache, nvrtc
 from plugin_cuda.plan import prechoose, saved
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
-from plugin_cuda.plan.signatures import ConstantStore, PlanCache, is_dynamic, specialize
+from plugin_cuda.plan.signatures import ConstantStore, PlanCache, host_value_inputs, is_dynamic, specialize
 
 
 def build_options(opts) -> dict:
@@ -121,6 +121,9 @@ class ShapePlanFunction(PlanFunction):
         graph = fused.graph
         self._graph = graph
         self._input_ids = list(graph.input_ids) or [graph.values.index(v) for v in graph.inputs]
+        # Inputs handed over in host memory (host-computed shapes): their values join the signature.
+        self._host = host_value_inputs(graph, self._input_ids)
+        self._device = [j for j in range(len(self._input_ids)) if j not in self._host]
         self._options = build_options(ep.opts)
         self.constants = ConstantStore(self._upload)
         self.cache = PlanCache(self._build, ep.opts.plan_shape_cache, ep.opts.plan_shape_cache_mb << 20)
@@ -129,7 +132,8 @@ class ShapePlanFunction(PlanFunction):
         self.last_symbolic_error = None
 
     def _build(self, signature):
-        if not all(shape is not None and all(d is not None and d >= 0 for d in shape) for shape in signature):
+        shapes = [s for j, s in enumerate(signature) if j not in self._host]
+        if not all(shape is not None and all(d is not None and d >= 0 for d in shape) for shape in shapes):
             raise PluginError(f"fused node '{self.name}': input shapes {list(signature)} are not all known",
                               abi.EP_INVALID_ARGUMENT)
         try:
@@ -142,7 +146,7 @@ class ShapePlanFunction(PlanFunction):
         """The plan with symbolic sizes as kernel arguments (one module for every signature that
         plans the same way); where such a module does not compile (a size the source needs as a
         literal), the plan of this signature with every size a literal."""
-        graph = specialize(self._graph, self._input_ids, signature)
+        graph = specialize(self._graph, self._input_ids, signature, host=self._host)
         try:
             plan = Plan.build(graph, self.ep, constants=self.constants, **self._options)
             self.stats["symbolic"] += 1
@@ -152,7 +156,7 @@ class ShapePlanFunction(PlanFunction):
             # signature in plain numbers (a symbolic size prints as its expression in f-strings).
             self.stats["literal"] += 1
             self.last_symbolic_error = str(exc)[:2000]
-        graph = specialize(self._graph, self._input_ids, signature, symbolic=False)
+        graph = specialize(self._graph, self._input_ids, signature, symbolic=False, host=self._host)
         return Plan.build(graph, self.ep, constants=self.constants, **self._options)
 
     def _upload(self, host):
@@ -164,20 +168,35 @@ class ShapePlanFunction(PlanFunction):
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         return block
 
+    def signature(self, frame) -> tuple:
+        """The input shapes of this call; for the inputs in host memory, their values."""
+        if not self._host:
+            return tuple(t.shape for t in frame.inputs)
+        inputs = frame.inputs
+        return tuple(frame.input_ints(j) if j in self._host else inputs[j].shape for j in range(len(inputs)))
+
     def compute(self, state, frame) -> None:
-        signature = tuple(t.shape for t in frame.inputs)
+        signature = self.signature(frame)
         plan = self.cache.acquire(signature)
         try:
             outs = frame.output_ptrs()
             if 0 in outs:
                 shapes = plan.output_shapes
                 outs = [p or frame.allocate_output(i, shapes[i]) for i, p in enumerate(outs)]
-            self._run(plan, frame, frame.input_ptrs(), outs)
+            ins = frame.input_ptrs()
+            if self._host:
+                ins = [ins[j] for j in self._device]  # the plan's inputs: the host values are its constants
+            self._run(plan, frame, ins, outs)
         finally:
             self.cache.release(signature, plan)
 
     def _plans(self) -> list:
         return self.cache.plans()  # the signatures planned so far: their modules go in the context
+
+    def context(self) -> bytes | None:
+        # A saved context keeps no value flags, and the host hands an EPContext node's inputs over on
+        # the device: a partition with host inputs saves none and is compiled again at load.
+        return None if self._host else super().context()
 
     def forget_stream(self, stream: int) -> None:
         for plan in self.cache.plans():
@@ -236,6 +255,6 @@ def make_function(ep, fused):
     """The compute function of one fused node: per signature when its inputs have symbolic dims."""
     graph = fused.graph
     ids = list(graph.input_ids) or [graph.values.index(v) for v in graph.inputs]
-    if is_dynamic(graph, ids):
+    if is_dynamic(graph, ids) or host_value_inputs(graph, ids):
         return ShapePlanFunction(ep, fused)
     return PlanFunction(ep, fused)

@@ -34,6 +34,19 @@ PROBE_DIM = 7
 HOST_INPUTS = {("", "Reshape"): (1,), ("", "Squeeze"): (1,), ("", "Unsqueeze"): (1,), ("", "Clip"): (1, 2),
                ("", "Expand"): (1,), ("", "Split"): (1,), ("", "ReduceMean"): (1,)}
 
+# Host inputs a symbolic plan takes per input-shape signature when the host computes them (its shape
+# program; ValueSpec.host_computed): the value reaches Compute in host memory (abi/host_inputs.py) and
+# signatures.specialize makes it a constant of that signature's plan. A dynamo export's Reshapes
+# (allowzero=1, targets such as [batch, seq, heads, -1] or [batch, seq, hidden]) need this.
+SIGNATURE_INPUTS = {("", "Reshape"): (1,)}
+
+
+def signature_input(graph, node, pos: int) -> bool:
+    """Whether input `pos` of `node` is a host-computed value a symbolic plan takes per signature."""
+    vid = node.inputs[pos]
+    return (pos in SIGNATURE_INPUTS.get((domain_of(node), node.op_type), ()) and vid >= 0
+            and graph.values[vid].constant is None and bool(getattr(graph.values[vid], "host_computed", False)))
+
 
 def _elem_type(v) -> int | None:
     t = getattr(v, "elem_type", None)
@@ -58,8 +71,11 @@ def unsupported_reason(graph, node, need_static: bool = True, probe: int | None 
             continue
         v = graph.values[vid]
         if pos in host:
+            if probe is not None and signature_input(graph, node, pos):
+                continue  # planned per signature (host memory, known at plan build)
             if v.constant is None and not mask_only_expand(graph, node):
-                return f"input {pos} must be a constant"
+                return f"input {pos} must be a constant" + (" or a host-computed shape" if key in SIGNATURE_INPUTS
+                                                               and probe is not None else "")
             continue
         if _elem_type(v) not in RUN_TYPES + (0, None) or need_static and _elem_type(v) not in RUN_TYPES:
             return f"input {pos} has element type {_elem_type(v)}; {TYPES_TEXT}"
@@ -95,12 +111,31 @@ def _lowering_error(graph, node, probe: int | None = None) -> str:
     `probe`: the size symbolic input dims take for the check (outputs keep theirs unknown)."""
     values = {v: _value(v, graph.values[v]) for v in node.outputs if v >= 0}
     values.update({v: _value(v, graph.values[v], probe) for v in node.inputs if v >= 0})
+    for pos, vid in enumerate(node.inputs):
+        if probe is not None and vid >= 0 and signature_input(graph, node, pos):
+            target = _probe_target(graph, node)
+            if target is None:
+                return f"input {pos} is a host-computed shape and the output's rank is unknown"
+            values[vid] = Value(vid, graph.values[vid].name, target.shape, target, None)
     ctx = LowerCtx(Program(values, [], [], []), graph, set())
     try:
         run_rule(ctx, node)
     except PlanError as exc:
         return str(exc)
     return ""
+
+
+def _probe_target(graph, node) -> np.ndarray | None:
+    """A stand-in for a host-computed Reshape target at claim time: the output's declared dims, its
+    first unknown one -1 and the others 1 (so any probe input size fits); None without a rank."""
+    shape = graph.values[node.outputs[0]].shape
+    if shape is None:
+        return None
+    dims = [int(d) if d is not None and d >= 0 else 1 for d in shape]
+    unknown = [i for i, d in enumerate(shape) if d is None or d < 0]
+    if unknown:
+        dims[unknown[0]] = -1
+    return np.array(dims, np.int64)
 
 
 def _ids_by_name(graph, specs, what: str) -> list:

@@ -91,7 +91,8 @@ class LowerCtx:
         c = self.const(vid)
         if c is None:
             raise PlanError(f"{node.op_type} node '{node.name}': {what} must be a constant for a compiled plan")
-        return tuple(int(v) for v in np.asarray(c).reshape(-1))
+        # dim(): a host-computed shape specialized per signature holds SymInts (signatures.specialize)
+        return tuple(dim(v) for v in np.asarray(c).reshape(-1))
 
     def set_shape(self, node, vid: int, shape: tuple) -> None:
         """Record an inferred output shape; a static shape the graph gave must agree with it."""

@@ -25,9 +25,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from abi.host_inputs import host_only_values
 from plugin_cuda.plan.symint import SymInt
 
-__all__ = ["ConstantStore", "PlanCache", "is_dynamic", "specialize"]
+__all__ = ["ConstantStore", "PlanCache", "host_value_inputs", "is_dynamic", "specialize"]
 
 
 def is_dynamic(graph, input_ids) -> bool:
@@ -39,27 +40,78 @@ def is_dynamic(graph, input_ids) -> bool:
     return False
 
 
-def specialize(graph, input_ids, shapes, symbolic: bool = True):
+def host_value_inputs(graph, input_ids) -> tuple[int, ...]:
+    """Positions in `input_ids` of the inputs the host hands over in host memory: values its shape
+    program computes (ValueSpec.host_computed) that the partition's nodes read only on the host (a
+    Reshape's target; the host applies the same rule: abi/host_inputs.host_only_values). A plan
+    takes them per value: they are part of the signature and constants of its plan."""
+    flagged = [v for v in input_ids if getattr(graph.values[v], "host_computed", False)]
+    if not flagged:
+        return ()
+    host = host_only_values([(n.op_type, n.domain, n.inputs) for n in graph.nodes], flagged)
+    return tuple(pos for pos, v in enumerate(input_ids) if v in host)
+
+
+def specialize(graph, input_ids, shapes, symbolic: bool = True, host: tuple[int, ...] = ()):
     """A copy of the GraphSpec `graph` whose partition inputs have the concrete `shapes`.
 
     Only the inputs change (lowering infers every other shape from them); values and constants are
     shared with `graph`, so constant arrays keep their identity across specializations.
     `symbolic`: each dim unknown in `graph` becomes a SymInt S0, S1, ... (in input order), so the
-    plan's source takes it as a kernel argument (plan/symint.py); else a plain int."""
+    plan's source takes it as a kernel argument (plan/symint.py); else a plain int.
+    `host`: positions whose entry in `shapes` is the host value itself (host_value_inputs); each
+    becomes a constant of the copy and leaves its inputs."""
     values = list(graph.values)
     k = 0
-    for vid, shape in zip(input_ids, shapes):
+    symbols = []
+    for pos, (vid, shape) in enumerate(zip(input_ids, shapes)):
+        if pos in host:
+            continue
         declared = values[vid].shape or (None,) * len(shape)
         dims = []
         for d, known in zip(shape, declared):
             if symbolic and (known is None or known < 0):
                 dims.append(SymInt(int(d), f"S{k}"))
+                symbols.append(dims[-1])
                 k += 1
             else:
                 dims.append(int(d))
         values[vid] = replace(values[vid], shape=tuple(dims))
-    inputs = [values[v] for v in input_ids]
-    return replace(graph, values=values, inputs=inputs)
+    for pos in host:
+        vid = input_ids[pos]
+        values[vid] = replace(values[vid], constant=host_constant(shapes[pos], symbols, _declared_target(graph, vid)))
+    kept = tuple(v for pos, v in enumerate(input_ids) if pos not in host)
+    return replace(graph, values=values, inputs=[values[v] for v in kept], input_ids=kept)
+
+
+def _declared_target(graph, vid) -> tuple | None:
+    """The declared output shape of the Reshape reading `vid` as its target (-1: a symbolic dim)."""
+    for node in graph.nodes:
+        if node.op_type == "Reshape" and len(node.inputs) > 1 and node.inputs[1] == vid:
+            shape = graph.values[node.outputs[0]].shape
+            return None if shape is None else tuple(-1 if d is None else d for d in shape)
+    return None
+
+
+def host_constant(entries, symbols, declared=None) -> np.ndarray:
+    """A host-computed shape as the constant of one signature's plan. A positive entry equal to a
+    symbol's value becomes that SymInt (the first such), so a Reshape to [batch, seq, heads, -1]
+    gives [S0, S1, 12, -1] and the plan's source stays the same across signatures. `declared`: the
+    Reshape's output dims as the graph declares them; an entry where that dim is a known int stays
+    a literal (12 heads beside a sequence of 12). Where a symbolic entry equals two symbols (batch
+    = seq) it takes the first: this signature's source then differs (one more compile), never a
+    wrong result (the values are equal in it). 0 and -1 keep their Reshape meaning as literals."""
+    by_value: dict = {}
+    for s in symbols:
+        by_value.setdefault(int(s), s)
+    fixed = [declared is not None and len(declared) == len(entries) and declared[i] >= 0
+             for i in range(len(entries))]
+    out = [by_value.get(int(e), int(e)) if e > 0 and not fixed[i] else int(e) for i, e in enumerate(entries)]
+    if any(isinstance(e, SymInt) for e in out):
+        arr = np.empty(len(out), dtype=object)
+        arr[:] = out
+        return arr
+    return np.array(out, np.int64)
 
 
 class ConstantStore:

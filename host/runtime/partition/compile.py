@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import abi
+from abi.host_inputs import host_only_values
 from host.errors import EpError, PluginLoadError
 from host.plugins import hostapi
 from host.plugins.ep import PluginEp
@@ -39,9 +41,15 @@ class FusedGroup:
     view: GraphView | None = None
     node_view: object = None
     error: str = "Compile failed"  # why it fell back, when it did
+    # Frame input positions the host fills with host arrays: shape-program values that the group's
+    # nodes read only on the host (a Reshape's target), for a v7+ EP (abi/host_inputs.py).
+    host_inputs: tuple[int, ...] = ()
 
 
-def describe_group(graph: Graph, ep: PluginEp, nodes: tuple[int, ...], name: str) -> FusedGroup:
+def describe_group(graph: Graph, ep: PluginEp, nodes: tuple[int, ...], name: str,
+                   host_computed: frozenset[str] = frozenset()) -> FusedGroup:
+    """`host_computed`: names of the values the host's shape program computes (flagged in the
+    group's view for a v7+ EP; those read only on the host reach Compute in host memory)."""
     inside = set(nodes)
     produced = {o for i in nodes for o in graph.nodes[i].outputs if o}
     inputs: dict[str, None] = {}
@@ -56,7 +64,27 @@ def describe_group(graph: Graph, ep: PluginEp, nodes: tuple[int, ...], name: str
     group = FusedGroup(ep, nodes, name, tuple(inputs), tuple(dict.fromkeys(outputs)))
     group.view = _subgraph_view(graph, group)
     group.node_view = _fused_node_view(group)
+    if ep.slots.negotiated >= 7:
+        _mark_host_inputs(graph, group, host_computed)
     return group
+
+
+def _mark_host_inputs(graph: Graph, group: FusedGroup, host_computed: frozenset[str]) -> None:
+    """Flag the group's inputs that the host computes, as the session's view does, and note those
+    its nodes read only on the host: the frame hands them over as host arrays."""
+    computed = [x for x in group.inputs if x in host_computed]
+    if not computed:
+        return
+    group.view.mark_host_computed([group.view.value_index[x] for x in computed])
+    triples = [(graph.nodes[i].op_type, graph.nodes[i].domain, graph.nodes[i].inputs) for i in group.nodes]
+    host_only = host_only_values(triples, computed)
+    group.host_inputs = tuple(j for j, x in enumerate(group.inputs) if x in host_only)
+
+
+def host_computed_names(view: GraphView) -> frozenset[str]:
+    """The values `view` flags VALUE_HOST_COMPUTED (the session's shape program), by name."""
+    vals = view.ptr.values
+    return frozenset(name for name, i in view.value_index.items() if vals[i].flags & abi.VALUE_HOST_COMPUTED)
 
 
 def _subgraph_view(graph: Graph, group: FusedGroup) -> GraphView:
@@ -236,9 +264,10 @@ def claim_and_compile(eps: list[PluginEp], view: GraphView, graph: Graph, fallba
         return claims.single, saved
     counts: dict[int, int] = {}
     groups = []
+    host_computed = host_computed_names(view)
     for ep, nodes in claims.groups:
         k = counts[id(ep)] = counts.get(id(ep), -1) + 1
-        groups.append(describe_group(graph, ep, nodes, f"{ep.name}_fused_{k}"))
+        groups.append(describe_group(graph, ep, nodes, f"{ep.name}_fused_{k}", host_computed))
     parts, failed = compile_groups(groups, graph, fallbacks)
     assigned = dict(claims.single)
     for g in failed:

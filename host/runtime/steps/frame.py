@@ -163,8 +163,11 @@ class FrameContext:
 
     def execute(self, capturing: bool) -> None:
         st, node, ep, stream = self.run, self.node, self.ep, self.stream
-        input_for = st.executor.input_for
+        input_for, host = st.executor.input_for, self.part.group.host_inputs
         for j, vid in enumerate(node.inputs):
+            if j in host:  # a shape-program value read on the host only (compile.describe_group)
+                self._fill(self.inputs[j], np.ascontiguousarray(st.values[vid]))
+                continue
             self._fill(self.inputs[j], input_for(st, vid, ep.location, stream, ep))
         outs = self.outputs
         for j, vid in enumerate(node.outputs):
