@@ -2,9 +2,10 @@
 attention step of float16 / bfloat16 compiled plans (tests/plugin_cuda/test_flash_half_plans*.py):
 the half models are these through half_models.retyped.
 
-- `bert_block`: post-norm BERT layer's attention: Y = LayerNorm(X + Wo(Attention(Q, K, V, M))) with
-  Attention-23 in its 3-D form, every head its own K/V, and an additive padding mask M (B, 1, 1, S)
-  (0 kept, -10000 padded, as BERT exports build it), or of `mask_shape`;
+- `bert_block`: BERT's embedding LayerNorm then a post-norm layer's attention: N = LayerNorm(X),
+  Y = LayerNorm(N + Wo(Attention(N Wq, N Wk, N Wv, M))) with Attention-23 in its 3-D form, every head
+  its own K/V, and an additive padding mask M (B, 1, 1, S) (0 kept, -10000 padded, as BERT exports
+  build it), or of `mask_shape`;
 - `llama_block`: pre-norm Llama layer's attention: Y = X + Wo(Attention(RMSNorm(X) Wq, .. Wk, .. Wv))
   with grouped-query heads (q_heads a multiple of kv_heads), causal, no mask.
 Batch and sequence may be dim names (dynamic shapes)."""
@@ -39,11 +40,12 @@ def bert_block(batch=2, seq=50, heads=4, mask_shape=None, seed=0) -> onnx.ModelP
     inits = _weights(rng, {f"W{n}": (hidden, hidden) for n in "qkvo"})
     inits += [numpy_helper.from_array(np.ones(hidden, np.float32), "g"),
               numpy_helper.from_array(np.zeros(hidden, np.float32), "b")]
-    nodes = [*(helper.make_node("MatMul", ["X", f"W{n}"], [n.upper()], name=f"proj_{n}") for n in "qkv"),
+    nodes = [helper.make_node("LayerNormalization", ["X", "g", "b"], ["N"], name="embed_norm", axis=-1),
+             *(helper.make_node("MatMul", ["N", f"W{n}"], [n.upper()], name=f"proj_{n}") for n in "qkv"),
              helper.make_node("Attention", ["Q", "K", "V", "M"], ["A"], name="attn", q_num_heads=heads,
                               kv_num_heads=heads),
              helper.make_node("MatMul", ["A", "Wo"], ["O"], name="proj_o"),
-             helper.make_node("Add", ["X", "O"], ["R"], name="residual"),
+             helper.make_node("Add", ["N", "O"], ["R"], name="residual"),
              helper.make_node("LayerNormalization", ["R", "g", "b"], ["Y"], name="norm", axis=-1)]
     inputs = {"X": [batch, seq, hidden], "M": list(mask_shape or (batch, 1, 1, seq))}
     return _model(nodes, inputs, inits, [batch, seq, hidden], "bert_attention")
