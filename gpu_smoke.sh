@@ -5,6 +5,7 @@
 set -u
 echo "== commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%H:%M:%S) UTC"
 nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null || true
+python3 -c "import cupy, onnxruntime; print('cupy', cupy.__version__, 'onnxruntime', onnxruntime.__version__)" 2>&1 | tail -1
 export HALF_PLANS_REPORT=/tmp/flashhalf_report.txt
 rm -f "$HALF_PLANS_REPORT"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE --tb=short"
