@@ -108,7 +108,8 @@ def _attention(ctx, node):
                               ctx.dtype(q), f"Attention node '{node.name}'")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    if _flash(ctx, node, plan, [q, k, v] + ([] if mask is None else [mask])):
+    refused = _flash(ctx, node, plan, [q, k, v] + ([] if mask is None else [mask]))
+    if not refused:
         return
     rows = plan.batch * plan.q_heads * plan.q_len
     # Scores in float32 whatever Q's type (cuBLAS writes a float32 C from half A and B); the
@@ -116,7 +117,7 @@ def _attention(ctx, node):
     scores = ctx.temp(node, (rows, plan.kv_len), "scores", np.float32)
     probs = ctx.temp(node, (rows, plan.kv_len), "probs", ctx.dtype(v))
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
-    ctx.emit("bgemm", node, [k, q], [scores], gemm=plan.scores, alpha=plan.scale)
+    ctx.emit("bgemm", node, [k, q], [scores], gemm=plan.scores, alpha=plan.scale, flash_refused=refused)
     masked = {} if mask is None else {"mask_strides": plan.mask_strides[:3], "mask_len": plan.mask_len,
                                       "heads": plan.q_heads}
     ctx.emit("softmax", node, [scores] + ([] if mask is None else [mask]), [probs], log=False, cols=plan.kv_len,
@@ -124,19 +125,20 @@ def _attention(ctx, node):
     ctx.emit("bgemm", node, [v, probs], [node.outputs[0]], gemm=plan.values, alpha=1.0)
 
 
-def _flash(ctx, node, plan, inputs: list) -> bool:
-    """Attention as one fused flash kernel (plan/flash_step.py) where option attention_kernel picks it."""
+def _flash(ctx, node, plan, inputs: list) -> str:
+    """Attention as one fused flash kernel (plan/flash_step.py) where option attention_kernel picks it
+    and the kernel computes it (float32, float16 and bfloat16 plans): "" when emitted, else the reason
+    it was not."""
     from plugin_cuda.plan import flash_step
 
-    if not flash_step.wants_flash(plan):
-        return False
-    # flash_step's kernel reads float32 values; half plans take the two-GEMM path here (the fused
-    # kernel in half precision runs per node) until flash_step declares its pointers by value type.
-    if any(np.dtype(ctx.dtype(v)) != np.float32 for v in inputs[:3]):  # q, k, v
-        return False
+    reason = flash_step.refusal(plan, [ctx.dtype(v) for v in inputs], ctx.prog.values[node.outputs[0]].dtype)
+    if reason:
+        return reason
     ctx.set_shape(node, node.outputs[0], plan.out_shape)
-    ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=flash_step.tf32())
-    return True
+    half = np.dtype(ctx.dtype(inputs[0])) != np.float32
+    ctx.emit(flash_step.KIND, node, inputs, [node.outputs[0]], plan=plan, tf32=not half and flash_step.tf32(),
+             mma=half and flash_step.half_mma(plan))
+    return ""
 
 
 @lowers("RotaryEmbedding")
