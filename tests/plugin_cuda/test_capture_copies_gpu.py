@@ -19,13 +19,33 @@ pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
 
 
+@pytest.fixture
+def v6_env(cp):
+    """The CUDA plugin built for ABI v6: no VALUE_HOST_COMPUTED flags, so it leaves every shape value to
+    the host (plan/partition.py host_shape_values) and the position ids stay a CPU-EP node."""
+    import gc
+
+    import host
+    from tests.conftest import built_plugin
+
+    env = host.Environment()
+    env.register_plugin("cuda", str(built_plugin("cuda", 6)))
+    yield env
+    gc.collect()
+    env.close()
+
+
+@pytest.mark.parametrize("version", [6, 7])
 @pytest.mark.parametrize("compiled", ["1", "0"])
-def test_position_ids_from_the_cpu_are_captured_with_the_graph(cp, genv, compiled):
+def test_position_ids_from_the_cpu_are_captured_with_the_graph(cp, genv, v6_env, compiled, version):
+    """v6: the position ids are a CPU node whose copy the graph records; v7: the EP computes them
+    (only its kernels read them), from the program's values copied once per signature."""
     model = _model(ids_from_data=False)
     s = InferenceSession(model.SerializeToString(), providers=[
-        (CUDA, {"enable_cuda_graph": "1", "use_tf32": "0", "compiled_plan": compiled})], env=genv)
+        (CUDA, {"enable_cuda_graph": "1", "use_tf32": "0", "compiled_plan": compiled})],
+        env=v6_env if version == 6 else genv)
     where = s.node_assignment()
-    assert where["positions"] == "CPUExecutionProvider" and where["embed"] == CUDA, where
+    assert where["positions"] == ("CPUExecutionProvider" if version == 6 else CUDA) and where["embed"] == CUDA, where
     ref = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     bufs = {}
