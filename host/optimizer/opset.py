@@ -34,7 +34,8 @@ def onnx_opset(model: ir.Model) -> int:
 
 
 def convert_opset(model: ir.Model, target: int = TARGET_OPSET) -> bool:
-    """Convert `model` in place to ai.onnx `target`; False (model left as it was) when that fails.
+    """Convert `model` in place to ai.onnx `target`; False when that fails (the model is left as it
+    was, or at opset 18 when it was renumbered: the same nodes, which mean the same there).
 
     From opset 18 up onnxscript's own converter does it; below 18 it falls back to the onnx C API,
     unless renumbering to 18 is all that fallback would do (`renumber_to_floor`).
