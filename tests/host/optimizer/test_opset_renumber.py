@@ -76,10 +76,17 @@ def _contrib_model() -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("build", [_if_model, _contrib_model,
+def _unknown_op_model() -> onnx.ModelProto:
+    """Gelu is an ai.onnx op from opset 20: at 17 it has no schema (onnx's converter decides)."""
+    x, y = (helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in ("x", "y"))
+    graph = helper.make_graph([helper.make_node("Gelu", ["x"], ["y"])], "g", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("build", [_if_model, _contrib_model, _unknown_op_model,
                                    lambda: make_model([helper.make_node("Softmax", ["x"], ["y"])], [("x", [2])],
                                                       [("y", [2])], opset=18)],
-                         ids=["subgraph", "other-domain", "already-18"])
+                         ids=["subgraph", "other-domain", "no-schema-at-17", "already-18"])
 def test_models_the_renumbering_leaves_to_the_converter(build):
     model = ir.serde.deserialize_model(build())
     before = onnx_opset(model)
