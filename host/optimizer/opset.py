@@ -8,7 +8,7 @@ ir.Model in place and serializing that model avoids it.
 onnxscript's own converter starts at opset 18; from an older opset it round-trips the whole model
 through onnx's C API converter (serialize, convert, deserialize: about 10 ms for a small transformer,
 most of what converting costs). When no op of the model has a new version between its opset and 18
-that round trip only renumbers the opset, so `convert_opset` renumbers it here (`_renumber_to_floor`)
+that round trip only renumbers the opset, so `convert_opset` renumbers it here (`renumber_to_floor`)
 and leaves the rest to onnxscript's converter.
 """
 
@@ -81,8 +81,9 @@ def _same_schema(node: ir.Node, start: int) -> bool:
 
 
 def _drop_metadata(graph: ir.Graph) -> None:
-    """What onnx's C API converter does not carry over: the metadata of nodes and values (onnxscript's
-    rewriter and folding record there the rules and constants each came from)."""
+    """What onnx's C API converter does not carry over: the metadata of the graph, its nodes and values
+    (onnxscript's rewriter and folding record there the rules and constants each came from)."""
+    graph.metadata_props.clear()
     values = [*graph.inputs, *graph.initializers.values()]
     for node in graph:
         node.metadata_props.clear()

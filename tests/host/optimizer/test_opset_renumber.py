@@ -34,10 +34,28 @@ def _optimized_both_ways(model: onnx.ModelProto, monkeypatch) -> tuple[bytes, by
     return renumbered, c_api, answers
 
 
+def _documented_block() -> onnx.ModelProto:
+    """The zoo block with doc strings and metadata on the model, the graph, nodes, values, initializers."""
+    model = zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128)
+    model.doc_string = model.graph.doc_string = "doc"
+    helper.set_model_props(model, {"model": "m"})
+    model.graph.metadata_props.add(key="graph", value="g")
+    for i, node in enumerate(model.graph.node):
+        node.doc_string = f"node {i}"
+        node.metadata_props.add(key="node", value=str(i))
+    for item in (model.graph.input[0], model.graph.output[0], model.graph.initializer[0]):
+        item.doc_string = "doc"
+        item.metadata_props.add(key="value", value="v")
+    model.graph.value_info.append(helper.make_tensor_value_info(model.graph.node[0].output[0],
+                                                                onnx.TensorProto.FLOAT, None, doc_string="doc"))
+    return model
+
+
 @pytest.mark.parametrize("build", [
     lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),  # initializers over 1000 elements
     lambda: onnx.load(TORCHSCRIPT_BERT),  # folded constants and rewritten nodes carry onnxscript metadata
-], ids=["zoo-transformer", "bert-torchscript"])
+    _documented_block,  # what the round trip keeps and drops of docs and metadata, at every level
+], ids=["zoo-transformer", "bert-torchscript", "documented"])
 def test_renumbering_gives_the_bytes_of_the_c_api_round_trip(build, monkeypatch):
     renumbered, c_api, answers = _optimized_both_ways(build(), monkeypatch)
     assert answers == [True]
