@@ -93,9 +93,13 @@ def _drop_metadata(graph: ir.Graph) -> None:
 
 
 def _big_initializers_last(graph: ir.Graph) -> None:
+    """The round trip's order: the small initializers stay, the big ones come back after them, first
+    those that are graph inputs too (in the inputs' order), then the others (in their own order)."""
     values = list(graph.initializers.values())
-    big = [v for v in values if v.const_value is not None and v.const_value.size > _C_API_BIG_TENSOR]
-    for value in big:
+    big = {v.name: v for v in values if v.const_value is not None and v.const_value.size > _C_API_BIG_TENSOR}
+    inputs = [v for v in graph.inputs if v.name in big and big[v.name] is v]
+    order = inputs + [v for v in big.values() if v not in inputs]
+    for value in order:
         graph.initializers.pop(value.name)
-    for value in big:
+    for value in order:
         graph.register_initializer(value)

@@ -51,11 +51,21 @@ def _documented_block() -> onnx.ModelProto:
     return model
 
 
+def _weights_as_inputs() -> onnx.ModelProto:
+    """The zoo block with its big weights also graph inputs (as IR < 4 models list them), reversed."""
+    model = zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128)
+    big = [t for t in model.graph.initializer if np.prod(t.dims) > 1000]
+    assert len(big) > 2
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in reversed(big))
+    return model
+
+
 @pytest.mark.parametrize("build", [
     lambda: zoo.transformer_block(seq=16, hidden=64, heads=4, ffn=128),  # initializers over 1000 elements
     lambda: onnx.load(TORCHSCRIPT_BERT),  # folded constants and rewritten nodes carry onnxscript metadata
     _documented_block,  # what the round trip keeps and drops of docs and metadata, at every level
-], ids=["zoo-transformer", "bert-torchscript", "documented"])
+    _weights_as_inputs,  # big initializers listed as graph inputs too, in another order
+], ids=["zoo-transformer", "bert-torchscript", "documented", "weights-as-inputs"])
 def test_renumbering_gives_the_bytes_of_the_c_api_round_trip(build, monkeypatch):
     renumbered, c_api, answers = _optimized_both_ways(build(), monkeypatch)
     assert answers == [True]
