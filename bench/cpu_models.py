@@ -1,6 +1,6 @@
 """ephost's CPU EP against onnxruntime's CPU provider on the real-model fixtures (tests/models).
 
-    python -m bench.cpu_models [--iters 200] [--warmup 20] [--repeat 1] [--stat median|best]
+    python -m bench.cpu_models [--iters 200] [--warmup 20] [--repeat 1] [--stat median|best] [--busy N]
                                [--models bert_dynamo,...,zoo_transformer] [--json out.json]
 
 For each fixture: p50 latency of one `run` (batch 1, the fixture's inputs) for onnxruntime (default
@@ -14,6 +14,11 @@ compares the two at their least loaded. With --repeat N the table also gives eac
 the largest of the N p50s over the smallest (the issue's goal: <= 1.5 with N = 15). Results go to stdout
 as a Markdown table.
 
+`--busy N` starts N other busy processes (each a Python loop spinning on one core) for the whole
+measurement, and stops them at the end: issue 28's stability condition ("a 2-core machine with one other
+busy process", `--busy 1`), reproducible on an idle machine. The table's header line gives the load
+average at the end.
+
 Besides the fixtures, `--models` takes the zoo models as `ephost make-model` writes them by default
 (zoo_mlp, zoo_cnn, zoo_transformer; random inputs, seed 0).
 """
@@ -21,9 +26,11 @@ Besides the fixtures, `--models` takes the zoo models as `ephost make-model` wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,6 +136,19 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes that each keep one core busy until the block ends (then they are killed)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -138,11 +158,18 @@ def main(argv=None) -> int:
                         help="over the repeats: the median p50 or each side's best p50")
     parser.add_argument("--models", default="", help="comma-separated fixture names (default: all)")
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="other busy processes (one core each) running during the measurement (default: 0)")
     ns = parser.parse_args(argv)
+    if ns.busy < 0:
+        parser.error(f"--busy must be >= 0; got {ns.busy}")
     names = [m for m in ns.models.split(",") if m] or available_models()
-    rows = [bench_model(n, ns.warmup, ns.iters, repeat=ns.repeat, stat=ns.stat) for n in names]
+    with busy_processes(ns.busy):
+        rows = [bench_model(n, ns.warmup, ns.iters, repeat=ns.repeat, stat=ns.stat) for n in names]
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime {ort.__version__}, "
-          f"numpy {np.__version__}, Python {platform.python_version()}")
+          f"numpy {np.__version__}, Python {platform.python_version()}, {ns.busy} other busy process(es), "
+          f"load average {load:.1f} at the end")
     print(markdown(rows))
     if ns.json:
         with open(ns.json, "w") as f:

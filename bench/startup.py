@@ -9,8 +9,9 @@ files on disk):
 - `host.InferenceSession`'s runtime imports (numpy, onnx, cffi, the CPU EP), as `import onnxruntime`;
 - for three small zoo models (an MLP, a CNN, a transformer block): `InferenceSession(path)` alone, in a
   process that has imported the runtime and nothing else, **cold** (an empty optimized-model cache, as on a
-  first run) and **warm** (the cache holds the model, as on every later run); and the whole process
-  (interpreter, imports, session) for the cold and warm cases;
+  first run) and **warm** (the cache holds the model, as on every later run), in wall time and in the
+  process's CPU time (steadier than the wall time on a machine shared with other jobs; it does not count
+  child processes); and the whole process (interpreter, imports, session) for the cold and warm cases;
 - the same for each `--model PATH` (an .onnx file, e.g. tests/models/bert_torchscript.onnx).
 
 Not a test: the figures depend on the machine and its load (docs/cli.md#start-up-time has a table).
@@ -38,10 +39,10 @@ import json, sys, time
 t0 = time.perf_counter()
 import host
 host.InferenceSession  # the attribute imports the runtime (numpy, onnx, the CPU EP)
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 host.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
-t2 = time.perf_counter()
-print(json.dumps({"import": t1 - t0, "session": t2 - t1}))
+t2, c2 = time.perf_counter(), time.process_time()
+print(json.dumps({"import": t1 - t0, "session": t2 - t1, "session_cpu": c2 - c1}))
 """
 
 _IMPORT = """
@@ -114,9 +115,11 @@ def measure(repeat: int, folder: Path, extra: list[str] = ()) -> dict[str, float
         for i in range(repeat):
             wall, inner = _child(["-c", _SESSION, str(path)], folder / f"cold-{k}-{i}")
             add(f"{name}: session, cold cache", inner["session"])
+            add(f"{name}: session, cold cache (CPU)", inner["session_cpu"])
             add(f"{name}: process, cold cache", wall)
             wall, inner = _child(["-c", _SESSION, str(path)], warm_cache)
             add(f"{name}: session, warm cache", inner["session"])
+            add(f"{name}: session, warm cache (CPU)", inner["session_cpu"])
             add("runtime imports (import host; host.InferenceSession)", inner["import"])
             add(f"{name}: process, warm cache", wall)
     return {name: _median(values) for name, values in figures.items()}

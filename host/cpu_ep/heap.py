@@ -19,8 +19,7 @@ turn it off keeps glibc's defaults). Not glibc (musl, macOS, Windows): nothing i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import platform
+import os
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -38,12 +37,20 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def _glibc() -> bool:
+    # confstr answers at once; platform.libc_ver() reads the interpreter's binary (about 1 ms) and
+    # ctypes.util.find_library runs ldconfig in a subprocess (about 5 ms), both on a first session's path.
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr, or no such name here: not glibc
+        return False
+
+
 def _mallopt() -> bool:
-    if platform.libc_ver()[0] != "glibc":
+    if not _glibc():
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: glibc's, in a glibc process
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

@@ -18,12 +18,12 @@ from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.rules import common as onnxscript_rules
 
 from host.errors import InvalidArgument
+from host.optimizer import rules as families
 from host.optimizer.declared import declared_casts, keep_declared_output_types
 from host.optimizer.levels import GraphOptimizationLevel, as_level
 from host.optimizer.opset import TARGET_OPSET, convert_opset, onnx_opset
 from host.optimizer.quick import nothing_to_do
 from host.optimizer.result import OptimizeResult, PassReport
-from host.optimizer.rules import FAMILIES, Family
 from host.optimizer.rules.base import root_filtered
 from host.optimizer.rules.casts import cast_rules
 from host.optimizer.rules.reshape_dims import reshape_dims_rules
@@ -195,10 +195,10 @@ def _present(model: ir.Model) -> set[str]:
 def _needed_opset(model: ir.Model) -> int:
     """The highest opset a family that may fire here needs (0 when none needs more than the model has)."""
     ops = _present(model)
-    return max((f.min_opset for f in FAMILIES if f.may_fire(ops)), default=0)
+    return max((families.family(n).min_opset for n in families.NAMES if families.may_fire(n, ops)), default=0)
 
 
-def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
+def _extended(rec: _Recorder) -> None:
     model = rec.model
     start = onnx_opset(model)
     if _needed_opset(model) > start:
@@ -213,8 +213,11 @@ def _extended(rec: _Recorder, families: tuple[Family, ...]) -> None:
     # their defaults (absent), which onnxscript's matcher does not treat as equal.
     ir_passes.AddDefaultAttributesPass()(model)
     opset = onnx_opset(model)
-    for family in families:
-        if family.min_opset > opset or not family.may_fire(_present(model)):
+    for name in families.NAMES:
+        if not families.may_fire(name, _present(model)):
+            continue  # its module is not even imported
+        family = families.family(name)
+        if family.min_opset > opset:
             continue
         # The rules apply inside If / Loop bodies too: the ops there count for the rules built.
         *prepare, fusions = family.rule_sets(frozenset(_histogram(model)))
@@ -332,7 +335,7 @@ def optimize(model: onnx.ModelProto, level=GraphOptimizationLevel.ORT_ENABLE_ALL
     with _LOCK, _quiet_onnxscript():
         _basic(rec)
         if level >= GraphOptimizationLevel.ORT_ENABLE_EXTENDED:
-            _extended(rec, FAMILIES)
+            _extended(rec)
         _finish(ir_model)
     out = keep_declared_output_types(model, ir.serde.serialize_model(ir_model))
     result = OptimizeResult(out, level, rec.report, count, len(out.graph.node))

@@ -45,3 +45,15 @@ def test_freed_activations_are_reused_without_page_faults():
     assert faults < 500, f"{faults} page faults in 10 allocations of 8 MiB (2,048 each when not reused)"
 
 
+
+
+@pytest.mark.parametrize("answer", [None, "musl 1.2"])
+def test_without_glibc_nothing_is_set(monkeypatch, answer):
+    """The C library is told apart by confstr (None where the name is undefined), as platform does."""
+    monkeypatch.setattr(heap.os, "confstr", lambda name: answer)
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda *a: pytest.fail("mallopt looked up without glibc"))
+    assert heap._mallopt() is False
+
+
+def test_glibc_is_found_as_platform_finds_it():
+    assert heap._glibc() == GLIBC

@@ -36,11 +36,14 @@ class LayerNormBiasFusion(onnxscript_ln.LayerNormBiasFusion):
         return result
 
 
-def layer_norm_rules() -> list:
-    rules = [LayerNormFusion.rule(), LayerNormBiasFusion.rule()]
-    return pattern.RewriteRuleSet(rules, commute=True).rules
+def layer_norm_rules(present=frozenset({"ReduceMean", "LayerNormalization"})) -> list:
+    """The decomposition's rules when a ReduceMean is present (it is in their pattern), then the bias
+    rules (an Add after a LayerNormalization, exported or just fused), each with its commuted forms."""
+    rules = [LayerNormFusion.rule()] if "ReduceMean" in present else []
+    return pattern.RewriteRuleSet([*rules, LayerNormBiasFusion.rule()], commute=True).rules
 
 
 # The decomposition's ReduceMean takes axes as an input (opset 18 form): convert to 18+ first.
 LAYER_NORM = Family("LayerNormalization", layer_norm_rules, min_opset=18,
-                    triggers=frozenset({"ReduceMean", "LayerNormalization"}), emits=(("", "LayerNormalization"),))
+                    triggers=frozenset({"ReduceMean", "LayerNormalization"}), emits=(("", "LayerNormalization"),),
+                    by_trigger=True)

@@ -63,3 +63,35 @@ def test_a_gelu_form_only_inside_an_if_branch_is_fused_too():
         feeds = {"x": x, "cond": np.array(cond)}
         for want, got in zip(ReferenceEvaluator(model).run(None, feeds), ReferenceEvaluator(out).run(None, feeds)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _layer_norm_names(ops) -> list[str]:
+    from host.optimizer.rules.layer_norm import LAYER_NORM
+
+    return [r.name for r in LAYER_NORM.rule_sets(frozenset(ops))[-1].rules]
+
+
+def test_layer_norm_builds_the_decomposition_rules_only_with_a_reduce_mean():
+    """Without ReduceMean (a model that exports LayerNormalization) the decomposition cannot match: only
+    the bias rules are built; with it, all of them in their order."""
+    from host.optimizer.rules.layer_norm import layer_norm_rules
+
+    bias_only, everything = _layer_norm_names({"LayerNormalization", "Add"}), _layer_norm_names({"ReduceMean"})
+    assert bias_only and len(everything) > len(bias_only)
+    assert everything == [r.name for r in layer_norm_rules()]  # the whole set, as before
+    assert everything[-len(bias_only):] == bias_only
+
+
+def test_an_exported_layer_normalization_still_takes_its_bias_add():
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma"], ["n"], axis=-1, epsilon=1e-5),
+             helper.make_node("Add", ["n", "beta"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 8])
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), n) for n in ("gamma", "beta")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+    out = optimize(model, GraphOptimizationLevel.ORT_ENABLE_EXTENDED).model
+    assert [n.op_type for n in out.graph.node] == ["LayerNormalization"]
+    feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32)}
+    np.testing.assert_allclose(ReferenceEvaluator(out).run(None, feeds)[0], ReferenceEvaluator(model).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-6)

@@ -1,0 +1,31 @@
+"""bench/cpu_models.py --busy: the other busy processes run during the block and are gone after it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from bench.cpu_models import busy_processes, main
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads CPU time from Linux's /proc")
+def test_busy_processes_spin_during_the_block_and_are_killed_after():
+    with busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        time.sleep(0.5)
+        assert all(_cpu_seconds(p.pid) > 0.02 for p in procs)  # spinning, not sleeping
+    assert all(p.returncode is not None for p in procs)
+
+
+def test_a_negative_busy_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--busy", "-1", "--models", "zoo_mlp"])
+    assert "--busy must be >= 0; got -1" in capsys.readouterr().err
