@@ -10,7 +10,6 @@ import numpy as np
 import abi
 from abi.dtypes import to_onnx
 from host.plugins.hostapi import ffi
-from host.runtime import cffi_types
 from host.runtime.model import Graph
 
 _ATTR_FLOAT, _ATTR_INT, _ATTR_STRING, _ATTR_TENSOR, _ATTR_FLOATS, _ATTR_INTS, _ATTR_STRINGS = 1, 2, 3, 4, 6, 7, 8
@@ -20,7 +19,6 @@ class GraphView:
     """Owns the C structs of one EpGraphView; `ptr` is what plugins receive."""
 
     def __init__(self, graph: Graph):
-        cffi_types.prime(ffi)  # the C types of the view and the partitioner, parsed at once
         self.graph = graph
         self._keep: list = []
         self.value_index: dict[str, int] = {}
