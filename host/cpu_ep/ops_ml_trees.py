@@ -14,6 +14,7 @@ import numpy as np
 
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
+from host.cpu_ep.ml_tree_classes import ClassRules, many_labels, two_labels
 from host.cpu_ep.registry import register
 
 ML = "ai.onnx.ml"
@@ -242,13 +243,19 @@ def forest_v1(kernel: OpKernel, prefix: str, n_targets: int) -> Forest:
         raise kernel.bad_attr(prefix + "_ids", int(w_targets.max()), f"ids in [0, {n_targets})")
     np.add.at(weights, (w_nodes, w_targets), _tensor_or_list(kernel, prefix + "_weights"))
     has[w_nodes, w_targets] = True
+    if kernel.attr(prefix + "_weights_as_tensor", None) is None:
+        weights = weights.astype(np.float32)  # onnxruntime sums float weights in float32 (labels at 0.5 hinge on it)
     return Forest(np.asarray(kernel.attr_ints("nodes_featureids"), dtype=np.int64),
                   _tensor_or_list(kernel, "nodes_values", [0.0] * n), mode, true_next, false_next,
                   np.asarray(missing, dtype=bool), roots, weights, has, {})
 
 
 def _base_values(kernel: OpKernel) -> np.ndarray | None:
-    return _tensor_or_list(kernel, "base_values")
+    """base_values in onnxruntime's type: float32 as a list of floats, float64 as a tensor."""
+    base = _tensor_or_list(kernel, "base_values")
+    if base is None or kernel.attr("base_values_as_tensor", None) is not None:
+        return base
+    return base.astype(np.float32)
 
 
 def _features(x: np.ndarray) -> np.ndarray:
@@ -279,8 +286,8 @@ class TreeEnsembleRegressor(OpKernel):
 
 @register("TreeEnsembleClassifier", domain=ML, since=1, until=4)
 class TreeEnsembleClassifier(OpKernel):
-    """Scores per class plus base values; a model that scores one class only (binary boosting)
-    gets the second column made up, as onnxruntime does (`_binary`)."""
+    """Scores per class, then labels and scores by onnxruntime's rules (ml_tree_classes: its
+    conventions for two labels, base values and classes no reached leaf names)."""
 
     uses_blas = False  # element-wise NumPy only (see OpKernel.uses_blas)
 
@@ -293,39 +300,28 @@ class TreeEnsembleClassifier(OpKernel):
         n_classes = max(len(self.labels), 2)
         self.forest = forest_v1(self, "class", n_classes)
         self.base = _base_values(self)
-        self.binary = len(set(self.attr_ints("class_ids"))) == 1 and len(self.labels) == 2
-        weights = _tensor_or_list(self, "class_weights")
-        self.weights_positive = bool((weights >= 0).all())
+        self.rules = ClassRules.of(self.labels, self.post, self.base, self.attr_ints("class_ids"),
+                                   _tensor_or_list(self, "class_weights"), self.forest.has_weight,
+                                   self.forest.mode == _LEAF)
 
     def _run(self, x):
         x = _features(x)
-        scores = self.forest.aggregate(self.forest.leaves(x), "SUM")
+        leaves = self.forest.leaves(x)
+        sums = self.forest.aggregate(leaves, "SUM")
+        if len(self.labels) == 1:
+            return self._one_label(sums)
+        scored = [self.rules.has(c, self.forest.has_weight, leaves) for c in range(len(self.labels))]
+        if len(self.labels) == 2:
+            return two_labels(self.rules, sums, scored[0], scored[1])
+        return many_labels(self.rules, sums, scored)
+
+    def _one_label(self, scores):
+        """One label: the second column stands for "not it"."""
         if self.base is not None:
             scores = scores + (self.base if self.base.size > 1 else self.base[0])
-        if self.binary:
-            return self._binary(scores[:, 0])
         scores = post_transform(self.post, scores)
-        if len(self.labels) == 1:  # one label: the second column stands for "not it"
-            labels = np.where(scores.argmax(axis=1) == 1, self.labels[0], 0)
-        else:
-            labels = self.labels[scores.argmax(axis=1)]
+        labels = np.where(scores.argmax(axis=1) == 1, self.labels[0], 0)
         return (labels, scores.astype(np.float32))
-
-
-    def _binary(self, s: np.ndarray):
-        """onnxruntime's binary case (one scored class): label 1 where s > 0.5 (all weights >= 0)
-        or s > 0 (otherwise); scores [1 - s, s] (all weights >= 0) or [-s, s], [logistic(-s),
-        logistic(s)] under LOGISTIC; SOFTMAX(_ZERO) leave them as they are. Under PROBIT onnxruntime
-        writes probit(s) and leaves the second column unset: ephost writes 0 there."""
-        positive = s > 0.5 if self.weights_positive else s > 0
-        scores = np.empty((len(s), 2))
-        if self.post == "LOGISTIC":
-            scores[:, 0], scores[:, 1] = post_transform("LOGISTIC", -s), post_transform("LOGISTIC", s)
-        elif self.post == "PROBIT":
-            scores[:, 0], scores[:, 1] = post_transform("PROBIT", s), 0.0
-        else:
-            scores[:, 0], scores[:, 1] = (1 - s if self.weights_positive else -s), s
-        return (self.labels[positive.astype(np.intp)], scores.astype(np.float32))
 
 
 AGGREGATES_V5 = ("AVERAGE", "SUM", "MIN", "MAX")
