@@ -50,6 +50,9 @@ class ClassRules:
         return cls(labels, post, base, len(labels) == 2 and len(set(class_ids)) == 1,
                    bool((weights >= 0).all()), scored)
 
+    def base_size(self) -> int:
+        return 0 if self.base is None else self.base.size
+
     def has(self, c: int, has_weight: np.ndarray, leaves: np.ndarray):
         """Whether each row scores class c: a bool for all rows when the model decides it, else (rows,)."""
         if self.scored[c] is not None:
@@ -66,6 +69,8 @@ def _where(cond, a, b):
 
 def two_labels(rules: ClassRules, sums: np.ndarray, h0, h1):
     """(labels, float32 scores) of a two-label model from (rows, 2) sums and the rows' scored flags."""
+    if rules.binary_case and h0 is True and h1 is False and rules.base_size() <= 1:
+        return _class0_only(rules, sums[:, 0])
     s0, s1 = sums[:, 0], sums[:, 1]
     base = rules.base
     n_base = 0 if base is None else base.size
@@ -94,6 +99,28 @@ def two_labels(rules: ClassRules, sums: np.ndarray, h0, h1):
     single = None if kept is True else _made_up(rules.post, made_up, np.asarray(s0))
     scores = _where(kept if isinstance(kept, bool) else kept[:, None], both, single)
     return labels, scores.astype(np.float32)
+
+
+def _class0_only(rules: ClassRules, s: np.ndarray):
+    """two_labels for the converters' binary models (skl2onnx's forests and boosting, XGBoost's,
+    LightGBM's): every leaf scores class 0, at most one base value, so every row keeps one score s
+    and the second column is made up; the same results in the fewest array operations (batch 1)."""
+    if rules.base is not None:
+        s = s + rules.base[0]
+    positive = s > 0.5 if rules.all_positive else s > 0
+    labels = rules.labels.take(positive.view(np.int8))
+    out = np.empty((s.size, 2), dtype=np.float32)
+    if rules.post == "PROBIT":
+        out[:, 0], out[:, 1] = post_transform("PROBIT", s), 0
+    elif rules.post == "LOGISTIC":
+        out[:, 0], out[:, 1] = logistic(-s), logistic(s)
+    else:
+        out[:, 1] = s
+        if rules.all_positive:
+            np.subtract(1, s, out=out[:, 0])
+        else:
+            np.negative(s, out=out[:, 0])
+    return labels, out
 
 
 def _made_up(post: str, how: str, s: np.ndarray) -> np.ndarray:
