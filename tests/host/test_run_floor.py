@@ -104,3 +104,86 @@ def test_fp_errors_are_ignored_inside_and_the_callers_state_comes_back(outside):
         if outside.get("divide") == "raise":
             with pytest.raises(FloatingPointError):
                 _divide_by_zero()
+
+
+# -- run()'s plain path (host/runtime/plain_run.py) ------------------------------------------------
+
+def _session(nodes, outputs, **options):
+    from onnx import TensorProto, helper
+
+    import host
+
+    graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, None]) for n in outputs])
+    so = host.SessionOptions()
+    for key, value in options.items():
+        setattr(so, key, value)
+    return host.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
+                                 so)
+
+
+def _passthrough_session(**options):
+    """y: the feed itself (Identity); r: a view of it (Reshape); z: a new array."""
+    from onnx import helper
+
+    shape = helper.make_node("Constant", [], ["shape"], value_ints=[3, 2])
+    nodes = [helper.make_node("Identity", ["x"], ["y"]), shape, helper.make_node("Reshape", ["x", "shape"], ["r"]),
+             helper.make_node("Relu", ["x"], ["z"])]
+    return _session(nodes, ["y", "r", "z"], **options)
+
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+
+
+def test_plain_path_runs_and_returns_the_callers_own_arrays():
+    sess = _passthrough_session()
+    assert sess._plain_run is not None
+
+    def general_only(*_):
+        raise AssertionError("the general path ran")
+
+    sess._feeds = general_only  # a plain call must not reach it
+    y, r, z = sess.run(None, {"x": X})
+    np.testing.assert_array_equal(y, X)
+    np.testing.assert_array_equal(r, X.reshape(3, 2))
+    np.testing.assert_array_equal(z, np.maximum(X, 0))
+    assert y is not X and not np.shares_memory(y, X) and not np.shares_memory(r, X)
+    assert y.flags.owndata and r.flags.owndata
+    assert sess.run([], {"x": X})[0] is not X
+
+
+def test_plain_path_gives_what_the_general_path_gives():
+    sess = _passthrough_session()
+    plain = sess.run(None, {"x": X})
+    general = sess.run(["y", "r", "z"], {"x": X})  # names: the general path
+    for a, b in zip(plain, general):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("feeds", "message"), [
+    ({"x": X.astype(np.float64)}, r"^input 'x': expected dtype float32"),
+    ({"x": X, "extra": X}, r"^unknown input name\(s\) \['extra'\]; model inputs: \['x'\]$"),
+    ({}, r"^missing input\(s\) \['x'\]; model inputs: \['x'\]$"),
+])
+def test_feeds_the_plain_path_refuses_get_the_general_paths_errors(feeds, message):
+    from host.errors import InvalidArgument
+
+    sess = _passthrough_session()
+    with pytest.raises(InvalidArgument, match=message):
+        sess.run(None, feeds)
+
+
+def test_a_closed_session_still_refuses_to_run():
+    from host.errors import InvalidArgument
+
+    sess = _passthrough_session()
+    sess.close()
+    with pytest.raises(InvalidArgument, match=r"^this InferenceSession is closed$"):
+        sess.run(None, {"x": X})
+
+
+def test_profiling_sessions_take_the_general_path(tmp_path):
+    sess = _passthrough_session(enable_profiling=True, profile_file_prefix=str(tmp_path / "p"))
+    assert sess._plain_run is None
+    np.testing.assert_array_equal(sess.run(None, {"x": X})[2], np.maximum(X, 0))
