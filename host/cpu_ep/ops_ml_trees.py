@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
 from host.cpu_ep.ml_tree_classes import ClassRules, many_labels, two_labels
@@ -57,10 +58,16 @@ class Forest:
         # One comparison serves every node (_decided); feature ids are checked there against the row width.
         self.decide_all = 0 <= self.single_mode != _MEMBER and not (self.feature < 0).any()
         self._by_feature = _ByFeature.of(self) if self.decide_all else None
+        self._compiled = _CompiledWalk.of(self)
 
     def leaves(self, x: np.ndarray) -> np.ndarray:
-        """(rows, trees) indices of the leaf each row reaches in each tree, in blocks of rows small
-        enough for the cursors to stay in cache."""
+        """(rows, trees) indices of the leaf each row reaches in each tree: the compiled walk where it
+        serves (float32 rows wide enough, no MEMBER splits), else NumPy's (`_numpy_leaves`)."""
+        walked = self._compiled.leaves(x) if self._compiled is not None else None
+        return walked if walked is not None else self._numpy_leaves(x)
+
+    def _numpy_leaves(self, x: np.ndarray) -> np.ndarray:
+        """Forest.leaves in NumPy: in blocks of rows small enough for the cursors to stay in cache."""
         n = x.shape[0]
         if self.decide_all and n * len(self.mode) <= _DECIDE_ALL_CELLS:
             return self._decided(x)
@@ -141,6 +148,39 @@ class Forest:
         pick = np.where(has, w, fill)
         scores = pick.min(axis=1) if how == "MIN" else pick.max(axis=1)
         return np.where(has.any(axis=1), scores, 0.0)
+
+
+class _CompiledWalk:
+    """Forest.leaves through the CPU kernels library (ep_tree_leaves, native/kernels_trees.c): one
+    walk per (row, tree) in C, the same decisions as Forest._walk. The node table is kept in the types
+    the C function reads; `width` is the row width the NumPy walk needs (it reads every node's
+    feature, leaves' included), so narrower rows go to NumPy and get its error."""
+
+    def __init__(self, forest: Forest):
+        self.arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
+            (forest.feature, np.int64), (forest.thresholds32, np.float32), (forest.mode, np.uint8),
+            (forest.true_next, np.int64), (forest.false_next, np.int64), (forest.missing_true, np.uint8),
+            (forest.roots, np.int64))]
+        self.pointers = [native.ptr(a) for a in self.arrays]  # constant: made once, not per run
+        self.trees = len(forest.roots)
+        self.width = int(forest.feature.max()) + 1 if forest.feature.size else 0
+
+    @classmethod
+    def of(cls, forest: Forest) -> _CompiledWalk | None:
+        if (forest.mode == _MEMBER).any() or (forest.feature < 0).any() or not forest.roots.size:
+            return None
+        return cls(forest)
+
+    def leaves(self, x: np.ndarray) -> np.ndarray | None:
+        lib = native.LIB
+        if lib is None or x.dtype != np.float32 or x.shape[1] < self.width:
+            return None
+        x = np.ascontiguousarray(x)
+        out = np.empty((x.shape[0], self.trees), dtype=np.int64)
+        feature, threshold, mode, true_next, false_next, missing, roots = self.pointers
+        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], feature, threshold, mode, true_next, false_next,
+                           missing, roots, self.trees, native.ptr(out))
+        return out
 
 
 @dataclass

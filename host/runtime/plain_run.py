@@ -71,7 +71,10 @@ class PlainRun:
 
 
 def _is_feed(value, fed: dict) -> bool:
-    return any(value is v for v in fed.values())
+    for v in fed.values():
+        if value is v:
+            return True
+    return False
 
 
 __all__ = ["PlainRun"]

@@ -177,3 +177,65 @@ def test_regressor_probit_and_softmax_zero_match_onnxruntime(post):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
     expected, got = _run_both(model, GRID)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+# -- the compiled walk (native/kernels_trees.c) against NumPy's, leaf for leaf ---------------------
+
+MODES = ["BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "mixed"]
+
+
+def _forest(mode: str):
+    """A 12-tree regressor's Forest (tests/host/test_ml_fast_paths.py's random trees, NaN directions
+    included); "mixed": every branch mode in one forest."""
+    from onnx import helper
+
+    from tests.host.test_ml_fast_paths import FEATURES, _trees
+
+    attrs = _trees("BRANCH_LEQ" if mode == "mixed" else mode, n_trees=12, depth=5, rng=np.random.RandomState(4))
+    if mode == "mixed":
+        pick = np.random.RandomState(5)
+        attrs["nodes_modes"] = [m if m == "LEAF" else MODES[pick.randint(6)] for m in attrs["nodes_modes"]]
+    node = helper.make_node("TreeEnsembleRegressor", ["X"], ["Y"], domain="ai.onnx.ml", n_targets=2, **attrs)
+    graph = helper.make_graph([node], "trees", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, FEATURES])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess = host.InferenceSession(model.SerializeToString())
+    return sess, model, sess.plan.nodes[0].kernel.forest
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_tree_walk_reaches_the_numpy_walks_leaves(mode, rows):
+    from host.cpu_ep import native
+    from tests.host.test_ml_fast_paths import _inputs
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    sess, model, forest = _forest(mode)
+    x = _inputs(rows)  # thresholds' own values, and NaNs
+    compiled = forest._compiled.leaves(x)
+    assert compiled is not None and compiled.shape == (rows, len(forest.roots))
+    np.testing.assert_array_equal(compiled, forest._numpy_leaves(x))
+    # and through a run, against onnxruntime, with the library on and off
+    expected, got = _run_both(model, x)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    saved = native.LIB
+    native.use(None)
+    try:
+        np.testing.assert_allclose(sess.run(None, {"X": x})[0], expected[0], rtol=1e-5, atol=1e-5)
+    finally:
+        native.use(saved)
+
+
+def test_compiled_tree_walk_leaves_float64_and_narrow_rows_to_numpy():
+    from host.cpu_ep import native
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    _, _, forest = _forest("BRANCH_LEQ")
+    x = np.zeros((2, forest._compiled.width), dtype=np.float32)
+    assert forest._compiled.leaves(x) is not None
+    assert forest._compiled.leaves(x.astype(np.float64)) is None
+    assert forest._compiled.leaves(x[:, :-1]) is None
