@@ -50,6 +50,11 @@ class ClassRules:
         return cls(labels, post, base, len(labels) == 2 and len(set(class_ids)) == 1,
                    bool((weights >= 0).all()), scored)
 
+    @property
+    def row_free(self) -> bool:
+        """Whether every class is scored by every row or by none (no per-row flags to work out)."""
+        return None not in self.scored
+
     def base_size(self) -> int:
         return 0 if self.base is None else self.base.size
 

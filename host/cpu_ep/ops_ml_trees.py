@@ -66,6 +66,14 @@ class Forest:
         walked = self._compiled.leaves(x) if self._compiled is not None else None
         return walked if walked is not None else self._numpy_leaves(x)
 
+    def scores(self, x: np.ndarray, how: str) -> np.ndarray:
+        """aggregate(leaves(x), how), summed in C where it serves (SUM, AVERAGE over float32 weights)."""
+        if how in ("SUM", "AVERAGE") and self._compiled is not None:
+            sums = self._compiled.sums(x)
+            if sums is not None:
+                return sums / len(self.roots) if how == "AVERAGE" else sums
+        return self.aggregate(self.leaves(x), how)
+
     def _numpy_leaves(self, x: np.ndarray) -> np.ndarray:
         """Forest.leaves in NumPy: in blocks of rows small enough for the cursors to stay in cache."""
         n = x.shape[0]
@@ -161,6 +169,9 @@ class _CompiledWalk:
             (forest.feature, np.int64), (forest.thresholds32, np.float32), (forest.mode, np.uint8),
             (forest.true_next, np.int64), (forest.false_next, np.int64), (forest.missing_true, np.uint8),
             (forest.roots, np.int64))]
+        # weights summed by ep_tree_sums: float32 ones only (those of ai.onnx.ml 1-3's float lists)
+        self.weights = np.ascontiguousarray(forest.weights) if forest.weights.dtype == np.float32 else None
+        self.arrays += [] if self.weights is None else [self.weights]
         self.pointers = [native.ptr(a) for a in self.arrays]  # constant: made once, not per run
         self.trees = len(forest.roots)
         self.width = int(forest.feature.max()) + 1 if forest.feature.size else 0
@@ -177,9 +188,19 @@ class _CompiledWalk:
             return None
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], self.trees), dtype=np.int64)
-        feature, threshold, mode, true_next, false_next, missing, roots = self.pointers
-        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], feature, threshold, mode, true_next, false_next,
-                           missing, roots, self.trees, native.ptr(out))
+        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:7], self.trees, native.ptr(out))
+        return out
+
+    def sums(self, x: np.ndarray) -> np.ndarray | None:
+        """(rows, targets) float32 sums of the reached leaves' weights, added tree by tree; None where
+        the compiled walk does not serve."""
+        lib = native.LIB
+        if lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width:
+            return None
+        x = np.ascontiguousarray(x)
+        out = np.empty((x.shape[0], self.weights.shape[1]), dtype=np.float32)
+        lib.ep_tree_sums(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:7], self.trees, self.pointers[7],
+                         self.weights.shape[1], native.ptr(out))
         return out
 
 
@@ -318,7 +339,7 @@ class TreeEnsembleRegressor(OpKernel):
 
     def _run(self, x):
         x = _features(x)
-        scores = self.forest.aggregate(self.forest.leaves(x), self.aggregate)
+        scores = self.forest.scores(x, self.aggregate)
         if self.base is not None:
             scores = scores + self.base
         return (post_transform(self.post, scores).astype(np.float32),)
@@ -346,11 +367,14 @@ class TreeEnsembleClassifier(OpKernel):
 
     def _run(self, x):
         x = _features(x)
-        leaves = self.forest.leaves(x)
-        sums = self.forest.aggregate(leaves, "SUM")
+        if self.rules.row_free:  # which classes a row scores is the model's: no leaves needed
+            sums, scored = self.forest.scores(x, "SUM"), self.rules.scored
+        else:
+            leaves = self.forest.leaves(x)
+            sums = self.forest.aggregate(leaves, "SUM")
+            scored = [self.rules.has(c, self.forest.has_weight, leaves) for c in range(len(self.labels))]
         if len(self.labels) == 1:
             return self._one_label(sums)
-        scored = [self.rules.has(c, self.forest.has_weight, leaves) for c in range(len(self.labels))]
         if len(self.labels) == 2:
             return two_labels(self.rules, sums, scored[0], scored[1])
         return many_labels(self.rules, sums, scored)
