@@ -26,6 +26,9 @@ _BLOCK = 1 << 16  # (row, tree) cursors walked at once
 # Up to this many (row, node) decisions, all nodes are decided at once (_decided) instead of walked.
 _DECIDE_ALL_CELLS = 1 << 16
 _COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
+# Up to this many rows the compiled walk (_CompiledWalk) takes a batch; beyond, NumPy's cursor walk is
+# as fast or faster (a 100-tree depth-3 boosting model at 10k rows: 12 ms against 18 ms in C).
+_COMPILED_MAX_ROWS = 1024
 
 
 @dataclass
@@ -184,7 +187,7 @@ class _CompiledWalk:
 
     def leaves(self, x: np.ndarray) -> np.ndarray | None:
         lib = native.LIB
-        if lib is None or x.dtype != np.float32 or x.shape[1] < self.width:
+        if lib is None or x.dtype != np.float32 or x.shape[1] < self.width or x.shape[0] > _COMPILED_MAX_ROWS:
             return None
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], self.trees), dtype=np.int64)
@@ -195,7 +198,8 @@ class _CompiledWalk:
         """(rows, targets) float32 sums of the reached leaves' weights, added tree by tree; None where
         the compiled walk does not serve."""
         lib = native.LIB
-        if lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width:
+        if (lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width
+                or x.shape[0] > _COMPILED_MAX_ROWS):
             return None
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], self.weights.shape[1]), dtype=np.float32)

@@ -229,7 +229,7 @@ def test_compiled_tree_walk_reaches_the_numpy_walks_leaves(mode, rows):
         native.use(saved)
 
 
-def test_compiled_tree_walk_leaves_float64_and_narrow_rows_to_numpy():
+def test_compiled_tree_walk_leaves_float64_narrow_rows_and_large_batches_to_numpy():
     from host.cpu_ep import native
 
     if native.LIB is None:
@@ -239,3 +239,7 @@ def test_compiled_tree_walk_leaves_float64_and_narrow_rows_to_numpy():
     assert forest._compiled.leaves(x) is not None
     assert forest._compiled.leaves(x.astype(np.float64)) is None
     assert forest._compiled.leaves(x[:, :-1]) is None
+    from host.cpu_ep import ops_ml_trees
+
+    many = np.zeros((ops_ml_trees._COMPILED_MAX_ROWS + 1, x.shape[1]), dtype=np.float32)
+    assert forest._compiled.leaves(many) is None and forest._compiled.sums(many) is None

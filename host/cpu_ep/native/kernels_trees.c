@@ -8,7 +8,9 @@
  * node says so. Modes are ops_ml_trees.MODES' codes; the caller sends no BRANCH_MEMBER node (6) and
  * checked every feature id against the row width. Each (row, tree) is one walk down from the root,
  * which at one row replaces the NumPy path's dozen array operations per level. ep_tree_sums adds the
- * reached leaves' weights instead (SUM and AVERAGE over float32 weights). */
+ * reached leaves' weights instead (SUM and AVERAGE over float32 weights). One walk waits on each
+ * level's loads in turn, where NumPy's cursor walk overlaps those of thousands of cursors: the caller
+ * sends batches up to _COMPILED_MAX_ROWS rows only. */
 
 enum { TREE_LEQ, TREE_LT, TREE_GTE, TREE_GT, TREE_EQ, TREE_NEQ, TREE_MEMBER, TREE_LEAF };
 
@@ -44,8 +46,10 @@ void ep_tree_leaves(const float *x, int64_t rows, int64_t width, const int64_t *
                     const uint8_t *mode, const int64_t *true_next, const int64_t *false_next,
                     const uint8_t *missing_true, const int64_t *roots, int64_t trees, int64_t *leaves) {
     TreeNodes t = {feature, threshold, mode, true_next, false_next, missing_true};
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < trees; i++) leaves[r * trees + i] = tree_leaf(&t, x + r * width, roots[i]);
+    /* tree after tree, every row through it: a tree's nodes stay in cache while the rows walk it (a
+     * forest's whole table, hundreds of KB, does not) */
+    for (int64_t i = 0; i < trees; i++)
+        for (int64_t r = 0; r < rows; r++) leaves[r * trees + i] = tree_leaf(&t, x + r * width, roots[i]);
 }
 
 /* sums[r, k] = the sum over trees of weights[leaf, k] (weights: nodes x targets, float32), added tree
@@ -55,12 +59,11 @@ void ep_tree_sums(const float *x, int64_t rows, int64_t width, const int64_t *fe
                   const uint8_t *missing_true, const int64_t *roots, int64_t trees, const float *weights,
                   int64_t targets, float *sums) {
     TreeNodes t = {feature, threshold, mode, true_next, false_next, missing_true};
-    for (int64_t r = 0; r < rows; r++) {
-        float *out = sums + r * targets;
-        for (int64_t k = 0; k < targets; k++) out[k] = 0.0f;
-        for (int64_t i = 0; i < trees; i++) {
+    for (int64_t j = 0; j < rows * targets; j++) sums[j] = 0.0f;
+    for (int64_t i = 0; i < trees; i++) /* tree-major, as ep_tree_leaves; each row's sum still goes tree by tree */
+        for (int64_t r = 0; r < rows; r++) {
             const float *w = weights + tree_leaf(&t, x + r * width, roots[i]) * targets;
+            float *out = sums + r * targets;
             for (int64_t k = 0; k < targets; k++) out[k] += w[k];
         }
-    }
 }
