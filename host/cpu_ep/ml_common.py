@@ -17,17 +17,29 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def softmax_zero(x: np.ndarray) -> np.ndarray:
-    """Softmax where zeros stay zeros (onnxruntime's SOFTMAX_ZERO); a row of zeros gives 0.5s."""
+    """onnxruntime's SOFTMAX_ZERO: values within 1e-7 of zero are not exponentiated but scaled by
+    exp(-max) and left out of the sum, so they stay (near) zero; a row of such values is divided by
+    a zero sum (NaN, or +-inf for a tiny nonzero value), as in onnxruntime."""
+    top = x.max(axis=-1, keepdims=True)
     zero = np.abs(x) <= 1e-7
-    e = np.where(zero, 0.0, np.exp(x - x.max(axis=-1, keepdims=True)))
-    total = e.sum(axis=-1, keepdims=True)
-    return np.where(total == 0, 0.5, e / np.where(total == 0, 1, total))
+    e = np.where(zero, x * np.exp(-top), np.exp(x - top))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return e / np.where(zero, 0, e).sum(axis=-1, keepdims=True)
 
 
 def probit(x: np.ndarray) -> np.ndarray:
-    from scipy.special import erfinv  # only for probit outputs: scipy stays unimported otherwise
+    """sqrt(2) * erfinv(2x - 1) as onnxruntime computes it (every ai.onnx.ml PROBIT): in float32,
+    through Winitzki's closed-form approximation of erfinv (a = 0.147), which differs from the exact
+    value by up to about 2e-3 in the tails; a value that rounds to 0 or 1 in float32 gives -inf or inf."""
+    y = 2 * np.asarray(x, dtype=np.float32) - np.float32(1)
+    log = np.log((1 - y) * (1 + y))
+    v = _PROBIT_TWO_OVER_PI_A + np.float32(0.5) * log
+    root = np.sqrt(-v + np.sqrt(v * v - _PROBIT_ONE_OVER_A * log))
+    return np.float32(np.sqrt(2)) * np.copysign(root, np.where(y < 0, np.float32(-1), np.float32(1)))
 
-    return np.sqrt(2.0) * erfinv(2 * x - 1)
+
+_PROBIT_TWO_OVER_PI_A = np.float32(2) / (np.float32(np.pi) * np.float32(0.147))
+_PROBIT_ONE_OVER_A = np.float32(1) / np.float32(0.147)
 
 
 def post_transform(name: str, scores: np.ndarray) -> np.ndarray:

@@ -69,7 +69,13 @@ class LinearClassifier(OpKernel):
     def _binary(self, scores: np.ndarray):
         """(labels, scores) of a binary model from its GEMM's output (see the class doc)."""
         s = scores[:, -1]
-        labels = self.labels[(s > 0).astype(np.intp)]
+        labels = self.labels.take((s > 0).view(np.int8))
+        if self.negated and self.post == "LOGISTIC":
+            # 1 / (1 + exp(-x)) as ml_common.logistic computes it, in place on the GEMM's own output
+            np.negative(scores, out=scores)
+            np.exp(scores, out=scores)
+            scores += 1
+            return (labels, np.reciprocal(scores, out=scores))
         if self.negated:
             return (labels, post_transform(self.post, scores).astype(np.float32))
         both = np.empty((len(s), 2), dtype=np.float32)

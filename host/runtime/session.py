@@ -40,6 +40,7 @@ from host.runtime.options import RunOptions, SessionOptions
 from host.runtime.ortvalue import OrtValue
 from host.runtime.partition import Partitioner
 from host.runtime.plain_feeds import plain_inputs
+from host.runtime.plain_run import PlainRun
 from host.runtime.tensor import DeviceTensor, as_device_tensor
 from host.runtime.warn import warn_caller
 
@@ -137,6 +138,8 @@ class InferenceSession:
     steps (host/runtime/executor.py, host/runtime/steps); graph capture is host/runtime/graph_capture.py.
     """
 
+    _plain_run = None  # run()'s plain path (host/runtime/plain_run.py), set with the executor
+
     def __init__(self, path_or_bytes, sess_options: SessionOptions | None = None, providers=None,
                  provider_options=None, env: Environment | None = None, **kwargs):
         ort_api.check_session_kwargs(kwargs)
@@ -205,6 +208,7 @@ class InferenceSession:
         if self.buckets is not None:
             self.buckets.bind(self.plan.input_ids, self.plan.output_ids)
             self.bucket_graphs = bucket_graphs.BucketGraphs.create(self)  # run() replays a graph per bucket
+        self._plain_run = PlainRun.of(self, _DEFAULT_RUN_OPTIONS)
 
     def _create_eps(self, providers: list[tuple[str, dict[str, str]]]) -> None:
         for name, options in providers:
@@ -374,6 +378,10 @@ class InferenceSession:
 
     def run(self, output_names, input_feed: dict, run_options: RunOptions | None = None) -> list[np.ndarray]:
         """Run the model; outputs come back as NumPy arrays (feeds: arrays, device arrays or OrtValues)."""
+        if run_options is None and not output_names and self._plain_run is not None:
+            outs = self._plain_run(input_feed)  # host/runtime/plain_run.py; None: the general path below
+            if outs is not None:
+                return outs
         if self._profiling:
             with self._profiler.span("model_run"):
                 return self._run(output_names, input_feed, run_options)

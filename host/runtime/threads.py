@@ -63,6 +63,7 @@ class Pools:
         self._bounds: list[int] = []  # the bounds of the runs inside now
         self._saved: list[int] = []  # the caller's counts, restored when the last run leaves
         self._applied: int | None = None  # the count set on every library, None: the caller's
+        self._handles: tuple[list, list] | None = None  # (libraries, their (get, set) pairs: _handles)
 
     def libraries(self) -> list:
         """The BLAS libraries loaded now (threadpoolctl's controllers), found at the first run and again
@@ -100,12 +101,19 @@ class Pools:
                 self._libs = None  # scanned again at the next run: libraries may have been loaded since
         return Bound(self, threads)
 
+    def _calls(self, libs: list) -> list:
+        """The (get, set) pair of each library (see _handles), made once per scan of the libraries."""
+        handles = self._handles
+        if handles is None or handles[0] is not libs:
+            handles = self._handles = (libs, [_handles(lib) for lib in libs])
+        return handles[1]
+
     def enter(self, threads: int) -> None:
         """A run bounded to `threads` starts (pair with leave(threads) in a finally)."""
         with self._lock:
             libs = self._libs if self._libs is not None else self.libraries()
             if not self._bounds:
-                saved = self._saved = [lib.get_num_threads() for lib in libs]  # the caller's: read per run
+                saved = self._saved = [get() for get, _ in self._calls(libs)]  # the caller's: read per run
                 self._bounds.append(threads)
                 if saved.count(threads) == len(saved):  # the common case: nothing to set, nothing to restore
                     self._applied = threads
@@ -136,13 +144,48 @@ class Pools:
             self._applied = share
 
     def _set(self, libs, current: list[int], wanted: list[int]) -> None:
-        changed = False
-        for lib, have, want in zip(libs, current, wanted):
+        took_control = False
+        for (_, set_count), have, want in zip(self._calls(libs), current, wanted):
             if have != want:
-                lib.set_num_threads(want)
-                changed = True
-        if changed:
+                took_control |= set_count(want)
+        if took_control:
             self._release_control()
+
+
+def _handles(lib) -> tuple:
+    """(get count, set count) of one threadpoolctl controller; set returns whether it went through
+    threadpoolctl (which may have made this thread OpenBLAS's controlling thread: _release_control).
+
+    For OpenBLAS with its own threads, threadpoolctl's calls cost a few microseconds each (symbol
+    lookups, its controlling-thread protocol), which a run at one row pays four to six times: while
+    no thread controls OpenBLAS, OpenBLAS's C functions are called directly, which is what threadpoolctl
+    would do (and then hand control back). Other libraries and layers go through threadpoolctl."""
+    direct = _openblas_functions(lib)
+    if direct is None:
+        return lib.get_num_threads, lambda n: lib.set_num_threads(n) or True
+    get, set_direct = direct
+    shared = getattr(type(lib), "_SHARED_STATE", None)  # threadpoolctl >= 3.8: the controlling thread
+
+    def set_count(n: int) -> bool:
+        if shared is None or shared.controlling_thread is None:
+            set_direct(n)
+            return False
+        lib.set_num_threads(n)  # a thread holds control: threadpoolctl decides (it may do nothing)
+        return True
+
+    return get, set_count
+
+
+def _openblas_functions(lib):
+    """OpenBLAS's openblas_get/set_num_threads of a threadpoolctl controller (with its symbol affixes),
+    None for anything else (MKL, BLIS, OpenBLAS on OpenMP, test stand-ins)."""
+    if getattr(lib, "internal_api", None) != "openblas" or getattr(lib, "threading_layer", None) == "openmp":
+        return None
+    try:
+        get, set_ = lib._get_symbol("openblas_get_num_threads"), lib._get_symbol("openblas_set_num_threads")
+    except AttributeError:  # a threadpoolctl without the symbol lookup
+        return None
+    return None if get is None or set_ is None else (get, set_)
 
 
 @functools.cache

@@ -60,6 +60,12 @@ int ep_matmul_batched(const void *A, const void *B, void *C, int batch, int inne
 void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);
 int ep_f16_to_f32(const void *src, void *dst, int64_t n);
 int ep_f32_to_f16(const void *src, void *dst, int64_t n);
+void ep_tree_leaves(const void *x, int64_t rows, int64_t width, const void *feature, const void *threshold,
+                    const void *mode, const void *true_next, const void *false_next, const void *missing_true,
+                    const void *roots, int64_t trees, void *leaves);
+void ep_tree_sums(const void *x, int64_t rows, int64_t width, const void *feature, const void *threshold,
+                  const void *mode, const void *true_next, const void *false_next, const void *missing_true,
+                  const void *roots, int64_t trees, const void *weights, int64_t targets, void *sums);
 int ep_squeeze_excite(const void *x, void *y, int N, int C, int HW, const void *w1, const void *b1,
                       const void *w2, const void *b2, int R, unsigned gate, float alpha, float beta);
 """

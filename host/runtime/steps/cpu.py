@@ -1,7 +1,7 @@
 """Run steps of the CPU EP: a segment of consecutive CPU nodes, and a control-flow node.
 
 A segment runs a stretch of plan nodes that are all on the CPU EP in one tight loop: each kernel's
-`_run` gets its inputs through a prebuilt getter, under one `np.errstate` for the whole segment, and
+`_run` gets its inputs through a prebuilt getter, with floating-point errors ignored for the whole segment, and
 chains of nodes whose inner values nothing else reads run as one step (host/cpu_ep/fusion.py).
 Values that enter the segment from elsewhere (feeds, plugin outputs) are made host arrays once at
 its start (copied from a device, or waited for on their producer's stream), so inside the segment
@@ -19,6 +19,7 @@ from host.cpu_ep.base import NON_TENSOR
 from host.cpu_ep.fusion import FusedNode, fuse
 from host.errors import EpError, EphostError
 from host.plugins.ep import CPU_LOCATION
+from host.runtime.fp_errors import ignore_fp_errors, restore_fp_errors
 from host.runtime.plan import PlanNode
 from host.runtime.tensor import DeviceTensor
 
@@ -107,7 +108,8 @@ class CpuSegment:
         if self.entering:
             self._enter(st, values)
         ndarray, objects = np.ndarray, self.objects
-        with np.errstate(all="ignore"):
+        fp_state = ignore_fp_errors()  # np.errstate(all="ignore"), cheaper (host/runtime/fp_errors.py)
+        try:
             for node, run, gather, single, outputs, frees in self.steps:
                 try:
                     outs = run(*gather(values))
@@ -124,6 +126,8 @@ class CpuSegment:
                             values[vid] = out if type(out) is ndarray or vid in objects else _value(out)
                 for v in frees:
                     values[v] = None
+        finally:
+            restore_fp_errors(fp_state)
 
     def _enter(self, st, values: list) -> None:
         producer = st.producer
