@@ -280,10 +280,10 @@ class Conv(_Spatial):
             kind = "im2col"
         else:
             return None
-        geom = native.ffi.new("ConvGeom *", dict(
+        geom = native.conv_geometry(
             C=c, H=x.shape[2], W=x.shape[3], M=m, KH=w.shape[2], KW=w.shape[3], SH=plan.strides[0],
             SW=plan.strides[1], PH=g.begin[0], PW=g.begin[1], DH=plan.dilations[0], DW=plan.dilations[1],
-            OH=g.out[0], OW=g.out[1]))
+            OH=g.out[0], OW=g.out[1])
         return kind, geom, (1, m, *g.out)
 
     def bind_constants(self, constants):
