@@ -5,7 +5,8 @@ calls on tiny arrays), so the run loop joins, when it builds a plan's steps, cha
 nothing else reads:
 
 - **epilogues**: a node that always returns a fresh array (Conv, Gemm, MatMul, ai.ephost.FusedMatMul)
-  followed by Relu / HardSwish / HardSigmoid / Sigmoid / SiLU (Sigmoid(x) -> Mul(x, that)) /
+  followed by Relu / HardSwish / HardSigmoid / Sigmoid / Gelu (exact or tanh) / SiLU (Sigmoid(x) -> Mul(x,
+  that)) /
   Add or Mul(that output, another value of the same shape): the activations, the residual add and the
   gating product (SwiGLU's `silu(gate) * up`) run in place on the producer's output;
 - **squeeze-and-excitation** (MobileNetV3, EfficientNet): GlobalAveragePool or ReduceMean over the
@@ -113,6 +114,11 @@ def _mul(kernel, y, other):
     return _call(kernel, y, other)[0]
 
 
+def _gelu(kernel, y, _other=None):
+    """Gelu, exact or tanh-approximate as the node says (its kernel's compiled or NumPy path)."""
+    return _call(kernel, y)[0]
+
+
 def _silu(kernels, y, _other=None):
     """Sigmoid(y) then Mul(y, that): `kernels` is the pair of nodes' kernels."""
     if y.dtype not in _FLOATS:
@@ -122,7 +128,7 @@ def _silu(kernels, y, _other=None):
 
 
 _EPILOGUES = {("", "Relu"): _relu, ("", "HardSigmoid"): _hard_sigmoid, ("", "HardSwish"): _hard_swish,
-              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add, ("", "Mul"): _mul}
+              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add, ("", "Mul"): _mul, ("", "Gelu"): _gelu}
 # The same steps in the compiled kernels' epilogues (host/cpu_ep/native).
 _NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: native.HARD_SWISH,
            _sigmoid: native.SIGMOID, _add: native.ADD, _mul: native.MUL, _silu: native.SILU}
@@ -137,7 +143,7 @@ def _native_steps(producer, epilogues, others):
         return None
     steps, res, alpha, beta = [], -1, 0.0, 0.0
     for (kernel, fn), other in zip(epilogues, others):
-        code = _NATIVE[fn]
+        code = _NATIVE[fn] if fn is not _gelu else (native.GELU_TANH if kernel.tanh else native.GELU)
         if fn in _BINARY:  # the compiled epilogue takes one such operand
             if res >= 0:
                 return None
