@@ -12,7 +12,7 @@ from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_attention import _FAST_SOFTMAX, Attention  # noqa: F401  (Attention: moved there)
 from host.cpu_ep.ops_elementwise import gelu
-from host.cpu_ep.ops_math import bound_gemm, chain_gemm_runner, matmul, native_matmul
+from host.cpu_ep.ops_math import bound_gemm, chain_gemm_runner, matmul, native_matmul, prepared_gemm
 from host.cpu_ep.ops_standardize import fast_rows, read_norm_attrs, standardize, standardize_rows
 from host.cpu_ep.registry import register
 
@@ -331,6 +331,9 @@ class FusedMatMul(OpKernel):
         return chain_gemm_runner(lib, a, b, bias, prog, alpha, beta)
 
     def _run(self, a, b, bias=None):
+        run = prepared_gemm(self._runs, a, b, bias, self._bound_b, self._bound_bias)
+        if run is not None:
+            return (run(a),)
         lib = native.LIB
         if lib is not None:
             if b is self._bound_b and bias is self._bound_bias and a.dtype == F32 and a.flags.c_contiguous:

@@ -10,7 +10,7 @@ import pytest
 from onnx import helper
 
 from host.cpu_ep import native
-from tests.host.test_cpu_speed_paths import _chains, _ephost, _model, _ort
+from tests.host.test_cpu_speed_paths import _chains, _ephost, _kernels, _model, _ort
 
 F32 = np.float32
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -77,3 +77,89 @@ def test_a_gelu_input_that_is_a_graph_output_is_not_joined(kernels):
     for got, want in zip(sess.run(None, feeds), _ort(model, feeds)):
         np.testing.assert_allclose(got, want, **TOL)
     assert _chains(sess) == []
+
+
+# -- memos by shape: a later call of the same shape that the memo does not serve -----------------------
+
+
+def _run_twice(model, feeds_list, kernels):
+    sess = _ephost(model)
+    for feeds in feeds_list:
+        for got, want in zip(sess.run(None, feeds), _ort(model, feeds)):
+            np.testing.assert_allclose(got, want, **TOL)
+    return sess
+
+
+def test_slice_bounds_fed_at_run_time_are_memoized_by_value(kernels):
+    """Same input shape, other bounds each run (values repeat, as the shape program's do per signature):
+    the memo keys by the bounds' contents, so each run slices where its own bounds say."""
+    x = np.arange(4 * 30, dtype=F32).reshape(4, 30)
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])
+    bounds = [(2, 25, 1, 3), (-10, 1000, 1, 1), (2, 25, 1, 3), (29, 0, 1, -2), (1, 3, 0, 1)]
+    feeds_list = [{"x": x, "starts": np.array([s], np.int64), "ends": np.array([e], np.int64),
+                   "axes": np.array([a], np.int64), "steps": np.array([st], np.int64)} for s, e, a, st in bounds]
+    model = _model([node], feeds_list[0], ["y"], {})
+    _run_twice(model, feeds_list, kernels)
+
+
+def test_reshape_targets_fed_at_run_time_are_memoized_by_value(kernels):
+    x = np.arange(24, dtype=F32).reshape(2, 3, 4)
+    node = helper.make_node("Reshape", ["x", "shape"], ["y"])
+    targets = [[6, 4], [4, -1], [0, 12], [6, 4], [-1, 8], [3, 8]]
+    feeds_list = [{"x": x, "shape": np.array(t, np.int64)} for t in targets]
+    model = _model([node], {"x": x, "shape": np.array([6, 4], np.int64)}, ["y"], {})
+    sess = _ephost(model)
+    for feeds in feeds_list:
+        got = sess.run(None, feeds)[0]
+        want = _ort(model, feeds)[0]
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_layernorm_and_softmax_shapes_seen_before_with_other_operands(kernels):
+    """A shape with its compiled call made: then a strided view of that shape (Transpose), and the same
+    through the NumPy path, each against onnxruntime."""
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((2, 8, 8)).astype(F32)
+    scale, bias = rng.standard_normal(8).astype(F32), rng.standard_normal(8).astype(F32)
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["ln"]),
+             helper.make_node("Softmax", ["x"], ["sm"]),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("LayerNormalization", ["xt", "scale", "bias"], ["lnt"]),
+             helper.make_node("Softmax", ["xt"], ["smt"])]
+    model = _model(nodes, {"x": x}, ["ln", "sm", "lnt", "smt"], {"scale": scale, "bias": bias})
+    _run_twice(model, [{"x": x}, {"x": rng.standard_normal((2, 8, 8)).astype(F32)}], kernels)
+
+
+def test_a_matmul_weight_fed_at_run_time_after_the_bound_one(kernels):
+    """FusedMatMul's per-shape call is for its bound weight: the same a-shape times a fed weight (another
+    node of the same kernel class) and a non-contiguous a compute their own products."""
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((1, 16, 16)).astype(F32)
+    w = rng.standard_normal((16, 16)).astype(F32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="bound"),
+             helper.make_node("MatMul", ["x", "wf"], ["b"], name="fed"),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["xt", "w"], ["c"], name="strided")]
+    wf = rng.standard_normal((16, 16)).astype(F32)
+    model = _model(nodes, {"x": x, "wf": wf}, ["a", "b", "c"], {"w": w})
+    _run_twice(model, [{"x": x, "wf": wf}, {"x": x, "wf": rng.standard_normal((16, 16)).astype(F32)}], kernels)
+
+
+@pytest.mark.parametrize("op", ["MatMul", "LayerNormalization", "Softmax"])
+def test_a_strided_input_of_a_shape_seen_before(kernels, op):
+    """The per-shape compiled call was made for a C-contiguous input: a strided view of the same shape next
+    (feeds arrive dense, so the kernel is called directly) takes the general path, read through its strides."""
+    rng = np.random.default_rng(24)
+    x = rng.standard_normal((1, 16, 16)).astype(F32)
+    inits = {"w": rng.standard_normal((16, 16)).astype(F32)} if op == "MatMul" else \
+        {"w": rng.standard_normal(16).astype(F32)} if op == "LayerNormalization" else {}
+    model = _model([helper.make_node(op, ["x", *inits], ["y"])], {"x": x}, ["y"], inits)
+    sess = _ephost(model)
+    (kernel,) = _kernels(sess, op)
+    strided = np.ascontiguousarray(rng.standard_normal((1, 16, 16)).astype(F32).transpose(0, 2, 1)).transpose(0, 2, 1)
+    assert not strided.flags.c_contiguous
+    bound = [sess.plan.constants[v] for v in sess.plan.nodes[0].inputs[1:]]  # the arrays the kernel bound
+    for arg in (x, strided, x):
+        got = kernel._run(arg, *bound)[0]
+        np.testing.assert_allclose(got, _ort(model, {"x": np.ascontiguousarray(arg)})[0], **TOL)
