@@ -146,19 +146,27 @@ def test_a_matmul_weight_fed_at_run_time_after_the_bound_one(kernels):
     _run_twice(model, [{"x": x, "wf": wf}, {"x": x, "wf": rng.standard_normal((16, 16)).astype(F32)}], kernels)
 
 
-@pytest.mark.parametrize("op", ["MatMul", "LayerNormalization", "Softmax"])
+_STRIDED_CASES = {  # op: (input shape, initializers, attributes)
+    "MatMul": ((1, 16, 16), {"w": (16, 16)}, {}),
+    "LayerNormalization": ((1, 16, 16), {"w": (16,)}, {}),
+    "Softmax": ((1, 16, 16), {}, {}),
+    "Gemm": ((16, 16), {"w": (24, 16), "c": (24,)}, {"transB": 1}),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_STRIDED_CASES))
 def test_a_strided_input_of_a_shape_seen_before(kernels, op):
     """The per-shape compiled call was made for a C-contiguous input: a strided view of the same shape next
     (feeds arrive dense, so the kernel is called directly) takes the general path, read through its strides."""
     rng = np.random.default_rng(24)
-    x = rng.standard_normal((1, 16, 16)).astype(F32)
-    inits = {"w": rng.standard_normal((16, 16)).astype(F32)} if op == "MatMul" else \
-        {"w": rng.standard_normal(16).astype(F32)} if op == "LayerNormalization" else {}
-    model = _model([helper.make_node(op, ["x", *inits], ["y"])], {"x": x}, ["y"], inits)
+    shape, init_shapes, attrs = _STRIDED_CASES[op]
+    x = rng.standard_normal(shape).astype(F32)
+    inits = {name: rng.standard_normal(s).astype(F32) for name, s in init_shapes.items()}
+    model = _model([helper.make_node(op, ["x", *inits], ["y"], **attrs)], {"x": x}, ["y"], inits)
     sess = _ephost(model)
     (kernel,) = _kernels(sess, op)
-    strided = np.ascontiguousarray(rng.standard_normal((1, 16, 16)).astype(F32).transpose(0, 2, 1)).transpose(0, 2, 1)
-    assert not strided.flags.c_contiguous
+    strided = np.ascontiguousarray(rng.standard_normal(shape[::-1]).astype(F32)).T
+    assert not strided.flags.c_contiguous and strided.shape == shape
     bound = [sess.plan.constants[v] for v in sess.plan.nodes[0].inputs[1:]]  # the arrays the kernel bound
     for arg in (x, strided, x):
         got = kernel._run(arg, *bound)[0]
