@@ -243,8 +243,21 @@ class Split(OpKernel):
         if self.num_outputs is not None and self.num_outputs != self.n_outputs:
             raise self.bad_attr("num_outputs", self.num_outputs,
                                 f"the node's number of outputs ({self.n_outputs})")
+        self._memo: dict[tuple, tuple] = {}  # (x's shape, the sizes' contents) -> the outputs' indices
 
     def _run(self, x, split=None):
+        key = (x.shape, None if split is None else contents_key(split))
+        index = self._memo.get(key)
+        if index is None:
+            index = self._index(x, split)
+            if split is None or key[1] is not None:
+                if len(self._memo) >= 64:
+                    self._memo = {}
+                self._memo[key] = index
+        return tuple([x[i] for i in index])
+
+    def _index(self, x, split) -> tuple:
+        """The NumPy index of each output's block of x (validation included)."""
         axis = normalize_axis(self.axis, x.ndim)
         dim = x.shape[axis]
         sizes = self.split_attr if self.split_attr is not None else int_list(split)
@@ -257,11 +270,11 @@ class Split(OpKernel):
         if sum(sizes) != dim or any(s < 0 for s in sizes):
             raise ValueError(f"split sizes {sizes} do not add up to dimension {dim}")
         lead = (slice(None),) * axis
-        outs, start = [], 0
+        index, start = [], 0
         for size in sizes:
-            outs.append(x[(*lead, slice(start, start + size))])
+            index.append((*lead, slice(start, start + size)))
             start += size
-        return tuple(outs)
+        return tuple(index)
 
 
 @register("Slice")

@@ -253,6 +253,11 @@ class SkipLayerNormalization(OpKernel):
         return run
 
     def _run(self, x, skip, scale, bias=None):
+        run = self._runs.get(x.shape)  # the call made for this shape, when this call is one it serves
+        if (run and run[0] is native.LIB and scale is self._bound.get(2) and bias is self._bound.get(3)
+                and skip.shape == x.shape and x.dtype == F32 and skip.dtype == F32 and x.flags.c_contiguous
+                and skip.flags.c_contiguous):
+            return run[1](x, skip)
         lib = native.LIB
         if (lib is not None and x.dtype == F32 and skip.dtype == F32 and x.flags.c_contiguous
                 and skip.flags.c_contiguous and x.shape == skip.shape and scale is self._bound.get(2)

@@ -171,3 +171,17 @@ def test_a_strided_input_of_a_shape_seen_before(kernels, op):
     for arg in (x, strided, x):
         got = kernel._run(arg, *bound)[0]
         np.testing.assert_allclose(got, _ort(model, {"x": np.ascontiguousarray(arg)})[0], **TOL)
+
+
+def test_split_sizes_fed_at_run_time_are_memoized_by_value(kernels):
+    x = np.arange(2 * 12, dtype=F32).reshape(2, 12)
+    node = helper.make_node("Split", ["x", "split"], ["a", "b", "c"], axis=1)
+    sizes = [(4, 4, 4), (1, 2, 9), (4, 4, 4), (0, 12, 0)]
+    feeds_list = [{"x": x, "split": np.array(s, np.int64)} for s in sizes]
+    model = _model([node], feeds_list[0], ["a", "b", "c"], {})
+    sess = _ephost(model)
+    for feeds in feeds_list:
+        got, want = sess.run(None, feeds), _ort(model, feeds)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_array_equal(g, w)
