@@ -185,3 +185,21 @@ def test_split_sizes_fed_at_run_time_are_memoized_by_value(kernels):
         for g, w in zip(got, want):
             assert g.shape == w.shape
             np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_stacked_products_over_views(kernels, dtype):
+    """Attention's q k^T and p v as GPT-2 exports them (Transpose views of a split projection), at a size
+    NumPy's loop takes straight from the views."""
+    rng = np.random.default_rng(25)
+    qkv = rng.standard_normal((2, 16, 3, 2, 8)).astype(dtype)
+    nodes = [helper.make_node("Split", ["qkv"], ["q5", "k5", "v5"], axis=2, num_outputs=3),
+             helper.make_node("Transpose", ["q5"], ["q"], perm=[0, 2, 3, 1, 4]),
+             helper.make_node("Transpose", ["k5"], ["kt"], perm=[0, 2, 3, 4, 1]),
+             helper.make_node("Transpose", ["v5"], ["v"], perm=[0, 2, 3, 1, 4]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("MatMul", ["s", "v"], ["y"])]
+    model = _model(nodes, {"qkv": qkv}, ["y", "s"], {})
+    sess = _ephost(model)
+    for got, want in zip(sess.run(None, {"qkv": qkv}), _ort(model, {"qkv": qkv})):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
