@@ -147,6 +147,32 @@ class _ConvPlan:
     kind: str  # "pointwise" (1x1, stride 1, no padding, one group), "depthwise" (one channel a group), "im2col"
 
 
+def _patch_runner(lib, w, b, geom, prog: int, alpha: float, beta: float):
+    """For a convolution whose windows tile the image (kernel = stride, no padding or dilation: ViT's patch
+    embedding): a function of x (1, C, H, W) doing im2col as one reshape-transpose copy and one GEMM into
+    (pixels, M) over the weights transposed once, the output transposed back; None where the windows do not
+    tile x or the product is beyond the small GEMM. The compiled im2col took 8-10 us at ViT-tiny's 3x32x32
+    image (8x8 patches): a copy per window row and a narrow-output GEMM (16 pixels)."""
+    c, h, wd, m, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = (geom[i] for i in range(14))
+    if ((kh, kw) != (sh, sw) or ph or pw or dh != 1 or dw != 1 or oh != (h - kh) // sh + 1
+            or ow != (wd - kw) // sw + 1):
+        return None
+    taps, pixels = c * kh * kw, oh * ow
+    if not native.gemm_fits(pixels, taps, m):
+        return None
+    wt = np.ascontiguousarray(w.reshape(m, taps).T)
+    ptr, null, gemm, empty, dense = native.ptr, native.NULL, lib.ep_gemm, np.empty, np.ascontiguousarray
+    wtp, bp, kind = ptr(wt), null if b is None else ptr(b), 0 if b is None else 1  # bias over the GEMM's columns
+
+    def run(x):
+        p = dense(x[0, :, :oh * kh, :ow * kw].reshape(c, oh, kh, ow, kw).transpose(1, 3, 0, 2, 4))
+        yt = empty((pixels, m), dtype=F32)
+        gemm(ptr(p), null, wtp, bp, kind, ptr(yt), pixels, taps, m, prog, null, alpha, beta)
+        return dense(yt.T).reshape(1, m, oh, ow)
+
+    return run
+
+
 @register("Conv")
 class Conv(_Spatial):
     """Grouped N-D convolution: a 1x1 convolution is one matmul, a depthwise one a batched dot per
@@ -219,7 +245,7 @@ class Conv(_Spatial):
         elif kind == "depthwise":
             if lib.ep_depthwise2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
                 return None
-        elif lib.ep_conv2d(ptr(x), ptr(w), bp, ptr(y), handle, prog, rp, alpha, beta):
+        elif lib.ep_conv2d(ptr(x), ptr(w), null, bp, ptr(y), handle, prog, rp, alpha, beta):
             return None
         return y
 
@@ -235,18 +261,35 @@ class Conv(_Spatial):
             return False
         kind, handle, out_shape = entry
         ptr, null, empty = native.ptr, native.NULL, np.empty
-        wp, bp = ptr(w), null if b is None else ptr(b)
+        wp, bp, patches = ptr(w), null if b is None else ptr(b), None
         if kind == "pointwise":
             gemm, (m, c), pixels = lib.ep_gemm, w.shape[:2], x.shape[2] * x.shape[3]
 
             def call(xp, yp, rp):
                 gemm(wp, handle, xp, bp, 0 if b is None else 2, yp, m, c, pixels, prog, rp, alpha, beta)
                 return 0
-        else:
-            fn = lib.ep_depthwise2d if kind == "depthwise" else lib.ep_conv2d
+        elif kind == "depthwise":
+            fn = lib.ep_depthwise2d
 
             def call(xp, yp, rp):
                 return fn(xp, wp, bp, yp, handle, prog, rp, alpha, beta)
+        else:
+            patches = _patch_runner(lib, w, b, handle, prog, alpha, beta)
+            fn, m = lib.ep_conv2d, w.shape[0]
+            # The weights transposed once, for the kernel's narrow-output GEMM (fewer pixels than a tile's
+            # columns, more channels: a patch embedding); kept by the closure with the bound weights.
+            pixels = out_shape[2] * out_shape[3]
+            wt = np.ascontiguousarray(w.reshape(m, -1).T) if pixels < 32 and m > pixels else None
+            wtp = null if wt is None else ptr(wt)
+
+            def call(xp, yp, rp):
+                return fn(xp, wp, wtp, bp, yp, handle, prog, rp, alpha, beta)
+
+            if patches is not None:  # no residual operand: the GEMM writes the output transposed
+                def run_patches(x, res):
+                    if res is None:
+                        return patches(x)
+                    return run(x, res)
 
         def run(x, res):
             if res is not None and (res.shape != out_shape or res.dtype != F32 or not res.flags.c_contiguous):
@@ -254,7 +297,7 @@ class Conv(_Spatial):
             y = empty(out_shape, dtype=F32)
             return None if call(ptr(x), ptr(y), null if res is None else ptr(res)) else y
 
-        return run
+        return run if patches is None else run_patches
 
     def _native_geom(self, x, w):
         """(kind, handle, output shape) for the compiled kernels, or None. The handle is the ConvGeom of a

@@ -203,3 +203,33 @@ def test_small_stacked_products_over_views(kernels, dtype):
     sess = _ephost(model)
     for got, want in zip(sess.run(None, {"qkv": qkv}), _ort(model, {"qkv": qkv})):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bias", "no-bias", "relu", "residual", "uneven", "end-padding", "overlap"])
+def test_patch_embedding_convolutions(kernels, case):
+    """Windows that tile the image (kernel = stride: ViT's patch embedding) run as one copy and one GEMM;
+    an image the windows do not cover exactly, end padding and overlapping windows keep the general path."""
+    rng = np.random.default_rng(26)
+    size = 30 if case == "uneven" else 32
+    x = rng.standard_normal((1, 3, size, size)).astype(F32)
+    inits = {"w": rng.standard_normal((40, 3, 8, 8)).astype(F32)}
+    if case != "no-bias":
+        inits["b"] = rng.standard_normal(40).astype(F32)
+    attrs = {"strides": [4, 4] if case == "overlap" else [8, 8]}
+    if case == "end-padding":
+        attrs["pads"] = [0, 0, 8, 8]  # a fifth window row and column, over the padding
+    nodes = [helper.make_node("Conv", ["x", *inits], ["c"], name="patch", **attrs)]
+    if case == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["y"], name="relu"))
+    elif case == "residual":  # Conv -> Add(another conv's output): the chain's residual operand
+        inits["w2"] = rng.standard_normal((40, 3, 8, 8)).astype(F32)
+        nodes += [helper.make_node("Conv", ["x", "w2"], ["r"], name="other", **attrs),
+                  helper.make_node("Add", ["c", "r"], ["y"], name="residual")]
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"]))
+    model = _model(nodes, {"x": x}, ["y"], inits)
+    _run_twice(model, [{"x": x}, {"x": rng.standard_normal(x.shape).astype(F32)}], kernels)
+    if kernels is not None and case in ("bias", "no-bias", "relu", "uneven"):
+        assert kernels.calls["ep_gemm"] == 2 and not kernels.calls["ep_conv2d"], dict(kernels.calls)
+    elif kernels is not None and case != "residual":
+        assert kernels.calls["ep_conv2d"] == 2, dict(kernels.calls)

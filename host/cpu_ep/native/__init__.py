@@ -46,7 +46,7 @@ void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const
                       const int64_t *ys, int B, int H, int S, int D, int64_t cs_batch);
 int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const void *g, unsigned prog,
                     const void *res, float alpha, float beta);
-int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const void *g, unsigned prog,
+int ep_conv2d(const void *x, const void *w, const void *wt, const void *bias, void *y, const void *g, unsigned prog,
               const void *res, float alpha, float beta);
 int64_t ep_packed_b_size(int K, int N);
 void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
