@@ -11,7 +11,8 @@ nothing else reads:
   gating product (SwiGLU's `silu(gate) * up`) run in place on the producer's output;
 - **squeeze-and-excitation** (MobileNetV3, EfficientNet): GlobalAveragePool or ReduceMean over the
   spatial axes -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid or Sigmoid -> Mul with the pooled input,
-  both convolutions' weights initializers: a few GEMVs on the pooled channels.
+  both convolutions' weights initializers: a few GEMVs on the pooled channels;
+- **joint q, k, v projections** with the Attention node reading them (fusion_qkv.py).
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
@@ -452,10 +453,18 @@ def match_squeeze_excite(nodes, i: int, consumers, keep, constants):
 
 
 def fuse(nodes, keep, constants) -> list:
-    """The run loop's step nodes: plan nodes, with the chains above replaced by FusedNodes."""
+    """The run loop's step nodes: plan nodes, with the chains above (and fusion_qkv's joint q, k, v
+    projections with their Attention) replaced by FusedNodes."""
+    from host.cpu_ep.fusion_qkv import match_qkv_attention
+
     consumers = _consumers(nodes)
     out, i = [], 0
     while i < len(nodes):
+        joint = match_qkv_attention(nodes, i, consumers, keep, constants)
+        if joint is not None:  # the nodes it passed over, then the join
+            out += joint[0]
+            i += joint[1]
+            continue
         found = match_squeeze_excite(nodes, i, consumers, keep, constants) or match_epilogues(nodes, i, consumers,
                                                                                                 keep, constants)
         if found is None:

@@ -233,3 +233,65 @@ def test_patch_embedding_convolutions(kernels, case):
         assert kernels.calls["ep_gemm"] == 2 and not kernels.calls["ep_conv2d"], dict(kernels.calls)
     elif kernels is not None and case != "residual":
         assert kernels.calls["ep_conv2d"] == 2, dict(kernels.calls)
+
+
+# -- joint q, k, v projections with their Attention (fusion_qkv.py) ---------------------------------------
+
+
+def _qkv_attention(order: str, bias: bool, mask: str, x_read_between: bool = False, fused: bool = True):
+    """x -> three projections (written in `order`) -> [an Expand of the mask] -> Attention(q, k, v, mask).
+    `fused`: FusedMatMul with its bias (what the optimizer makes); else MatMul + Add (the reference's)."""
+    rng = np.random.default_rng(27)
+    x = rng.standard_normal((2, 16, 24)).astype(F32)
+    inits = {f"w{c}": (rng.standard_normal((24, 24)) / 5).astype(F32) for c in "qkv"}
+    if bias:
+        inits.update({f"b{c}": rng.standard_normal(24).astype(F32) for c in "qkv"})
+    nodes = []
+    for c in order:
+        if bias and fused:
+            nodes.append(helper.make_node("FusedMatMul", ["x", f"w{c}", f"b{c}"], [c], domain="ai.ephost", name=c))
+        elif bias:
+            nodes += [helper.make_node("MatMul", ["x", f"w{c}"], [f"{c}0"], name=c),
+                      helper.make_node("Add", [f"{c}0", f"b{c}"], [c])]
+        else:
+            nodes.append(helper.make_node("MatMul", ["x", f"w{c}"], [c], name=c))
+    inputs = {"x": x}
+    if mask != "none":
+        m = rng.standard_normal((1, 1, 1, 16)).astype(F32) if mask == "float" else rng.random((1, 1, 1, 16)) > 0.3
+        m[..., 0] = True if mask == "bool" else m[..., 0]
+        inputs["m"] = m
+        inits["mshape"] = np.array([2, 1, 16, 16], np.int64)
+        nodes.append(helper.make_node("Expand", ["m", "mshape"], ["mask"], name="expand"))
+    if x_read_between:
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"], name="between"))
+    nodes.append(helper.make_node("Attention", ["q", "k", "v", *(["mask"] if mask != "none" else [])], ["y"],
+                                  q_num_heads=3, kv_num_heads=3, name="attention"))
+    outputs = ["y", "xr"] if x_read_between else ["y"]
+    return _model(nodes, inputs, outputs, inits, opset=23, domains=("ai.ephost",) if fused and bias else ()), inputs
+
+
+@pytest.mark.parametrize("order", ["qkv", "vqk"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mask", ["none", "float", "bool"])
+def test_qkv_projections_join_their_attention(kernels, order, bias, mask):
+    from onnx.reference import ReferenceEvaluator
+
+    model, feeds = _qkv_attention(order, bias, mask)
+    sess = _ephost(model)
+    ref = ReferenceEvaluator(_qkv_attention(order, bias, mask, fused=False)[0])
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+    assert [c[0] for c in _chains(sess)] == ["_QkvAttention"]
+    if kernels is not None:  # one GEMM and the attention a run
+        assert kernels.calls["ep_gemm"] == 2 and kernels.calls["ep_attention"] == 2, dict(kernels.calls)
+
+
+def test_qkv_projections_stay_apart_when_their_input_is_read_between():
+    from onnx.reference import ReferenceEvaluator
+
+    model, feeds = _qkv_attention("qkv", True, "float", x_read_between=True)
+    sess = _ephost(model)
+    ref = ReferenceEvaluator(_qkv_attention("qkv", True, "float", x_read_between=True, fused=False)[0])
+    for got, want in zip(sess.run(None, feeds), ref.run(None, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert _chains(sess) == []
