@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.cpu_ep import native
+from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.ops_math import bound_gemm
 
 _PRODUCTS = {("", "MatMul"), ("ai.ephost", "FusedMatMul")}
@@ -92,6 +92,7 @@ class _QkvAttention:
         self.weights = [p[1] for p in projections]
         self.biases = [p[2] for p in projections]
         self.w = np.ascontiguousarray(np.concatenate(self.weights, axis=1))
+        packed_gemm.declare_weight(self.w)  # unchanged while the join lives: large products may pack it
         self.bias = None if self.biases[0] is None else np.ascontiguousarray(np.concatenate(self.biases))
         self.widths = [w.shape[1] for w in self.weights]
         self._runs: dict[tuple, tuple | bool] = {}
