@@ -6,10 +6,12 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
 from host.cpu_ep import native
+from host.runtime.session import InferenceSession
 from tests.host.test_cpu_speed_paths import _chains, _ephost, _kernels, _model, _ort
 
 F32 = np.float32
@@ -295,3 +297,78 @@ def test_qkv_projections_stay_apart_when_their_input_is_read_between():
     for got, want in zip(sess.run(None, feeds), ref.run(None, feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert _chains(sess) == []
+
+
+# -- nodes over shape-program values run once per signature (host/runtime/steps/cpu_hoist.py) -----------
+
+
+def _causal_model(extra_outputs=(), second_product=False):
+    """y = x @ causal(seq) where causal = Cast(LessOrEqual(Range(seq), Unsqueeze(Range(seq)))): the ranges are
+    shape arithmetic (the shape program's), the [seq, seq] mask a data node over them only."""
+    x = helper.make_tensor_value_info("x", 1, ["batch", "seq"])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "one"], ["n"]),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Unsqueeze", ["r", "one_axis"], ["rc"]),
+             helper.make_node("LessOrEqual", ["r", "rc"], ["causal"], name="le"),
+             helper.make_node("Cast", ["causal"], ["cf"], to=1, name="cast"),
+             helper.make_node("MatMul", ["x", "cf"], ["y"], name="mm")]
+    if second_product:  # one more hoisted node (Relu over the mask), read by a second product
+        nodes += [helper.make_node("Relu", ["cf"], ["cfr"], name="relu"),
+                  helper.make_node("MatMul", ["x", "cfr"], ["y2"], name="mm2")]
+    inits = [onnx.numpy_helper.from_array(np.array(v, dtype), name) for name, v, dtype in
+             [("one", 1, np.int64), ("zero", 0, np.int64), ("one_axis", [1], np.int64)]]
+    outs = [helper.make_tensor_value_info(o, 1 if o != "causal" else 9, None) for o in ["y2" if second_product else "y",
+                                                                                           *extra_outputs]]
+    for o in outs:
+        o.type.tensor_type.shape.SetInParent()
+    graph = helper.make_graph(nodes, "g", [x], outs, initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _hoisted(sess) -> list[str]:
+    from host.runtime.steps import CpuSegment
+
+    return [n.name for step, _ in sess.executor.steps if isinstance(step, CpuSegment) and step.hoisted
+            for n in step.hoisted.nodes]
+
+
+def test_nodes_over_shape_values_run_once_per_signature(kernels, monkeypatch):
+    model = _causal_model()
+    sess = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert _hoisted(sess) == ["le", "cast"]
+    calls = collections.Counter()
+    le = [n.kernel for n in sess.plan.nodes if n.name == "le"][0]
+    run = le._run
+    monkeypatch.setattr(le, "_run", lambda *a: (calls.update(["le"]), run(*a))[1])
+    rng = np.random.default_rng(28)
+    for batch, seq in [(1, 16), (2, 5), (1, 16), (2, 5), (3, 16)]:
+        feeds = {"x": rng.standard_normal((batch, seq)).astype(F32)}
+        np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+    assert calls["le"] == 3  # per signature of the program's input shapes: (1, 16), (2, 5), (3, 16)
+
+
+def test_graph_outputs_are_not_hoisted(kernels):
+    sess = InferenceSession(_causal_model(extra_outputs=("cf",)).SerializeToString(),
+                            providers=["CPUExecutionProvider"])
+    assert _hoisted(sess) == ["le"]  # 'cf' is a graph output: the caller may write into it
+    model = _causal_model(second_product=True)
+    sess = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert _hoisted(sess) == ["le", "cast", "relu"]
+    feeds = {"x": np.ones((2, 4), F32)}
+    np.testing.assert_allclose(sess.run(None, feeds)[0], _ort(model, feeds)[0], **TOL)
+
+
+def test_nodes_that_may_draw_are_never_hoisted():
+    """The rule itself (the CPU EP has no random op besides Dropout, which the optimizer removes): over
+    shape values alone, Dropout (training_mode may draw) stays in the loop, a Cast beside it does not."""
+    from types import SimpleNamespace
+
+    from host.runtime.steps.cpu_hoist import split_hoisted
+
+    plan = SimpleNamespace(host_computed=frozenset({1}), object_ids=frozenset())
+    nodes = [SimpleNamespace(op_type="Dropout", inputs=(1,), outputs=(2, -1)),
+             SimpleNamespace(op_type="Cast", inputs=(1,), outputs=(3,)),
+             SimpleNamespace(op_type="Mul", inputs=(3, 0), outputs=(4,))]
+    hoisted, rest = split_hoisted(nodes, keep=set(), constants={}, plan=plan)
+    assert [n.op_type for n in hoisted] == ["Cast"] and [n.op_type for n in rest] == ["Dropout", "Mul"]

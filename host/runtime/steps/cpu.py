@@ -20,6 +20,7 @@ from host.cpu_ep.fusion import FusedNode, fuse
 from host.errors import EpError, EphostError
 from host.plugins.ep import CPU_LOCATION
 from host.runtime.plan import PlanNode
+from host.runtime.steps.cpu_hoist import Hoisted, split_hoisted
 from host.runtime.tensor import DeviceTensor
 
 
@@ -86,6 +87,9 @@ class CpuSegment:
                 self.prelude.append((out, constants[out]))  # stored up front instead of running the node
             else:
                 rest.append(node)
+        # Nodes over shape-program values and initializers only: once per signature (cpu_hoist.py).
+        hoisted, rest = split_hoisted(rest, keep, constants, plan) if observer is None else ([], rest)
+        self.hoisted = Hoisted(hoisted, plan) if hoisted else None
         joined = fuse(rest, keep, constants) if observer is None else rest
         self.steps = [self._entry(node, keep, observer) for node in joined]
 
@@ -106,6 +110,8 @@ class CpuSegment:
         values = st.values
         if self.entering:
             self._enter(st, values)
+        if self.hoisted is not None:
+            self.hoisted.restore(values, self._failure)
         ndarray, objects = np.ndarray, self.objects
         with np.errstate(all="ignore"):
             for node, run, gather, single, outputs, frees in self.steps:
