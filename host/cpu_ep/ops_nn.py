@@ -147,28 +147,28 @@ class _ConvPlan:
     kind: str  # "pointwise" (1x1, stride 1, no padding, one group), "depthwise" (one channel a group), "im2col"
 
 
-def _patch_runner(lib, w, b, geom, prog: int, alpha: float, beta: float):
+def _patch_runner(lib, w, b, geom, prog: int, alpha: float, beta: float, images: int = 1):
     """For a convolution whose windows tile the image (kernel = stride, no padding or dilation: ViT's patch
-    embedding): a function of x (1, C, H, W) doing im2col as one reshape-transpose copy and one GEMM into
-    (pixels, M) over the weights transposed once, the output transposed back; None where the windows do not
-    tile x or the product is beyond the small GEMM. The compiled im2col took 8-10 us at ViT-tiny's 3x32x32
-    image (8x8 patches): a copy per window row and a narrow-output GEMM (16 pixels)."""
+    embedding): a function of x (images, C, H, W) doing im2col as one reshape-transpose copy and one GEMM
+    into (images * pixels, M) over the weights transposed once, the output transposed back; None where the
+    windows do not tile x or the product is beyond the small GEMM. The compiled im2col took 8-10 us at
+    ViT-tiny's 3x32x32 image (8x8 patches): a copy per window row and a narrow-output GEMM (16 pixels)."""
     c, h, wd, m, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = (geom[i] for i in range(14))
     if ((kh, kw) != (sh, sw) or ph or pw or dh != 1 or dw != 1 or oh != (h - kh) // sh + 1
             or ow != (wd - kw) // sw + 1):
         return None
-    taps, pixels = c * kh * kw, oh * ow
-    if not native.gemm_fits(pixels, taps, m):
+    taps, rows = c * kh * kw, images * oh * ow
+    if not native.gemm_fits(rows, taps, m):
         return None
     wt = np.ascontiguousarray(w.reshape(m, taps).T)
     ptr, null, gemm, empty, dense = native.ptr, native.NULL, lib.ep_gemm, np.empty, np.ascontiguousarray
     wtp, bp, kind = ptr(wt), null if b is None else ptr(b), 0 if b is None else 1  # bias over the GEMM's columns
 
     def run(x):
-        p = dense(x[0, :, :oh * kh, :ow * kw].reshape(c, oh, kh, ow, kw).transpose(1, 3, 0, 2, 4))
-        yt = empty((pixels, m), dtype=F32)
-        gemm(ptr(p), null, wtp, bp, kind, ptr(yt), pixels, taps, m, prog, null, alpha, beta)
-        return dense(yt.T).reshape(1, m, oh, ow)
+        p = dense(x[:, :, :oh * kh, :ow * kw].reshape(images, c, oh, kh, ow, kw).transpose(0, 2, 4, 1, 3, 5))
+        yt = empty((images, oh * ow, m), dtype=F32)
+        gemm(ptr(p), null, wtp, bp, kind, ptr(yt), rows, taps, m, prog, null, alpha, beta)
+        return dense(yt.transpose(0, 2, 1)).reshape(images, m, oh, ow)
 
     return run
 
@@ -252,10 +252,15 @@ class Conv(_Spatial):
     def _native_runner(self, lib, x, w, b, prog, alpha, beta):
         """A function of (x, res) computing what _native computes for this input shape, program and the
         bound weights and bias, or False where _native would not serve."""
-        if x.ndim != 4 or w.ndim != 4 or x.shape[0] != 1 or w.dtype != F32 or not w.flags.c_contiguous:
+        if x.ndim != 4 or w.ndim != 4 or w.dtype != F32 or not w.flags.c_contiguous:
             return False
         if b is not None and (b.dtype != F32 or b.shape != (w.shape[0],) or not b.flags.c_contiguous):
             return False
+        if x.shape[0] != 1:  # the compiled convolutions take one image; patches of several are one GEMM
+            entry = self._native_geom(x[:1], w)
+            patches = entry and entry[0] == "im2col" and _patch_runner(lib, w, b, entry[1], prog, alpha, beta,
+                                                                       x.shape[0])
+            return bool(patches) and (lambda x, res: patches(x) if res is None else None)
         entry = self._native_geom(x, w)
         if entry is None:
             return False

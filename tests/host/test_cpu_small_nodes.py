@@ -207,13 +207,14 @@ def test_small_stacked_products_over_views(kernels, dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["bias", "no-bias", "relu", "residual", "uneven", "end-padding", "overlap"])
+@pytest.mark.parametrize("case", ["bias", "no-bias", "relu", "residual", "uneven", "end-padding", "overlap", "images",
+                                  "images-residual"])
 def test_patch_embedding_convolutions(kernels, case):
     """Windows that tile the image (kernel = stride: ViT's patch embedding) run as one copy and one GEMM;
     an image the windows do not cover exactly, end padding and overlapping windows keep the general path."""
     rng = np.random.default_rng(26)
     size = 30 if case == "uneven" else 32
-    x = rng.standard_normal((1, 3, size, size)).astype(F32)
+    x = rng.standard_normal((3 if case.startswith("images") else 1, 3, size, size)).astype(F32)
     inits = {"w": rng.standard_normal((40, 3, 8, 8)).astype(F32)}
     if case != "no-bias":
         inits["b"] = rng.standard_normal(40).astype(F32)
@@ -223,7 +224,7 @@ def test_patch_embedding_convolutions(kernels, case):
     nodes = [helper.make_node("Conv", ["x", *inits], ["c"], name="patch", **attrs)]
     if case == "relu":
         nodes.append(helper.make_node("Relu", ["c"], ["y"], name="relu"))
-    elif case == "residual":  # Conv -> Add(another conv's output): the chain's residual operand
+    elif case.endswith("residual"):  # Conv -> Add(another conv's output): the chain's residual operand
         inits["w2"] = rng.standard_normal((40, 3, 8, 8)).astype(F32)
         nodes += [helper.make_node("Conv", ["x", "w2"], ["r"], name="other", **attrs),
                   helper.make_node("Add", ["c", "r"], ["y"], name="residual")]
@@ -231,9 +232,9 @@ def test_patch_embedding_convolutions(kernels, case):
         nodes.append(helper.make_node("Identity", ["c"], ["y"]))
     model = _model(nodes, {"x": x}, ["y"], inits)
     _run_twice(model, [{"x": x}, {"x": rng.standard_normal(x.shape).astype(F32)}], kernels)
-    if kernels is not None and case in ("bias", "no-bias", "relu", "uneven"):
+    if kernels is not None and case in ("bias", "no-bias", "relu", "uneven", "images"):
         assert kernels.calls["ep_gemm"] == 2 and not kernels.calls["ep_conv2d"], dict(kernels.calls)
-    elif kernels is not None and case != "residual":
+    elif kernels is not None and not case.endswith("residual"):
         assert kernels.calls["ep_conv2d"] == 2, dict(kernels.calls)
 
 
