@@ -373,3 +373,25 @@ def test_nodes_that_may_draw_are_never_hoisted():
              SimpleNamespace(op_type="Mul", inputs=(3, 0), outputs=(4,))]
     hoisted, rest = split_hoisted(nodes, keep=set(), constants={}, plan=plan)
     assert [n.op_type for n in hoisted] == ["Cast"] and [n.op_type for n in rest] == ["Dropout", "Mul"]
+
+
+def test_a_run_ignores_floating_point_errors_and_restores_the_state():
+    """The segment's run enters numpy's "ignore" error state (a division by zero gives inf, as onnxruntime
+    does, without a RuntimeWarning) and leaves the caller's state as it was, after a failed run too."""
+    import warnings
+
+    from host.errors import KernelError
+
+    x, z = np.array([1.0, -1.0, 0.0, 2.0], F32), np.zeros(4, F32)
+    nodes = [helper.make_node("Div", ["x", "z"], ["d"]), helper.make_node("Reshape", ["d", "shape"], ["y"], name="r")]
+    feeds = {"x": x, "z": z, "shape": np.array([2, 2], np.int64)}
+    model = _model(nodes, feeds, ["y"], {})
+    sess = _ephost(model)
+    before = np.geterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sess.run(None, feeds)[0]
+        with pytest.raises(KernelError, match="^node 'r' \\(Reshape\\) on CPUExecutionProvider failed"):
+            sess.run(None, {**feeds, "shape": np.array([3, 3], np.int64)})  # 4 values into 3x3: the kernel fails
+    assert np.geterr() == before
+    np.testing.assert_array_equal(got, _ort(model, feeds)[0])
