@@ -12,7 +12,8 @@ nothing else reads:
 - **squeeze-and-excitation** (MobileNetV3, EfficientNet): GlobalAveragePool or ReduceMean over the
   spatial axes -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid or Sigmoid -> Mul with the pooled input,
   both convolutions' weights initializers: a few GEMVs on the pooled channels;
-- **joint q, k, v projections** with the Attention node reading them (fusion_qkv.py).
+- **joint q, k, v projections** with the Attention node reading them (fusion_qkv.py);
+- **a product and the SkipLayerNormalization** that alone reads it (fusion_norm.py).
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
@@ -455,6 +456,7 @@ def match_squeeze_excite(nodes, i: int, consumers, keep, constants):
 def fuse(nodes, keep, constants) -> list:
     """The run loop's step nodes: plan nodes, with the chains above (and fusion_qkv's joint q, k, v
     projections with their Attention) replaced by FusedNodes."""
+    from host.cpu_ep.fusion_norm import match_gemm_skip_norm
     from host.cpu_ep.fusion_qkv import match_qkv_attention
 
     consumers = _consumers(nodes)
@@ -465,8 +467,9 @@ def fuse(nodes, keep, constants) -> list:
             out += joint[0]
             i += joint[1]
             continue
-        found = match_squeeze_excite(nodes, i, consumers, keep, constants) or match_epilogues(nodes, i, consumers,
-                                                                                                keep, constants)
+        found = (match_squeeze_excite(nodes, i, consumers, keep, constants)
+                 or match_gemm_skip_norm(nodes, i, consumers, keep, constants)
+                 or match_epilogues(nodes, i, consumers, keep, constants))
         if found is None:
             out.append(nodes[i])
             i += 1

@@ -395,3 +395,55 @@ def test_a_run_ignores_floating_point_errors_and_restores_the_state():
             sess.run(None, {**feeds, "shape": np.array([3, 3], np.int64)})  # 4 values into 3x3: the kernel fails
     assert np.geterr() == before
     np.testing.assert_array_equal(got, _ort(model, feeds)[0])
+
+
+# -- a product and the SkipLayerNormalization reading it (fusion_norm.py) ----------------------------------
+
+
+def _layernorm(s, scale, bias, eps=1e-5):
+    s64 = s.astype(np.float64)
+    mean = s64.mean(-1, keepdims=True)
+    y = (s64 - mean) / np.sqrt(((s64 - mean) ** 2).mean(-1, keepdims=True) + eps) * scale
+    return y + bias if bias is not None else y
+
+
+@pytest.mark.parametrize("product", ["MatMul", "FusedMatMul", "FusedMatMul-Relu"])
+@pytest.mark.parametrize("y_first", [True, False])
+@pytest.mark.parametrize("two_outputs", [True, False])
+def test_a_product_joins_the_skip_layernorm_reading_it(kernels, product, y_first, two_outputs):
+    rng = np.random.default_rng(29)
+    a, skip = rng.standard_normal((2, 5, 24)).astype(F32), rng.standard_normal((2, 5, 16)).astype(F32)
+    inits = {"w": rng.standard_normal((24, 16)).astype(F32), "b": rng.standard_normal(16).astype(F32),
+             "gamma": rng.standard_normal(16).astype(F32), "beta": rng.standard_normal(16).astype(F32)}
+    op, _, act = product.partition("-")
+    attrs = {"domain": "ai.ephost", "activation": act} if op == "FusedMatMul" else {}
+    prod_in = ["a", "w", "b"] if op == "FusedMatMul" else ["a", "w"]
+    outs = ["y", "sum"] if two_outputs else ["y"]
+    norm_in = (["p", "skip"] if y_first else ["skip", "p"]) + ["gamma", "beta"]
+    nodes = [helper.make_node(op, prod_in, ["p"], name="prod", **attrs),
+             helper.make_node("SkipLayerNormalization", norm_in, outs, domain="ai.ephost", name="norm", epsilon=1e-5)]
+    model = _model(nodes, {"a": a, "skip": skip}, outs, inits, domains=("ai.ephost",))
+    sess = _ephost(model)
+    got = sess.run(None, {"a": a, "skip": skip})
+    p = a.astype(np.float64) @ inits["w"] + (inits["b"] if op == "FusedMatMul" else 0)
+    p = np.maximum(p, 0) if act == "Relu" else p
+    total = p + skip
+    np.testing.assert_allclose(got[0], _layernorm(total, inits["gamma"], inits["beta"]), rtol=1e-4, atol=1e-4)
+    if two_outputs:
+        np.testing.assert_allclose(got[1], total, rtol=1e-5, atol=1e-5)
+    assert _chains(sess) == [("_GemmSkipNorm", ("prod", "norm"))]
+    if kernels is not None:
+        assert kernels.calls == {"ep_gemm": 1, "ep_layernorm": 1}, dict(kernels.calls)
+
+
+def test_a_product_read_elsewhere_keeps_its_own_step():
+    rng = np.random.default_rng(30)
+    a, skip = rng.standard_normal((1, 4, 8)).astype(F32), rng.standard_normal((1, 4, 8)).astype(F32)
+    inits = {"w": rng.standard_normal((8, 8)).astype(F32), "gamma": rng.standard_normal(8).astype(F32)}
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["p"], name="prod"),
+             helper.make_node("SkipLayerNormalization", ["p", "skip", "gamma"], ["y"], domain="ai.ephost", name="norm")]
+    model = _model(nodes, {"a": a, "skip": skip}, ["y", "p"], inits, domains=("ai.ephost",))
+    sess = _ephost(model)
+    got = sess.run(None, {"a": a, "skip": skip})
+    np.testing.assert_allclose(got[0], _layernorm(a @ inits["w"] + skip, inits["gamma"], None), rtol=1e-4, atol=1e-4)
+    assert _chains(sess) == []
