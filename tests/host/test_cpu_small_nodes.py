@@ -447,3 +447,30 @@ def test_a_product_read_elsewhere_keeps_its_own_step():
     got = sess.run(None, {"a": a, "skip": skip})
     np.testing.assert_allclose(got[0], _layernorm(a @ inits["w"] + skip, inits["gamma"], None), rtol=1e-4, atol=1e-4)
     assert _chains(sess) == []
+
+
+@pytest.mark.parametrize("op", ["Identity", "Reshape"])
+def test_a_hoisted_value_reaches_the_caller_as_its_own_array(op):
+    """A graph output that is a hoisted output passed through (Identity hands on the array itself, Reshape a
+    view): the caller gets memory of its own, writeable; writing into it changes nothing the next run reads.
+    (Optimization off: the optimizer would drop the Identity.)"""
+    from host.optimizer import GraphOptimizationLevel
+    from host.runtime.options import SessionOptions
+
+    model = _causal_model()
+    model.graph.node.append(helper.make_node(op, ["cf", "flat"] if op == "Reshape" else ["cf"], ["cf_out"], name="out"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "flat"))
+    out = helper.make_tensor_value_info("cf_out", 1, None)
+    out.type.tensor_type.shape.SetInParent()
+    model.graph.output.append(out)
+    so = SessionOptions()
+    so.graph_optimization_level = GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+    assert _hoisted(sess) == ["le", "cast"]
+    feeds = {"x": np.ones((2, 4), F32)}
+    first = sess.run(None, feeds)
+    assert first[1].flags.writeable
+    first[1][...] = 7.0
+    again = sess.run(None, feeds)
+    for got, want in zip(again, _ort(model, feeds)):
+        np.testing.assert_allclose(got, want, **TOL)

@@ -20,7 +20,7 @@ from host.cpu_ep.fusion import FusedNode, fuse
 from host.errors import EpError, EphostError
 from host.plugins.ep import CPU_LOCATION
 from host.runtime.plan import PlanNode
-from host.runtime.steps.cpu_hoist import Hoisted, split_hoisted
+from host.runtime.steps.cpu_hoist import Hoisted, escaping, own_copies, split_hoisted
 from host.runtime.tensor import DeviceTensor
 
 try:  # numpy >= 2 keeps its floating-point error state in a context variable
@@ -117,6 +117,7 @@ class CpuSegment:
         # Nodes over shape-program values and initializers only: once per signature (cpu_hoist.py).
         hoisted, rest = split_hoisted(rest, keep, constants, plan) if observer is None else ([], rest)
         self.hoisted = Hoisted(hoisted, plan) if hoisted else None
+        self.escaping = escaping(hoisted, rest, keep)  # kept values that may be views of hoisted outputs
         joined = fuse(rest, keep, constants) if observer is None else rest
         self.steps = [self._entry(node, keep, observer) for node in joined]
 
@@ -157,6 +158,8 @@ class CpuSegment:
                             values[vid] = out if type(out) is ndarray or vid in objects else _value(out)
                 for v in frees:
                     values[v] = None
+        if self.escaping:
+            own_copies(values, self.escaping)
 
     def _enter(self, st, values: list) -> None:
         producer = st.producer

@@ -45,6 +45,25 @@ def split_hoisted(nodes: list, keep: set[int], constants: dict, plan) -> tuple[l
     return hoisted, rest
 
 
+def escaping(hoisted: list, rest: list, keep: set[int]) -> tuple[int, ...]:
+    """The values leaving the segment (`keep`) that may be views of hoisted outputs: those of the other
+    nodes reading, directly or through others, a hoisted output (a Reshape's or Slice's view of one)."""
+    tainted = {v for n in hoisted for v in n.outputs if v >= 0}
+    for node in rest:
+        if any(v in tainted for v in node.inputs):
+            tainted.update(v for v in node.outputs if v >= 0)
+    return tuple(sorted(v for v in tainted if v in keep))
+
+
+def own_copies(values: list, ids: tuple[int, ...]) -> None:
+    """Values leaving the segment get their own memory where they are read-only (a view of a hoisted
+    output): the caller may write into a graph output, and that must not reach the next run's values."""
+    for vid in ids:
+        arr = values[vid]
+        if type(arr) is np.ndarray and not arr.flags.writeable:
+            values[vid] = arr.copy()
+
+
 class Hoisted:
     """The hoisted nodes of one segment and their outputs per signature (of the shape-program arrays read)."""
 
