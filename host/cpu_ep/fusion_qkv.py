@@ -19,7 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from host.cpu_ep import native, packed_gemm
+from host.cpu_ep.base import int_list
+from host.cpu_ep.fusion import FusedNode, _call  # fusion.py imports this module inside fuse() only
 from host.cpu_ep.ops_math import bound_gemm
+from host.cpu_ep.ops_shape import broadcast_shape, contents_key
 
 _PRODUCTS = {("", "MatMul"), ("ai.ephost", "FusedMatMul")}
 F32 = native.F32
@@ -69,25 +72,40 @@ def match_qkv_attention(nodes, i: int, consumers, keep, constants):
     if (len(attn.inputs) > 4 and any(v >= 0 for v in attn.inputs[4:])) or len(attn.outputs) != 1 \
             or "run" in attn.kernel.__dict__ or not attn.kernel._plain:
         return None
-    from host.cpu_ep.fusion import FusedNode  # the run loop's step type (fusion.py imports this module)
-
     order = [outs.index(v) for v in attn.inputs[:3]]  # the products as q, k, v (exports write them in any order)
     projections = [projections[o] for o in order]
     used = [*(nodes[i + o] for o in order), attn]
     mask = attn.inputs[3] if len(attn.inputs) > 3 and attn.inputs[3] >= 0 else -1
-    kernel = _QkvAttention([n.kernel for n in used], projections, mask)
-    fused = FusedNode(kernel, (projections[0][0], *([mask] if mask >= 0 else [])), tuple(attn.outputs),
-                      tuple(v for n in used for v in n.frees), tuple(n.name for n in used))
-    return [*nodes[i + 3:j], fused], j - i + 1
+    between = nodes[i + 3:j]
+    expand = next((n for n in between if _mask_expand(n, mask, consumers, keep)), None)
+    if expand is not None:  # the attention reads the mask before its Expand, broadcasting it itself
+        between = [n for n in between if n is not expand]
+        used.insert(3, expand)
+    kernel = _QkvAttention([n.kernel for n in used], projections, mask if expand is None else expand.inputs[0],
+                           None if expand is None else (expand.inputs[1], expand.kernel))
+    ins = (projections[0][0], *([mask] if mask >= 0 and expand is None else []), *(expand.inputs if expand else ()))
+    fused = FusedNode(kernel, ins, tuple(attn.outputs), tuple(v for n in used for v in n.frees),
+                      tuple(n.name for n in used))
+    return [*between, fused], j - i + 1
+
+
+def _mask_expand(node, mask: int, consumers, keep) -> bool:
+    """`node` is an Expand whose output is the attention's mask and read by nothing else."""
+    return (mask >= 0 and _op(node) == ("", "Expand") and len(node.outputs) == 1 and node.outputs[0] == mask
+            and consumers.get(mask, 0) == 1 and mask not in keep and "run" not in node.kernel.__dict__
+            and len(node.inputs) == 2 and min(node.inputs) >= 0)
 
 
 class _QkvAttention:
     """Attention(x Wq + bq, x Wk + bk, x Wv + bv, mask) with the three products as one GEMM."""
 
-    def __init__(self, kernels, projections, mask: int):
-        self.kernels = kernels  # q, k, v products, then the Attention
-        self.attn = kernels[3]
+    def __init__(self, kernels, projections, mask: int, expand=None):
+        self.kernels = kernels  # q, k, v products, [the mask's Expand], then the Attention
+        self.attn = kernels[-1]
         self.x_id, self.mask_id = projections[0][0], mask
+        # (shape value id, Expand kernel) when the mask is read before its Expand (mask_id: the Expand's input)
+        self.expand = expand
+        self._full: dict[tuple, tuple | None] = {}  # (mask shape, target contents) -> the Expand's output shape
         self.arg_ids = ()  # reads its inputs from the values itself
         self.weights = [p[1] for p in projections]
         self.biases = [p[2] for p in projections]
@@ -105,16 +123,23 @@ class _QkvAttention:
     def _run(self, values, _args):
         x = values[self.x_id]
         mask = values[self.mask_id] if self.mask_id >= 0 else None
+        target = values[self.expand[0]] if self.expand is not None else None
         lib = native.LIB
         if lib is not None and x.dtype == F32 and x.ndim == 3 and x.flags.c_contiguous:
-            y = self._joint(lib, x, mask)
+            y = self._joint(lib, x, mask, target)
             if y is not None:
                 return (y,)
+        if self.expand is not None:
+            mask = _call(self.expand[1], mask, target)[0]
         return self._one_by_one(x, mask)
 
-    def _joint(self, lib, x, mask):
-        """The joint GEMM and the compiled attention over its column blocks, or None where they do not serve."""
+    def _joint(self, lib, x, mask, target=None):
+        """The joint GEMM and the compiled attention over its column blocks, or None where they do not serve.
+        With the mask's Expand absorbed, `mask` is its input and `target` its shape input."""
         if mask is not None and not (mask.flags.c_contiguous and (mask.dtype == F32 or mask.dtype == np.bool_)):
+            return None
+        full = None if self.expand is None else self._expanded(mask, target)
+        if self.expand is not None and full is None:
             return None
         gemm = bound_gemm(self._runs, lib, x, self.w, self.bias, 0)
         if not gemm:
@@ -131,6 +156,9 @@ class _QkvAttention:
         if layout is None:
             return None
         dims, strides, out_shape, mask_kind, scale = layout
+        if full is not None and (len(full) > 4 or any(f not in (1, want) for f, want in
+                                                      zip((1,) * (4 - len(full)) + full, dims[:4]))):
+            return None  # the expanded mask would not broadcast over the scores: the nodes say how
         y = np.empty(out_shape, dtype=F32)
         base = native.ptr(qkv)
         if lib.ep_attention(base, base + 4 * nq, base + 4 * (nq + nk), native.NULL if mask is None else native.ptr(mask),
@@ -138,10 +166,26 @@ class _QkvAttention:
             return None
         return y
 
-    def _one_by_one(self, x, mask):
-        """The four nodes' kernels in turn (what the plan would run without the join)."""
-        from host.cpu_ep.fusion import _call
+    def _expanded(self, mask, target):
+        """The shape Expand(mask, target) has (kept per mask shape and target contents), or None where the
+        target is not a small integer vector or does not broadcast (the nodes then run and say why)."""
+        key = (mask.shape, contents_key(target))
+        if key[1] is None:
+            return None
+        full = self._full.get(key, False)
+        if full is False:
+            try:
+                full = broadcast_shape(mask.shape, int_list(target))
+            except ValueError:
+                full = None
+            if len(self._full) >= 16:
+                self._full = {}
+            self._full[key] = full
+        return full
 
+    def _one_by_one(self, x, mask):
+        """The nodes' kernels in turn (what the plan would run without the join); `mask` as the Attention
+        reads it (expanded)."""
         qkv = [_call(kern, x, w, *([] if b is None else [b]))[0]
                for kern, w, b in zip(self.kernels[:3], self.weights, self.biases)]
-        return _call(self.attn, *qkv, *([] if self.mask_id < 0 else [mask]))
+        return _call(self.attn, *qkv, *([] if mask is None else [mask]))

@@ -474,3 +474,40 @@ def test_a_hoisted_value_reaches_the_caller_as_its_own_array(op):
     again = sess.run(None, feeds)
     for got, want in zip(again, _ort(model, feeds)):
         np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("case", ["fed-targets", "mask-read-elsewhere"])
+def test_the_mask_expand_within_a_qkv_join(kernels, case):
+    """The join reads the mask before its Expand (the attention broadcasts it): with the Expand's target fed
+    at run time (other values each run) and, when the expanded mask is read elsewhere too, with the Expand
+    left as its own node."""
+    from onnx.reference import ReferenceEvaluator
+
+    def build(fused):
+        model, feeds = _qkv_attention("qkv", True, "float", fused=fused)
+        if case == "fed-targets":  # the target becomes an input
+            inits = [t for t in model.graph.initializer if t.name != "mshape"]
+            del model.graph.initializer[:]
+            model.graph.initializer.extend(inits)
+            model.graph.input.append(helper.make_tensor_value_info("mshape", onnx.TensorProto.INT64, [4]))
+        else:
+            out = helper.make_tensor_value_info("mask", onnx.TensorProto.FLOAT, None)
+            out.type.tensor_type.shape.SetInParent()
+            model.graph.output.append(out)
+        return model, feeds
+
+    model, feeds = build(True)
+    sess = _ephost(model)
+    ref = ReferenceEvaluator(build(False)[0])
+    targets = [[2, 1, 16, 16], [1, 1, 1, 16], [2, 3, 16, 16], [2, 1, 16, 16]] if case == "fed-targets" else [None]
+    for target in targets:
+        run_feeds = feeds if target is None else {**feeds, "mshape": np.array(target, np.int64)}
+        for got, want in zip(sess.run(None, run_feeds), ref.run(None, run_feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    (names,) = [c[1] for c in _chains(sess)]
+    assert ("expand" in names) == (case == "fed-targets"), names
+    if case == "fed-targets":  # a mask over 3 images for 2: the Attention node's error, as without the join
+        from host.errors import KernelError
+
+        with pytest.raises(KernelError, match="^node 'attention' \\(Attention\\) on CPUExecutionProvider failed"):
+            sess.run(None, {**feeds, "mshape": np.array([3, 1, 16, 16], np.int64)})
