@@ -114,7 +114,7 @@ class _QkvAttention:
         self.bias = None if self.biases[0] is None else np.ascontiguousarray(np.concatenate(self.biases))
         self.widths = [w.shape[1] for w in self.weights]
         self._runs: dict[tuple, tuple | bool] = {}
-        self._layouts: dict[tuple, tuple | None] = {}
+        self._layouts: dict[tuple, tuple] = {}  # (x, mask, target) -> (library, _prepare's tuple or None)
         self.name, self.op_type = self.attn.name, self.attn.op_type
 
     def failure(self, exc):
@@ -135,7 +135,30 @@ class _QkvAttention:
 
     def _joint(self, lib, x, mask, target=None):
         """The joint GEMM and the compiled attention over its column blocks, or None where they do not serve.
-        With the mask's Expand absorbed, `mask` is its input and `target` its shape input."""
+        With the mask's Expand absorbed, `mask` is its input and `target` its shape input. The checks and the
+        layout are worked out once per (x, mask, target) and kept (`_prepare`)."""
+        key = (x.shape, None if mask is None else (mask.shape, mask.dtype, mask.flags.c_contiguous),
+               None if target is None else contents_key(target))
+        entry = self._layouts.get(key)
+        if entry is None or entry[0] is not lib:
+            if len(self._layouts) >= 16:
+                self._layouts = {}
+            entry = self._layouts[key] = (lib, self._prepare(lib, x, mask, target))
+        prepared = entry[1]
+        if prepared is None:
+            return None
+        gemm, args, out_shape, offsets = prepared
+        qkv = gemm(x)
+        y = np.empty(out_shape, dtype=F32)
+        base = native.ptr(qkv)
+        if lib.ep_attention(base, base + offsets[0], base + offsets[1], native.NULL if mask is None else native.ptr(mask),
+                            args[0], native.ptr(y), *args[1:], self.attn.is_causal):
+            return None
+        return y
+
+    def _prepare(self, lib, x, mask, target):
+        """(the GEMM's function, ep_attention's arguments after the mask pointer, the output shape, k's and v's
+        byte offsets in a row of the product) for these shapes, or None where the compiled path does not serve."""
         if mask is not None and not (mask.flags.c_contiguous and (mask.dtype == F32 or mask.dtype == np.bool_)):
             return None
         full = None if self.expand is None else self._expanded(mask, target)
@@ -144,27 +167,16 @@ class _QkvAttention:
         gemm = bound_gemm(self._runs, lib, x, self.w, self.bias, 0)
         if not gemm:
             return None
-        qkv = gemm(x)
         nq, nk, _ = self.widths
-        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
-        key = (x.shape, None if mask is None else (mask.shape, mask.dtype))
-        layout = self._layouts.get(key, False)
-        if layout is False:
-            layout = self._layouts[key] = self.attn._native_layout(q, k, v, mask)
-            if len(self._layouts) > 16:
-                self._layouts = {key: layout}
+        qkv = np.empty((*x.shape[:-1], self.w.shape[1]), dtype=F32)  # the layout depends on shapes alone
+        layout = self.attn._native_layout(qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:], mask)
         if layout is None:
             return None
         dims, strides, out_shape, mask_kind, scale = layout
         if full is not None and (len(full) > 4 or any(f not in (1, want) for f, want in
                                                       zip((1,) * (4 - len(full)) + full, dims[:4]))):
             return None  # the expanded mask would not broadcast over the scores: the nodes say how
-        y = np.empty(out_shape, dtype=F32)
-        base = native.ptr(qkv)
-        if lib.ep_attention(base, base + 4 * nq, base + 4 * (nq + nk), native.NULL if mask is None else native.ptr(mask),
-                            mask_kind, native.ptr(y), *dims, *strides, scale, self.attn.is_causal):
-            return None
-        return y
+        return gemm, (mask_kind, *dims, *strides, scale), out_shape, (4 * nq, 4 * (nq + nk))
 
     def _expanded(self, mask, target):
         """The shape Expand(mask, target) has (kept per mask shape and target contents), or None where the
