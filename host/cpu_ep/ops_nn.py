@@ -497,6 +497,12 @@ class Conv(_Spatial):
         return _ConvPlan(g, strides, dilations, kind)
 
     def _run(self, x, w, b=None):
+        entry = self._native_runs.get((x.shape, 0, 0.0, 0.0))  # the call made for this shape, checked first
+        if (entry and entry[0] is native.LIB and entry[1] and w is self._bound_w and b is self._bound_b
+                and x.dtype == F32 and x.flags.c_contiguous):
+            y = entry[1](x, None)
+            if y is not None:
+                return (y,)
         if native.LIB is not None:
             y = self._native(x, w, b)
             if y is not None:

@@ -153,6 +153,8 @@ _STRIDED_CASES = {  # op: (input shape, initializers, attributes)
     "LayerNormalization": ((1, 16, 16), {"w": (16,)}, {}),
     "Softmax": ((1, 16, 16), {}, {}),
     "Gemm": ((16, 16), {"w": (24, 16), "c": (24,)}, {"transB": 1}),
+    "Conv": ((1, 3, 8, 8), {"w": (4, 3, 2, 2), "c": (4,)}, {"strides": [2, 2]}),  # the patch embedding's path
+    "Conv-3x3": ((1, 3, 8, 8), {"w": (4, 3, 3, 3), "c": (4,)}, {}),  # ep_conv2d's
 }
 
 
@@ -162,6 +164,7 @@ def test_a_strided_input_of_a_shape_seen_before(kernels, op):
     (feeds arrive dense, so the kernel is called directly) takes the general path, read through its strides."""
     rng = np.random.default_rng(24)
     shape, init_shapes, attrs = _STRIDED_CASES[op]
+    op = op.split("-")[0]
     x = rng.standard_normal(shape).astype(F32)
     inits = {name: rng.standard_normal(s).astype(F32) for name, s in init_shapes.items()}
     model = _model([helper.make_node(op, ["x", *inits], ["y"], **attrs)], {"x": x}, ["y"], inits)
