@@ -106,9 +106,16 @@ def build_hostile(out_dir: Path = DEFAULT_OUT) -> list[Path]:
 def build_cpu_kernels(out_dir: Path = DEFAULT_OUT) -> Path:
     """The CPU EP's compiled kernels (host/cpu_ep/native), tagged with the hash of the source they
     were built from: the host opens the library only when that hash matches its kernels.c."""
+    from abi.builder import BuildError
+    from host.cpu_ep import native
     from host.cpu_ep.native import build_info
 
-    return build_info.compile_library(out_dir / build_info.LIB_NAME, werror=True)
+    library = build_info.compile_library(out_dir / build_info.LIB_NAME, werror=True)
+    try:  # the faster-to-call form of the same kernels; without it the library serves alone
+        build_info.compile_api_module(library, native.CDEF)
+    except (BuildError, ImportError) as exc:
+        print(f"note: CPU kernels without their API module (calls through libffi): {exc}")
+    return library
 
 
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:

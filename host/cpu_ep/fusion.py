@@ -5,12 +5,15 @@ calls on tiny arrays), so the run loop joins, when it builds a plan's steps, cha
 nothing else reads:
 
 - **epilogues**: a node that always returns a fresh array (Conv, Gemm, MatMul, ai.ephost.FusedMatMul)
-  followed by Relu / HardSwish / HardSigmoid / Sigmoid / SiLU (Sigmoid(x) -> Mul(x, that)) /
+  followed by Relu / HardSwish / HardSigmoid / Sigmoid / Gelu (exact or tanh) / SiLU (Sigmoid(x) -> Mul(x,
+  that)) /
   Add or Mul(that output, another value of the same shape): the activations, the residual add and the
   gating product (SwiGLU's `silu(gate) * up`) run in place on the producer's output;
 - **squeeze-and-excitation** (MobileNetV3, EfficientNet): GlobalAveragePool or ReduceMean over the
   spatial axes -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid or Sigmoid -> Mul with the pooled input,
-  both convolutions' weights initializers: a few GEMVs on the pooled channels.
+  both convolutions' weights initializers: a few GEMVs on the pooled channels;
+- **joint q, k, v projections** with the Attention node reading them (fusion_qkv.py);
+- **a product and the SkipLayerNormalization** that alone reads it (fusion_norm.py).
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
@@ -113,6 +116,11 @@ def _mul(kernel, y, other):
     return _call(kernel, y, other)[0]
 
 
+def _gelu(kernel, y, _other=None):
+    """Gelu, exact or tanh-approximate as the node says (its kernel's compiled or NumPy path)."""
+    return _call(kernel, y)[0]
+
+
 def _silu(kernels, y, _other=None):
     """Sigmoid(y) then Mul(y, that): `kernels` is the pair of nodes' kernels."""
     if y.dtype not in _FLOATS:
@@ -122,7 +130,7 @@ def _silu(kernels, y, _other=None):
 
 
 _EPILOGUES = {("", "Relu"): _relu, ("", "HardSigmoid"): _hard_sigmoid, ("", "HardSwish"): _hard_swish,
-              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add, ("", "Mul"): _mul}
+              ("", "Sigmoid"): _sigmoid, ("", "Add"): _add, ("", "Mul"): _mul, ("", "Gelu"): _gelu}
 # The same steps in the compiled kernels' epilogues (host/cpu_ep/native).
 _NATIVE = {_relu: native.RELU, _hard_sigmoid: native.HARD_SIGMOID, _hard_swish: native.HARD_SWISH,
            _sigmoid: native.SIGMOID, _add: native.ADD, _mul: native.MUL, _silu: native.SILU}
@@ -137,7 +145,7 @@ def _native_steps(producer, epilogues, others):
         return None
     steps, res, alpha, beta = [], -1, 0.0, 0.0
     for (kernel, fn), other in zip(epilogues, others):
-        code = _NATIVE[fn]
+        code = _NATIVE[fn] if fn is not _gelu else (native.GELU_TANH if kernel.tanh else native.GELU)
         if fn in _BINARY:  # the compiled epilogue takes one such operand
             if res >= 0:
                 return None
@@ -446,12 +454,22 @@ def match_squeeze_excite(nodes, i: int, consumers, keep, constants):
 
 
 def fuse(nodes, keep, constants) -> list:
-    """The run loop's step nodes: plan nodes, with the chains above replaced by FusedNodes."""
+    """The run loop's step nodes: plan nodes, with the chains above (and fusion_qkv's joint q, k, v
+    projections with their Attention) replaced by FusedNodes."""
+    from host.cpu_ep.fusion_norm import match_gemm_skip_norm
+    from host.cpu_ep.fusion_qkv import match_qkv_attention
+
     consumers = _consumers(nodes)
     out, i = [], 0
     while i < len(nodes):
-        found = match_squeeze_excite(nodes, i, consumers, keep, constants) or match_epilogues(nodes, i, consumers,
-                                                                                                keep, constants)
+        joint = match_qkv_attention(nodes, i, consumers, keep, constants)
+        if joint is not None:  # the nodes it passed over, then the join
+            out += joint[0]
+            i += joint[1]
+            continue
+        found = (match_squeeze_excite(nodes, i, consumers, keep, constants)
+                 or match_gemm_skip_norm(nodes, i, consumers, keep, constants)
+                 or match_epilogues(nodes, i, consumers, keep, constants))
         if found is None:
             out.append(nodes[i])
             i += 1

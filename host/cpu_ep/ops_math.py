@@ -36,6 +36,14 @@ class MatMul(OpKernel):
         return b is self._bound_b and chain_gemm_runner(lib, a, b, None, prog, alpha, beta)
 
     def _run(self, a, b):
+        run = prepared_gemm(self._runs, a, b, None, self._bound_b, None)
+        if run is not None:
+            return (run(a),)
+        if (b.ndim > 2 and a.dtype == b.dtype and a.dtype in _WIDE
+                and a.size * b.shape[-1] < min(BATCHED_MIN_MACS, COPY_MIN_MACS)):
+            # Attention's small stacked products (q k^T, p v over views): NumPy's loop, reading the views
+            # as they are, is what the paths below would end in, after their checks.
+            return (np.matmul(a, b),)
         lib = native.LIB
         if lib is not None:
             if b is self._bound_b and a.dtype == F32 and a.flags.c_contiguous:
@@ -94,10 +102,23 @@ def _product(lib, a, b, bias, prog, alpha=0.0, beta=0.0):
 
 
 def _gemm_runner(lib, a, b, bias, prog):
+    out_shape, empty = (*a.shape[:-1], b.shape[1]), np.empty
+    k, n = b.shape
+    if _fits(a, b, bias) and native.gemm_fits(a.size // k, k, n):
+        # The small products of small models: the compiled call itself, nothing between (issue 23: at
+        # 16x64x64 the Python around the call cost more than the product).
+        ptr, null, gemm, rows = native.ptr, native.NULL, lib.ep_gemm, a.size // k
+        bp, biasp, kind = ptr(b), null if bias is None else ptr(bias), 0 if bias is None else 1
+
+        def small(a):
+            y = empty(out_shape, dtype=F32)
+            gemm(ptr(a), null, bp, biasp, kind, ptr(y), rows, k, n, prog, null, 0.0, 0.0)
+            return y
+
+        return small
     product = _product(lib, a, b, bias, prog)
     if not product:
         return False
-    out_shape, empty = (*a.shape[:-1], b.shape[1]), np.empty
 
     def run(a):
         y = empty(out_shape, dtype=F32)
@@ -105,6 +126,17 @@ def _gemm_runner(lib, a, b, bias, prog):
         return y
 
     return run
+
+
+def prepared_gemm(runs: dict, a, b, bias, bound_b, bound_bias):
+    """The function bound_gemm made for a's shape, when this call is one it serves (the bound operands, a
+    float32 C-contiguous `a`, the library it was made with), else None: the kernels' first check, before
+    any other work."""
+    entry = runs.get(a.shape)
+    if (entry and b is bound_b and bias is bound_bias and entry[0] is native.LIB and a.dtype == F32
+            and a.flags.c_contiguous):
+        return entry[1]
+    return None
 
 
 def chain_gemm_runner(lib, a, b, bias, prog, alpha, beta):
@@ -204,12 +236,18 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return np.dot(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[1])
     # numpy's matmul calls BLAS only for matrices whose rows are unit-stride; a transposed view
     # (attention's K^T, a Transpose over the last two axes) takes its own loop instead: 1.06 ms
-    # against 0.56 ms with the copy for an [8, 2, 128, 32] x [8, 2, 32, 128] product, one thread.
-    if a.ndim >= 2 and a.strides[-1] != a.itemsize:
-        a = np.ascontiguousarray(a)
-    if b.ndim >= 2 and b.strides[-1] != b.itemsize:
-        b = np.ascontiguousarray(b)
+    # against 0.56 ms with the copy for an [8, 2, 128, 32] x [8, 2, 32, 128] product, one thread. Below
+    # COPY_MIN_MACS the loop wins (no copy to make): 1.4 against 2.1 us at [1, 2, 16, 32] x [1, 2, 32, 16],
+    # 20.7 against 23.6 us at 1 M multiply-adds.
+    if a.size * b.shape[-1] >= COPY_MIN_MACS:
+        if a.ndim >= 2 and a.strides[-1] != a.itemsize:
+            a = np.ascontiguousarray(a)
+        if b.ndim >= 2 and b.strides[-1] != b.itemsize:
+            b = np.ascontiguousarray(b)
     return np.matmul(a, b)
+
+
+COPY_MIN_MACS = 1 << 21
 
 
 @register("Gemm", since=7)
@@ -222,10 +260,11 @@ class Gemm(OpKernel):
         self.beta = self.attr_float("beta", 1.0)
         self.trans_a = self.attr_bool("transA", 0)
         self.trans_b = self.attr_bool("transB", 0)
-        self._bound_b = self._bound_bt = None
+        self._bound_b = self._bound_bt = self._bound_c = None
+        self._runs: dict[tuple, tuple | bool] = {}  # per A shape, for the bound B and C (bound_gemm)
 
     def bind_constants(self, constants):
-        self._bound_b, self._bound_bt = constants.get(1), None
+        self._bound_b, self._bound_bt, self._bound_c, self._runs = constants.get(1), None, constants.get(2), {}
         if not self.trans_b:
             packed_gemm.declare_weight(self._bound_b)
 
@@ -247,9 +286,19 @@ class Gemm(OpKernel):
                 self._bound_bt = np.ascontiguousarray(b.T)
                 packed_gemm.declare_weight(self._bound_bt)
             b = self._bound_bt
-        return native_matmul(a, b, c, prog, res, alpha, beta) if a.ndim == 2 else None
+        if a.ndim != 2:
+            return None
+        if (not prog and res is None and b is (self._bound_bt if self.trans_b else self._bound_b) and c is self._bound_c
+                and a.dtype == F32 and a.flags.c_contiguous):
+            run = bound_gemm(self._runs, native.LIB, a, b, c, 0)  # kept per shape: _run checks it first
+            if run:
+                return run(a)
+        return native_matmul(a, b, c, prog, res, alpha, beta)
 
     def _run(self, a, b, c=None):
+        run = prepared_gemm(self._runs, a, b, c, self._bound_b, self._bound_c)
+        if run is not None:
+            return (run(a),)
         if native.LIB is not None:
             y = self._native(a, b, c)
             if y is not None:
@@ -290,8 +339,12 @@ class _SoftmaxBase(OpKernel):
         super().__init__(node)
         self.legacy = self.opset < 13
         self.axis = self.attr_int("axis", 1 if self.legacy else -1)
+        self._runs: dict[tuple, tuple] = {}  # input shape -> (library, its compiled call), for float32 C-contiguous x
 
     def _run(self, x):
+        run = self._runs.get(x.shape)
+        if run is not None and run[0] is native.LIB and x.dtype == F32 and x.flags.c_contiguous:
+            return run[1](x)
         if x.size == 0:
             return (x.copy(),)
         axis = normalize_axis(self.axis, x.ndim)
@@ -301,9 +354,10 @@ class _SoftmaxBase(OpKernel):
                 and (axis == x.ndim - 1 or self.legacy)):
             # One pass per row in C (max, exp, sum, divide): NumPy's path makes four passes and three
             # temporaries over the whole tensor (attention scores: 1.1 ms against 0.2 ms at [8, 2, 128, 128]).
-            y = np.empty_like(x)
-            lib.ep_softmax(native.ptr(x), native.ptr(y), x.size // n, n, self.log_form)
-            return (y,)
+            if len(self._runs) >= 16:
+                self._runs.clear()
+            run = self._runs[x.shape] = (lib, _softmax_runner(lib, x.shape, n, self.log_form))
+            return run[1](x)
         ct = compute_dtype(x.dtype)
         xc = x.astype(ct, copy=False)
         if self.legacy:
@@ -311,6 +365,18 @@ class _SoftmaxBase(OpKernel):
             axis = 1
         shifted = xc - xc.max(axis=axis, keepdims=True)
         return (self._finish(shifted, axis).reshape(x.shape).astype(x.dtype, copy=False),)
+
+
+def _softmax_runner(lib, shape: tuple, n: int, log_form: int):
+    """A function of a float32 C-contiguous x of `shape` doing ep_softmax over rows of n."""
+    rows, ptr, empty, softmax = math.prod(shape) // n, native.ptr, np.empty, lib.ep_softmax
+
+    def run(x):
+        y = empty(shape, dtype=F32)
+        softmax(ptr(x), ptr(y), rows, n, log_form)
+        return (y,)
+
+    return run
 
 
 @register("Softmax")

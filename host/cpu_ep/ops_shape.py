@@ -13,11 +13,22 @@ import numpy as np
 from host.cpu_ep.base import OpKernel, int_list, normalize_axes, normalize_axis, scalar
 from host.cpu_ep.registry import register
 
+MEMO_ELEMENTS = 16  # a computed shape-like input up to this size is a memo key by its contents
+
+
+def contents_key(arr):
+    """A small integer array as a dict key by value (dtype, shape, bytes): the shape program's values of one
+    signature (a Reshape's target, Slice bounds) repeat at every run of it; None for anything else."""
+    if type(arr) is np.ndarray and arr.size <= MEMO_ELEMENTS:
+        return arr.dtype.num, arr.shape, arr.tobytes()
+    return None
+
 
 class _ShapeMemo(OpKernel):
     """A kernel whose output shape follows from x's shape and a shape-like second input (target shape,
-    axes): with that input an initializer (or absent: attributes decide), the shape is worked out once
-    per input shape and kept (validation included: it runs on the first call for each shape)."""
+    axes): the shape is worked out once per input shape and kept (validation included: it runs on the
+    first call for each), for that input an initializer or absent (attributes decide), or computed at run
+    time and small (keyed by its contents, `contents_key`)."""
 
     def __init__(self, node):
         super().__init__(node)
@@ -29,13 +40,18 @@ class _ShapeMemo(OpKernel):
 
     def out_shape(self, x, arg) -> tuple:
         if arg is None or arg is self._bound_arg:
-            shape = self._memo.get(x.shape)
-            if shape is None:
-                if len(self._memo) >= 64:  # many input shapes (dynamic axes): start over
-                    self._memo = {}
-                shape = self._memo[x.shape] = tuple(self._out_shape(x, arg))
-            return shape
-        return self._out_shape(x, arg)
+            key = x.shape
+        else:
+            value = contents_key(arg)
+            if value is None:
+                return self._out_shape(x, arg)
+            key = (x.shape, value)  # a tuple first: never equal to a bare shape key
+        shape = self._memo.get(key)
+        if shape is None:
+            if len(self._memo) >= 64:  # many input shapes (dynamic axes): start over
+                self._memo = {}
+            shape = self._memo[key] = tuple(self._out_shape(x, arg))
+        return shape
 
     def _out_shape(self, x, arg):
         raise NotImplementedError
@@ -227,8 +243,21 @@ class Split(OpKernel):
         if self.num_outputs is not None and self.num_outputs != self.n_outputs:
             raise self.bad_attr("num_outputs", self.num_outputs,
                                 f"the node's number of outputs ({self.n_outputs})")
+        self._memo: dict[tuple, tuple] = {}  # (x's shape, the sizes' contents) -> the outputs' indices
 
     def _run(self, x, split=None):
+        key = (x.shape, None if split is None else contents_key(split))
+        index = self._memo.get(key)
+        if index is None:
+            index = self._index(x, split)
+            if split is None or key[1] is not None:
+                if len(self._memo) >= 64:
+                    self._memo = {}
+                self._memo[key] = index
+        return tuple([x[i] for i in index])
+
+    def _index(self, x, split) -> tuple:
+        """The NumPy index of each output's block of x (validation included)."""
         axis = normalize_axis(self.axis, x.ndim)
         dim = x.shape[axis]
         sizes = self.split_attr if self.split_attr is not None else int_list(split)
@@ -241,11 +270,11 @@ class Split(OpKernel):
         if sum(sizes) != dim or any(s < 0 for s in sizes):
             raise ValueError(f"split sizes {sizes} do not add up to dimension {dim}")
         lead = (slice(None),) * axis
-        outs, start = [], 0
+        index, start = [], 0
         for size in sizes:
-            outs.append(x[(*lead, slice(start, start + size))])
+            index.append((*lead, slice(start, start + size)))
             start += size
-        return tuple(outs)
+        return tuple(index)
 
 
 @register("Slice")
@@ -259,8 +288,23 @@ class Slice(OpKernel):
             self.starts = self.attr_ints("starts")
             self.ends = self.attr_ints("ends")
             self.axes = self.attr_ints("axes", None)
+        self._memo: dict[tuple, tuple] = {}  # (x's shape, the bounds' contents) -> the index
 
     def _run(self, x, starts=None, ends=None, axes=None, steps=None):
+        if self.attr_form:
+            return (x[self._index(x, starts, ends, axes, steps)],)
+        key = (x.shape, contents_key(starts), contents_key(ends), contents_key(axes), contents_key(steps))
+        index = self._memo.get(key)
+        if index is None:
+            index = self._index(x, starts, ends, axes, steps)
+            if None not in key[1:3] and (axes is None or key[3]) and (steps is None or key[4]):
+                if len(self._memo) >= 64:
+                    self._memo = {}
+                self._memo[key] = index
+        return (x[index],)
+
+    def _index(self, x, starts, ends, axes, steps) -> tuple:
+        """The NumPy index of x's slice (validation included)."""
         if self.attr_form:
             starts, ends, axes, steps = self.starts, self.ends, self.axes, None
         else:
@@ -274,7 +318,7 @@ class Slice(OpKernel):
         index = [slice(None)] * x.ndim
         for axis, start, end, step in zip(normalize_axes(axes, x.ndim), starts, ends, steps):
             index[axis] = _clamped_slice(start, end, step, x.shape[axis])
-        return (x[tuple(index)],)
+        return tuple(index)
 
 
 def _clamped_slice(start: int, end: int, step: int, dim: int) -> slice:

@@ -65,11 +65,18 @@ class LayerNormalization(OpKernel):
         read_norm_attrs(self)
         self._bound: dict[int, np.ndarray] = {}
         self._tiles: tuple[dict, dict] = ({}, {})
+        # Per input shape, for float32 C-contiguous x and the bound scale and bias: (library, the compiled
+        # call with nothing else), made by the first such call (issue 23: the checks cost twice the call).
+        self._runs: dict[tuple, tuple] = {}
 
     def bind_constants(self, constants):
-        self._bound, self._tiles = constants, ({}, {})
+        self._bound, self._tiles, self._runs = constants, ({}, {}), {}
 
     def _run(self, x, scale, bias=None):
+        run = self._runs.get(x.shape)
+        if (run is not None and run[0] is native.LIB and scale is self._bound.get(1) and bias is self._bound.get(2)
+                and x.dtype == F32 and x.flags.c_contiguous):
+            return run[1](x)
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
         lib = native.LIB
@@ -78,6 +85,10 @@ class LayerNormalization(OpKernel):
             # One pass per row in C (statistics in double).
             n = x.shape[-1]
             rows = x.size // n
+            if (self.n_outputs == 1 and scale is self._bound.get(1) and bias is self._bound.get(2)
+                    and len(self._runs) < 16):
+                run = self._runs[x.shape] = (lib, _norm_runner(lib, x.shape, scale, bias, self.epsilon))
+                return run[1](x)
             y = np.empty(x.shape, dtype=F32)
             stats = np.empty((2, *x.shape[:-1], 1), dtype=F32) if self.n_outputs > 1 else None
             ptr, null = native.ptr, native.NULL
@@ -101,6 +112,21 @@ class LayerNormalization(OpKernel):
         if bias is not None:
             y += bias
         return (y.astype(x.dtype, copy=False), mean, inv_std)
+
+
+def _norm_runner(lib, shape: tuple, scale, bias, eps: float):
+    """A function of a float32 C-contiguous x of `shape` doing LayerNormalization's one compiled call (last
+    axis, bound scale and bias, one output)."""
+    n = shape[-1]
+    rows, ptr, null, empty, norm = math.prod(shape) // n, native.ptr, native.NULL, np.empty, lib.ep_layernorm
+    sp, bp = ptr(scale), null if bias is None else ptr(bias)
+
+    def run(x):
+        y = empty(shape, dtype=F32)
+        norm(ptr(x), null, sp, bp, ptr(y), null, null, null, rows, n, eps)
+        return (y,)
+
+    return run
 
 
 def _vector(v: np.ndarray, n: int) -> bool:

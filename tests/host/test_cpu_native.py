@@ -571,8 +571,8 @@ def test_depthwise_writes_only_its_output(stride, size):
     x, w = rng.standard_normal((c, size, size)).astype(F32), rng.standard_normal((c, 1, k, k)).astype(F32)
     n = c * out * out
     y = np.full(n + 32, 7.0, F32)
-    geom = native.ffi.new("ConvGeom *", dict(C=c, H=size, W=size, M=c, KH=k, KW=k, SH=stride, SW=stride, PH=pad,
-                                             PW=pad, DH=1, DW=1, OH=out, OW=out))
+    geom = native.conv_geometry(C=c, H=size, W=size, M=c, KH=k, KW=k, SH=stride, SW=stride, PH=pad, PW=pad, DH=1,
+                                DW=1, OH=out, OW=out)
     assert LIB.ep_depthwise2d(native.ptr(x), native.ptr(w), native.NULL, native.ptr(y), geom, 0, native.NULL, 0.0,
                               0.0) == 0
     np.testing.assert_array_equal(y[n:], 7.0)

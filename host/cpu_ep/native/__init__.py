@@ -15,6 +15,7 @@ opens that build only. Tests switch it with `use(None)` / `use(load())`: kernels
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import os
 from pathlib import Path
 
@@ -27,13 +28,9 @@ SOURCE = build_info.SOURCE
 LIB_NAME = build_info.LIB_NAME
 DEFAULT_PATH = Path(__file__).resolve().parents[3] / "build" / "lib" / LIB_NAME  # a checkout's build.py output
 
+# The convolutions' geometry (kernels.c's ConvGeom: 14 ints) crosses as an int[14] (`conv_geometry`): a
+# struct type of one FFI instance is refused by the functions of another (the API module has its own).
 CDEF = """
-typedef struct {
-    int C, H, W;
-    int M, KH, KW;
-    int SH, SW, PH, PW, DH, DW;
-    int OH, OW;
-} ConvGeom;
 const char *ep_source_hash(void);
 void ep_bias_act(const void *x, const void *bias, void *y, int rows, int n, unsigned prog, const void *res,
                  float alpha, float beta);
@@ -47,9 +44,9 @@ int ep_attention(const void *q, const void *k, const void *v, const void *mask, 
                  const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal);
 void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y,
                       const int64_t *ys, int B, int H, int S, int D, int64_t cs_batch);
-int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
+int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const void *g, unsigned prog,
                     const void *res, float alpha, float beta);
-int ep_conv2d(const void *x, const void *w, const void *bias, void *y, const ConvGeom *g, unsigned prog,
+int ep_conv2d(const void *x, const void *w, const void *wt, const void *bias, void *y, const void *g, unsigned prog,
               const void *res, float alpha, float beta);
 int64_t ep_packed_b_size(int K, int N);
 void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
@@ -74,6 +71,14 @@ ffi = cffi.FFI()
 ffi.cdef(CDEF)
 NULL = ffi.NULL
 ptr = ffi.from_buffer  # a C-contiguous array's data pointer (the caller checked layout and dtype)
+
+GEOMETRY = ("C", "H", "W", "M", "KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW", "OH", "OW")  # ConvGeom's fields
+
+
+def conv_geometry(**fields):
+    """kernels.c's ConvGeom (every field of GEOMETRY, by name) for ep_conv2d / ep_depthwise2d."""
+    return ffi.new("int[14]", [fields[name] for name in GEOMETRY])
+
 
 # Epilogue steps (kernels.c): a program is up to 6 steps, 4 bits each, lowest first.
 RELU, GELU, GELU_TANH, HARD_SWISH, HARD_SIGMOID, SIGMOID, ADD, SILU, MUL = 1, 2, 3, 4, 5, 6, 7, 8, 9
@@ -150,6 +155,7 @@ def source_hash() -> str:
 
 LOAD_ERROR: str | None = None  # why LIB is None, for `ephost` diagnostics and tests
 LOADED_FROM: Path | None = None  # the build the last successful load() opened
+API_MODULE: Path | None = None  # and its API-mode module, when that is what it opened (faster calls)
 HOW_TO_BUILD = "reinstall ephost (`pip install .` compiles them), or run `ephost build` or `python build.py`"
 
 
@@ -182,7 +188,7 @@ def candidates() -> list[Path]:
 def load(path: str | os.PathLike | None = None):
     """The library at `path` (default: the first of candidates() that opens), or None when none is
     there, opens, or was built from this kernels.c (LOAD_ERROR says why)."""
-    global LOAD_ERROR, LOADED_FROM
+    global LOAD_ERROR, LOADED_FROM, API_MODULE
     paths = [Path(path)] if path else candidates()
     existing = [p for p in paths if p.is_file()]
     if not existing:
@@ -191,22 +197,51 @@ def load(path: str | os.PathLike | None = None):
         return None
     errors = []
     for p in existing:
-        lib, error = _open(p)
+        lib, error, from_api = _open(p, api=not path and not os.environ.get("EPHOST_CPU_KERNELS"))
         if lib is not None:
             LOAD_ERROR, LOADED_FROM = None, p
+            API_MODULE = build_info.api_module_path(p) if from_api else None
             return lib
         errors.append(error)
     LOAD_ERROR = "; ".join(errors)
     return None
 
 
-def _open(path: Path):
-    """(library, None), or (None, why not)."""
+def _open(path: Path, api: bool = False):
+    """(library, None, from the API module?), or (None, why not, False). With `api`, the API-mode module
+    beside the library (build_info.compile_api_module) when it is there and of this kernels.c, else the
+    library."""
+    if api:
+        lib, _ = _open_api(build_info.api_module_path(path))
+        if lib is not None:
+            return lib, None, True
     try:
         lib = ffi.dlopen(str(path))
         built_from = ffi.string(lib.ep_source_hash()).decode()
     except (OSError, AttributeError) as exc:
-        return None, f"{path} could not be opened: {exc}"
+        return None, f"{path} could not be opened: {exc}", False
+    return (*_checked(lib, path, built_from), False)
+
+
+def _open_api(path: Path):
+    """The `lib` of the API-mode extension module at `path`, checked as _open checks a library."""
+    if not path.is_file():
+        return None, f"{path} not found"
+    try:
+        spec = importlib.util.spec_from_file_location(build_info.API_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        built_from = ffi.string(module.lib.ep_source_hash()).decode()
+        declared = ffi.string(module.lib.ep_api_cdef_hash()).decode()
+    except (ImportError, OSError, AttributeError) as exc:
+        return None, f"{path} could not be imported: {exc}"
+    if declared != build_info.cdef_hash(CDEF):
+        return None, f"{path} was built from other declarations: {HOW_TO_BUILD}"
+    return _checked(module.lib, path, built_from)
+
+
+def _checked(lib, path: Path, built_from: str):
+    """(lib, None) when `lib` was built from this kernels.c, else (None, why not)."""
     try:
         want = source_hash()
     except OSError as exc:  # an install without the C source: nothing to check a build against

@@ -607,8 +607,8 @@ HOT int ep_depthwise2d(const float *x, const float *w, const float *bias, float 
 /* One-group 2-D convolution of one image: the window copy (C*KH*KW, OH*OW) into a scratch buffer (rows of
  * the channel's phase planes: zeros on padding), then W (M, C*KH*KW) times it with the bias per output
  * channel and the epilogue. Returns 1 when scratch cannot be allocated. */
-HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, const ConvGeom *g, unsigned prog,
-                  const float *res, float alpha, float beta) {
+HOT int ep_conv2d(const float *x, const float *w, const float *wt_given, const float *bias, float *y, const ConvGeom *g,
+                  unsigned prog, const float *res, float alpha, float beta) {
     int taps = g->C * g->KH * g->KW, pixels = g->OH * g->OW;
     Phases ph = phase_shape(g);
     size_t n_planes = (size_t)g->SW * ph.hp * ph.wq;
@@ -628,12 +628,16 @@ HOT int ep_conv2d(const float *x, const float *w, const float *bias, float *y, c
                 }
             }
     }
-    /* A narrow output (few pixels, more channels) goes through ep_gemm's transposed scheme. */
-    float *wt = pixels < NR && g->M > pixels ? malloc(sizeof(float) * (size_t)taps * g->M) : NULL;
+    /* A narrow output (few pixels, more channels) goes through ep_gemm's transposed scheme, with the weights
+     * transposed (taps x M): `wt_given` when the caller keeps them so (bound weights: ViT's patch embedding
+     * transposed 48 KiB of weights at every call), else transposed here. */
+    int narrow = pixels < NR && g->M > pixels;
+    float *wt = narrow && !wt_given ? malloc(sizeof(float) * (size_t)taps * g->M) : NULL;
     if (wt)
         for (int m = 0; m < g->M; m++)
             for (int t = 0; t < taps; t++) wt[(size_t)t * g->M + m] = w[(size_t)m * taps + t];
-    ep_gemm(w, wt, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha, beta);
+    ep_gemm(w, narrow && wt_given ? wt_given : wt, cols, bias, bias ? 2 : 0, y, g->M, taps, pixels, prog, res, alpha,
+            beta);
     free(wt);
     free(cols);
     return 0;

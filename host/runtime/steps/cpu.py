@@ -21,6 +21,7 @@ from host.errors import EpError, EphostError
 from host.plugins.ep import CPU_LOCATION
 from host.runtime.fp_errors import ignore_fp_errors, restore_fp_errors
 from host.runtime.plan import PlanNode
+from host.runtime.steps.cpu_hoist import Hoisted, escaping, own_copies, split_hoisted
 from host.runtime.tensor import DeviceTensor
 
 
@@ -87,6 +88,10 @@ class CpuSegment:
                 self.prelude.append((out, constants[out]))  # stored up front instead of running the node
             else:
                 rest.append(node)
+        # Nodes over shape-program values and initializers only: once per signature (cpu_hoist.py).
+        hoisted, rest = split_hoisted(rest, keep, constants, plan) if observer is None else ([], rest)
+        self.hoisted = Hoisted(hoisted, plan) if hoisted else None
+        self.escaping = escaping(hoisted, rest, keep)  # kept values that may be views of hoisted outputs
         joined = fuse(rest, keep, constants) if observer is None else rest
         self.steps = [self._entry(node, keep, observer) for node in joined]
 
@@ -107,6 +112,8 @@ class CpuSegment:
         values = st.values
         if self.entering:
             self._enter(st, values)
+        if self.hoisted is not None:
+            self.hoisted.restore(values, self._failure)
         ndarray, objects = np.ndarray, self.objects
         fp_state = ignore_fp_errors()  # np.errstate(all="ignore"), cheaper (host/runtime/fp_errors.py)
         try:
@@ -128,6 +135,8 @@ class CpuSegment:
                     values[v] = None
         finally:
             restore_fp_errors(fp_state)
+        if self.escaping:
+            own_copies(values, self.escaping)
 
     def _enter(self, st, values: list) -> None:
         producer = st.producer
