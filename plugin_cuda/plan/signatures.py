@@ -63,23 +63,23 @@ def specialize(graph, input_ids, shapes, symbolic: bool = True, host: tuple[int,
     becomes a constant of the copy and leaves its inputs."""
     values = list(graph.values)
     k = 0
-    symbols = []
+    placed = []  # (axis, SymInt): where each symbol sits in its input, for host_constant
     for pos, (vid, shape) in enumerate(zip(input_ids, shapes)):
         if pos in host:
             continue
         declared = values[vid].shape or (None,) * len(shape)
         dims = []
-        for d, known in zip(shape, declared):
+        for axis, (d, known) in enumerate(zip(shape, declared)):
             if symbolic and (known is None or known < 0):
                 dims.append(SymInt(int(d), f"S{k}"))
-                symbols.append(dims[-1])
+                placed.append((axis, dims[-1]))
                 k += 1
             else:
                 dims.append(int(d))
         values[vid] = replace(values[vid], shape=tuple(dims))
     for pos in host:
         vid = input_ids[pos]
-        values[vid] = replace(values[vid], constant=host_constant(shapes[pos], symbols, _declared_target(graph, vid)))
+        values[vid] = replace(values[vid], constant=host_constant(shapes[pos], placed, _declared_target(graph, vid)))
     kept = tuple(v for pos, v in enumerate(input_ids) if pos not in host)
     return replace(graph, values=values, inputs=[values[v] for v in kept], input_ids=kept)
 
@@ -93,25 +93,31 @@ def _declared_target(graph, vid) -> tuple | None:
     return None
 
 
-def host_constant(entries, symbols, declared=None) -> np.ndarray:
-    """A host-computed shape as the constant of one signature's plan. A positive entry equal to a
-    symbol's value becomes that SymInt (the first such), so a Reshape to [batch, seq, heads, -1]
-    gives [S0, S1, 12, -1] and the plan's source stays the same across signatures. `declared`: the
-    Reshape's output dims as the graph declares them; an entry where that dim is a known int stays
-    a literal (12 heads beside a sequence of 12). Where a symbolic entry equals two symbols (batch
-    = seq) it takes the first: this signature's source then differs (one more compile), never a
-    wrong result (the values are equal in it). 0 and -1 keep their Reshape meaning as literals."""
-    by_value: dict = {}
-    for s in symbols:
-        by_value.setdefault(int(s), s)
+def host_constant(entries, placed, declared=None) -> np.ndarray:
+    """A host-computed shape as the constant of one signature's plan. `placed`: (axis, SymInt) for
+    each symbol of the partition's inputs, in order. A positive entry equal to a symbol's value
+    becomes that SymInt, so a Reshape to [batch, seq, heads, -1] gives [S0, S1, 12, -1] and the
+    plan's source stays the same across signatures. `declared`: the Reshape's output dims as the
+    graph declares them; an entry where that dim is a known int stays a literal (12 heads beside a
+    sequence of 12). Among symbols of equal value (batch = seq, or seq read from several inputs) an
+    entry takes the first one at its own axis in an input, else the first: a square (8, 8) plans the
+    source of (8, 128). A wrong pick costs one more compile for that signature, never a wrong result
+    (the values are equal in it). 0 and -1 keep their Reshape meaning as literals."""
     fixed = [declared is not None and len(declared) == len(entries) and declared[i] >= 0
              for i in range(len(entries))]
-    out = [by_value.get(int(e), int(e)) if e > 0 and not fixed[i] else int(e) for i, e in enumerate(entries)]
+    out = [_symbol_for(int(e), i, placed) if e > 0 and not fixed[i] else int(e) for i, e in enumerate(entries)]
     if any(isinstance(e, SymInt) for e in out):
         arr = np.empty(len(out), dtype=object)
         arr[:] = out
         return arr
     return np.array(out, np.int64)
+
+
+def _symbol_for(value: int, axis: int, placed) -> int:
+    """The symbol an entry of `value` at `axis` stands for (host_constant), or the plain int."""
+    same = [(a, s) for a, s in placed if int(s) == value]
+    at_axis = [s for a, s in same if a == axis]
+    return at_axis[0] if at_axis else same[0][1] if same else value
 
 
 class ConstantStore:

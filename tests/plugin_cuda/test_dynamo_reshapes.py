@@ -32,7 +32,7 @@ from plugin_cuda.plan.signatures import host_constant, host_value_inputs, specia
 from plugin_cuda.plan.symint import SymInt
 from tests.plugin_cuda import dynamo_models
 
-SHAPES = [(1, 16), (8, 128), (3, 50)]
+SHAPES = [(1, 16), (8, 128), (3, 50), (8, 8)]  # (8, 8): batch = seq = the head size
 
 
 def session_spec(model):
@@ -113,18 +113,31 @@ def test_every_signature_plans_one_source_with_its_own_shapes():
         assert [s.expr for s in prog.symbols] == ["S0", "S1"] and list(prog.symbols) == [batch, seq]
         assert len(prog.inputs) == 1  # the targets are the plan's constants, not call inputs
         sources.append(source)
-    assert sources[0] == sources[1] == sources[2]  # one NVRTC compile serves every shape
+    assert all(src == sources[0] for src in sources)  # one NVRTC compile serves every shape
     s.close()
 
 
+def _exprs(arr) -> list:
+    return [getattr(e, "expr", e) for e in arr]
+
+
 def test_host_constant_maps_symbolic_entries_and_keeps_declared_literals():
-    b, q = SymInt(8, "S0"), SymInt(128, "S1")
-    got = host_constant([8, 128, 2, 8], [b, q], declared=(-1, -1, 2, 8))
-    assert [getattr(e, "expr", e) for e in got] == ["S0", "S1", 2, 8]  # head size 8 is not the batch
-    assert [getattr(e, "expr", e) for e in host_constant([8, 128, 2, 8], [b, q])] == ["S0", "S1", 2, "S0"]
-    assert [getattr(e, "expr", e) for e in host_constant([-1, 0, 128], [b, q])] == [-1, 0, "S1"]
-    plain = host_constant([2, 3], [b, q])
+    placed = [(0, SymInt(8, "S0")), (1, SymInt(128, "S1"))]
+    got = host_constant([8, 128, 2, 8], placed, declared=(-1, -1, 2, 8))
+    assert _exprs(got) == ["S0", "S1", 2, 8]  # head size 8 is not the batch
+    assert _exprs(host_constant([8, 128, 2, 8], placed)) == ["S0", "S1", 2, "S0"]  # undeclared: taken
+    assert _exprs(host_constant([-1, 0, 128], placed)) == [-1, 0, "S1"]
+    plain = host_constant([2, 3], placed)
     assert plain.dtype == np.int64 and plain.tolist() == [2, 3]
+
+
+def test_host_constant_picks_the_symbol_at_the_entrys_axis_when_values_coincide():
+    # x [batch, seq, 16] and a mask [batch, 1, seq, seq] at batch = seq = 8
+    placed = [(0, SymInt(8, "S0")), (1, SymInt(8, "S1")), (0, SymInt(8, "S2")), (2, SymInt(8, "S3")),
+              (3, SymInt(8, "S4"))]
+    assert _exprs(host_constant([8, 8, 16], placed, declared=(-1, -1, 16))) == ["S0", "S1", 16]
+    assert _exprs(host_constant([-1, 8, 16], placed, declared=(-1, -1, 16))) == [-1, "S1", 16]
+    assert _exprs(host_constant([8, 8, 8, 8], placed[2:], declared=(-1, -1, -1, -1))) == ["S2", "S2", "S3", "S4"]
 
 
 def test_only_values_read_on_the_host_everywhere_come_in_host_memory():

@@ -18,7 +18,7 @@ from tests.plugin_cuda.test_plan import _plan_functions
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
-SHAPES = [(1, 16), (8, 128), (3, 50), (8, 128)]
+SHAPES = [(1, 16), (8, 128), (3, 50), (8, 128), (8, 8)]  # (8, 8): batch = seq = the head size
 
 
 def cuda_session(model: bytes, genv):
@@ -50,8 +50,8 @@ def test_a_gpt2_like_dynamo_graph_is_one_partition_planned_per_shape(genv):
         compiles.append(nvrtc.stats["compiles"])
     (fn,) = fns
     d = fn.describe()
-    assert d["signatures"] == 3 and d["builds"] == 3 and d["literal_builds"] == 0, (d, fn.last_symbolic_error)
-    assert compiles[0] == compiles[1] == compiles[2] == compiles[3], compiles  # sizes are kernel arguments
+    assert d["signatures"] == 4 and d["builds"] == 4 and d["literal_builds"] == 0, (d, fn.last_symbolic_error)
+    assert all(c == compiles[0] for c in compiles), compiles  # sizes are kernel arguments: one module
 
 
 @pytest.fixture(scope="module")
