@@ -107,7 +107,8 @@ def test_hits_misses_and_damaged_entries(steps):
         return hooks._optimize(proto, level)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        folder = Path(tmp) / "not" / "yet"  # made with its parents on the first write
+        cache = oc.OptimizedModelCache(folder, budget_bytes=1 << 30)
         files: dict[tuple[int, int], Path] = {}  # what the test saw each miss write
         valid: set[tuple[int, int]] = set()
         for step in steps:
@@ -119,17 +120,20 @@ def test_hits_misses_and_damaged_entries(steps):
                     _damage(files[key], step[3], step[4], others[0].read_bytes() if others else b"")
                     valid.discard(key)
                 continue
-            before = set(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            before = set(folder.glob(f"*{oc.SUFFIX}"))
             n = len(calls)
             result = oc.optimize_cached(MODELS[m], level, optimize, cache)
             hit = len(calls) == n
             assert hit is (key in valid), (step, hit)
             if not hit:
-                written = set(Path(tmp).glob(f"*{oc.SUFFIX}")) - before
+                written = set(folder.glob(f"*{oc.SUFFIX}")) - before
                 files[key] = written.pop() if written else files[key]  # a rewritten entry keeps its name
                 assert files[key].is_file()
                 valid.add(key)
             fresh = _fresh(m, level)
+            # A model the optimizer leaves as it is comes back as the caller's own, also from an entry (which
+            # stores no model bytes for it), never as a parsed copy.
+            assert (result.model is MODELS[m]) is (fresh.model is MODELS[m])
             assert (result.nodes_before, result.nodes_after) == (fresh.nodes_before, fresh.nodes_after)
             assert (result.level, result.source_opsets) == (fresh.level, fresh.source_opsets)
             assert [vars(r) for r in result.report] == [vars(r) for r in fresh.report]
@@ -224,3 +228,19 @@ def test_the_folder_stays_within_its_budget_least_recently_used_first(order, roo
                 raise AssertionError("the entry just used was evicted: optimized again")
 
             oc.optimize_cached(MODELS[m], level, refuse, cache)  # a hit
+
+
+def test_entries_are_written_through_a_file_in_the_cache_folder(monkeypatch):
+    """The temporary file an entry is written to lies in the cache folder, whatever the process's temp dir:
+    os.replace is atomic only within one file system (a tmpfs /tmp beside ~/.cache is common). Here the temp
+    dir does not exist at all; the second opening is still a hit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp) / "cache", budget_bytes=1 << 30)
+        monkeypatch.setattr(tempfile, "tempdir", str(Path(tmp) / "no_such_temp_dir"))
+        oc.optimize_cached(MODELS[0], LEVELS[0], hooks._optimize, cache)
+
+        def refuse(proto, lvl):
+            raise AssertionError("no entry was written: optimized again")
+
+        result = oc.optimize_cached(MODELS[0], LEVELS[0], refuse, cache)
+    assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
