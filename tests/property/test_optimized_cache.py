@@ -129,6 +129,8 @@ def test_hits_misses_and_damaged_entries(steps):
                 written = set(folder.glob(f"*{oc.SUFFIX}")) - before
                 files[key] = written.pop() if written else files[key]  # a rewritten entry keeps its name
                 assert files[key].is_file()
+                if _fresh(m, level).model is MODELS[m]:  # left as it is: the entry holds no copy of the model
+                    assert MODELS[m].SerializeToString() not in files[key].read_bytes()
                 valid.add(key)
             fresh = _fresh(m, level)
             # A model the optimizer leaves as it is comes back as the caller's own, also from an entry (which
@@ -244,3 +246,23 @@ def test_entries_are_written_through_a_file_in_the_cache_folder(monkeypatch):
 
         result = oc.optimize_cached(MODELS[0], LEVELS[0], refuse, cache)
     assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
+
+
+def test_an_entry_that_cannot_be_written_is_skipped_cleanly():
+    """A folder stands where the entry goes (os.replace fails): the optimized model is returned all the same,
+    the temporary file is removed, and the next opening optimizes again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        cache.path(cache.key(MODELS[0].SerializeToString(deterministic=True), LEVELS[0])).mkdir()
+        calls = []
+
+        def optimize(proto, level):
+            calls.append(level)
+            return hooks._optimize(proto, level)
+
+        for _ in range(2):
+            result = oc.optimize_cached(MODELS[0], LEVELS[0], optimize, cache)
+            assert [n.op_type for n in result.model.graph.node] == \
+                [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
+            assert not list(Path(tmp).glob(".tmp-*")), "a temporary file was left behind"
+        assert len(calls) == 2
