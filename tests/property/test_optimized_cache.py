@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -266,3 +267,31 @@ def test_an_entry_that_cannot_be_written_is_skipped_cleanly():
                 [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
             assert not list(Path(tmp).glob(".tmp-*")), "a temporary file was left behind"
         assert len(calls) == 2
+
+
+def test_a_hit_makes_its_entry_the_last_to_be_evicted():
+    """Entries of models 0 and 1 aged 100 s and 50 s (explicit mtimes: no tie of the file system's clock), a hit
+    on model 0, then model 2's entry takes the folder one byte over its budget: model 1's entry, the least
+    recently used, is the one removed."""
+    with tempfile.TemporaryDirectory() as probe:
+        sizing = oc.OptimizedModelCache(Path(probe), budget_bytes=1 << 30)
+        for m in range(len(MODELS)):
+            oc.optimize_cached(MODELS[m], LEVELS[0], hooks._optimize, sizing)
+        total = sum(p.stat().st_size for p in Path(probe).glob(f"*{oc.SUFFIX}"))
+    calls = []
+
+    def optimize(proto, level):
+        calls.append(proto.graph.name)
+        return hooks._optimize(proto, level)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=total - 1)
+        now = time.time()
+        for m, age in ((0, 100), (1, 50)):
+            before = set(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            oc.optimize_cached(MODELS[m], LEVELS[0], optimize, cache)
+            (written,) = set(Path(tmp).glob(f"*{oc.SUFFIX}")) - before
+            os.utime(written, (now - age, now - age))
+        for m in (0, 2, 0, 1):  # a hit, a write that evicts, a hit, a miss
+            oc.optimize_cached(MODELS[m], LEVELS[0], optimize, cache)
+    assert calls == ["g0", "g1", "relu", "g1"]
