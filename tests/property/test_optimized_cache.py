@@ -295,3 +295,24 @@ def test_a_hit_makes_its_entry_the_last_to_be_evicted():
         for m in (0, 2, 0, 1):  # a hit, a write that evicts, a hit, a miss
             oc.optimize_cached(MODELS[m], LEVELS[0], optimize, cache)
     assert calls == ["g0", "g1", "relu", "g1"]
+
+
+def test_a_model_protobuf_cannot_serialize_is_optimized_every_time():
+    """Over 2 GiB, SerializeToString raises (a stand-in here: building such a model would take the machine's
+    memory): the model and level go to the optimizer as they are, nothing is looked up or stored."""
+    class Huge:
+        def SerializeToString(self, deterministic=False):  # noqa: N802 - protobuf's name
+            raise ValueError("Message onnx.ModelProto exceeds maximum protobuf size of 2GB")
+
+    huge, calls = Huge(), []
+
+    def optimize(proto, level):
+        calls.append((proto, level))
+        return "optimized"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        for _ in range(2):
+            assert oc.optimize_cached(huge, LEVELS[1], optimize, cache) == "optimized"
+        assert list(Path(tmp).iterdir()) == []
+    assert calls == [(huge, LEVELS[1])] * 2
