@@ -302,7 +302,7 @@ class SavedContexts:
 
     def partitions(self, graph: Graph) -> list[compiled.CompiledPartition]:
         """The rebuilt partitions, their groups pointing at `graph`'s node indices."""
-        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        index = {n.name: i for i, n in enumerate(graph.nodes) if is_context_node(n)}  # other nodes may share a name
         parts = []
         for name, part in self.ready.items():
             part.group = dataclasses.replace(part.group, nodes=(index[name],))

@@ -21,7 +21,7 @@ answer from IsGraphCaptureEnabled, GetGraphCaptureNodeAssignmentPolicy, IsConcur
 GetCapability) or
 lie=sync_fails_after_capture (Sync fails once a graph is captured), lie=run_start_fails|run_end_fails
 (OnRunStart or OnRunEnd fails on every run; OnRunStart records the gpu_graph_id it was given and
-OnRunEnd the sync_stream flag, in slot_calls), slow_replay=1 (each replay sleeps
+OnRunEnd the sync_stream flag, in slot_calls), lie=state_fails (a compiled group's CreateState fails), slow_replay=1 (each replay sleeps
 2 ms; replays that overlap on this EP are counted in slot_calls["overlapping_replays"]).
 
 Compiled partitions (ABI v6, option fuse=1 or fuse=runs): every maximal run of consecutive claimed
@@ -478,6 +478,8 @@ class ExampleCompute:
         return CONTEXT_MAGIC + len(text).to_bytes(4, "little") + text + arrays.getvalue()
 
     def create_state(self):
+        if self.ep.lie == "state_fails":
+            raise sdk.PluginError(f"injected CreateState failure for fused node '{self.name}'", abi.EP_FAIL)
         return {"runs": 0}
 
     def release_state(self, state):

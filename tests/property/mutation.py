@@ -74,9 +74,13 @@ TESTS: dict[str, tuple[str, ...]] = {
     "host.runtime.epcontext_save": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",
                                     "tests/property/test_fallbacks.py"),
     "host.runtime.epcontext": ("tests/property/test_context_save.py", "tests/property/test_context_compatibility.py",
-                               "tests/property/test_fallbacks.py", "tests/property/test_gates.py"),
+                               "tests/property/test_context_edges.py", "tests/property/test_fallbacks.py",
+                               "tests/property/test_gates.py"),
     "host.runtime.shape_program": ("tests/property/test_shape_cache.py", "tests/property/test_partition_paths.py",
                                    "tests/property/test_range_lengths.py", "tests/property/test_same_answers.py"),
+    "host.runtime.dims": ("tests/property/test_dims.py", "tests/property/test_shape_cache.py",
+                          "tests/property/test_range_lengths.py"),
+    "host.optimizer.cache": ("tests/property/test_optimized_cache.py",),
 }
 
 # A test that takes longer than this under a mutant is a hang (a lock left held): tests/conftest.py ends

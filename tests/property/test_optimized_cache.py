@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,8 @@ def test_hits_misses_and_damaged_entries(steps):
         return hooks._optimize(proto, level)
 
     with tempfile.TemporaryDirectory() as tmp:
-        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        folder = Path(tmp) / "not" / "yet"  # made with its parents on the first write
+        cache = oc.OptimizedModelCache(folder, budget_bytes=1 << 30)
         files: dict[tuple[int, int], Path] = {}  # what the test saw each miss write
         valid: set[tuple[int, int]] = set()
         for step in steps:
@@ -119,17 +121,22 @@ def test_hits_misses_and_damaged_entries(steps):
                     _damage(files[key], step[3], step[4], others[0].read_bytes() if others else b"")
                     valid.discard(key)
                 continue
-            before = set(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            before = set(folder.glob(f"*{oc.SUFFIX}"))
             n = len(calls)
             result = oc.optimize_cached(MODELS[m], level, optimize, cache)
             hit = len(calls) == n
             assert hit is (key in valid), (step, hit)
             if not hit:
-                written = set(Path(tmp).glob(f"*{oc.SUFFIX}")) - before
+                written = set(folder.glob(f"*{oc.SUFFIX}")) - before
                 files[key] = written.pop() if written else files[key]  # a rewritten entry keeps its name
                 assert files[key].is_file()
+                if _fresh(m, level).model is MODELS[m]:  # left as it is: the entry holds no copy of the model
+                    assert MODELS[m].SerializeToString() not in files[key].read_bytes()
                 valid.add(key)
             fresh = _fresh(m, level)
+            # A model the optimizer leaves as it is comes back as the caller's own, also from an entry (which
+            # stores no model bytes for it), never as a parsed copy.
+            assert (result.model is MODELS[m]) is (fresh.model is MODELS[m])
             assert (result.nodes_before, result.nodes_after) == (fresh.nodes_before, fresh.nodes_after)
             assert (result.level, result.source_opsets) == (fresh.level, fresh.source_opsets)
             assert [vars(r) for r in result.report] == [vars(r) for r in fresh.report]
@@ -224,3 +231,88 @@ def test_the_folder_stays_within_its_budget_least_recently_used_first(order, roo
                 raise AssertionError("the entry just used was evicted: optimized again")
 
             oc.optimize_cached(MODELS[m], level, refuse, cache)  # a hit
+
+
+def test_entries_are_written_through_a_file_in_the_cache_folder(monkeypatch):
+    """The temporary file an entry is written to lies in the cache folder, whatever the process's temp dir:
+    os.replace is atomic only within one file system (a tmpfs /tmp beside ~/.cache is common). Here the temp
+    dir does not exist at all; the second opening is still a hit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp) / "cache", budget_bytes=1 << 30)
+        monkeypatch.setattr(tempfile, "tempdir", str(Path(tmp) / "no_such_temp_dir"))
+        oc.optimize_cached(MODELS[0], LEVELS[0], hooks._optimize, cache)
+
+        def refuse(proto, lvl):
+            raise AssertionError("no entry was written: optimized again")
+
+        result = oc.optimize_cached(MODELS[0], LEVELS[0], refuse, cache)
+    assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
+
+
+def test_an_entry_that_cannot_be_written_is_skipped_cleanly():
+    """A folder stands where the entry goes (os.replace fails): the optimized model is returned all the same,
+    the temporary file is removed, and the next opening optimizes again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        cache.path(cache.key(MODELS[0].SerializeToString(deterministic=True), LEVELS[0])).mkdir()
+        calls = []
+
+        def optimize(proto, level):
+            calls.append(level)
+            return hooks._optimize(proto, level)
+
+        for _ in range(2):
+            result = oc.optimize_cached(MODELS[0], LEVELS[0], optimize, cache)
+            assert [n.op_type for n in result.model.graph.node] == \
+                [n.op_type for n in _fresh(0, LEVELS[0]).model.graph.node]
+            assert not list(Path(tmp).glob(".tmp-*")), "a temporary file was left behind"
+        assert len(calls) == 2
+
+
+def test_a_hit_makes_its_entry_the_last_to_be_evicted():
+    """Entries of models 0 and 1 aged 100 s and 50 s (explicit mtimes: no tie of the file system's clock), a hit
+    on model 0, then model 2's entry takes the folder one byte over its budget: model 1's entry, the least
+    recently used, is the one removed."""
+    with tempfile.TemporaryDirectory() as probe:
+        sizing = oc.OptimizedModelCache(Path(probe), budget_bytes=1 << 30)
+        for m in range(len(MODELS)):
+            oc.optimize_cached(MODELS[m], LEVELS[0], hooks._optimize, sizing)
+        total = sum(p.stat().st_size for p in Path(probe).glob(f"*{oc.SUFFIX}"))
+    calls = []
+
+    def optimize(proto, level):
+        calls.append(proto.graph.name)
+        return hooks._optimize(proto, level)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=total - 1)
+        now = time.time()
+        for m, age in ((0, 100), (1, 50)):
+            before = set(Path(tmp).glob(f"*{oc.SUFFIX}"))
+            oc.optimize_cached(MODELS[m], LEVELS[0], optimize, cache)
+            (written,) = set(Path(tmp).glob(f"*{oc.SUFFIX}")) - before
+            os.utime(written, (now - age, now - age))
+        for m in (0, 2, 0, 1):  # a hit, a write that evicts, a hit, a miss
+            oc.optimize_cached(MODELS[m], LEVELS[0], optimize, cache)
+    assert calls == ["g0", "g1", "relu", "g1"]
+
+
+def test_a_model_protobuf_cannot_serialize_is_optimized_every_time():
+    """Over 2 GiB, SerializeToString raises (a stand-in here: building such a model would take the machine's
+    memory): the model and level go to the optimizer as they are, nothing is looked up or stored."""
+    class Huge:
+        def SerializeToString(self, deterministic=False):  # noqa: N802 - protobuf's name
+            raise ValueError("Message onnx.ModelProto exceeds maximum protobuf size of 2GB")
+
+    huge, calls = Huge(), []
+
+    def optimize(proto, level):
+        calls.append((proto, level))
+        return "optimized"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
+        for _ in range(2):
+            assert oc.optimize_cached(huge, LEVELS[1], optimize, cache) == "optimized"
+        assert list(Path(tmp).iterdir()) == []
+    assert calls == [(huge, LEVELS[1])] * 2

@@ -346,6 +346,12 @@ CHAINS = {
                              helper.make_node("Gather", ["sl", "i1"], ["g"], axis=0),
                              helper.make_node("Gather", ["sh", "i0"], ["g0"], axis=0),
                              helper.make_node("Mul", ["g", "g0"], ["lim"])], {"b1": [1], "e3": [3], "i1": 1, "i0": 0}),
+    # The same with axes [0] given and steps omitted (four inputs)
+    "slice with axes, without steps": ([helper.make_node("Slice", ["sh", "b1", "e3", "a0"], ["sl"]),
+                                        helper.make_node("Gather", ["sl", "i1"], ["g"], axis=0),
+                                        helper.make_node("Gather", ["sh", "i0"], ["g0"], axis=0),
+                                        helper.make_node("Mul", ["g", "g0"], ["lim"])],
+                                       {"b1": [1], "e3": [3], "a0": [0], "i1": 1, "i0": 0}),
     # Clip(s1, 0, 1) is 1: an op with three one-element inputs that is not followed (not a Slice)
     "clip": ([helper.make_node("Gather", ["sh", "i1"], ["g1"], axis=0),
               helper.make_node("Clip", ["g1", "lo", "hi"], ["cl"]),

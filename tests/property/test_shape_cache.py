@@ -88,6 +88,7 @@ def test_shape_cache_bound_and_results(shapes, bound):
         with _session(env, bound) as sess:
             program = sess.shape_program
             assert (len(program.nodes) > 0) is (bound > 0)
+            assert program.capacity == bound  # the entry's bound, also 0 (no program)
             if bound == 0:  # the shape nodes stay in the plan, on the CPU EP
                 assert {"Shape", "Gather"} <= {n.op_type for n in sess.plan.nodes}
             for shape in shapes:
@@ -174,3 +175,83 @@ def test_symbolic_dims_bind_the_inputs_shapes(feeds, bound):
                 np.testing.assert_allclose(got, reference.run(None, {"x": x, "y": y})[0], **h.TIGHT)
             assert sess.shape_program.evaluations == misses
             assert sess.shape_program.cached_signatures() == len(kept)
+
+
+def _selection_model():
+    """Nodes the program must leave in the plan, placed before the ones it takes (so a scan that stops at the
+    first refusal takes nothing): Relu (not shape arithmetic), Add over x (output not small), Shape of
+    NonZero's output (an unknown dim), Identity of a constant alone, Add of a shape and the input k (k is
+    fed), Sigmoid (not shape arithmetic, though over shape values) and the Cast after it. Taken: Shape of an
+    inner value, Size of x, Gather, Unsqueeze, Concat of two program values, Slice with its optional axes
+    omitted, Cast."""
+    i64 = TensorProto.INT64
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "one1"),
+             numpy_helper.from_array(np.array([2], np.int64), "two1"),
+             numpy_helper.from_array(np.array([0], np.int64), "axes"),
+             numpy_helper.from_array(np.array([5, 6], np.int64), "cw")]
+    kept = [helper.make_node("Relu", ["x"], ["rx"], name="relu"),
+            helper.make_node("Add", ["x", "x"], ["xx"], name="add_big"),
+            helper.make_node("NonZero", ["x"], ["nz"], name="nonzero"),
+            helper.make_node("Shape", ["nz"], ["snz"], name="shape_of_nonzero"),
+            helper.make_node("Identity", ["cw"], ["cwi"], name="constant_alone")]
+    taken = [helper.make_node("Shape", ["rx"], ["s"], name="shape"),
+             helper.make_node("Size", ["x"], ["size"], name="size"),
+             helper.make_node("Unsqueeze", ["size", "axes"], ["size1"], name="size1"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0, name="gather"),
+             helper.make_node("Unsqueeze", ["n", "axes"], ["n1"], name="unsqueeze"),
+             helper.make_node("Concat", ["n1", "n1"], ["nn"], axis=0, name="concat_produced"),
+             helper.make_node("Slice", ["s", "one1", "two1", "", "one1"], ["hs"], name="slice_no_axes"),
+             helper.make_node("Cast", ["nn"], ["nnf"], to=TensorProto.FLOAT, name="cast_float")]
+    late = [helper.make_node("Add", ["s", "k"], ["sk"], name="add_fed"),
+            helper.make_node("Sigmoid", ["nnf"], ["sig"], name="sigmoid"),
+            helper.make_node("Cast", ["sig"], ["snn"], to=i64, name="cast_back"),
+            helper.make_node("Concat", ["s", "size1", "nn", "hs", "sk", "snn", "cwi", "snz"], ["all"], axis=0,
+                             name="concat_out"),
+            helper.make_node("Add", ["xx", "rx"], ["y"], name="add_out")]
+    graph = helper.make_graph(kept + taken + late, "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "h", "w"]),
+                               helper.make_tensor_value_info("k", i64, [3])],
+                              [helper.make_tensor_value_info("all", i64, [None]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "h", "w"])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return model, {n.name for n in taken}
+
+
+def test_the_program_takes_exactly_the_shape_arithmetic():
+    """build()'s selection, each rule met once (see _selection_model), with onnxruntime's outputs."""
+    model, taken = _selection_model()
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    with h.example_env(V, (V,)) as env:
+        with InferenceSession(model, h.session_options(), providers=[(h.EXAMPLE_EP, {"ops": "Relu"})], env=env) as sess:
+            assert {sess.graph.nodes[i].name for i in sess.shape_program.nodes} == taken
+            for shape in [(2, 3, 1), (1, 2, 2), (2, 3, 1)]:
+                feeds = {"x": rng.standard_normal(shape).astype(np.float32), "k": np.array([7, -1, 4], np.int64)}
+                for got, want in zip(sess.run(None, feeds), reference.run(None, feeds)):
+                    np.testing.assert_array_equal(got, want)
+
+
+def test_an_op_the_cpu_ep_cannot_run_stays_for_the_plugin():
+    """Opset 6: the CPU EP has no Mul of that opset (its broadcasting predates opset 7), so the Mul over
+    shape values stays in the plan, where ExampleEP runs it; the program still takes the shape nodes after
+    it (Shape of Relu's output, its Cast)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Mul", ["sf", "sf"], ["sq"], name="mul_v6"),
+             helper.make_node("Relu", ["x"], ["rx"], name="relu"),
+             helper.make_node("Shape", ["rx"], ["s2"], name="shape_after"),
+             helper.make_node("Cast", ["s2"], ["s2f"], to=TensorProto.FLOAT, name="cast_after"),
+             helper.make_node("Add", ["sq", "s2f"], ["y"], name="add")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=8)
+    with h.example_env(V, (V,)) as env:
+        with InferenceSession(model, h.session_options(), providers=[(h.EXAMPLE_EP, {"ops": "Mul,Add,Relu"})],
+                              env=env) as sess:
+            assert {sess.graph.nodes[i].name for i in sess.shape_program.nodes} == {"shape", "cast", "shape_after",
+                                                                                     "cast_after"}
+            assert [n.provider for n in sess.plan.nodes if n.op_type == "Mul"] == [h.EXAMPLE_EP]
+            for shape in [(2, 3, 1), (1, 2, 4)]:
+                dims = np.array(shape, np.float32)  # onnxruntime has no Mul(6) kernel either: NumPy's answer
+                np.testing.assert_array_equal(sess.run(None, {"x": np.ones(shape, np.float32)})[0], dims * dims + dims)
