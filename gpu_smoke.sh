@@ -24,7 +24,7 @@ timeout 130 $PYTEST tests/plugin_cuda/test_flash_attention.py tests/plugin_cuda/
     --timeout=120 2>&1 | tail -25
 
 echo "== bench/flash_half_gpu.py: half plans, flash step vs two-GEMM chain (BERT-base-like b8, Llama-like b4)"
-timeout 45 python3 -m bench.flash_half_gpu --seqs 128 512 --iters 30 2>&1 | tail -10
+timeout 60 python3 -m bench.flash_half_gpu --seqs 128 512 --iters 30 2>&1 | tail -10
 
 echo "== planted bug: the half mask read as float32 (the BERT flash-vs-gemm GPU test must fail)"
 cp plugin_cuda/plan/flash_step.py /tmp/flash_step.py.orig
