@@ -16,7 +16,8 @@ in a fresh process (this script's `_measure`), so nothing is warm in memory:
 Creation is InferenceSession(...) alone (the Environment and plugin load are reported apart as
 `env_s`). Each process then runs the model 100 times: `run1_ms` is the first run, `run100_ms` the
 hundredth (outputs copied to the host both times). `EPHOST_BENCH_PROFILE=1` adds each creation's
-cProfile top functions. Models are time-boxed: a model whose budget share
+cProfile top functions and run 1's
+($EPHOST_BENCH_PROFILE_ROWS rows each). Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 """
 
@@ -120,11 +121,13 @@ def _profiler():
     return profiler
 
 
-def _top(profiler, count: int = 14) -> list[str]:
-    """The functions with the most cumulative time, as 'seconds name (file:line)'."""
+def _top(profiler, count: int | None = None) -> list[str]:
+    """The functions with the most cumulative time, as 'seconds name (file:line)'
+    ($EPHOST_BENCH_PROFILE_ROWS of them, 14 by default)."""
     import pstats
 
     profiler.disable()
+    count = count or int(os.environ.get("EPHOST_BENCH_PROFILE_ROWS", "14"))
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, callers)
     return [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
@@ -156,10 +159,13 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
                loaded=session.fallbacks["context_loaded"], recompiled=session.fallbacks["context_recompiled"])
     feeds = _feeds(session)
     runs = []
-    for _ in range(100):
+    for i in range(100):
+        profiler = _profiler() if i == 0 else None  # run 1's lazy work, when profiling
         t = time.perf_counter()
         session.run(None, feeds)
         runs.append((time.perf_counter() - t) * 1e3)
+        if profiler is not None:
+            out["run1_profile"] = _top(profiler)
     out.update(run1_ms=runs[0], run2_ms=runs[1], run100_ms=runs[-1], median_ms=float(np.median(runs[50:])))
     session.close()
     env.close()
@@ -199,9 +205,12 @@ def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
         except subprocess.TimeoutExpired:
             res[mode] = {"error": f"timed out ({left:.0f} s left of the budget)"}
         profile = res[mode].pop("profile", None)
+        run1 = res[mode].pop("run1_profile", None)
         print(f"  {name} {mode}: {json.dumps(res[mode])}", flush=True)
         for line in profile or ():
             print(f"    {line}", flush=True)
+        for line in run1 or ():
+            print(f"    run 1: {line}", flush=True)
     if ctx.is_file():
         res["context_mb"] = round(sum(p.stat().st_size for p in work.glob(f"{name}_ctx*")) / 1e6, 1)
         res["model_mb"] = round(path.stat().st_size / 1e6, 1)
