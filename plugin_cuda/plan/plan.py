@@ -268,6 +268,20 @@ class Plan:
             if inst.runs >= self.warmup:
                 inst.capture()
 
+    def warm(self, stream: int, input_ptrs, output_ptrs) -> None:
+        """Run 1's lazy work, done ahead (plan/warmup.py): the instance of `stream` (arena, packed
+        launches, cuBLAS handle, cuDNN setups and workspaces), then each variant launched once, so
+        that CUDA loads the library kernels they call and the cuDNN steps settle their calls. Not a
+        run: auto_graph counts only run() calls, and run() finds the graph variant warm already."""
+        inst = self._instances.get(stream)
+        if inst is None:
+            inst = self._instance(stream)
+        inst.set_io(input_ptrs, output_ptrs)
+        if inst.graph_seq is not inst.eager_seq:
+            inst.launch_all(inst.graph_seq)
+        inst.graph_warm = True
+        inst.launch_all(inst.eager_seq)
+
     def forget_stream(self, stream: int) -> None:
         """Release what the plan keeps for `stream` (its arena, graph and packed launches, which
         hold that stream's cuBLAS handle). The EP calls it before it destroys a stream: CUDA hands
