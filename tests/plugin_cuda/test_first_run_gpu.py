@@ -92,3 +92,22 @@ def test_no_warm_up_on_a_callers_stream(cp, genv, instances):
         feeds = feeds_for(model, 90)
         np.testing.assert_allclose(s.run(None, feeds)[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
         assert len(instances) > made  # run 1 made it, as before
+
+
+def test_a_failing_warm_up_leaves_the_work_to_run_1(cp, genv, instances, monkeypatch):
+    from plugin_cuda.plan import plan as plan_module
+    from plugin_cuda.plan import warmup
+
+    def broken(self, stream, input_ptrs, output_ptrs):
+        self._instance(stream)  # made, then given up: forget_stream must drop it
+        raise RuntimeError("injected warm-up failure")
+
+    monkeypatch.setattr(plan_module.Plan, "warm", broken)
+    model = MODELS["mlp-2x512-b512"]()
+    failed, made = warmup.stats["failed"], len(instances)
+    with InferenceSession(model.SerializeToString(), providers=[(CUDA, OPTIONS)], env=genv) as s:
+        assert warmup.stats["failed"] > failed
+        at_creation = len(instances) - made
+        feeds = feeds_for(model, 95)
+        np.testing.assert_allclose(s.run(None, feeds)[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+        assert len(instances) - made == 2 * at_creation  # run 1 made each plan's instance again
