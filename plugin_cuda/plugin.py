@@ -470,6 +470,7 @@ class CudaEp(sdk.EpBase):
         for s in list(self.streams.values()):
             s.close()
         self.streams.clear()
+        self._first = None  # closed above with the others when no run took it
         with self._lock:
             self._closed = True
             spare, self._spare_cublas = self._spare_cublas, []
