@@ -187,7 +187,7 @@ def _child(model: Path, plugin: str, cache: Path, save: Path | None, timeout: fl
     return row
 
 
-def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
+def bench_model(name: str, plugin: str, work: Path, budget: float, modes=MODES) -> dict:
     start = time.perf_counter()
     path = work / f"{name}.onnx"
     res = {"model": name, **export_model(name, path)}
@@ -195,6 +195,9 @@ def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
     caches = {"cold": work / f"{name}-cache", "warm": work / f"{name}-cache", "save": work / f"{name}-cache",
               "context": work / f"{name}-cache-ctx"}
     for mode in MODES:
+        if mode not in modes:
+            res[mode] = {"error": "not asked for (--modes)"}
+            continue
         left = budget - (time.perf_counter() - start)
         if left <= 5:
             res[mode] = {"error": "skipped: the model's time budget is spent"}
@@ -251,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("models", nargs="*", default=list(MODELS), choices=MODELS)
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for all models together")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the measurements to make (context needs save before it)")
     args = parser.parse_args(argv)
     import build
 
@@ -264,7 +269,7 @@ def main(argv=None) -> int:
         for i, name in enumerate(args.models):
             share = (args.budget - (time.perf_counter() - start)) / (len(args.models) - i)
             try:
-                results.append(bench_model(name, plugin, Path(tmp), share))
+                results.append(bench_model(name, plugin, Path(tmp), share, args.modes))
             except Exception as exc:  # noqa: BLE001 - an export failing: the next model still runs
                 results.append({"model": name, **{m: {"error": f"{type(exc).__name__}: {exc}"[:200]} for m in MODES}})
     print(table(results))
