@@ -120,13 +120,12 @@ def host_part(layers: int, hidden: int, rows: int, work: Path) -> None:
 
 
 def cuda_part() -> None:
-    from abi import fused_blob
     from abi.graph_spec import FusedGraph
     from plugin_cuda.plan import codegen, fuse, lower, saved
     from plugin_cuda.plan.onnx_spec import spec_from_onnx
 
     spec = spec_from_onnx(resnet50())
-    blob = saved.pack(saved.SavedPlan(fused_blob.to_bytes(FusedGraph("resnet50", spec)), cc="90"))
+    blob = saved.pack(saved.SavedPlan.of(FusedGraph("resnet50", spec), cc="90"))
     plan, t_unpack = _timed(lambda: saved.unpack(blob))
     graph, t_graph = _timed(lambda: plan.fused_graph().graph)
     prog, t_lower = _timed(lambda: lower.lower(graph))

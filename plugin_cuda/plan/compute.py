@@ -56,9 +56,9 @@ class PlanFunction:
         if self.fused is None:
             return None
         ep = self.ep
-        return saved.pack(saved.SavedPlan(fused_blob.to_bytes(self.fused),
-                                          cc=ep.factory.compute_capability(ep.device_id),
-                                          modules=saved_modules(self._plans()), algos=algo_cache.taken(self._algo_mark)))
+        return saved.pack(saved.SavedPlan.of(self.fused, cc=ep.factory.compute_capability(ep.device_id),
+                                             modules=saved_modules(self._plans()),
+                                             algos=algo_cache.taken(self._algo_mark)))
 
     def _plans(self) -> list:
         return [self.plan]
