@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import abi
 from abi import fused_blob
 from abi.graph_spec import FusedGraph
 
@@ -81,21 +82,18 @@ class SavedPlan:
         return cls(fused_blob.to_bytes(dataclasses.replace(fused, graph=graph)), constants=constants, **kw)
 
     def fused_graph(self) -> FusedGraph:
-        """The subgraph with its constants; PlanBlobError when its own bytes do not read or a constant
-        does not fit its value."""
+        """The subgraph with its constants (each with the shape it was saved with, as np.savez kept it:
+        a value's declared shape may differ, () for a one-element constant); PlanBlobError when its own
+        bytes do not read or an array names a value that cannot take it."""
         try:
             fused = fused_blob.from_bytes(self.graph)
         except fused_blob.BlobError as exc:
             raise PlanBlobError(f"graph section: {exc}") from None
         values = fused.graph.values
         for i, arr in self.constants.items():
-            if not 0 <= i < len(values) or values[i].constant is not None:
-                raise PlanBlobError(f"CUDA plan context array for value {i}: the graph has {len(values)} values "
-                                    "and that one must be a value without a constant")
-            shape = values[i].shape
-            if shape is not None and tuple(shape) != arr.shape:
-                raise PlanBlobError(f"CUDA plan context array for value {i} ('{values[i].name}') has shape "
-                                    f"{list(arr.shape)}; the value's shape is {list(shape)}")
+            if not 0 <= i < len(values) or values[i].kind != abi.VALUE_INITIALIZER or values[i].constant is not None:
+                raise PlanBlobError(f"CUDA plan context array for value {i}: the graph has {len(values)} values; "
+                                    "expected the index of an initializer without a constant")
             values[i].constant = arr
         return fused
 
@@ -169,6 +167,8 @@ def _read_sections(head: dict, blob: bytes, base: int) -> SavedPlan:
         elif s["name"] == "module":
             saved.modules.append(SavedModule(str(s["arch"]), str(s["digest"]), bytes(data)))
         elif s["name"] == "array":
+            if int(s["value"]) in saved.constants:
+                raise PlanBlobError(f"CUDA plan context has two array sections for value {s['value']}")
             saved.constants[int(s["value"])] = _array(s, blob, base)
         else:
             raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: "

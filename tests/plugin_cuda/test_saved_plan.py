@@ -136,6 +136,8 @@ ARRAY_DAMAGE = [
     (lambda: _edit_array(lambda s: s.update(shape=[2, -3])),
      r"^CUDA plan context array for value 1: 24 bytes do not hold a float32 array of shape \[2, -3\]$"),
     (lambda: _edit_array(lambda s: s.pop("dtype")), r"^unreadable CUDA plan context header: KeyError: 'dtype'$"),
+    (lambda: _repack(_with_constants(), lambda h: h["sections"].append(h["sections"][-1])),
+     r"^CUDA plan context has two array sections for value 1$"),
 ]
 
 
@@ -146,10 +148,10 @@ def test_damaged_array_sections_are_refused(make, pattern):
 
 
 @pytest.mark.parametrize(("edit", "pattern"), [
-    (lambda s: s.update(shape=[3, 2]), r"^CUDA plan context array for value 1 \('w'\) has shape \[3, 2\]; the value's "
-                                       r"shape is \[2, 3\]$"),
-    (lambda s: s.update(value=9), r"^CUDA plan context array for value 9: the graph has 4 values and that one must "
-                                  r"be a value without a constant$"),
+    (lambda s: s.update(value=0), r"^CUDA plan context array for value 0: the graph has 4 values; expected the "
+                                  r"index of an initializer without a constant$"),  # the graph's input
+    (lambda s: s.update(value=9), r"^CUDA plan context array for value 9: the graph has 4 values; expected the "
+                                  r"index of an initializer without a constant$"),
 ])
 def test_an_array_that_does_not_fit_its_value_is_refused(edit, pattern):
     plan = saved.unpack(_edit_array(edit))  # the bytes read; the graph says they do not belong there
