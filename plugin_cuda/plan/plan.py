@@ -182,13 +182,14 @@ class Plan:
         if not top:
             self._const_base = 0
             return
-        host = np.zeros(top, np.uint8)
-        for off, arr in consts:
-            host[off: off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         cp = self.cupy
         with cp.cuda.Device(self.device_id):
             self._const_mem = self._malloc(top, None)
-            self._const_mem.copy_from_host(host.ctypes.data, top)
+            # Each constant straight from its array (a context's are views of its bytes): no host
+            # staging buffer of the whole size to fill first (issue 29: 100s of MB for a BERT).
+            for off, arr in consts:
+                if arr.nbytes:
+                    (self._const_mem + off).copy_from_host(arr.ctypes.data, arr.nbytes)
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         self._const_base = int(self._const_mem.ptr)
 
