@@ -114,11 +114,11 @@ def pack(saved: SavedPlan) -> bytes:
         offset += data.nbytes
 
     add("graph", saved.graph)
-    for m in saved.modules:
-        add("module", m.binary, arch=m.arch, digest=m.digest)
     for i, arr in sorted(saved.constants.items()):
         arr = np.ascontiguousarray(arr)
         add("array", arr.reshape(-1).view(np.uint8), value=i, dtype=arr.dtype.str, shape=list(arr.shape))
+    for m in saved.modules:
+        add("module", m.binary, arch=m.arch, digest=m.digest)
     head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections},
                       sort_keys=True).encode()
     head += b" " * (-(_FIXED + len(head)) % ALIGN)  # JSON ignores trailing blanks

@@ -98,12 +98,13 @@ def test_a_graph_section_that_does_not_read_is_a_plan_blob_error():
 
 # -- plan format 3: the constants as array sections, loaded as views of the context ----------------------------
 
-def _with_constants() -> bytes:
-    return saved.pack(saved.SavedPlan.of(sample(), cc="90", modules=list(MODULES), algos=dict(ALGOS)))
+def _with_constants(modules=()) -> bytes:
+    """A context with sample()'s constant as an array section: the last section unless `modules`."""
+    return saved.pack(saved.SavedPlan.of(sample(), cc="90", modules=list(modules), algos=dict(ALGOS)))
 
 
 def test_constants_round_trip_as_aligned_read_only_views_of_the_context():
-    blob = _with_constants()
+    blob = _with_constants(MODULES)
     head, payload = _head(blob)
     arrays = [s for s in head["sections"] if s["name"] == "array"]
     assert [(s["value"], s["dtype"], s["shape"], s["size"]) for s in arrays] == [(1, "<f4", [2, 3], 24)]
