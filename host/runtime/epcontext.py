@@ -269,6 +269,7 @@ class SavedContexts:
                 self.ready[saved.name] = part
                 owned.append(part)
                 fallbacks["context_loaded"] += 1
+                saved.blob = None  # the EP keeps what it needs: the session does not hold the bytes too
         if not recompile:
             return graph, view
         graph = build_graph(self._inlined(recompile))
