@@ -16,7 +16,7 @@ in a fresh process (this script's `_measure`), so nothing is warm in memory:
 Creation is InferenceSession(...) alone (the Environment and plugin load are reported apart as
 `env_s`). Each process then runs the model 100 times: `run1_ms` is the first run, `run100_ms` the
 hundredth (outputs copied to the host both times). `EPHOST_BENCH_PROFILE=1` adds each creation's
-cProfile top functions and run 1's
+cProfile top functions, `=2` run 1's too (its time then includes cProfile's overhead)
 ($EPHOST_BENCH_PROFILE_ROWS rows each). Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 """
@@ -110,9 +110,10 @@ def _feeds(session) -> dict:
     return feeds
 
 
-def _profiler():
-    """A running cProfile when $EPHOST_BENCH_PROFILE=1 (where session creation spends its time)."""
-    if os.environ.get("EPHOST_BENCH_PROFILE") != "1":
+def _profiler(level: str = "1"):
+    """A running cProfile when $EPHOST_BENCH_PROFILE is `level` or more: 1 profiles creation, 2 run 1
+    as well (whose time then includes cProfile's overhead)."""
+    if os.environ.get("EPHOST_BENCH_PROFILE", "0") < level:
         return None
     import cProfile
 
@@ -160,7 +161,7 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
     feeds = _feeds(session)
     runs = []
     for i in range(100):
-        profiler = _profiler() if i == 0 else None  # run 1's lazy work, when profiling
+        profiler = _profiler("2") if i == 0 else None  # run 1's lazy work (EPHOST_BENCH_PROFILE=2)
         t = time.perf_counter()
         session.run(None, feeds)
         runs.append((time.perf_counter() - t) * 1e3)
