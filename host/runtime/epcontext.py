@@ -37,7 +37,7 @@ from host.plugins import hostapi
 from host.plugins.hostapi import ffi
 from host.plugins.loader import text
 from host.runtime.graphview import GraphView
-from host.runtime.model import Graph, build_graph, load_model, outer_names
+from host.runtime.model import Graph, build_graph, copy_fields, load_model, outer_names
 from host.runtime.partition import compile as compiled
 from host.runtime.warn import warn_caller
 
@@ -179,24 +179,10 @@ def unread_initializers_dropped(proto: onnx.ModelProto) -> onnx.ModelProto:
     if all(t.name in read for t in g.initializer):
         return proto
     lean = onnx.ModelProto()
-    _copy_fields(proto, lean, skip="graph")
-    _copy_fields(g, lean.graph, skip="initializer")
+    copy_fields(proto, lean, skip=("graph",))
+    copy_fields(g, lean.graph, skip=("initializer",))
     lean.graph.initializer.extend(t for t in g.initializer if t.name in read)
     return lean
-
-
-def _copy_fields(src, dst, skip: str) -> None:
-    """Every set field of the message `src` but `skip` into the empty message `dst` (copies)."""
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        # protobuf 7 has is_repeated only; older releases have label only
-        if fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED:
-            getattr(dst, fd.name).extend(value)
-        elif fd.type == fd.TYPE_MESSAGE:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -272,7 +258,7 @@ class SavedContexts:
                 saved.blob = None  # the EP keeps what it needs: the session does not hold the bytes too
         if not recompile:
             return graph, view
-        graph = build_graph(self._inlined(recompile))
+        graph = build_graph(self._inlined(recompile), weights_checked=False)  # checked when it was saved
         return graph, GraphView(graph)
 
     def _why_not_loaded(self, saved: SavedNode, ep, answers: dict[str, Compatibility]) -> str | None:

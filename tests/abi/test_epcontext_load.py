@@ -101,3 +101,46 @@ def test_unread_initializers_dropped_keeps_what_is_read():
     assert lean.SerializeToString() == model.SerializeToString()
     # Nothing to drop: the model itself.
     assert epcontext.unread_initializers_dropped(lean) is lean
+
+
+def _weights_and_shapes_model() -> onnx.ModelProto:
+    """MatMul by a large weight, Reshape by a small shape initializer (whose data shape inference
+    reads), an If whose branch reads a large initializer, and a large initializer that is also a graph
+    input (overridable)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")
+    v = numpy_helper.from_array(rng.standard_normal((4, 512)).astype(np.float32), "v")
+    o = numpy_helper.from_array(np.ones((2048,), np.float32), "o")
+    shape = numpy_helper.from_array(np.array([4, 2, 256], np.int64), "shape")
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    then = helper.make_graph([helper.make_node("Add", ["r", "v"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, 512])])
+    other = helper.make_graph([helper.make_node("Identity", ["r"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 512])])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Reshape", ["m", "shape"], ["m3"]),
+             helper.make_node("ReduceSum", ["m3"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("Flatten", ["m3"], ["r"], axis=1),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Mul", ["y", "y"], ["z"]),
+             helper.make_node("ReduceSum", ["o"], ["os"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64]),
+                                           helper.make_tensor_value_info("o", TensorProto.FLOAT, [2048])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 512]),
+                               helper.make_tensor_value_info("os", TensorProto.FLOAT, [])],
+                              [w, v, o, shape, zero])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_context_models_checks_run_without_the_weights_and_infer_the_same():
+    from host.runtime.model import build_graph
+
+    model = _weights_and_shapes_model()
+    before = model.SerializeToString()
+    full, light = build_graph(model), build_graph(model, weights_checked=False)
+    assert model.SerializeToString() == before
+    assert light.model.SerializeToString() == full.model.SerializeToString()  # the same inferred model
+    assert light.values["m3"].shape == (4, 2, 256)  # data propagated from the small 'shape' initializer
+    assert sorted(light.initializers) == sorted(full.initializers) == ["o", "shape", "v", "w", "zero"]
+    assert [v.name for v in light.inputs] == [v.name for v in full.inputs]
