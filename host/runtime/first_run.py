@@ -11,6 +11,8 @@ run after loading is as fast as the hundredth).
 
 from __future__ import annotations
 
+from cffi import CDefError
+
 from host.plugins.hostapi import ffi
 from host.runtime import threads
 
@@ -27,6 +29,9 @@ def prepare(plan, bounds_blas: bool) -> None:
     bounded (`bounds_blas`)."""
     if plan.eps:
         for name in RUN_TYPES:
-            ffi.typeof(name)  # cached by cffi for the process
+            try:
+                ffi.typeof(name)  # cached by cffi for the process
+            except CDefError:  # not declared: then no run uses it either
+                continue
     if bounds_blas:
         threads.POOLS.libraries()
