@@ -540,6 +540,9 @@ class CudaKernelAdapter(sdk.KernelBase):
         self.present = tuple(v >= 0 for v in node.outputs)
         self._io = threading.local()
         self._get_io, self._get_output = self.api.get_io, self.api.get_output
+        from plugin_cuda import kernel_warmup
+
+        kernel_warmup.warm_up(ep, graph, node, self)  # its CuPy code compiled now, not in run 1 (issue 29)
 
     def _read_inputs(self, kio) -> list:
         ffi, ep = self.ffi, self.ep

@@ -111,3 +111,28 @@ def test_a_failing_warm_up_leaves_the_work_to_run_1(cp, genv, instances, monkeyp
         feeds = feeds_for(model, 95)
         np.testing.assert_allclose(s.run(None, feeds)[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
         assert len(instances) - made == 2 * at_creation  # run 1 made each plan's instance again
+
+
+@pytest.mark.parametrize("name", ["transformer", "cnn"])
+def test_per_node_kernels_run_once_at_creation(cp, genv, name):
+    """compiled_plan=0: every node is a per-node kernel; each with known shapes runs at creation
+    (plugin_cuda/kernel_warmup.py), and the session still computes what onnx.reference does."""
+    from plugin_cuda import kernel_warmup
+
+    model = CASES[name]()
+    before = dict(kernel_warmup.stats)
+    t0 = time.perf_counter()
+    with InferenceSession(model.SerializeToString(), providers=[(CUDA, {**OPTIONS, "compiled_plan": "0"})],
+                          env=genv) as s:
+        creation = time.perf_counter() - t0
+        done = {k: kernel_warmup.stats[k] - before[k] for k in before}
+        assert done["warmed"] >= 1, done
+        times = []
+        for k in range(2):
+            feeds = feeds_for(model, 97 + k)
+            t = time.perf_counter()
+            got = s.run(None, feeds)[0]
+            times.append((time.perf_counter() - t) * 1e3)
+            np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+    print(f"{name} per-node kernels: {done}; creation {creation:.3f} s, runs "
+          f"{', '.join(f'{t:.2f}' for t in times)} ms")
