@@ -16,7 +16,8 @@ in a fresh process (this script's `_measure`), so nothing is warm in memory:
 Creation is InferenceSession(...) alone (the Environment and plugin load are reported apart as
 `env_s`). Each process then runs the model 100 times: `run1_ms` is the first run, `run100_ms` the
 hundredth (outputs copied to the host both times). `EPHOST_BENCH_PROFILE=1` adds each creation's
-cProfile top functions. Models are time-boxed: a model whose budget share
+cProfile top functions, `=2` run 1's too (its time then includes cProfile's overhead)
+($EPHOST_BENCH_PROFILE_ROWS rows each). Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 """
 
@@ -109,9 +110,10 @@ def _feeds(session) -> dict:
     return feeds
 
 
-def _profiler():
-    """A running cProfile when $EPHOST_BENCH_PROFILE=1 (where session creation spends its time)."""
-    if os.environ.get("EPHOST_BENCH_PROFILE") != "1":
+def _profiler(level: str = "1"):
+    """A running cProfile when $EPHOST_BENCH_PROFILE is `level` or more: 1 profiles creation, 2 run 1
+    as well (whose time then includes cProfile's overhead)."""
+    if os.environ.get("EPHOST_BENCH_PROFILE", "0") < level:
         return None
     import cProfile
 
@@ -120,11 +122,13 @@ def _profiler():
     return profiler
 
 
-def _top(profiler, count: int = 14) -> list[str]:
-    """The functions with the most cumulative time, as 'seconds name (file:line)'."""
+def _top(profiler, count: int | None = None) -> list[str]:
+    """The functions with the most cumulative time, as 'seconds name (file:line)'
+    ($EPHOST_BENCH_PROFILE_ROWS of them, 14 by default)."""
     import pstats
 
     profiler.disable()
+    count = count or int(os.environ.get("EPHOST_BENCH_PROFILE_ROWS", "14"))
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, callers)
     return [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
@@ -156,10 +160,13 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
                loaded=session.fallbacks["context_loaded"], recompiled=session.fallbacks["context_recompiled"])
     feeds = _feeds(session)
     runs = []
-    for _ in range(100):
+    for i in range(100):
+        profiler = _profiler("2") if i == 0 else None  # run 1's lazy work (EPHOST_BENCH_PROFILE=2)
         t = time.perf_counter()
         session.run(None, feeds)
         runs.append((time.perf_counter() - t) * 1e3)
+        if profiler is not None:
+            out["run1_profile"] = _top(profiler)
     out.update(run1_ms=runs[0], run2_ms=runs[1], run100_ms=runs[-1], median_ms=float(np.median(runs[50:])))
     session.close()
     env.close()
@@ -181,7 +188,7 @@ def _child(model: Path, plugin: str, cache: Path, save: Path | None, timeout: fl
     return row
 
 
-def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
+def bench_model(name: str, plugin: str, work: Path, budget: float, modes=MODES) -> dict:
     start = time.perf_counter()
     path = work / f"{name}.onnx"
     res = {"model": name, **export_model(name, path)}
@@ -189,6 +196,9 @@ def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
     caches = {"cold": work / f"{name}-cache", "warm": work / f"{name}-cache", "save": work / f"{name}-cache",
               "context": work / f"{name}-cache-ctx"}
     for mode in MODES:
+        if mode not in modes:
+            res[mode] = {"error": "not asked for (--modes)"}
+            continue
         left = budget - (time.perf_counter() - start)
         if left <= 5:
             res[mode] = {"error": "skipped: the model's time budget is spent"}
@@ -199,9 +209,12 @@ def bench_model(name: str, plugin: str, work: Path, budget: float) -> dict:
         except subprocess.TimeoutExpired:
             res[mode] = {"error": f"timed out ({left:.0f} s left of the budget)"}
         profile = res[mode].pop("profile", None)
+        run1 = res[mode].pop("run1_profile", None)
         print(f"  {name} {mode}: {json.dumps(res[mode])}", flush=True)
         for line in profile or ():
             print(f"    {line}", flush=True)
+        for line in run1 or ():
+            print(f"    run 1: {line}", flush=True)
     if ctx.is_file():
         res["context_mb"] = round(sum(p.stat().st_size for p in work.glob(f"{name}_ctx*")) / 1e6, 1)
         res["model_mb"] = round(path.stat().st_size / 1e6, 1)
@@ -242,6 +255,8 @@ def main(argv=None) -> int:
     parser.add_argument("models", nargs="*", default=list(MODELS), choices=MODELS)
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for all models together")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the measurements to make (context needs save before it)")
     args = parser.parse_args(argv)
     import build
 
@@ -255,7 +270,7 @@ def main(argv=None) -> int:
         for i, name in enumerate(args.models):
             share = (args.budget - (time.perf_counter() - start)) / (len(args.models) - i)
             try:
-                results.append(bench_model(name, plugin, Path(tmp), share))
+                results.append(bench_model(name, plugin, Path(tmp), share, args.modes))
             except Exception as exc:  # noqa: BLE001 - an export failing: the next model still runs
                 results.append({"model": name, **{m: {"error": f"{type(exc).__name__}: {exc}"[:200]} for m in MODES}})
     print(table(results))

@@ -202,6 +202,8 @@ class CudaEp(sdk.EpBase):
             self.unified = StreamState(self, stream, owned=not opts.has_user_compute_stream)
             self.streams[self.unified.ptr] = self.unified
         self._spare_cublas: list = []  # handles of released streams, for the next streams
+        self._first: StreamState | None = None  # made at creation for the first run (first_stream)
+        self._first_taken = False  # the host has asked for its first stream
         from plugin_cuda.device.cudnn import HandlePool
 
         self.cudnn_handles = HandlePool(opts.use_tf32, opts.cudnn_conv_algo_search)
@@ -269,13 +271,33 @@ class CudaEp(sdk.EpBase):
         return arr
 
     # -- streams -----------------------------------------------------------------------------
+    def first_stream(self) -> StreamState | None:
+        """The stream the session's first run computes on (the host asks for it at that run), made
+        now so that compiled plans can do their per-stream work at session creation (plan/warmup.py);
+        None once the host has it (a run has started: nothing is made ahead any more)."""
+        if self.unified is not None:
+            return self.unified
+        with self._lock:
+            if self._first_taken:
+                return None
+            if self._first is None:
+                self._first = self._new_stream()
+            return self._first
+
+    def _new_stream(self) -> StreamState:
+        with self.device:
+            state = StreamState(self, self.cupy.cuda.Stream(non_blocking=True), owned=True)
+        self.streams[state.ptr] = state
+        return state
+
     def CreateSyncStreamForDevice(self, info, out):
         if self.unified is not None:
             state = self.unified
         else:
-            with self.device:
-                state = StreamState(self, self.cupy.cuda.Stream(non_blocking=True), owned=True)
-            self.streams[state.ptr] = state
+            with self._lock:
+                state, self._first, self._first_taken = self._first, None, True
+            if state is None:
+                state = self._new_stream()
         out[0] = self.runtime.expose("EpSyncStream", CudaSyncStream(self.runtime, self, state))
 
     def forget_stream(self, state: StreamState) -> None:
@@ -448,6 +470,7 @@ class CudaEp(sdk.EpBase):
         for s in list(self.streams.values()):
             s.close()
         self.streams.clear()
+        self._first = None  # closed above with the others when no run took it
         with self._lock:
             self._closed = True
             spare, self._spare_cublas = self._spare_cublas, []
@@ -517,6 +540,9 @@ class CudaKernelAdapter(sdk.KernelBase):
         self.present = tuple(v >= 0 for v in node.outputs)
         self._io = threading.local()
         self._get_io, self._get_output = self.api.get_io, self.api.get_output
+        from plugin_cuda import kernel_warmup
+
+        kernel_warmup.warm_up(ep, graph, node, self)  # its CuPy code compiled now, not in run 1 (issue 29)
 
     def _read_inputs(self, kio) -> list:
         ffi, ep = self.ffi, self.ep

@@ -37,7 +37,7 @@ from host.plugins import hostapi
 from host.plugins.hostapi import ffi
 from host.plugins.loader import text
 from host.runtime.graphview import GraphView
-from host.runtime.model import Graph, build_graph, load_model
+from host.runtime.model import Graph, build_graph, copy_fields, load_model, outer_names
 from host.runtime.partition import compile as compiled
 from host.runtime.warn import warn_caller
 
@@ -167,6 +167,24 @@ def _text(node: onnx.NodeProto, name: str) -> str:
     return _attr(node, name, b"").decode("utf-8", "replace")
 
 
+def unread_initializers_dropped(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` without the initializers that no node, graph input or graph output reads (a copy; `proto`
+    itself when there are none). In a context model these are the weights of the compiled partitions:
+    only the kept subgraphs read them, and the session's graph is built without them, so that the
+    checker and shape inference do not serialise them and GetCapability does not hand them to the
+    EPs (the kept subgraphs are compiled from the full model when a context is refused)."""
+    g = proto.graph
+    read = {name for n in g.node for name in (*n.input, *outer_names(n))}
+    read.update(v.name for v in (*g.input, *g.output))
+    if all(t.name in read for t in g.initializer):
+        return proto
+    lean = onnx.ModelProto()
+    copy_fields(proto, lean, skip=("graph",))
+    copy_fields(g, lean.graph, skip=("initializer",))
+    lean.graph.initializer.extend(t for t in g.initializer if t.name in read)
+    return lean
+
+
 # ---- loading ----------------------------------------------------------------------------------
 @dataclass
 class SavedNode:
@@ -207,7 +225,7 @@ class SavedContexts:
                 kept = [a for a in node.attribute if a.name not in STRIPPED]
                 del node.attribute[:]
                 node.attribute.extend(kept)
-        return light, cls(light, nodes, compatibility_strings(light))
+        return unread_initializers_dropped(light), cls(light, nodes, compatibility_strings(light))
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
         """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
@@ -237,9 +255,10 @@ class SavedContexts:
                 self.ready[saved.name] = part
                 owned.append(part)
                 fallbacks["context_loaded"] += 1
+                saved.blob = None  # the EP keeps what it needs: the session does not hold the bytes too
         if not recompile:
             return graph, view
-        graph = build_graph(self._inlined(recompile))
+        graph = build_graph(self._inlined(recompile), weights_checked=False)  # checked when it was saved
         return graph, GraphView(graph)
 
     def _why_not_loaded(self, saved: SavedNode, ep, answers: dict[str, Compatibility]) -> str | None:

@@ -141,7 +141,11 @@ def check_text(proto: onnx.ModelProto) -> None:
             raise ModelError(f"model is not valid ONNX: a {what} is not UTF-8 text ({bytes(value)[:40]!r})")
 
 
-def build_graph(model) -> Graph:
+def build_graph(model, weights_checked: bool = True) -> Graph:
+    """The Graph of `model`. `weights_checked=False` (a context model: it was checked when it was
+    saved) runs ONNX's checker and shape inference with the large initializers as typed graph inputs
+    instead, so that neither serialises their data (`_typed_inputs`); their arrays still come from the
+    model."""
     proto = load_model(model)
     check_text(proto)
     opsets = _check_opsets(proto)
@@ -152,20 +156,72 @@ def build_graph(model) -> Graph:
         upgraded.CopyFrom(proto)
         upgraded.ir_version = 4
         proto = upgraded
+    checked = proto if weights_checked else _typed_inputs(proto)
     try:
-        onnx.checker.check_model(proto)
+        onnx.checker.check_model(checked)
     except onnx.checker.ValidationError as exc:
         raise ModelError(f"model is not valid ONNX: {exc}") from exc
     except UnicodeDecodeError as exc:  # a string field (a name, a domain) that is not UTF-8
         raise ModelError(f"model is not valid ONNX: a string field is not UTF-8 ({exc})") from exc
     try:
-        inferred = shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        inferred = shape_inference.infer_shapes(checked, strict_mode=False, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - inference errors are model errors
         raise ModelError(f"shape inference failed: {exc}") from exc
+    if checked is not proto:
+        inferred = _initializers_back(inferred, proto)
     for what, vis in (("graph input", inferred.graph.input), ("graph output", inferred.graph.output)):
         for vi in vis:
             types.check_io_type(vi.name, vi.type, what)
     return _graph(inferred, inferred.graph, opsets, {})
+
+
+_LARGE_ELEMENTS = 1024  # shape inference reads the data of small initializers only (Reshape's shape...)
+
+
+def _large(t: onnx.TensorProto) -> bool:
+    return int(np.prod(t.dims, dtype=np.int64)) > _LARGE_ELEMENTS
+
+
+def _typed_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `proto` whose large initializers are graph inputs of their type and shape (no data);
+    `proto` itself when it has none. Those that are graph inputs already are simply left out."""
+    g = proto.graph
+    large = [t for t in g.initializer if _large(t)]
+    if not large:
+        return proto
+    light = onnx.ModelProto()
+    copy_fields(proto, light, skip=("graph",))
+    copy_fields(g, light.graph, skip=("initializer",))
+    light.graph.initializer.extend(t for t in g.initializer if not _large(t))
+    listed = {vi.name for vi in g.input}
+    light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in large if t.name not in listed)
+    return light
+
+
+def _initializers_back(inferred: onnx.ModelProto, proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`inferred` (shape inference's answer for `_typed_inputs(proto)`) with `proto`'s graph inputs and
+    initializers again (copies of the data, not serialisations)."""
+    out = onnx.ModelProto()
+    copy_fields(inferred, out, skip=("graph",))
+    copy_fields(inferred.graph, out.graph, skip=("initializer", "input"))
+    out.graph.input.extend(proto.graph.input)
+    out.graph.initializer.extend(proto.graph.initializer)
+    return out
+
+
+def copy_fields(src, dst, skip: tuple[str, ...]) -> None:
+    """Every set field of the message `src` but those named in `skip` into the empty message `dst` (copies)."""
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        # protobuf 7 has is_repeated only; older releases have label only
+        if fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
 
 
 def build_subgraph(body: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta],

@@ -22,6 +22,7 @@ from host.runtime import (
     buckets,
     epcontext,
     epcontext_save,
+    first_run,
     ort_api,
     profiling,
     range_lengths,
@@ -162,7 +163,8 @@ class InferenceSession:
         self._lock = threading.Lock()
         stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
-            self.graph = build_graph(self._optimized(path_or_bytes))
+            model = self._optimized(path_or_bytes)
+            self.graph = build_graph(model, weights_checked=self.contexts is None)  # a context model's were
         self.env.track_session(self)  # env.close() closes it first; refused when the env is closed
         try:
             self._provider_list = _parse_providers(
@@ -194,8 +196,10 @@ class InferenceSession:
         self._plain_inputs = plain_inputs(self.input_metas, self.plan.input_ids)
         self._all_output_ids = [self.plan.output_ids[v.name] for v in self.graph.outputs]
         capture_eps = any(ep.graph_capture_enabled() for ep in self.plan.eps)
-        if not threads.plan_calls_blas(self.plan):
+        bounds_blas = threads.plan_calls_blas(self.plan)
+        if not bounds_blas:
             self._threads = contextlib.nullcontext()  # nothing to bound: no threadpoolctl calls per run
+        first_run.prepare(self.plan, bounds_blas)  # one-time work of run 1, done now (issue 29)
         observer = profiling.StepObserver.create(self._profiler, self.plan) if self._profiling else None
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps, program_capacity=getattr(

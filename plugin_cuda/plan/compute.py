@@ -11,7 +11,7 @@ import abi
 from abi import fused_blob
 from abi.sdk import PluginError
 from plugin_cuda.device import algo_cache, nvrtc
-from plugin_cuda.plan import prechoose, saved
+from plugin_cuda.plan import prechoose, saved, warmup
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
 from plugin_cuda.plan.signatures import ConstantStore, PlanCache, host_value_inputs, is_dynamic, specialize
@@ -45,6 +45,7 @@ class PlanFunction:
         self._shapes = self.plan.output_shapes
         resolve_functions(self.plan)
         prechoose.make_choices(self.plan)  # in this partition's context, and out of run 1
+        warmup.warm_up(ep, self.plan)  # run 1's lazy work, at creation (issue 29)
 
     def create_state(self):
         return None
@@ -55,9 +56,9 @@ class PlanFunction:
         if self.fused is None:
             return None
         ep = self.ep
-        return saved.pack(saved.SavedPlan(fused_blob.to_bytes(self.fused),
-                                          cc=ep.factory.compute_capability(ep.device_id),
-                                          modules=saved_modules(self._plans()), algos=algo_cache.taken(self._algo_mark)))
+        return saved.pack(saved.SavedPlan.of(self.fused, cc=ep.factory.compute_capability(ep.device_id),
+                                             modules=saved_modules(self._plans()),
+                                             algos=algo_cache.taken(self._algo_mark)))
 
     def _plans(self) -> list:
         return [self.plan]

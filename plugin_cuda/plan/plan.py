@@ -182,13 +182,14 @@ class Plan:
         if not top:
             self._const_base = 0
             return
-        host = np.zeros(top, np.uint8)
-        for off, arr in consts:
-            host[off: off + arr.nbytes] = arr.reshape(-1).view(np.uint8)
         cp = self.cupy
         with cp.cuda.Device(self.device_id):
             self._const_mem = self._malloc(top, None)
-            self._const_mem.copy_from_host(host.ctypes.data, top)
+            # Each constant straight from its array (a context's are views of its bytes): no host
+            # staging buffer of the whole size to fill first (issue 29: 100s of MB for a BERT).
+            for off, arr in consts:
+                if arr.nbytes:
+                    (self._const_mem + off).copy_from_host(arr.ctypes.data, arr.nbytes)
             cp.cuda.runtime.deviceSynchronize()  # the upload is done before any stream reads it
         self._const_base = int(self._const_mem.ptr)
 
@@ -267,6 +268,20 @@ class Plan:
             inst.runs += 1
             if inst.runs >= self.warmup:
                 inst.capture()
+
+    def warm(self, stream: int, input_ptrs, output_ptrs) -> None:
+        """Run 1's lazy work, done ahead (plan/warmup.py): the instance of `stream` (arena, packed
+        launches, cuBLAS handle, cuDNN setups and workspaces), then each variant launched once, so
+        that CUDA loads the library kernels they call and the cuDNN steps settle their calls. Not a
+        run: auto_graph counts only run() calls, and run() finds the graph variant warm already."""
+        inst = self._instances.get(stream)
+        if inst is None:
+            inst = self._instance(stream)
+        inst.set_io(input_ptrs, output_ptrs)
+        if inst.graph_seq is not inst.eager_seq:
+            inst.launch_all(inst.graph_seq)
+        inst.graph_warm = True
+        inst.launch_all(inst.eager_seq)
 
     def forget_stream(self, stream: int) -> None:
         """Release what the plan keeps for `stream` (its arena, graph and packed launches, which

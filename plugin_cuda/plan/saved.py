@@ -2,7 +2,11 @@
 
 A context holds what rebuilding the partition's plan would otherwise redo on the device:
 
-  graph    the fused subgraph, in abi/fused_blob.py's own framing (its format number inside);
+  graph    the fused subgraph without its constants, in abi/fused_blob.py's own framing (its format
+           number inside; small tensor attributes stay in it);
+  array    one per constant of the subgraph (the weights): its raw bytes, with the value's index, dtype
+           and shape in the header, each starting 64-byte aligned in the context, so that loading
+           makes NumPy views of the context's bytes (no copy, no zip to read; plan format 3);
   modules  NVRTC's output for the plan's generated source, one per module, each with its
            architecture ("sm_90": a cubin; "compute_90": PTX) and source hash (nvrtc.source_hash):
            loaded through nvrtc.provide, so the plan's `nvrtc.load` finds it without compiling;
@@ -19,21 +23,31 @@ tampering, is what it detects: a context is as trusted as the model holding it; 
 BERT-size section three times faster than SHA-256), so a truncated or altered context is refused
 (PlanBlobError) before anything is loaded from it; the
 plugin then answers CompileFromContext with an error and the host compiles the kept subgraph.
-A bare fused_blob (what the plugin wrote before plan format 2) still loads: graph only.
+A bare fused_blob (what the plugin wrote before plan format 2) still loads: graph only. Plan format 2
+(the constants inside the graph section's np.savez) is not read: its compatibility string names
+format 2, which this plugin answers with prefer recompilation before the bytes are ever read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
+import abi
 from abi import fused_blob
 from abi.graph_spec import FusedGraph
 
 MAGIC = b"EPHOST-CUDA-PLAN\0"
-FORMAT = 2  # 1 was the bare fused graph (abi/fused_blob.py), still read by `unpack`
+# 1 was the bare fused graph (abi/fused_blob.py), still read by `unpack`; 2 kept the constants in
+# the graph section's np.savez (copied three times at load), 3 keeps them as array sections.
+FORMAT = 3
 _FIXED = len(MAGIC) + 4 + 8
+ALIGN = 64  # where array sections start, from the context's first byte
+SECTIONS = ("graph", "module", "array")
 
 __all__ = ["FORMAT", "MAGIC", "PlanBlobError", "SavedModule", "SavedPlan", "pack", "unpack"]
 
@@ -51,36 +65,63 @@ class SavedModule:
 
 @dataclass
 class SavedPlan:
-    graph: bytes  # abi/fused_blob.py bytes
+    graph: bytes  # abi/fused_blob.py bytes (without the constants of `constants`)
     cc: str = ""  # the compute capability it was compiled on ("" for a bare fused graph)
     modules: list[SavedModule] = field(default_factory=list)
     algos: dict = field(default_factory=dict)
     format: int = FORMAT
+    constants: dict[int, np.ndarray] = field(default_factory=dict)  # value index -> its constant
+
+    @classmethod
+    def of(cls, fused: FusedGraph, **kw) -> SavedPlan:
+        """The SavedPlan of `fused`: its constants apart (array sections), the rest as the graph."""
+        values = fused.graph.values
+        constants = {i: v.constant for i, v in enumerate(values) if v.constant is not None}
+        bare = [dataclasses.replace(v, constant=None) if i in constants else v for i, v in enumerate(values)]
+        graph = dataclasses.replace(fused.graph, values=bare)
+        return cls(fused_blob.to_bytes(dataclasses.replace(fused, graph=graph)), constants=constants, **kw)
 
     def fused_graph(self) -> FusedGraph:
-        """The subgraph; PlanBlobError when its own bytes do not read."""
+        """The subgraph with its constants (each with the shape it was saved with, as np.savez kept it:
+        a value's declared shape may differ, () for a one-element constant); PlanBlobError when its own
+        bytes do not read or an array names a value that cannot take it."""
         try:
-            return fused_blob.from_bytes(self.graph)
+            fused = fused_blob.from_bytes(self.graph)
         except fused_blob.BlobError as exc:
             raise PlanBlobError(f"graph section: {exc}") from None
+        values = fused.graph.values
+        for i, arr in self.constants.items():
+            if not 0 <= i < len(values) or values[i].kind != abi.VALUE_INITIALIZER or values[i].constant is not None:
+                raise PlanBlobError(f"CUDA plan context array for value {i}: the graph has {len(values)} values; "
+                                    "expected the index of an initializer without a constant")
+            values[i].constant = arr
+        return fused
 
 
 def pack(saved: SavedPlan) -> bytes:
-    """`saved` as bytes that `unpack` turns back into an equal SavedPlan."""
+    """`saved` as bytes that `unpack` turns back into an equal SavedPlan. Every section starts at a
+    multiple of ALIGN from the first byte (the header is padded with spaces, the sections with zeros
+    before them)."""
     sections, payload, offset = [], [], 0
 
-    def add(name: str, data: bytes, **extra) -> None:
+    def add(name: str, data, **extra) -> None:
         nonlocal offset
-        sections.append({"name": name, "offset": offset, "size": len(data),
-                         "crc32": zlib.crc32(data), **extra})
-        payload.append(data)
-        offset += len(data)
+        data = memoryview(data).cast("B")
+        pad = -offset % ALIGN  # zeros before the section, none after the last one
+        offset += pad
+        sections.append({"name": name, "offset": offset, "size": data.nbytes, "crc32": zlib.crc32(data), **extra})
+        payload.extend((bytes(pad), data))
+        offset += data.nbytes
 
     add("graph", saved.graph)
+    for i, arr in sorted(saved.constants.items()):
+        arr = np.ascontiguousarray(arr)
+        add("array", arr.reshape(-1).view(np.uint8), value=i, dtype=arr.dtype.str, shape=list(arr.shape))
     for m in saved.modules:
         add("module", m.binary, arch=m.arch, digest=m.digest)
     head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections},
                       sort_keys=True).encode()
+    head += b" " * (-(_FIXED + len(head)) % ALIGN)  # JSON ignores trailing blanks
     return MAGIC + FORMAT.to_bytes(4, "little") + len(head).to_bytes(8, "little") + head + b"".join(payload)
 
 
@@ -104,39 +145,56 @@ def unpack(blob: bytes) -> SavedPlan:
                             f"{len(blob) - _FIXED} follow")
     try:
         head = json.loads(blob[_FIXED:_FIXED + size])
-        return _read_sections(head, memoryview(blob)[_FIXED + size:])
+        return _read_sections(head, blob, _FIXED + size)
     except PlanBlobError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise PlanBlobError(f"unreadable CUDA plan context header: {type(exc).__name__}: {exc}") from None
 
 
-def _read_sections(head: dict, payload: memoryview) -> SavedPlan:
+def _read_sections(head: dict, blob: bytes, base: int) -> SavedPlan:
+    """The sections listed in `head`, which follow it from byte `base` of `blob`."""
     if head.get("format") != FORMAT:
         raise PlanBlobError(f"CUDA plan context header says format {head.get('format')!r}; expected {FORMAT}")
     saved = SavedPlan(graph=b"", cc=str(head["cc"]), algos=dict(head["algos"]))
     graphs = 0
+    payload = memoryview(blob)[base:]
     for s in head["sections"]:
         data = _section(s, payload)
         if s["name"] == "graph":
-            saved.graph = data
+            saved.graph = bytes(data)
             graphs += 1
         elif s["name"] == "module":
-            saved.modules.append(SavedModule(str(s["arch"]), str(s["digest"]), data))
+            saved.modules.append(SavedModule(str(s["arch"]), str(s["digest"]), bytes(data)))
+        elif s["name"] == "array":
+            if int(s["value"]) in saved.constants:
+                raise PlanBlobError(f"CUDA plan context has two array sections for value {s['value']}")
+            saved.constants[int(s["value"])] = _array(s, blob, base)
         else:
-            raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: 'graph', 'module'")
+            raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: "
+                                f"{', '.join(repr(n) for n in SECTIONS)}")
     if graphs != 1:
         raise PlanBlobError(f"CUDA plan context has {graphs} graph sections; expected 1")
     return saved
 
 
-def _section(s: dict, payload: memoryview) -> bytes:
+def _section(s: dict, payload: memoryview) -> memoryview:
+    """A section's bytes (a view), checked against its size and CRC-32."""
     start, size = int(s["offset"]), int(s["size"])
     if start < 0 or size < 0 or start + size > len(payload):
         raise PlanBlobError(f"truncated CUDA plan context: section {s['name']!r} needs bytes {start}..{start + size}, "
                             f"{len(payload)} follow the header")
-    data = bytes(payload[start:start + size])
+    data = payload[start:start + size]
     if zlib.crc32(data) != s["crc32"]:
         raise PlanBlobError(f"damaged CUDA plan context: section {s['name']!r} ({size} bytes) does not match "
                             "its CRC-32")
     return data
+
+
+def _array(s: dict, blob: bytes, base: int) -> np.ndarray:
+    """An array section as a read-only NumPy view of the context's bytes (they stay alive with it)."""
+    dtype, shape = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
+    if dtype.hasobject or any(d < 0 for d in shape) or dtype.itemsize * int(np.prod(shape)) != int(s["size"]):
+        raise PlanBlobError(f"CUDA plan context array for value {s['value']}: {s['size']} bytes do not hold a "
+                            f"{dtype} array of shape {list(shape)}")
+    return np.frombuffer(blob, dtype, int(np.prod(shape)), base + int(s["offset"])).reshape(shape)

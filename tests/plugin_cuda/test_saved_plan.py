@@ -17,7 +17,7 @@ from abi import fused_blob, sdk
 from abi.sdk import PluginError
 from plugin_cuda.device import algo_cache, nvrtc
 from plugin_cuda.plan import compute, saved
-from tests.abi.test_fused_blob import sample
+from tests.abi.test_fused_blob import _same_value, sample
 
 MODULES = [saved.SavedModule("sm_90", "a" * 64, b"\x7fELF cubin one"),
            saved.SavedModule("compute_90", "b" * 64, b".version 8.0\n ptx\0")]
@@ -62,20 +62,20 @@ def _flip(blob: bytes, at: int) -> bytes:
 
 DAMAGE = [
     (lambda b: b"garbage" * 9, r"^not a CUDA plan context \(63 bytes\): no EPHOST-CUDA-PLAN header \(allowed: plan "
-                               r"format 2, or a bare fused graph\)$"),
+                               r"format 3, or a bare fused graph\)$"),
     (lambda b: b[:20], r"^truncated CUDA plan context: 20 bytes, the fixed header needs 29$"),
     (lambda b: b[:40], r"^truncated CUDA plan context: the header needs \d+ bytes, 11 follow$"),
-    (lambda b: b[:len(saved.MAGIC)] + (3).to_bytes(4, "little") + b[len(saved.MAGIC) + 4:],
-     r"^CUDA plan context format 3; this plugin reads format 2 \(and bare fused graphs\)$"),
+    (lambda b: b[:len(saved.MAGIC)] + (2).to_bytes(4, "little") + b[len(saved.MAGIC) + 4:],
+     r"^CUDA plan context format 2; this plugin reads format 3 \(and bare fused graphs\)$"),
     (lambda b: b[:-5], r"^truncated CUDA plan context: section 'module' needs bytes \d+\.\.\d+, \d+ follow the header$"),
     (lambda b: _flip(b, len(b) - 3), r"^damaged CUDA plan context: section 'module' \(18 bytes\) does not match its "
                                      r"CRC-32$"),
     (lambda b: _flip(b, len(b) - 300), r"^damaged CUDA plan context: section 'graph' \(\d+ bytes\) does not match "
                                        r"its CRC-32$"),
     (lambda b: _repack(b, lambda h: h.update(format=1)),
-     r"^CUDA plan context header says format 1; expected 2$"),
+     r"^CUDA plan context header says format 1; expected 3$"),
     (lambda b: _repack(b, lambda h: h["sections"][1].update(name="ptxas")),
-     r"^CUDA plan context section 'ptxas'; allowed: 'graph', 'module'$"),
+     r"^CUDA plan context section 'ptxas'; allowed: 'graph', 'module', 'array'$"),
     (lambda b: _repack(b, lambda h: h["sections"][1].update(name="graph")),
      r"^CUDA plan context has 2 graph sections; expected 1$"),
     (lambda b: _repack(b, lambda h: h.pop("algos")), r"^unreadable CUDA plan context header: KeyError: 'algos'$"),
@@ -93,6 +93,70 @@ def test_damaged_contexts_are_refused(damage, pattern):
 def test_a_graph_section_that_does_not_read_is_a_plan_blob_error():
     plan = saved.unpack(saved.pack(saved.SavedPlan(b"EPHOST-FUSED-GRAPH\0" + b"\x01" * 3, cc="90")))
     with pytest.raises(saved.PlanBlobError, match=r"^graph section: truncated fused graph: "):
+        plan.fused_graph()
+
+
+# -- plan format 3: the constants as array sections, loaded as views of the context ----------------------------
+
+def _with_constants(modules=()) -> bytes:
+    """A context with sample()'s constant as an array section: the last section unless `modules`."""
+    return saved.pack(saved.SavedPlan.of(sample(), cc="90", modules=list(modules), algos=dict(ALGOS)))
+
+
+def test_constants_round_trip_as_aligned_read_only_views_of_the_context():
+    blob = _with_constants(MODULES)
+    head, payload = _head(blob)
+    arrays = [s for s in head["sections"] if s["name"] == "array"]
+    assert [(s["value"], s["dtype"], s["shape"], s["size"]) for s in arrays] == [(1, "<f4", [2, 3], 24)]
+    base = len(blob) - len(payload)
+    assert all((base + s["offset"]) % saved.ALIGN == 0 for s in head["sections"]), head["sections"]
+    back = saved.unpack(blob)
+    assert (back.cc, back.format, back.algos, back.modules) == ("90", saved.FORMAT, ALGOS, MODULES)
+    w = back.constants[1]
+    assert not w.flags.writeable and np.shares_memory(w, np.frombuffer(blob, np.uint8)), "a copy, not a view"
+    assert fused_blob.from_bytes(back.graph).graph.values[1].constant is None  # not in the graph section twice
+    fused = back.fused_graph()
+    for a, b in zip(sample().graph.values, fused.graph.values, strict=True):
+        _same_value(a, b)
+    np.testing.assert_array_equal(fused.graph.nodes[0].attrs["value"], np.array([[1, 2]], np.int64))  # attrs stay
+
+
+def _edit_array(edit) -> bytes:
+    return _repack(_with_constants(), lambda h: edit(next(s for s in h["sections"] if s["name"] == "array")))
+
+
+ARRAY_DAMAGE = [
+    (lambda: _with_constants()[:-5], r"^truncated CUDA plan context: section 'array' needs bytes \d+\.\.\d+, \d+ follow "
+                                     r"the header$"),
+    (lambda: _flip(_with_constants(), len(_with_constants()) - 3),
+     r"^damaged CUDA plan context: section 'array' \(24 bytes\) does not match its CRC-32$"),
+    (lambda: _edit_array(lambda s: s.update(dtype="<f8")),
+     r"^CUDA plan context array for value 1: 24 bytes do not hold a float64 array of shape \[2, 3\]$"),
+    (lambda: _edit_array(lambda s: s.update(dtype="|O")),
+     r"^CUDA plan context array for value 1: 24 bytes do not hold a object array of shape \[2, 3\]$"),
+    (lambda: _edit_array(lambda s: s.update(shape=[2, -3])),
+     r"^CUDA plan context array for value 1: 24 bytes do not hold a float32 array of shape \[2, -3\]$"),
+    (lambda: _edit_array(lambda s: s.pop("dtype")), r"^unreadable CUDA plan context header: KeyError: 'dtype'$"),
+    (lambda: _repack(_with_constants(), lambda h: h["sections"].append(h["sections"][-1])),
+     r"^CUDA plan context has two array sections for value 1$"),
+]
+
+
+@pytest.mark.parametrize(("make", "pattern"), ARRAY_DAMAGE, ids=[f"array{i}" for i in range(len(ARRAY_DAMAGE))])
+def test_damaged_array_sections_are_refused(make, pattern):
+    with pytest.raises(saved.PlanBlobError, match=pattern):
+        saved.unpack(make())
+
+
+@pytest.mark.parametrize(("edit", "pattern"), [
+    (lambda s: s.update(value=0), r"^CUDA plan context array for value 0: the graph has 4 values; expected the "
+                                  r"index of an initializer without a constant$"),  # the graph's input
+    (lambda s: s.update(value=9), r"^CUDA plan context array for value 9: the graph has 4 values; expected the "
+                                  r"index of an initializer without a constant$"),
+])
+def test_an_array_that_does_not_fit_its_value_is_refused(edit, pattern):
+    plan = saved.unpack(_edit_array(edit))  # the bytes read; the graph says they do not belong there
+    with pytest.raises(saved.PlanBlobError, match=pattern):
         plan.fused_graph()
 
 

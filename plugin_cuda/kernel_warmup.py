@@ -1,0 +1,98 @@
+"""A per-node CUDA kernel's first call, made at session creation (issue 29: run 1 as fast as run 100).
+
+The per-node kernels (plugin_cuda/kernels, the nodes outside compiled partitions) run CuPy code
+that CuPy compiles with NVRTC at its first call per dtype and layout: 0.48 s of BERT's run 1 on the
+H100 (its embedding Gathers, Casts, Wheres), when CuPy's disk cache is cold. A node whose inputs
+all have known, non-empty shapes and types is therefore run once when its kernel is made, on the
+stream the session's first run will get (CudaEp.first_stream), with zero-filled inputs (zero: a
+valid index for every Gather-like op) and scratch outputs, freed after the stream synchronises.
+Any failure is ignored: the kernel is left as it was and its first real call does the work.
+Not done on a caller's `user_compute_stream` or once a run has started.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from abi.dtypes import to_numpy
+
+__all__ = ["stats", "warm_up"]
+
+stats = {"warmed": 0, "failed": 0, "skipped": 0}  # kernels, per process (tests read them)
+
+
+def warm_up(ep, graph, node, adapter) -> bool:
+    """Run `adapter`'s kernel once on zeros (see the module docstring); True when it did."""
+    first = getattr(ep, "first_stream", None)  # None: a stand-in EP (CPU tests)
+    state = None if first is None or ep.opts.has_user_compute_stream else first()
+    specs = _input_specs(graph, node) if state is not None else None
+    if state is None or specs is None:
+        stats["skipped"] += 1
+        return False
+    try:
+        _run(ep, adapter, specs, state)
+    except Exception:  # noqa: BLE001 - see the module docstring: the first real call does it
+        stats["failed"] += 1
+        return False
+    stats["warmed"] += 1
+    return True
+
+
+def _input_specs(graph, node) -> list | None:
+    """(shape, dtype) per input (None for an absent optional one); None when one is not fully known
+    or empty (an index 0 would then be out of range)."""
+    specs = []
+    for v in node.inputs:
+        if v < 0:
+            specs.append(None)
+            continue
+        value = graph.values[v]
+        shape = value.shape
+        if shape is None or any(d is None or d <= 0 for d in shape) or not value.elem_type:
+            return None
+        specs.append((tuple(int(d) for d in shape), to_numpy(value.elem_type)))
+    return specs
+
+
+def _run(ep, adapter, specs, state) -> None:
+    cp = ep.cupy
+    host = adapter.kernel.host_inputs
+    with ep.device, state.stream:
+        ep.enter_run(state)  # the EP's allocator for every block made here, as in a run
+        try:
+            inputs = []
+            for i, spec in enumerate(specs):
+                const = adapter.constants.get(i)  # a host input's constant (shapes, axes)
+                if spec is None or const is not None:
+                    inputs.append(None if spec is None else const)
+                else:
+                    inputs.append(np.zeros(*spec) if i in host else cp.zeros(*spec))
+            adapter.kernel.compute(_Call(ep, adapter, inputs, state))
+        finally:
+            ep.leave_run()
+        state.stream.synchronize()  # done before the blocks go back to the pool
+
+
+class _Call:
+    """What a kernel sees during compute (plugin.KernelCall), with outputs the kernel's own."""
+
+    def __init__(self, ep, adapter, inputs, state):
+        self.inputs = inputs
+        self.num_outputs = len(adapter.present)
+        self.cublas = state.cublas if adapter.needs_cublas else None
+        self.cudnn = state.cudnn if adapter.needs_cudnn else None
+        self._ep = ep
+        self._present = adapter.present
+        self._outs = {}
+
+    def wants(self, index: int) -> bool:
+        return index < len(self._present) and self._present[index]
+
+    def output(self, index: int, shape, dtype):
+        arr = self._outs.get(index)
+        if arr is None:
+            arr = self._outs[index] = self._ep.cupy.empty(tuple(int(d) for d in shape), np.dtype(dtype))
+        return arr
+
+    def scratch(self, nbytes: int):
+        return self._ep.memory.malloc(nbytes)

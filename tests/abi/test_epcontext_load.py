@@ -1,0 +1,146 @@
+"""Issue 29: what loading a context model skips. The session's graph is built without the weights that
+only the compiled partitions read (epcontext.unread_initializers_dropped), so the checker, shape
+inference and GetCapability never see them; a refused context still compiles from the full model.
+Outputs are compared with onnxruntime's CPU EP on the source model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import abi
+from host.plugins.environment import Environment
+from host.runtime import epcontext
+from host.runtime.session import InferenceSession
+from tests.abi.test_compiled import chain_model
+from tests.abi.test_epcontext import EP, EP_OPTIONS, OPS, _edit_compatibility, record, save, x_input
+
+V = abi.ABI_VERSION
+
+
+@pytest.fixture
+def env7(plugins):
+    with Environment() as env:
+        env.register_plugin("ex7", plugins.example[V])
+        yield env
+
+
+@pytest.fixture
+def source(tmp_path):
+    model = chain_model(OPS)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    return model, path
+
+
+def _reference(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, {"x": x})[0]
+
+
+def test_weights_read_only_by_contexts_stay_out_of_the_session_graph(env7, source):
+    model, path = source  # 'w' is read by the two Adds, both inside compiled partitions
+    ctx_path, _ = save(env7, path)
+    assert "w" in {t.name for t in onnx.load(str(ctx_path)).graph.initializer}  # kept for recompilation
+    record(V).clear()
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 2
+        assert "w" not in s.graph.initializers
+        assert "w" not in {t.name for t in s.graph.model.graph.initializer}
+        x = x_input(3)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6)
+
+
+def test_a_refused_context_compiles_with_the_weights_of_the_full_model(env7, source):
+    model, path = source
+    ctx_path, _ = save(env7, path)
+    _edit_compatibility(ctx_path, f"{EP};plugin=0.9.0;abi={V};format=1;device=example-cpu")  # prefer recompilation
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert (s.fallbacks["context_loaded"], s.fallbacks["context_recompiled"]) == (0, 2)
+        assert "w" in s.graph.initializers
+        x = x_input(4)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6)
+
+
+def _model_with_initializers() -> onnx.ModelProto:
+    """Initializers read by a node ('a'), by an If branch only ('b'), as a graph output ('c'),
+    and by nothing ('unread')."""
+    def const(name, value):
+        return numpy_helper.from_array(np.full((2,), value, np.float32), name)
+
+    then = helper.make_graph([helper.make_node("Add", ["x", "b"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Mul", ["y", "a"], ["z"])]
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2]),
+                               helper.make_tensor_value_info("c", TensorProto.FLOAT, [2])],
+                              [const("a", 2.0), const("b", 3.0), const("c", 4.0), const("unread", 5.0), zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.metadata_props.add(key="k", value="v")
+    return model
+
+
+def test_unread_initializers_dropped_keeps_what_is_read():
+    model = _model_with_initializers()
+    before = model.SerializeToString()
+    lean = epcontext.unread_initializers_dropped(model)
+    assert model.SerializeToString() == before, "the model given is not changed"
+    assert [t.name for t in lean.graph.initializer] == ["a", "b", "c", "zero"]
+    onnx.checker.check_model(lean)
+    # Everything but the unread initializer is as it was: the same model once that one is removed.
+    del model.graph.initializer[3]
+    assert lean.SerializeToString() == model.SerializeToString()
+    # Nothing to drop: the model itself.
+    assert epcontext.unread_initializers_dropped(lean) is lean
+
+
+def _weights_and_shapes_model() -> onnx.ModelProto:
+    """MatMul by a large weight, Reshape by a small shape initializer (whose data shape inference
+    reads), an If whose branch reads a large initializer, and a large initializer that is also a graph
+    input (overridable)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")
+    v = numpy_helper.from_array(rng.standard_normal((4, 512)).astype(np.float32), "v")
+    o = numpy_helper.from_array(np.ones((2048,), np.float32), "o")
+    shape = numpy_helper.from_array(np.array([4, 2, 256], np.int64), "shape")
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    then = helper.make_graph([helper.make_node("Add", ["r", "v"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [4, 512])])
+    other = helper.make_graph([helper.make_node("Identity", ["r"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [4, 512])])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Reshape", ["m", "shape"], ["m3"]),
+             helper.make_node("ReduceSum", ["m3"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("Flatten", ["m3"], ["r"], axis=1),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Mul", ["y", "y"], ["z"]),
+             helper.make_node("ReduceSum", ["o"], ["os"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64]),
+                                           helper.make_tensor_value_info("o", TensorProto.FLOAT, [2048])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, 512]),
+                               helper.make_tensor_value_info("os", TensorProto.FLOAT, [])],
+                              [w, v, o, shape, zero])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_context_models_checks_run_without_the_weights_and_infer_the_same():
+    from host.runtime.model import build_graph
+
+    model = _weights_and_shapes_model()
+    before = model.SerializeToString()
+    full, light = build_graph(model), build_graph(model, weights_checked=False)
+    assert model.SerializeToString() == before
+    assert light.model.SerializeToString() == full.model.SerializeToString()  # the same inferred model
+    assert light.values["m3"].shape == (4, 2, 256)  # data propagated from the small 'shape' initializer
+    assert sorted(light.initializers) == sorted(full.initializers) == ["o", "shape", "v", "w", "zero"]
+    assert [v.name for v in light.inputs] == [v.name for v in full.inputs]

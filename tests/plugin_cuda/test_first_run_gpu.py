@@ -1,0 +1,138 @@
+"""Issue 29: a compiled plan's first run does no per-stream work (plugin_cuda/plan/warmup.py).
+
+At session creation each static-shape plan runs once on the stream the session's first run gets, so
+that run finds its instance (arena, packed launches, cuBLAS handle, cuDNN setups) ready. Counted by
+wrapping Plan._instance (where an instance is made); results are compared with onnx.reference.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from host.cli import zoo
+from host.runtime import epcontext
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+from tests.plugin_cuda.test_plan import MODELS, feeds_for, reference
+
+pytestmark = pytest.mark.gpu
+CUDA = "CUDAExecutionProvider"
+OPTIONS = {"use_tf32": "0"}
+CASES = {"transformer": MODELS["transformer"], "mlp-2x512-b512": MODELS["mlp-2x512-b512"],
+         "cnn": lambda: zoo.cnn(batch=2, size=32)}  # cuDNN convolutions
+
+
+@pytest.fixture
+def instances(monkeypatch) -> list:
+    """The streams Plan._instance made an instance for, in order."""
+    from plugin_cuda.plan import plan as plan_module
+
+    made = []
+    real = plan_module.Plan._instance
+
+    def counted(self, stream):
+        made.append(stream)
+        return real(self, stream)
+
+    monkeypatch.setattr(plan_module.Plan, "_instance", counted)
+    return made
+
+
+def _context_model(genv, model, tmp_path):
+    source = tmp_path / "model.onnx"
+    onnx.save(model, str(source))
+    so = SessionOptions()
+    so.add_session_config_entry(epcontext.ENABLE, "1")
+    with InferenceSession(str(source), so, providers=[(CUDA, OPTIONS)], env=genv) as s:
+        return s.context_model
+
+
+@pytest.mark.parametrize("from_context", [False, True], ids=["plain", "context"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_run_1_finds_its_plan_instances_made_at_creation(cp, genv, tmp_path, instances, name, from_context):
+    from plugin_cuda.plan import warmup
+
+    model = CASES[name]()
+    path = _context_model(genv, model, tmp_path) if from_context else model
+    warmed, made = warmup.stats["warmed"], len(instances)
+    t0 = time.perf_counter()
+    with InferenceSession(path if from_context else model.SerializeToString(), providers=[(CUDA, OPTIONS)],
+                          env=genv) as s:
+        creation = time.perf_counter() - t0
+        if from_context:
+            assert s.fallbacks["context_loaded"] >= 1 and s.fallbacks["context_recompiled"] == 0
+        at_creation = len(instances) - made
+        assert at_creation >= 1 and warmup.stats["warmed"] - warmed == at_creation, warmup.stats
+        times = []
+        for k in range(3):
+            feeds = feeds_for(model, 80 + k)
+            t = time.perf_counter()
+            got = s.run(None, feeds)[0]
+            times.append((time.perf_counter() - t) * 1e3)
+            assert len(instances) - made == at_creation, f"run {k + 1} made a plan instance (per-stream work)"
+            np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+    print(f"{name} {'context' if from_context else 'plain'}: creation {creation:.3f} s, runs "
+          f"{', '.join(f'{t:.2f}' for t in times)} ms")
+
+
+def test_no_warm_up_on_a_callers_stream(cp, genv, instances):
+    """user_compute_stream: nothing is queued on the caller's stream before the caller runs."""
+    from plugin_cuda.plan import warmup
+
+    model = MODELS["transformer"]()
+    stream = cp.cuda.Stream(non_blocking=True)
+    skipped, made = warmup.stats["skipped"], len(instances)
+    with InferenceSession(model.SerializeToString(), providers=[(CUDA, {**OPTIONS, "user_compute_stream": str(stream.ptr)})],
+                          env=genv) as s:
+        assert warmup.stats["skipped"] > skipped and len(instances) == made
+        feeds = feeds_for(model, 90)
+        np.testing.assert_allclose(s.run(None, feeds)[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+        assert len(instances) > made  # run 1 made it, as before
+
+
+def test_a_failing_warm_up_leaves_the_work_to_run_1(cp, genv, instances, monkeypatch):
+    from plugin_cuda.plan import plan as plan_module
+    from plugin_cuda.plan import warmup
+
+    def broken(self, stream, input_ptrs, output_ptrs):
+        self._instance(stream)  # made, then given up: forget_stream must drop it
+        raise RuntimeError("injected warm-up failure")
+
+    monkeypatch.setattr(plan_module.Plan, "warm", broken)
+    model = MODELS["mlp-2x512-b512"]()
+    failed, made = warmup.stats["failed"], len(instances)
+    with InferenceSession(model.SerializeToString(), providers=[(CUDA, OPTIONS)], env=genv) as s:
+        assert warmup.stats["failed"] > failed
+        at_creation = len(instances) - made
+        feeds = feeds_for(model, 95)
+        np.testing.assert_allclose(s.run(None, feeds)[0], reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+        assert len(instances) - made == 2 * at_creation  # run 1 made each plan's instance again
+
+
+@pytest.mark.parametrize("name", ["transformer", "cnn"])
+def test_per_node_kernels_run_once_at_creation(cp, genv, name):
+    """compiled_plan=0: every node is a per-node kernel; each with known shapes runs at creation
+    (plugin_cuda/kernel_warmup.py), and the session still computes what onnx.reference does."""
+    from plugin_cuda import kernel_warmup
+
+    model = CASES[name]()
+    before = dict(kernel_warmup.stats)
+    t0 = time.perf_counter()
+    with InferenceSession(model.SerializeToString(), providers=[(CUDA, {**OPTIONS, "compiled_plan": "0"})],
+                          env=genv) as s:
+        creation = time.perf_counter() - t0
+        done = {k: kernel_warmup.stats[k] - before[k] for k in before}
+        assert done["warmed"] >= 1, done
+        times = []
+        for k in range(2):
+            feeds = feeds_for(model, 97 + k)
+            t = time.perf_counter()
+            got = s.run(None, feeds)[0]
+            times.append((time.perf_counter() - t) * 1e3)
+            np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
+    print(f"{name} per-node kernels: {done}; creation {creation:.3f} s, runs "
+          f"{', '.join(f'{t:.2f}' for t in times)} ms")
