@@ -75,7 +75,22 @@ def test_a_module_of_other_declarations_is_not_opened(libs, monkeypatch):
     lib, error = native._open_api(path)
     assert lib is None and error == (f"{path} was built from other declarations: reinstall ephost (`pip install .` "
                                       f"compiles them), or run `ephost build` or `python build.py`")
-    assert native.load() is not None and native.API_MODULE is None and native.LOADED_FROM == path.with_name(
-        build_info.LIB_NAME)
+    lib = native.load()
+    assert type(lib).__name__ != "Lib" and native.API_MODULE is None and native.LOADED_FROM in native.candidates()
     monkeypatch.undo()
     assert native.load() is not None and native.API_MODULE == path
+
+
+def test_a_plain_library_earlier_in_the_search_does_not_hide_the_module(libs, monkeypatch, tmp_path):
+    """An editable install compiles the plain library into the package, which load() searches before
+    build/lib: the API module beside build/lib's library still wins (CI's clean clone found the package's
+    library first and lost the module)."""
+    native.load()
+    plain, module = tmp_path / build_info.LIB_NAME, native.API_MODULE
+    plain.write_bytes(native.LOADED_FROM.read_bytes())
+    monkeypatch.setattr(native, "candidates", lambda: [plain, module.with_name(build_info.LIB_NAME)])
+    assert type(native.load()).__name__ == "Lib" and native.API_MODULE == module
+    monkeypatch.setattr(native, "candidates", lambda: [plain])
+    assert type(native.load()).__name__ != "Lib" and native.API_MODULE is None and native.LOADED_FROM == plain
+    monkeypatch.undo()
+    assert native.load() is not None and native.API_MODULE == module

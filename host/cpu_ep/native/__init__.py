@@ -52,6 +52,7 @@ int64_t ep_packed_b_size(int K, int N);
 void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
 void ep_gemm_packed(const void *A, const void *Bp, const void *bias, void *C, int M, int K, int N, unsigned prog,
                     const void *res, float alpha, float beta, int threads);
+int ep_pool_workers(void);
 int ep_matmul_batched(const void *A, const void *B, void *C, int batch, int inner, int M, int K, int N, int64_t sa1,
                       int64_t sa2, int64_t lda, int64_t sb1, int64_t sb2, int64_t bk, int64_t bn);
 void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);
@@ -186,8 +187,9 @@ def candidates() -> list[Path]:
 
 
 def load(path: str | os.PathLike | None = None):
-    """The library at `path` (default: the first of candidates() that opens), or None when none is
-    there, opens, or was built from this kernels.c (LOAD_ERROR says why)."""
+    """The library at `path` (default: the first API-mode module beside a candidate, else the first of
+    candidates() that opens), or None when none is there, opens, or was built from this kernels.c
+    (LOAD_ERROR says why)."""
     global LOAD_ERROR, LOADED_FROM, API_MODULE
     paths = [Path(path)] if path else candidates()
     existing = [p for p in paths if p.is_file()]
@@ -196,31 +198,32 @@ def load(path: str | os.PathLike | None = None):
         LOAD_ERROR = f"{shown} not found ({HOW_TO_BUILD})"
         return None
     errors = []
+    if not path and not os.environ.get("EPHOST_CPU_KERNELS"):
+        # An API module anywhere first: an editable install compiles the plain library into the package
+        # too, and that one must not hide build.py's faster-to-call module in build/lib.
+        for p in existing:
+            lib, _ = _open_api(build_info.api_module_path(p))
+            if lib is not None:
+                LOAD_ERROR, LOADED_FROM, API_MODULE = None, p, build_info.api_module_path(p)
+                return lib
     for p in existing:
-        lib, error, from_api = _open(p, api=not path and not os.environ.get("EPHOST_CPU_KERNELS"))
+        lib, error = _open(p)
         if lib is not None:
-            LOAD_ERROR, LOADED_FROM = None, p
-            API_MODULE = build_info.api_module_path(p) if from_api else None
+            LOAD_ERROR, LOADED_FROM, API_MODULE = None, p, None
             return lib
         errors.append(error)
     LOAD_ERROR = "; ".join(errors)
     return None
 
 
-def _open(path: Path, api: bool = False):
-    """(library, None, from the API module?), or (None, why not, False). With `api`, the API-mode module
-    beside the library (build_info.compile_api_module) when it is there and of this kernels.c, else the
-    library."""
-    if api:
-        lib, _ = _open_api(build_info.api_module_path(path))
-        if lib is not None:
-            return lib, None, True
+def _open(path: Path):
+    """(library, None), or (None, why not): the library at `path` in ABI mode, when built from this kernels.c."""
     try:
         lib = ffi.dlopen(str(path))
         built_from = ffi.string(lib.ep_source_hash()).decode()
     except (OSError, AttributeError) as exc:
-        return None, f"{path} could not be opened: {exc}", False
-    return (*_checked(lib, path, built_from), False)
+        return None, f"{path} could not be opened: {exc}"
+    return _checked(lib, path, built_from)
 
 
 def _open_api(path: Path):
