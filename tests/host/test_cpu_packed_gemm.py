@@ -142,3 +142,80 @@ def test_thread_count_is_the_bound_with_enough_work_each(monkeypatch):
     monkeypatch.setattr(packed_gemm.threads.POOLS, "share", lambda: 16)
     macs = packed_gemm.THREADED_MACS
     assert [packed_gemm.thread_count(n) for n in (1, macs - 1, macs, 3 * macs, 100 * macs)] == [1, 1, 1, 3, 16]
+
+
+def _product(seed: int, m=150, k=300, n=520):
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32)
+    return a, _packed(b), bias, a.astype(np.float64) @ b + bias
+
+
+def _run_packed(a, bp, bias, n, threads):
+    m, k = a.shape
+    y = np.full((m, n), np.nan, np.float32)
+    LIB.ep_gemm_packed(native.ptr(a), native.ptr(bp), native.ptr(bias), native.ptr(y), m, k, n, 0, native.NULL,
+                       0.0, 0.0, threads)
+    return y
+
+
+@pytest.mark.parametrize("n", [520, 64, 33])
+def test_the_same_bits_at_every_thread_count(n):
+    """Each output is computed whole by one thread of the pool, in the same order, whoever claims its unit
+    (n=64: two panels, one unit; n=33: two panels, the second partial)."""
+    a, bp, bias, want = _product(n, n=n)
+    one = _run_packed(a, bp, bias, n, 1)
+    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-3)
+    for threads in (2, 3, 8, 64, 100):
+        np.testing.assert_array_equal(_run_packed(a, bp, bias, n, threads), one)
+
+
+def test_the_pool_starts_its_workers_once():
+    a, bp, bias, _ = _product(1)
+    _run_packed(a, bp, bias, 520, 3)
+    started = LIB.ep_pool_workers()
+    assert started >= 2
+    for _ in range(20):
+        _run_packed(a, bp, bias, 520, 3)
+    assert LIB.ep_pool_workers() == started
+
+
+def test_products_from_many_threads_at_once_are_each_right():
+    """Runs of several sessions at once: one product has the pool, the others compute alone; none waits
+    on another's units or writes into another's output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [_product(seed, m=40 + seed, n=256 + 32 * seed) for seed in range(6)]
+    ones = [_run_packed(a, bp, bias, bias.size, 1) for a, bp, bias, _ in cases]
+
+    def work(i):
+        a, bp, bias, _ = cases[i % len(cases)]
+        return i, _run_packed(a, bp, bias, bias.size, 4)
+
+    with ThreadPoolExecutor(8) as ex:
+        for i, y in ex.map(work, range(96)):
+            np.testing.assert_array_equal(y, ones[i % len(cases)])
+
+
+def test_a_forked_child_computes_with_a_fresh_pool():
+    """A child forked after the pool started has none of its workers: the child's product starts new ones
+    (a child that waited on its parent's workers would hang; the subprocess has a deadline)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, sys
+        import numpy as np
+        from tests.host.test_cpu_packed_gemm import LIB, _product, _run_packed
+        a, bp, bias, want = _product(7)
+        before = _run_packed(a, bp, bias, 520, 3)
+        pid = os.fork()
+        if pid == 0:
+            ok = LIB.ep_pool_workers() == 0 and np.array_equal(_run_packed(a, bp, bias, 520, 3), before)
+            os._exit(0 if ok and LIB.ep_pool_workers() >= 2 else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

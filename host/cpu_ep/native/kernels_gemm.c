@@ -10,7 +10,7 @@
  * the bias and the epilogue program. Sums run in order over k within a block, blocks in order: each output
  * is the same in-order dot product at any M. */
 
-#include <pthread.h>
+#include "kernels_pool.c" /* the workers that share a product */
 
 #define PNR 32
 #define PMR 12
@@ -120,38 +120,38 @@ INLINE void packed_panels(const PackedJob *j) {
     }
 }
 
-HOT static void *packed_thread(void *job) {
-    packed_panels((const PackedJob *)job);
-    return NULL;
+/* The panels of one unit: units cut the panels into `units` near-equal runs. */
+typedef struct {
+    PackedJob whole;
+    int units;
+} PackedUnits;
+
+HOT static void packed_unit(const void *arg, int unit) {
+    const PackedUnits *u = arg;
+    int panels = (u->whole.N + PNR - 1) / PNR;
+    PackedJob j = u->whole;
+    j.p0 = (int)((int64_t)panels * unit / u->units);
+    j.p1 = (int)((int64_t)panels * (unit + 1) / u->units);
+    packed_panels(&j);
 }
 
-#define PACKED_MAX_THREADS 64
+#define PACKED_UNITS_PER_THREAD 4 /* small enough that a late worker's share is picked up by the others */
+#define PACKED_UNIT_PANELS 2      /* at least: a unit reuses each block of A over its panels */
 
 /* C (M x N) = prog(A (M x K) @ B + bias), B given packed (ep_pack_b); bias NULL or N floats; res as in
- * ep_gemm (laid out as C). `threads` > 1 splits the panels between that many threads (the caller's and
- * threads-1 started for the call: their start costs some 10 us, so the caller asks for them on large
- * products only); a thread that cannot be started leaves its panels to the caller's thread. */
+ * ep_gemm (laid out as C). `threads` > 1 lets up to threads-1 workers of the pool (kernels_pool.c) share
+ * the product with the calling thread, in units of whole panels. Every output is computed by one thread in
+ * the same order, so the result is the same at any thread count. */
 HOT void ep_gemm_packed(const float *A, const float *Bp, const float *bias, float *C, int M, int K, int N,
                         unsigned prog, const float *res, float alpha, float beta, int threads) {
     int panels = (N + PNR - 1) / PNR;
-    if (threads > panels) threads = panels;
-    if (threads > PACKED_MAX_THREADS) threads = PACKED_MAX_THREADS;
-    PackedJob jobs[PACKED_MAX_THREADS];
-    pthread_t ids[PACKED_MAX_THREADS];
-    int started[PACKED_MAX_THREADS] = {0};
-    for (int t = 0; t < (threads > 1 ? threads : 1); t++) {
-        PackedJob j = {A, Bp, bias, res, C, M, K, N, panels * t / (threads > 1 ? threads : 1),
-                       panels * (t + 1) / (threads > 1 ? threads : 1), prog, alpha, beta};
-        jobs[t] = j;
+    PackedUnits u = {{A, Bp, bias, res, C, M, K, N, 0, panels, prog, alpha, beta}, 1};
+    if (threads > 1) {
+        u.units = threads * PACKED_UNITS_PER_THREAD;
+        if (u.units > panels / PACKED_UNIT_PANELS) u.units = panels / PACKED_UNIT_PANELS;
+        if (u.units < 1) u.units = 1;
     }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, packed_thread, &jobs[t]) == 0;
-    packed_panels(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            packed_panels(&jobs[t]);
-    }
+    pool_run(packed_unit, &u, u.units, threads - 1);
 }
 
 /* Batched C[i] (M x N) = A[i] (M x K) @ B[i] (K x N) over `batch` products, as MatMul over stacked

@@ -1,0 +1,129 @@
+/* A persistent worker pool for the packed GEMM; #included by kernels_gemm.c, hashed with kernels.c by build_info.
+ *
+ * Why not a thread per call: a product split statically between the caller and threads started for it
+ * returns when the slowest part is done, so on a machine whose other cores are busy every product waited
+ * for a new thread's first scheduler slice (the zoo transformer's p50 swung 3x between repeats). Here, as in
+ * onnxruntime's pool, the workers are started once and sleep between products, and the work is a list of
+ * units claimed one at a time from a shared counter by the caller and by every worker that wakes in time:
+ * a worker that is not scheduled leaves its units to the others, the caller included, instead of holding
+ * the product up. Each unit computes whole outputs, so results do not depend on who computed them.
+ *
+ * One product at a time uses the pool: a second thread that finds it busy (another session's run) computes
+ * its product alone rather than oversubscribe the cores. A forked child starts with no workers. */
+
+#include <pthread.h>
+#include <signal.h>
+
+#define POOL_MAX_WORKERS 63
+
+typedef void (*PoolUnit)(const void *job, int unit);
+
+typedef struct {
+    pthread_mutex_t lock; /* guards every field below but `next` */
+    pthread_cond_t wake;  /* workers: a new job (gen changed) */
+    pthread_cond_t idle;  /* the caller: the last worker left the job */
+    int workers;          /* started */
+    unsigned long gen;    /* counts jobs */
+    PoolUnit fn;          /* the current job: NULL between jobs */
+    const void *job;
+    int units, wanted, joined, inside;
+    int next; /* the next unit to claim (atomic) */
+} Pool;
+
+static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL,
+                    NULL, 0, 0, 0, 0, 0};
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* held by the product that uses the pool */
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_claim(PoolUnit fn, const void *job, int units) {
+    for (int u; (u = __atomic_fetch_add(&pool.next, 1, __ATOMIC_RELAXED)) < units;) fn(job, u);
+}
+
+/* `start` is the job count when the worker was started (under pool.lock, before the job that asked for it):
+ * that job is new to it. */
+static void *pool_worker(void *start) {
+    unsigned long seen = (unsigned long)(uintptr_t)start;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.gen == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.gen;
+        if (pool.fn == NULL || pool.joined >= pool.wanted) continue; /* over, or enough hands already */
+        pool.joined++;
+        pool.inside++;
+        PoolUnit fn = pool.fn;
+        const void *job = pool.job;
+        int units = pool.units;
+        pthread_mutex_unlock(&pool.lock);
+        pool_claim(fn, job, units);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.inside == 0) pthread_cond_signal(&pool.idle);
+    }
+    return NULL;
+}
+
+/* In a forked child only the forking thread exists: forget the workers, unlock what the parent held. */
+static void pool_after_fork(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
+    pool.lock = pool_busy = fresh;
+    pool.wake = pool.idle = cond;
+    pool.workers = pool.joined = pool.inside = pool.wanted = 0;
+    pool.fn = NULL;
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Start workers until there are `n` (or as many as could be started); under pool.lock. Workers block
+ * every signal: Python's handlers run on its main thread. */
+static void pool_grow(int n) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    while (pool.workers < n) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&id, &attr, pool_worker, (void *)(uintptr_t)pool.gen);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.workers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* Run fn(job, u) for u in 0..units-1 on the calling thread and at most `helpers` pool workers; returns when
+ * every unit is done. */
+static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
+    if (helpers > POOL_MAX_WORKERS) helpers = POOL_MAX_WORKERS;
+    if (helpers < 1 || units < 2 || pthread_mutex_trylock(&pool_busy) != 0) {
+        for (int u = 0; u < units; u++) fn(job, u);
+        return;
+    }
+    pthread_once(&pool_once, pool_register_fork);
+    pthread_mutex_lock(&pool.lock);
+    pool_grow(helpers);
+    pool.fn = fn;
+    pool.job = job;
+    pool.units = units;
+    pool.wanted = helpers < pool.workers ? helpers : pool.workers;
+    pool.joined = 0;
+    __atomic_store_n(&pool.next, 0, __ATOMIC_RELAXED);
+    pool.gen++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    pool_claim(fn, job, units);
+    pthread_mutex_lock(&pool.lock);
+    pool.fn = NULL; /* every unit is claimed: a worker that wakes from now on stays out */
+    while (pool.inside > 0) pthread_cond_wait(&pool.idle, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool_busy);
+}
+
+/* How many workers the pool has started (tests: a product's threads are the pool's, not new ones). */
+int ep_pool_workers(void) {
+    pthread_mutex_lock(&pool.lock);
+    int n = pool.workers;
+    pthread_mutex_unlock(&pool.lock);
+    return n;
+}
