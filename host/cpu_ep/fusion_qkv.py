@@ -21,6 +21,7 @@ import numpy as np
 from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import int_list
 from host.cpu_ep.fusion import FusedNode, _call  # fusion.py imports this module inside fuse() only
+from host.cpu_ep.ops_attention import native_threads
 from host.cpu_ep.ops_math import bound_gemm
 from host.cpu_ep.ops_shape import broadcast_shape, contents_key
 
@@ -152,7 +153,7 @@ class _QkvAttention:
         y = np.empty(out_shape, dtype=F32)
         base = native.ptr(qkv)
         if lib.ep_attention(base, base + offsets[0], base + offsets[1], native.NULL if mask is None else native.ptr(mask),
-                            args[0], native.ptr(y), *args[1:], self.attn.is_causal):
+                            args[0], native.ptr(y), *args[1:], self.attn.is_causal, native_threads(args[1:8])):
             return None
         return y
 

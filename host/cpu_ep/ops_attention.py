@@ -9,11 +9,18 @@ import math
 
 import numpy as np
 
-from host.cpu_ep import native
+from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import OpKernel, compute_dtype, constant_column
 from host.cpu_ep.registry import register
 
 F32 = native.F32
+
+def native_threads(dims) -> int:
+    """Threads for ep_attention over dims (B, H, S, T, D, DV, R): the packed GEMM's rule (the run's bound,
+    at most one per THREADED_MACS) over its multiply-adds; heads are shared out whole."""
+    b, h, s, t, d, dv, _ = dims
+    return packed_gemm.thread_count(b * h * s * t * (d + dv))
+
 
 def _float_type(elem: int) -> np.dtype:
     from onnx import helper  # only when softmax_precision is set
@@ -164,7 +171,7 @@ class Attention(OpKernel):
         y = np.empty(out_shape, dtype=F32)
         mptr = native.NULL if mask is None else native.ptr(mask)
         if lib.ep_attention(qp, kp, vp, mptr, mask_kind, native.ptr(y), *dims,
-                            *strides, scale, self.is_causal):
+                            *strides, scale, self.is_causal, native_threads(dims)):
             return None
         return y
 

@@ -1,11 +1,17 @@
 """Linear and kernel models of ai.onnx.ml: LinearClassifier, LinearRegressor, SVMClassifier,
 SVMRegressor. One GEMM per model (rows x features by features x classes), scores in float64
-(onnxruntime accumulates in float), outputs in float32."""
+(onnxruntime accumulates in float), outputs in float32.
+
+The linear models' GEMM runs on the compiled small GEMM (native ep_gemm, in blocks of rows within
+native.gemm_fits) wherever their coefficients fit its panel, as skl2onnx's usually do (features x classes
+of a few thousand floats): such a kernel calls no BLAS, so a plan of scalers, linear models and trees
+skips the per-run BLAS thread bound (host/runtime/threads.py), which at one row cost as much as the model."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
 from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
 from host.cpu_ep.registry import register
@@ -16,6 +22,31 @@ ML = "ai.onnx.ml"
 def _rows(x: np.ndarray) -> np.ndarray:
     x = x.reshape(1, -1) if x.ndim == 1 else x.reshape(x.shape[0], -1)
     return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+
+
+def _compiled(coef: np.ndarray) -> bool:
+    """Whether the compiled GEMM takes x @ coef at any row count (coef's panel within native.gemm_fits)."""
+    k, n = coef.shape
+    return native.LIB is not None and 0 < k * n <= native.GEMM_MAX_PANEL
+
+
+def _scores(x: np.ndarray, coef: np.ndarray, intercepts: np.ndarray) -> np.ndarray:
+    """x @ coef + intercepts in float32: by the compiled GEMM in blocks of rows (see the module doc), else
+    NumPy's matmul."""
+    lib = native.LIB
+    if not _compiled(coef) or not len(x):
+        scores = np.matmul(x.astype(np.float32, copy=False), coef)
+        scores += intercepts
+        return scores
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    (rows, k), n = x.shape, coef.shape[1]
+    y = np.empty((rows, n), dtype=np.float32)
+    ptr, null, block = native.ptr, native.NULL, max(1, native.GEMM_MAX_MACS // (k * n))
+    for r0 in range(0, rows, block):
+        r = min(block, rows - r0)
+        lib.ep_gemm(ptr(x[r0:r0 + r]), null, ptr(coef), ptr(intercepts), 1, ptr(y[r0:r0 + r]), r, k, n, 0, null,
+                    0.0, 0.0)
+    return y
 
 
 def _labels_from_scores(labels: np.ndarray, scores: np.ndarray, binary_threshold: float | None) -> np.ndarray:
@@ -50,13 +81,13 @@ class LinearClassifier(OpKernel):
             # product and sum exactly.
             self.coef = np.concatenate([-self.coef, self.coef], axis=1)
             self.intercepts = np.concatenate([-self.intercepts, self.intercepts])
+        self.uses_blas = not _compiled(self.coef)
 
     def _run(self, x):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = np.matmul(x.astype(np.float32, copy=False), self.coef)
-        scores += self.intercepts
+        scores = _scores(x, self.coef, self.intercepts)
         if self.binary:
             return self._binary(scores)
         scores = post_transform(self.post, scores)
@@ -94,12 +125,13 @@ class LinearRegressor(OpKernel):
         self.coef = coef.reshape(self.targets, -1).T.copy()
         intercepts = self.attr("intercepts", None)
         self.intercepts = np.asarray(intercepts if intercepts else [0.0] * self.targets, dtype=np.float32)
+        self.uses_blas = not _compiled(self.coef)
 
     def _run(self, x):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = x.astype(np.float32) @ self.coef + self.intercepts
+        scores = _scores(x, self.coef, self.intercepts)
         return (post_transform(self.post, scores).astype(np.float32),)
 
 

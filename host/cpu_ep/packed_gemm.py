@@ -6,8 +6,9 @@ panels (ep_pack_b) and multiplied by ep_gemm_packed, with the bias and the epilo
 tile. Measured on one thread of the shared AVX-512 machine against onnxruntime's MLAS (its default
 OpenBLAS kernels are AVX2's there, OPENBLAS_CORETYPE=Haswell in its environment): 150x768x3072 3.7 ms
 (MLAS 3.2, OpenBLAS 6.0), 1024x768x3072 22 ms (MLAS 19, OpenBLAS 37). With more than one thread in the
-run's bound (host/runtime/threads.py) a product splits its column panels between that many threads,
-at most one per THREADED_MACS multiply-adds.
+run's bound (host/runtime/threads.py) a product is shared, in units of whole column panels, between the
+calling thread and up to that many workers of a persistent pool (native/kernels_pool.c), at most one
+thread per THREADED_MACS multiply-adds.
 
 The packed copy costs the weight's size again (onnxruntime's MLAS pre-packs its weights the same way);
 it is made at the first large product and kept while the weight lives (a weak reference drops it).
@@ -23,7 +24,7 @@ from host.cpu_ep import native
 from host.runtime import threads
 
 F32 = native.F32
-THREADED_MACS = 1 << 22  # below, a product runs on the calling thread (starting a thread costs ~10 us)
+THREADED_MACS = 1 << 22  # below, a product runs on the calling thread (waking a worker costs some 10 us)
 _WEIGHTS: set[int] = set()  # ids of arrays the kernels declared constant (bound initializers)
 _PACKED: dict[int, np.ndarray] = {}
 

@@ -224,3 +224,53 @@ def test_tree_ensemble_v5_with_one_mode_matches_onnxruntime(rows):
     assert _uses_decided_path(sess, rows)  # a 7-node forest: every node decided at once even at 1000 rows
     forest = sess.plan.nodes[0].kernel.forest
     np.testing.assert_array_equal(forest._walk(x), forest._decided(x))
+
+
+def _linear(op: str, features: int, columns: int, seed: int = 4):
+    rng = np.random.RandomState(seed)
+    attrs = {"coefficients": rng.randn(columns * features).tolist(), "intercepts": rng.randn(columns).tolist()}
+    if op == "LinearClassifier":
+        attrs |= {"classlabels_ints": list(range(columns)), "post_transform": "SOFTMAX"}
+        outs = [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+                helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, columns])]
+    else:
+        attrs |= {"targets": columns}
+        outs = [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, columns])]
+    node = helper.make_node(op, ["X"], [o.name for o in outs], domain="ai.onnx.ml", **attrs)
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, features])],
+                              outs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
+
+
+@pytest.mark.parametrize("op", ["LinearClassifier", "LinearRegressor"])
+def test_linear_models_run_the_compiled_gemm_in_row_blocks_without_blas(op, monkeypatch):
+    """Coefficients within the small GEMM's panel: no BLAS in the plan (so no per-run thread bound), rows
+    in blocks of native.gemm_fits (made 4 rows here, so 1000 rows take 250 calls), onnxruntime's answers."""
+    from host.cpu_ep import native
+
+    if native.LIB is None:
+        pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
+    model = _linear(op, FEATURES, 3)
+    sess = host.InferenceSession(model.SerializeToString())
+    assert not threads.plan_calls_blas(sess.plan)
+    monkeypatch.setattr(native, "GEMM_MAX_MACS", 4 * FEATURES * 3)
+    calls = []
+    lib = native.LIB
+    monkeypatch.setattr(native, "LIB", type("Spy", (), {"ep_gemm": lambda self, *a: (calls.append(a[6]), lib.ep_gemm(*a))[1]})())
+    x = np.random.RandomState(5).randn(1000, FEATURES).astype(np.float32)
+    got = sess.run(None, {"X": x})
+    assert calls == [4] * 250
+    want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_model_beyond_the_panel_keeps_blas_and_its_bound():
+    from host.cpu_ep import native
+
+    features = native.GEMM_MAX_PANEL // 2 + 1  # two score columns: one float past the panel
+    sess = host.InferenceSession(_linear("LinearRegressor", features, 2).SerializeToString())
+    assert threads.plan_calls_blas(sess.plan)
+    x = np.random.RandomState(6).randn(3, features).astype(np.float32)
+    want = x @ sess.plan.nodes[0].kernel.coef + sess.plan.nodes[0].kernel.intercepts
+    np.testing.assert_allclose(sess.run(None, {"X": x})[0], want, rtol=1e-4, atol=1e-3)

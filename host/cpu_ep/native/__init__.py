@@ -41,7 +41,7 @@ void ep_layernorm(const void *x, const void *skip, const void *scale, const void
 void ep_rmsnorm(const void *x, const void *scale, void *y, int rows, int n, float eps);
 int ep_attention(const void *q, const void *k, const void *v, const void *mask, int mask_kind, void *y,
                  int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
-                 const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal);
+                 const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal, int threads);
 void ep_rotary_halves(const void *x, const int64_t *xs, const void *cos_c, const void *sin_c, void *y,
                       const int64_t *ys, int B, int H, int S, int D, int64_t cs_batch);
 int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, const void *g, unsigned prog,
@@ -90,9 +90,11 @@ F32 = np.dtype(np.float32)
 # The compiled GEMM is a plain single-threaded tiled loop: it beats OpenBLAS's call overhead on the small
 # products of small models (2-3 us at 16x64x64) and stays level up to a few million multiply-adds, but a
 # large product runs 3-5x slower than multithreaded BLAS on 2 cores (worse on more), and a weight panel
-# wider than L2 makes its column tiles miss the cache (1x1024x1024: 7x). Beyond these bounds the NumPy
-# paths (np.dot) take the product.
-GEMM_MAX_MACS = 1 << 23   # m * k * n
+# wider than L2 makes its column tiles miss the cache (1x1024x1024: 7x). Beyond these bounds the packed
+# GEMM takes a product over a declared weight (packed_gemm.py), the NumPy paths (np.dot) any other. The
+# bound is packed_gemm.THREADED_MACS: from there a product is worth sharing with the worker pool, which the
+# packed GEMM does and this one does not (the zoo transformer's 128x256x256 products: 8% of its run).
+GEMM_MAX_MACS = 1 << 22   # m * k * n
 GEMM_MAX_PANEL = 1 << 19  # k * n floats (2 MiB) of the operand walked in column tiles
 
 

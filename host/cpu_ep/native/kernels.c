@@ -376,78 +376,6 @@ HOT void ep_rmsnorm(const float *x, const float *scale, float *y, int rows, int 
     }
 }
 
-/* -- attention ------------------------------------------------------------------------------------- */
-
-/* softmax(q k^T * scale + mask [+ causal]) v for every (batch, head): per head, the scores as one small
- * GEMM, the softmax row by row, the weighted sum as a second GEMM (the GEMM tiles keep their sums in
- * registers; row-at-a-time loops were bound by stores).
- * Element (b, h, s, d) of q is q[b*qs[0] + h*qs[1] + s*qs[2] + d] (likewise k, v, y with their strides;
- * the feature axis is contiguous). mask: NULL, additive float (mask_kind 1) or boolean bytes
- * (mask_kind 2: true attends), element (b, h, s, t) at b*ms[0] + h*ms[1] + s*ms[2] + t*ms[3] (0 where it
- * broadcasts). causal: key t > query s is masked. A row with no attendable key gives zeros.
- * Returns 1 (nothing written) when scratch cannot be allocated. */
-HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
-                     int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
-                     const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal) {
-    /* R: query heads per key/value head (grouped-query attention): query head h reads kv head h / R. */
-    /* Keys and value features padded with zeros to whole tiles (TP, DP columns): both GEMMs then run full
-     * tiles only; the padding scores are 0 and meet zero value rows, so they add nothing. */
-    int TP = (T + NR - 1) / NR * NR, DP = (DV + NR - 1) / NR * NR;
-    size_t n = (size_t)S * D + (size_t)D * TP + (size_t)TP * DP + (size_t)S * TP + (size_t)S * DP;
-    float *qh = calloc(n, sizeof(float));
-    if (!qh) return 1;
-    float *kt = qh + (size_t)S * D, *vh = kt + (size_t)D * TP, *sc = vh + (size_t)TP * DP, *yh = sc + (size_t)S * TP;
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
-            for (int s = 0; s < S; s++)
-                memcpy(qh + (size_t)s * D, q + b * qs[0] + h * qs[1] + s * qs[2], sizeof(float) * (size_t)D);
-            for (int t = 0; t < T; t++) {
-                const float *kr = k + b * ks[0] + (h / R) * ks[1] + t * ks[2];
-                for (int d = 0; d < D; d++) kt[(size_t)d * TP + t] = kr[d];
-                memcpy(vh + (size_t)t * DP, v + b * vs[0] + (h / R) * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
-            }
-            gemm_core(qh, kt, NULL, 0, sc, S, D, TP);
-            for (int s = 0; s < S; s++) {
-                float *p = sc + (size_t)s * TP;
-                int64_t mo = b * ms[0] + h * ms[1] + s * ms[2];
-                /* Scale, mask and causal part as whole-row loops (each vectorizes), the maximum in lanes. */
-                for (int t = 0; t < T; t++) p[t] *= scale;
-                if (mask_kind == 1) {
-                    const float *mr = (const float *)mask + mo;
-                    if (ms[3] == 1)
-                        for (int t = 0; t < T; t++) p[t] += mr[t];
-                    else
-                        for (int t = 0; t < T; t++) p[t] += mr[0];
-                } else if (mask_kind == 2) {
-                    const uint8_t *mr = (const uint8_t *)mask + mo;
-                    for (int t = 0; t < T; t++) p[t] = mr[t * ms[3]] ? p[t] : -INFINITY;
-                }
-                if (causal)
-                    for (int t = s + 1; t < T; t++) p[t] = -INFINITY;
-                float lane[LANES];
-                for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
-                int t0 = 0;
-                for (; t0 + LANES <= T; t0 += LANES)
-                    for (int l = 0; l < LANES; l++) lane[l] = p[t0 + l] > lane[l] ? p[t0 + l] : lane[l];
-                for (; t0 < T; t0++) lane[0] = p[t0] > lane[0] ? p[t0] : lane[0];
-                float top = -INFINITY;
-                for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
-                if (top == -INFINITY) { /* nothing to attend to: zeros */
-                    for (int t = 0; t < T; t++) p[t] = 0.0f;
-                    continue;
-                }
-                for (int t = 0; t < T; t++) p[t] = ep_exp(p[t] - top); /* apart from the sum: it vectorizes */
-                float total = lane_sum(p, T);
-                for (int t = 0; t < T; t++) p[t] /= total;
-            }
-            gemm_core(sc, vh, NULL, 0, yh, S, TP, DP);
-            for (int s = 0; s < S; s++)
-                memcpy(y + b * ys[0] + h * ys[1] + s * ys[2], yh + (size_t)s * DP, sizeof(float) * (size_t)DV);
-        }
-    free(qh);
-    return 0;
-}
-
 /* -- rotary embedding ------------------------------------------------------------------------------ */
 
 /* Halves layout over whole heads: x (B, H, S, D), element (b, h, s, d) at b*xs[0] + h*xs[1] + s*xs[2] + d;
@@ -702,3 +630,4 @@ int ep_f32_to_f16(const void *src, void *dst, int64_t n) { (void)src; (void)dst;
 #endif
 #include "kernels_rows.c" /* Softmax, LogSoftmax */
 #include "kernels_gemm.c" /* the packed GEMM */
+#include "kernels_attention.c" /* attention over whole heads */
