@@ -11,6 +11,15 @@ def logistic(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def logistic_in_place(x: np.ndarray) -> np.ndarray:
+    """logistic(x) written over x (a float array the caller owns): the same operations in x's type, without
+    the three temporaries (a one-row model's run is a few microseconds)."""
+    np.negative(x, out=x)
+    np.exp(x, out=x)
+    x += 1
+    return np.reciprocal(x, out=x)
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
-from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
+from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, logistic_in_place, post_transform
 from host.cpu_ep.registry import register
 
 ML = "ai.onnx.ml"
@@ -24,29 +24,39 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
 
 
-def _compiled(coef: np.ndarray) -> bool:
-    """Whether the compiled GEMM takes x @ coef at any row count (coef's panel within native.gemm_fits)."""
-    k, n = coef.shape
-    return native.LIB is not None and 0 < k * n <= native.GEMM_MAX_PANEL
+class _Scores:
+    """x @ coef + intercepts in float32 for a linear model's constants: by the compiled GEMM in blocks of
+    rows (see the module doc) where the coefficients fit its panel and the library is loaded, else NumPy's
+    matmul. Pointers to the constants are taken once."""
 
+    def __init__(self, coef: np.ndarray, intercepts: np.ndarray):
+        self.coef, self.intercepts = coef, intercepts
+        k, n = coef.shape
+        self.compiled = 0 < k * n <= native.GEMM_MAX_PANEL  # with the library: no BLAS at any row count
+        self.pointers = (native.ptr(coef), native.ptr(intercepts)) if self.compiled else None
 
-def _scores(x: np.ndarray, coef: np.ndarray, intercepts: np.ndarray) -> np.ndarray:
-    """x @ coef + intercepts in float32: by the compiled GEMM in blocks of rows (see the module doc), else
-    NumPy's matmul."""
-    lib = native.LIB
-    if not _compiled(coef) or not len(x):
-        scores = np.matmul(x.astype(np.float32, copy=False), coef)
-        scores += intercepts
-        return scores
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    (rows, k), n = x.shape, coef.shape[1]
-    y = np.empty((rows, n), dtype=np.float32)
-    ptr, null, block = native.ptr, native.NULL, max(1, native.GEMM_MAX_MACS // (k * n))
-    for r0 in range(0, rows, block):
-        r = min(block, rows - r0)
-        lib.ep_gemm(ptr(x[r0:r0 + r]), null, ptr(coef), ptr(intercepts), 1, ptr(y[r0:r0 + r]), r, k, n, 0, null,
-                    0.0, 0.0)
-    return y
+    def uses_blas(self) -> bool:
+        return not (self.compiled and native.LIB is not None)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        lib = native.LIB
+        if lib is None or not self.compiled or not len(x):
+            scores = np.matmul(x.astype(np.float32, copy=False), self.coef)
+            scores += self.intercepts
+            return scores
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        (rows, k), n = x.shape, self.coef.shape[1]
+        y = np.empty((rows, n), dtype=np.float32)
+        ptr, null, (cp, ip) = native.ptr, native.NULL, self.pointers
+        block = max(1, native.GEMM_MAX_MACS // (k * n))
+        if rows <= block:  # one call: the common case (a block is millions of multiply-adds)
+            lib.ep_gemm(ptr(x), null, cp, ip, 1, ptr(y), rows, k, n, 0, null, 0.0, 0.0)
+            return y
+        for r0 in range(0, rows, block):
+            r = min(block, rows - r0)
+            lib.ep_gemm(ptr(x[r0:r0 + r]), null, cp, ip, 1, ptr(y[r0:r0 + r]), r, k, n, 0, null, 0.0, 0.0)
+        return y
 
 
 def _labels_from_scores(labels: np.ndarray, scores: np.ndarray, binary_threshold: float | None) -> np.ndarray:
@@ -81,32 +91,30 @@ class LinearClassifier(OpKernel):
             # product and sum exactly.
             self.coef = np.concatenate([-self.coef, self.coef], axis=1)
             self.intercepts = np.concatenate([-self.intercepts, self.intercepts])
-        self.uses_blas = not _compiled(self.coef)
+        self.scores = _Scores(self.coef, self.intercepts)
+        self.uses_blas = self.scores.uses_blas()
 
     def _run(self, x):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = _scores(x, self.coef, self.intercepts)
+        scores = self.scores(x)
         if self.binary:
             return self._binary(scores)
-        scores = post_transform(self.post, scores)
+        # the GEMM's output is this run's own: LOGISTIC goes in place
+        scores = logistic_in_place(scores) if self.post == "LOGISTIC" else post_transform(self.post, scores)
         if self.n_columns == 1:
             labels = np.where(scores[:, 0] > 0, self.labels[-1], self.labels[0])
         else:
-            labels = self.labels[scores.argmax(axis=1)]
-        return (labels, scores.astype(np.float32))
+            labels = self.labels.take(scores.argmax(axis=1))
+        return (labels, scores.astype(np.float32, copy=False))
 
     def _binary(self, scores: np.ndarray):
         """(labels, scores) of a binary model from its GEMM's output (see the class doc)."""
         s = scores[:, -1]
         labels = self.labels.take((s > 0).view(np.int8))
         if self.negated and self.post == "LOGISTIC":
-            # 1 / (1 + exp(-x)) as ml_common.logistic computes it, in place on the GEMM's own output
-            np.negative(scores, out=scores)
-            np.exp(scores, out=scores)
-            scores += 1
-            return (labels, np.reciprocal(scores, out=scores))
+            return (labels, logistic_in_place(scores))  # on the GEMM's own output
         if self.negated:
             return (labels, post_transform(self.post, scores).astype(np.float32))
         both = np.empty((len(s), 2), dtype=np.float32)
@@ -125,13 +133,14 @@ class LinearRegressor(OpKernel):
         self.coef = coef.reshape(self.targets, -1).T.copy()
         intercepts = self.attr("intercepts", None)
         self.intercepts = np.asarray(intercepts if intercepts else [0.0] * self.targets, dtype=np.float32)
-        self.uses_blas = not _compiled(self.coef)
+        self.scores = _Scores(self.coef, self.intercepts)
+        self.uses_blas = self.scores.uses_blas()
 
     def _run(self, x):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = _scores(x, self.coef, self.intercepts)
+        scores = self.scores(x)
         return (post_transform(self.post, scores).astype(np.float32),)
 
 

@@ -226,11 +226,11 @@ def test_tree_ensemble_v5_with_one_mode_matches_onnxruntime(rows):
     np.testing.assert_array_equal(forest._walk(x), forest._decided(x))
 
 
-def _linear(op: str, features: int, columns: int, seed: int = 4):
+def _linear(op: str, features: int, columns: int, seed: int = 4, post: str = "SOFTMAX"):
     rng = np.random.RandomState(seed)
     attrs = {"coefficients": rng.randn(columns * features).tolist(), "intercepts": rng.randn(columns).tolist()}
     if op == "LinearClassifier":
-        attrs |= {"classlabels_ints": list(range(columns)), "post_transform": "SOFTMAX"}
+        attrs |= {"classlabels_ints": list(range(10, 10 + columns)), "post_transform": post}
         outs = [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
                 helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, columns])]
     else:
@@ -242,15 +242,16 @@ def _linear(op: str, features: int, columns: int, seed: int = 4):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 1)])
 
 
-@pytest.mark.parametrize("op", ["LinearClassifier", "LinearRegressor"])
-def test_linear_models_run_the_compiled_gemm_in_row_blocks_without_blas(op, monkeypatch):
+@pytest.mark.parametrize("op, post", [("LinearClassifier", "SOFTMAX"), ("LinearClassifier", "LOGISTIC"),
+                                      ("LinearClassifier", "NONE"), ("LinearRegressor", "NONE")])
+def test_linear_models_run_the_compiled_gemm_in_row_blocks_without_blas(op, post, monkeypatch):
     """Coefficients within the small GEMM's panel: no BLAS in the plan (so no per-run thread bound), rows
     in blocks of native.gemm_fits (made 4 rows here, so 1000 rows take 250 calls), onnxruntime's answers."""
     from host.cpu_ep import native
 
     if native.LIB is None:
         pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
-    model = _linear(op, FEATURES, 3)
+    model = _linear(op, FEATURES, 3, post=post)
     sess = host.InferenceSession(model.SerializeToString())
     assert not threads.plan_calls_blas(sess.plan)
     monkeypatch.setattr(native, "GEMM_MAX_MACS", 4 * FEATURES * 3)
@@ -262,7 +263,11 @@ def test_linear_models_run_the_compiled_gemm_in_row_blocks_without_blas(op, monk
     assert calls == [4] * 250
     want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
     for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    one = sess.run(None, {"X": x[:1]})  # one row: one call, in place after it
+    for g, w in zip(one, want):
+        np.testing.assert_allclose(g, w[:1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_linear_model_beyond_the_panel_keeps_blas_and_its_bound():
