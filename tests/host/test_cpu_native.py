@@ -180,6 +180,28 @@ def test_gemm_with_bias_and_epilogue(m, k, n, bias_kind, transposed, steps):
     np.testing.assert_allclose(c, _apply(z, steps, res, 0.3, 0.4), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("n", [128, 160, 300])
+def test_gemm_rows_have_the_same_bits_at_any_row_count(n):
+    """Rows in 4-row tiles and the rows after them (row_wide, 128 columns at a time, then 32-column tiles)
+    sum over k in the same order: each output row is the same whether computed alone or among others."""
+    rng = np.random.default_rng(n)
+    k = 37
+    a, b, bias = (rng.standard_normal(s).astype(F32) for s in ((9, k), (k, n), (n,)))
+
+    def product(rows):
+        c = np.empty((len(rows), n), F32)
+        LIB.ep_gemm(native.ptr(rows), native.NULL, native.ptr(b), native.ptr(bias), 1, native.ptr(c), len(rows), k, n,
+                    0, native.NULL, 0.0, 0.0)
+        return c
+
+    whole = product(a)
+    np.testing.assert_allclose(whole, a.astype(np.float64) @ b + bias, rtol=1e-4, atol=1e-4)
+    for m in range(1, 10):
+        np.testing.assert_array_equal(product(np.ascontiguousarray(a[:m])), whole[:m])
+    for i in range(9):
+        np.testing.assert_array_equal(product(np.ascontiguousarray(a[i:i + 1]))[0], whole[i])
+
+
 def test_large_products_are_left_to_blas():
     """The compiled GEMM is a single-threaded loop: products past GEMM_MAX_MACS, or whose walked operand is
     wider than GEMM_MAX_PANEL, go to np.dot (a 4096-wide MLP took minutes per run on the compiled loop)."""
