@@ -274,19 +274,34 @@ class Gemm(OpKernel):
         """The output followed by an epilogue program (fusion.py's chains) from the compiled GEMM, or None."""
         return self._native(*args, prog=prog, res=res, alpha=alpha, beta=beta)
 
+    def native_runner(self, lib, args, prog, alpha, beta):
+        """For a chain (fusion.py) over a bound B and C: a function of (a, res) (the transposed B made once),
+        or False where the compiled GEMM does not take this Gemm."""
+        a, b, c = (*args, None)[:3]
+        if b is not self._bound_b or (c is not None and c is not self._bound_c) or a.ndim != 2:
+            return False
+        b = self._plain_b(b, c)
+        return b is not None and chain_gemm_runner(lib, a, b, c, prog, alpha, beta)
+
+    def _plain_b(self, b, c):
+        """B as the compiled GEMM takes it (K x N; a bound transposed B transposed once), or None where alpha,
+        beta, transA, C or B's form rule the compiled GEMM out."""
+        if self.trans_a or self.alpha != 1.0 or (c is not None and (self.beta != 1.0 or c.ndim != 1)) or b.ndim != 2:
+            return None
+        if not self.trans_b:
+            return b
+        if b is not self._bound_b:
+            return None
+        if self._bound_bt is None:
+            self._bound_bt = np.ascontiguousarray(b.T)
+            packed_gemm.declare_weight(self._bound_bt)
+        return self._bound_bt
+
     def _native(self, a, b, c=None, prog=0, res=None, alpha=0.0, beta=0.0):
         """A @ B (+ C as a bias vector) by the compiled GEMM when alpha and beta are 1, A is not transposed
         and a transposed B is a bound initializer (transposed once); else None."""
-        if self.trans_a or self.alpha != 1.0 or (c is not None and (self.beta != 1.0 or c.ndim != 1)) or b.ndim != 2:
-            return None
-        if self.trans_b:
-            if b is not self._bound_b:
-                return None
-            if self._bound_bt is None:
-                self._bound_bt = np.ascontiguousarray(b.T)
-                packed_gemm.declare_weight(self._bound_bt)
-            b = self._bound_bt
-        if a.ndim != 2:
+        b = self._plain_b(b, c)
+        if b is None or a.ndim != 2:
             return None
         if (not prog and res is None and b is (self._bound_bt if self.trans_b else self._bound_b) and c is self._bound_c
                 and a.dtype == F32 and a.flags.c_contiguous):

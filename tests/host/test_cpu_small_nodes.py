@@ -514,3 +514,29 @@ def test_the_mask_expand_within_a_qkv_join(kernels, case):
 
         with pytest.raises(KernelError, match="^node 'attention' \\(Attention\\) on CPUExecutionProvider failed"):
             sess.run(None, {**feeds, "mshape": np.array([3, 1, 16, 16], np.int64)})
+
+
+@pytest.mark.parametrize("trans_b", [1, 0])
+def test_a_linear_layers_gemm_and_relu_keep_their_compiled_call_per_shape(trans_b, monkeypatch):
+    """torch's Linear as the exporters write it (Gemm with transB=1 over a bound weight and bias) followed
+    by Relu: the chain keeps the GEMM's closure for the input's shape, so later runs build nothing (a batch-1
+    MLP's layer spent as much in that as in its product); onnxruntime's answers at two shapes."""
+    from host.cpu_ep import ops_math
+
+    rng = np.random.default_rng(31)
+    w = rng.standard_normal((48, 40) if trans_b else (40, 48)).astype(F32)
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["h"], transB=trans_b),
+             helper.make_node("Relu", ["h"], ["y"])]
+    feeds = {"x": rng.standard_normal((1, 40)).astype(F32)}
+    model = _model(nodes, feeds, ["y"], {"w": w, "c": rng.standard_normal(48).astype(F32)})
+    for value in (model.graph.input[0], model.graph.output[0]):
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
+    sess = _ephost(model)
+    sess.run(None, feeds)
+    built = []
+    real = ops_math._product
+    monkeypatch.setattr(ops_math, "_product", lambda *a, **k: (built.append(1), real(*a, **k))[1])
+    for rows in (1, 1, 3, 3):
+        x = {"x": rng.standard_normal((rows, 40)).astype(F32)}
+        np.testing.assert_allclose(sess.run(None, x)[0], _ort(model, x)[0], **TOL)
+    assert len(built) == 1  # the new shape (3, 40) only
