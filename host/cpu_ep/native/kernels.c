@@ -175,6 +175,19 @@ INLINE float lane_sum(const float *x, int n) {
     return lane_total(lane);
 }
 
+/* The largest of x[0..n) in lanes (-inf for none; NaN is skipped by the comparisons). */
+INLINE float lane_max(const float *x, int n) {
+    float lane[LANES];
+    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    for (; j < n; j++) lane[0] = x[j] > lane[0] ? x[j] : lane[0];
+    float top = -INFINITY;
+    for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
+    return top;
+}
+
 INLINE float lane_dot(const float *a, const float *b, int n) {
     float lane[LANES] = {0};
     int j = 0;

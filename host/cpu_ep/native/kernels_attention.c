@@ -22,7 +22,7 @@ typedef struct {
 } AttentionJob;
 
 /* Scale, mask and causal part of one row of scores as whole-row loops (each vectorizes), then the softmax
- * with the maximum in lanes. */
+ * (the maximum in lanes). */
 INLINE void attention_row(const AttentionJob *j, float *p, int b, int h, int s) {
     int T = j->T;
     int64_t mo = b * j->ms[0] + h * j->ms[1] + s * j->ms[2];
@@ -39,14 +39,7 @@ INLINE void attention_row(const AttentionJob *j, float *p, int b, int h, int s) 
     }
     if (j->causal)
         for (int t = s + 1; t < T; t++) p[t] = -INFINITY;
-    float lane[LANES];
-    for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
-    int t0 = 0;
-    for (; t0 + LANES <= T; t0 += LANES)
-        for (int l = 0; l < LANES; l++) lane[l] = p[t0 + l] > lane[l] ? p[t0 + l] : lane[l];
-    for (; t0 < T; t0++) lane[0] = p[t0] > lane[0] ? p[t0] : lane[0];
-    float top = -INFINITY;
-    for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
+    float top = lane_max(p, T);
     if (top == -INFINITY) { /* nothing to attend to: zeros */
         for (int t = 0; t < T; t++) p[t] = 0.0f;
         return;

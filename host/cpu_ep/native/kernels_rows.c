@@ -9,15 +9,8 @@ HOT void ep_softmax(const float *x, float *y, int64_t rows, int n, int log_form)
     for (int64_t i = 0; i < rows; i++) {
         const float *xi = x + i * n;
         float *yi = y + i * n;
-        float lane[LANES];
-        for (int l = 0; l < LANES; l++) lane[l] = -INFINITY;
-        int j = 0;
-        for (; j + LANES <= n; j += LANES)
-            for (int l = 0; l < LANES; l++) lane[l] = xi[j + l] > lane[l] ? xi[j + l] : lane[l];
-        for (; j < n; j++) lane[0] = xi[j] > lane[0] ? xi[j] : lane[0];
-        float top = -INFINITY;
-        for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
-        int has_nan = 0;
+        float top = lane_max(xi, n);
+        int has_nan = 0, j;
         for (j = 0; j < n; j++) has_nan |= xi[j] != xi[j];
         if (has_nan) top = NAN; /* the comparisons above skip NaN; NumPy's maximum keeps it */
         if (log_form) {
