@@ -219,3 +219,38 @@ def test_a_forked_child_computes_with_a_fresh_pool():
     """)
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_library_whose_pool_started_stays_mapped_after_its_handle_is_closed(tmp_path):
+    """The workers sleep inside the library's code: a copy of it opened, used with threads and closed by
+    its opener stays mapped (a worker woken in unmapped code would crash the process), while a copy that
+    never started a pool is unmapped as usual."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    used, idle = tmp_path / "used.so", tmp_path / "idle.so"
+    for copy in (used, idle):
+        shutil.copyfile(native.LOADED_FROM, copy)
+    code = textwrap.dedent(f"""
+        import sys
+        from host.cpu_ep import native
+        from tests.host.test_cpu_packed_gemm import _product, _packed
+        import numpy as np
+        def mapped(path):
+            return path in open("/proc/self/maps").read()
+        for path, threads in (({str(used)!r}, 3), ({str(idle)!r}, 1)):
+            lib = native.ffi.dlopen(path)
+            a, bp, bias, want = _product(2)
+            y = np.empty((a.shape[0], bias.size), np.float32)
+            lib.ep_gemm_packed(native.ptr(a), native.ptr(bp), native.ptr(bias), native.ptr(y), a.shape[0],
+                               a.shape[1], bias.size, 0, native.NULL, 0.0, 0.0, threads)
+            assert np.allclose(y, want, rtol=1e-4, atol=1e-3)
+            assert (lib.ep_pool_workers() >= 2) == (threads == 3)
+            native.ffi.dlclose(lib)
+            print(path, mapped(path))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(used), "True", str(idle), "False"]

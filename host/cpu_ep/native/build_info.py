@@ -25,7 +25,7 @@ LIB_NAME = "libephost_cpu_kernels.so"
 MODULE = "host.cpu_ep.native._kernels"
 # -O3, no -ffast-math (NaN/Inf as NumPy has them); the hot loops carry their own AVX2/AVX-512 clones.
 CFLAGS = ("-O3", "-Wall")
-LIBRARIES = ("m", "pthread")
+LIBRARIES = ("m", "pthread", "dl")
 # The same kernels as a cffi API-mode extension module (compile_api_module), looked for beside the library:
 # its calls convert their arguments in compiled code, 0.3-0.7 us less per call than the library's libffi
 # calls in ABI mode (13 arguments to ep_gemm: 0.5 against 0.19 us), which is most of a small node's cost.

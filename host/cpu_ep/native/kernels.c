@@ -10,6 +10,9 @@
  * compiler can vectorize them (libm's are scalar calls): within a few ulp of float32 libm.
  */
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dladdr and RTLD_NODELETE (kernels_pool.c) */
+#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>

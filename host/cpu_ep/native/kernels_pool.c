@@ -16,6 +16,7 @@
  * One product at a time uses the pool: a second thread that finds it busy (another session's run) computes
  * its product alone rather than oversubscribe the cores. A forked child starts with no workers. */
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -76,7 +77,15 @@ static void pool_after_fork(void) {
     pool.fn = NULL;
 }
 
-static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+/* Once, before the first worker: a forked child forgets the workers, and this library stays mapped while
+ * they live (they sleep inside its code), whatever the caller does with its own handle: cffi closes a
+ * library once nothing references it, and tests open copies of it. */
+static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+    Dl_info info;
+    if (dladdr((void *)&pool_init, &info) && info.dli_fname)
+        dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD | RTLD_NODELETE);
+}
 
 /* Start workers until there are `n` (or as many as could be started); under pool.lock. Workers block
  * every signal: Python's handlers run on its main thread. */
@@ -105,7 +114,7 @@ static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
         for (int u = 0; u < units; u++) fn(job, u);
         return;
     }
-    pthread_once(&pool_once, pool_register_fork);
+    pthread_once(&pool_once, pool_init);
     pthread_mutex_lock(&pool.lock);
     pool_grow(helpers);
     pool.fn = fn;
