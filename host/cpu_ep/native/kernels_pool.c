@@ -124,7 +124,9 @@ static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
     pool.joined = 0;
     __atomic_store_n(&pool.next, 0, __ATOMIC_RELAXED);
     pool.gen++;
-    pthread_cond_broadcast(&pool.wake);
+    /* as many as may join: a pool grown by a session of more threads keeps its other workers asleep (a
+     * worker still awake from the last job sees the new one before it waits) */
+    for (int i = 0; i < pool.wanted; i++) pthread_cond_signal(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     pool_claim(fn, job, units);
     pthread_mutex_lock(&pool.lock);
