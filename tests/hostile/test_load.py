@@ -116,3 +116,39 @@ def test_concurrent_runs_on_the_gpu_equal_sequential(cuda_plugin_path):
             np.testing.assert_allclose(expected[0], np.maximum(2 * inputs[0], 0) * 2, rtol=1e-6)
             results = _hammer(s, inputs, expected)
     assert [r for r in results if r != ([], [])] == []
+
+
+def test_cpu_sessions_sharing_the_kernel_pool_give_one_result_per_input():
+    """The CPU EP's packed GEMM and attention share their work with one process-wide worker pool
+    (native/kernels_pool.c). Two sessions of a transformer block at a size that uses it (intra_op 2 and 4),
+    threads coming and going in rounds of 1-8: every result is the bits of the sequential one (whichever
+    run held the pool or computed alone), and that one is onnxruntime's answer."""
+    import onnxruntime
+
+    from host.cli import zoo
+    from host.cpu_ep import native
+    from host.runtime.options import SessionOptions
+
+    if native.LIB is None:
+        pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
+    model = zoo.transformer_block(seq=256).SerializeToString()
+    sessions = []
+    for threads in (2, 4):
+        so = SessionOptions()
+        so.intra_op_num_threads = threads
+        sessions.append(InferenceSession(model, sess_options=so, providers=["CPUExecutionProvider"]))
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((1, 256, 256)).astype(np.float32) for _ in range(6)]
+    expected = [sessions[0].run(None, {"input": x})[0] for x in inputs]
+    ref = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for x, y in zip(inputs, expected):
+        np.testing.assert_allclose(y, ref.run(None, {"input": x})[0], rtol=1e-4, atol=1e-4)
+    assert native.LIB.ep_pool_workers() >= 1  # the products above were shared with the pool
+
+    def worker(t: int):
+        return [i for k in range(4) for i in [(t + k) % len(inputs)]
+                if not np.array_equal(sessions[(t + k) % 2].run(None, {"input": inputs[i]})[0], expected[i])]
+
+    for n in (1, 2, 4, 8, 3):
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:  # new threads each round
+            assert [w for wrong in pool.map(worker, range(n)) for w in wrong] == []
