@@ -17,6 +17,7 @@ import operator
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, normalize_axis
 from host.cpu_ep.ops_nn import Conv
 from host.cpu_ep.registry import register
@@ -68,23 +69,33 @@ def saturate_round(values: np.ndarray, zero_point, dtype: np.dtype) -> np.ndarra
     return Saturate(zero_point, dtype)(np.rint(values))
 
 
+# The types ep_quantize writes (kernels_quant.c's `kind`): their bounds are exact float32 values.
+_NATIVE_KINDS = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int16): 2, np.dtype(np.uint16): 3}
+_DIVIDE, _MULTIPLY = 2, 1  # ep_quantize's `op`
+
+
 class Saturate:
     """The end of every quantizing kernel: round half to even, add the zero point, saturate to the
     integer type, convert. Built once per set of constant parameters (the zero point as the float
-    type of the values, the bounds as float32 scalars), so a run is five ufunc calls in place
+    type of the values, the bounds as float32 scalars). A run is one compiled call (ep_quantize) for
+    float32 values, a scalar zero point and an 8- or 16-bit type, else five ufunc calls in place
     (np.clip's Python wrapper alone costs more than a ufunc on these small tensors)."""
 
-    __slots__ = ("zero_point", "lo", "hi", "dtype")
+    __slots__ = ("zero_point", "lo", "hi", "dtype", "kind")
 
     def __init__(self, zero_point, dtype: np.dtype):
         zp = np.asarray(0 if zero_point is None else zero_point)
         self.zero_point = None if not zp.any() else (zp.reshape(()) if zp.size == 1 else zp).astype(F32)
         lo, hi = int_range(np.dtype(dtype))
         self.lo, self.hi, self.dtype = np.float32(lo), np.float32(hi), np.dtype(dtype)
+        self.kind = _NATIVE_KINDS.get(self.dtype)
 
     def __call__(self, values: np.ndarray, zero_point: np.ndarray | None = None) -> np.ndarray:
         """`values` (float, owned by the caller: overwritten) quantized; `zero_point` (0-d float32)
         instead of the built one where the run computes it (DynamicQuantizeLinear)."""
+        out = self.scaled(values, None, 0, zero_point)
+        if out is not None:
+            return out
         np.rint(values, out=values)
         zp = self.zero_point if zero_point is None else zero_point
         if zp is not None and zp.ndim == 0:
@@ -93,6 +104,19 @@ class Saturate:
             values = values + zp
         _clip(values, self.lo, self.hi, out=values, casting="unsafe")
         return values.astype(self.dtype)
+
+    def scaled(self, values: np.ndarray, scale, op: int, zero_point: np.ndarray | None = None):
+        """saturate(rint(values op scale) + zero point) by ep_quantize (op 0: values as they are, _MULTIPLY,
+        _DIVIDE by a float32 scalar `scale`), without touching `values`; None where it does not serve."""
+        lib = native.LIB
+        zp = self.zero_point if zero_point is None else zero_point
+        if (lib is None or self.kind is None or values.dtype != F32 or not values.flags.c_contiguous
+                or not values.size or (zp is not None and zp.ndim)):
+            return None
+        out = np.empty(values.shape, dtype=self.dtype)
+        lib.ep_quantize(native.ptr(values), native.ptr(out), values.size, op, 1.0 if scale is None else scale,
+                        0.0 if zp is None else zp, self.lo, self.hi, self.kind)
+        return out
 
 
 class BoundParams:
@@ -167,7 +191,8 @@ class QuantizeLinear(BoundParams, OpKernel):
     def _run(self, x, y_scale, y_zero_point=None):
         fast = self.derived((1, 2), (y_scale, y_zero_point), self._per_tensor) if x.dtype == F32 else None
         if fast is not None and y_scale.dtype == F32:
-            return (fast[1](np.divide(x, fast[0])),)
+            y = fast[1].scaled(x, fast[0], _DIVIDE)
+            return (fast[1](np.divide(x, fast[0])) if y is None else y,)
         dtype = self._dtype(y_zero_point)
         scale = broadcast_param(y_scale, x, self.axis, self.block_size)
         zp = 0 if y_zero_point is None else broadcast_param(y_zero_point, x, self.axis, self.block_size)
@@ -315,6 +340,10 @@ class Requantize:
     def __call__(self, acc: np.ndarray) -> np.ndarray:
         """`acc` (a float accumulator the caller owns) requantized."""
         values = acc if acc.dtype == F32 else acc.astype(F32)
+        if self.multiplier.ndim == 0:
+            out = self.saturate.scaled(values, self.multiplier, _MULTIPLY)
+            if out is not None:
+                return out
         if self.multiplier.ndim == 0 or values.ndim >= self.multiplier.ndim:
             np.multiply(values, self.multiplier, out=values)
         else:

@@ -138,3 +138,44 @@ def test_dynamic_quantization_parameters_are_the_float32_ones():
         scale = scale if scale != 0 else f32(1)
         zp = f32(np.clip(np.rint(f32(0) - f32(lo) / scale), 0, 255))
         assert dynamic_params(float(lo), float(hi)) == (scale, zp), (lo, hi)
+
+
+_EDGES = np.array([0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, -128.5, 254.5, 255.5, 32766.5, -32768.5,
+                   65534.5, 1e9, -1e9, np.inf, -np.inf, np.nan, 3.0000002, 1e-30], dtype=np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16])
+@pytest.mark.parametrize("zero_point", [0, 3, -7])
+def test_the_compiled_saturate_gives_numpys_integers(dtype, zero_point, monkeypatch):
+    """ep_quantize against Saturate's NumPy path (rint half to even, + zero point, clip, convert; NaN to 0)
+    on halfway values, bounds, infinities and NaN, as it is (op 0), multiplied (Requantize) and divided
+    (QuantizeLinear) by a float32 scale."""
+    from host.cpu_ep import native, ops_quant
+
+    if native.LIB is None:
+        pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
+    if zero_point < 0 and np.dtype(dtype).kind == "u":
+        zero_point = -zero_point
+    sat = ops_quant.Saturate(np.asarray(zero_point, dtype=dtype), np.dtype(dtype))
+    rng = np.random.default_rng(abs(zero_point))
+    values = np.concatenate([_EDGES, (rng.standard_normal(300) * 200).astype(np.float32)])
+    scale = np.float32(0.37)
+    with np.errstate(invalid="ignore"):
+        for op, prepared in ((0, values), (ops_quant._MULTIPLY, values * scale), (ops_quant._DIVIDE, values / scale)):
+            got = sat.scaled(values, None if op == 0 else scale, op)
+            monkeypatch.setattr(native, "LIB", None)
+            want = sat(prepared.copy())
+            monkeypatch.undo()
+            assert got is not None and got.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got, want)
+        assert sat(values.copy()).dtype == np.dtype(dtype)  # __call__ takes the compiled path too
+
+
+def test_the_compiled_saturate_leaves_what_it_does_not_take_to_numpy():
+    """float64 values, a per-axis zero point, int32 and 4-bit types: None (NumPy's path serves them)."""
+    from host.cpu_ep import ops_quant
+
+    values = np.arange(6, dtype=np.float32)
+    assert ops_quant.Saturate(None, np.dtype(np.uint8)).scaled(values.astype(np.float64), None, 0) is None
+    assert ops_quant.Saturate(np.array([1, 2, 3], np.uint8), np.dtype(np.uint8)).scaled(values, None, 0) is None
+    assert ops_quant.Saturate(None, np.dtype(np.int32)).scaled(values, None, 0) is None

@@ -668,3 +668,4 @@ int ep_f32_to_f16(const void *src, void *dst, int64_t n) { (void)src; (void)dst;
 #include "kernels_rows.c" /* Softmax, LogSoftmax */
 #include "kernels_gemm.c" /* the packed GEMM */
 #include "kernels_attention.c" /* attention over whole heads */
+#include "kernels_quant.c" /* the quantizing kernels' last step */
