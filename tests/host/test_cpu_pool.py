@@ -85,3 +85,28 @@ def test_attention_threads_follow_the_work(monkeypatch):
     assert ops_attention.native_threads((1, 1, 1, 1, 1, 1, 1)) == 1
     assert ops_attention.native_threads((4, 4, 64, 64, 64, 64, 1)) == 4 * 4 * 64 * 64 * 128 // macs == 2
     assert ops_attention.native_threads((8, 16, 512, 512, 64, 64, 1)) == 4
+
+
+def test_a_batch_1_product_over_a_large_weight_has_the_same_bits_at_any_bound_and_under_concurrency():
+    """x (1 x 4096) @ W (4096 x 1000): OpenBLAS's GEMV rounds differently at 1 and at 2 threads, and runs
+    that overlap share the bound (fewer BLAS threads each). Over a weight the product is the packed GEMM's,
+    whose outputs are each one thread's in-order sum: a session at 1 thread, one at 2 and 8 threads running
+    the second at once all give the same bits; onnxruntime's answer within float32 rounding."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import onnxruntime
+
+    if native.LIB is None:
+        pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
+    rng = np.random.default_rng(41)
+    feeds = {"x": rng.standard_normal((1, 4096)).astype(F32)}
+    w = rng.standard_normal((4096, 1000)).astype(F32)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], feeds, ["y"], {"w": w})
+    one, two = _session(model, 1), _session(model, 2)
+    want = one.run(None, feeds)[0]
+    np.testing.assert_array_equal(two.run(None, feeds)[0], want)
+    with ThreadPoolExecutor(8) as pool:
+        for y in pool.map(lambda _: two.run(None, feeds)[0], range(64)):
+            np.testing.assert_array_equal(y, want)
+    ref = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(want, ref.run(None, feeds)[0], rtol=1e-4, atol=1e-3)
