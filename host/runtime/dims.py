@@ -43,9 +43,13 @@ def compile_dim(dim, symbols: set[str]) -> tuple[DimFn, frozenset[str]] | None:
 
 
 def _whole(fn: DimFn, text: str) -> DimFn:
-    """fn, checked to give a whole number (a dim like 's0/2' is one only for even sizes)."""
+    """fn, checked to give a whole number (a dim like 's0/2' is one only for even sizes) and to divide by
+    no zero (a dim like 's0 // (s1 - 1)' has no value at s1 = 1): ValueError naming the dim otherwise."""
     def dim(sizes):
-        value = fn(sizes)
+        try:
+            value = fn(sizes)
+        except ZeroDivisionError:
+            raise ValueError(f"dim {text!r} divides by zero for sizes {sizes}") from None
         if value != int(value):
             raise ValueError(f"dim {text!r} is {value} for sizes {sizes}, not a whole number")
         return int(value)
