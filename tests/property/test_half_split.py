@@ -8,9 +8,20 @@ exactly the float32 nodes of the model (Compute count), and the values equal a N
 computes each node in float32 and rounds to the node's declared type (ml_dtypes for bfloat16) within
 one ulp of the declared type, and onnxruntime where it runs the model (no bfloat16 there), loosely:
 it skips the roundings of Cast pairs it removes.
+
+The reference rounds every value, as the CPU EP does with EPHOST_HALF_ROUNDING=node. By default the CPU
+EP keeps a half value that only its own nodes read in float32 (half_carry.py, as onnxruntime drops its
+Cast pairs): a Sigmoid's float16 output then reaches a Cast to float32 unrounded, and a value rounded
+once to bfloat16 can be an ulp from the value rounded to float16 first, and a Mul after it doubles the
+difference. So with the default rounding (`carry`) the values are held to four ulps of the chain's
+coarsest half type, twice that per Mul in the chain; with `node` to the per-node reference as stated
+above (the thorough profile found the two cases, now examples).
 """
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -84,18 +95,27 @@ def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @given(first=st.sampled_from([F32, F16, BF16]), chain=st.lists(steps, min_size=1, max_size=6),
-       optimize=st.booleans(), seed=st.integers(0, 3))
+       optimize=st.booleans(), seed=st.integers(0, 3), rounding=st.sampled_from(["carry", "node"]))
 @example(first=F16, chain=[("Relu", None), ("Cast", F32), ("Add", None), ("Cast", BF16), ("Sigmoid", None)],
-         optimize=False, seed=0)
-@example(first=F32, chain=[("Cast", F16), ("Cast", F32), ("Mul", None)], optimize=True, seed=1)
+         optimize=False, seed=0, rounding="carry")
+@example(first=F32, chain=[("Cast", F16), ("Cast", F32), ("Mul", None)], optimize=True, seed=1, rounding="carry")
+@example(first=F16, chain=[("Sigmoid", None), ("Cast", F32), ("Cast", F32), ("Cast", F32)], optimize=False,
+         seed=0, rounding="carry")  # Sigmoid's float16 output reaches the Cast to float32 unrounded
+@example(first=F16, chain=[("Sigmoid", None), ("Cast", BF16), ("Cast", F32), ("Cast", F16)], optimize=False,
+         seed=0, rounding="carry")  # rounded once to bfloat16, not to float16 first
+@example(first=F16, chain=[("Sigmoid", None), ("Cast", BF16), ("Cast", F32), ("Cast", F16)], optimize=False,
+         seed=0, rounding="node")
 @settings(deadline=None, max_examples=s.budget(12))
-def test_declared_half_types_are_honoured_across_the_split(first, chain, optimize, seed):
+def test_declared_half_types_are_honoured_across_the_split(first, chain, optimize, seed, rounding):
     model, types, outputs, claimed = _chain(first, chain)
     x = np.random.default_rng(seed).standard_normal((2, 5)).astype(np.float32).astype(NP[first])
     so = h.session_options()
     if optimize:
         so.graph_optimization_level = 99
-    with h.example_env(V, (V,)) as env:
+    env_vars = {"EPHOST_HALF_ROUNDING": "node"} if rounding == "node" else {}
+    with h.example_env(V, (V,)) as env, mock.patch.dict(os.environ, env_vars):
+        if rounding == "carry":
+            os.environ.pop("EPHOST_HALF_ROUNDING", None)
         with InferenceSession(model, so, providers=[(h.EXAMPLE_EP, {})], env=env) as sess:
             got = sess.run(None, {"x": x})
             if not optimize:  # the optimizer may fold a Cast pair: the plan is the model's only without it
@@ -104,9 +124,15 @@ def test_declared_half_types_are_honoured_across_the_split(first, chain, optimiz
     if not optimize:
         assert h.record(V).slot_calls["EpKernel.Compute"] == claimed
     want = _reference(x, chain, types)
+    halves = [MANTISSA_BITS[NP[t]] for t in types.values() if t != F32]
     for name, value in zip(outputs, got):
         assert value.dtype == NP[types[name]], (name, value.dtype)
-        _assert_close(value, want[name])
+        if rounding == "carry" and halves:  # inner half values may have skipped their rounding
+            muls = sum(op == "Mul" for op, _ in chain)
+            np.testing.assert_allclose(value.astype(np.float32), want[name].astype(np.float32),
+                                       rtol=2.0 ** (2 + muls - min(halves)), atol=2.0 ** -14)
+        else:
+            _assert_close(value, want[name])
     if all(t != BF16 for t in types.values()):
         theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
         for value, other in zip(got, theirs):
