@@ -15,6 +15,7 @@ from host.cpu_ep.registry import register
 
 F32 = native.F32
 
+
 def native_threads(dims) -> int:
     """Threads for ep_attention over dims (B, H, S, T, D, DV, R): the packed GEMM's rule (the run's bound,
     at most one per THREADED_MACS) over its multiply-adds; heads are shared out whole."""

@@ -140,8 +140,8 @@ class LinearRegressor(OpKernel):
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
-        scores = self.scores(x)
-        return (post_transform(self.post, scores).astype(np.float32),)
+        scores = self.scores(x)  # this run's own float32 array: no copy unless a transform made float64
+        return (post_transform(self.post, scores).astype(np.float32, copy=False),)
 
 
 KERNELS = ("LINEAR", "POLY", "RBF", "SIGMOID")
