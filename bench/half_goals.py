@@ -114,8 +114,10 @@ def coverage(session) -> dict:
     return {"nodes": len(assignment), "on_cuda": on_cuda, "off_cuda": off[:8], "plan": describe(session)}
 
 
-def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, env) -> dict:
-    """Eager and replay times, accuracy against PyTorch, coverage and capture of one row."""
+def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, env,
+                 exact: np.ndarray | None = None) -> dict:
+    """Eager and replay times, accuracy against PyTorch (and, given `exact`, against the float32
+    module), coverage and capture of one row."""
     import cupy as cp
 
     from host.runtime.session import InferenceSession
@@ -129,7 +131,10 @@ def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, 
             s.run_with_iobinding(b)
             cp.cuda.Device().synchronize()
         run()
-        res[f"{mode}_rel_err"] = round(relative(cp.asnumpy(out).view(dtype).astype(np.float32), ref), 5)
+        got = cp.asnumpy(out).view(dtype).astype(np.float32)
+        res[f"{mode}_rel_err"] = round(relative(got, ref), 5)
+        if exact is not None:
+            res[f"{mode}_vs_fp32"] = round(relative(got, exact), 5)
         res[f"ephost_{mode}_us"] = median_us(run, iters)
         if mode == "eager":
             res.update(coverage(session))
@@ -176,6 +181,14 @@ def torch_cells(torch, module, feeds: dict, iters: int, compile_ok: bool) -> tup
     return res, ref
 
 
+def float32_output(torch, module, feeds: dict) -> np.ndarray:
+    """The float32 module's output on the same (half-rounded) inputs: the reference both half
+    precision runs are judged against, to tell PyTorch's own rounding from ephost's."""
+    args = [_torch_arg(torch, v, torch.float32) for v in feeds.values()]
+    with torch.inference_mode():
+        return module(*args).float().cpu().numpy()
+
+
 def ratios(res: dict) -> dict:
     def ratio(ours, theirs):
         return round(res[ours] / res[theirs], 2) if isinstance(res.get(theirs), float) else None
@@ -197,6 +210,7 @@ def bench_arch(arch: str, rows: list, precisions: list, args, env, deadline: flo
         module, names, size = export_arch(torch, arch, path)
         exported = onnx.load(str(path))
         print(f"# {arch}: exported in {time.perf_counter() - t0:.1f} s", flush=True)
+    module = module.to("cuda")
     for precision in precisions:
         dtype = half_dtype(precision)
         model = convert_precision(exported, precision).SerializeToString()
@@ -209,8 +223,9 @@ def bench_arch(arch: str, rows: list, precisions: list, args, env, deadline: flo
             compile_ok = args.compile and time.perf_counter() < deadline
             try:
                 cells, ref = torch_cells(torch, tmodule, feeds, args.iters, compile_ok)
-                res.update(cells)
-                res.update(ephost_cells(model, feeds, ref, dtype, args.iters, env))
+                exact = float32_output(torch, module, feeds)
+                res.update(cells, torch_vs_fp32=round(relative(ref, exact), 5))
+                res.update(ephost_cells(model, feeds, ref, dtype, args.iters, env, exact))
                 res.update(ratios(res))
             except Exception as exc:  # noqa: BLE001 - one failure must not hide the other rows
                 res["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -1,7 +1,7 @@
 """Load: one session (or several) run from threads that come and go, checked for errors and for one
 result per input.
 
-    python -m bench.load [--ep cpu|cuda|example] [--model transformer|mlp|cnn] [--seq 64]
+    python -m bench.load [--ep cpu|cuda|example] [--model transformer|mlp|cnn[,...]] [--seq 64]
                          [--cycles 20] [--rounds 1,2,4,8,16] [--runs 60] [--iobinding]
                          [--option KEY=VALUE ...] [--sessions 1] [--json out.json]
 
@@ -13,7 +13,8 @@ session must answer one input with one result on every run and every thread. Per
 p50 and p99 latency of one call, errors, differing results; and device memory in use before and
 after (CUDA), which must come back to its plateau.
 
-`--sessions N` runs N sessions of different sizes side by side (each thread picks one per call).
+`--sessions N` runs N sessions of different sizes side by side (each thread picks one per call);
+`--model transformer,mlp,cnn` a session of each model (of each size), so several models share a GPU.
 With `--ep example` the example plugin (tests/plugins, built by `python build.py`) takes the nodes
 it claims, so the CPU side has a plugin with per-thread streams too.
 """
@@ -211,14 +212,16 @@ def _sessions(args) -> list[InferenceSession]:
         env = Environment()
         env.register_plugin("example", built_plugin("example"))
         kwargs["env"] = env
-    return [InferenceSession(make_model(args.model, args.seq, size), providers=providers, **kwargs)
-            for size in range(args.sessions)]
+    kinds = args.model.split(",")
+    return [InferenceSession(make_model(kind, args.seq, size), providers=providers, **kwargs)
+            for size in range(args.sessions) for kind in kinds]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ep", choices=sorted(EPS), default="cuda")
-    p.add_argument("--model", default="transformer")
+    p.add_argument("--model", default="transformer",
+                   help="zoo model, or several comma-separated (transformer, mlp, cnn): a session of each")
     p.add_argument("--seq", type=int, default=64, help="sequence length of the transformer (default 64)")
     p.add_argument("--cycles", type=int, default=2, help="how many times to run every round (default 2)")
     p.add_argument("--rounds", default="1,2,4,8,16", help="threads per round (default 1,2,4,8,16)")

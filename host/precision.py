@@ -78,6 +78,7 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     opsets = {(o.domain or ""): o.version for o in out.opset_import}
     blocked = {i for i, n in enumerate(g.node)
                if n.op_type in blocked_ops or n.op_type in _ALWAYS_FLOAT32 or not _admits(n, half, opsets)}
+    blocked |= angle_nodes(g, types)
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(g.node):
         for x in n.input:
@@ -85,15 +86,15 @@ def convert_precision(model: onnx.ModelProto, precision: str, keep_io_types: boo
     keep_inits = {t.name for t in g.initializer if t.data_type == FLOAT
                   and readers.get(t.name) and all(r in blocked for r in readers[t.name])}
     _convert_initializers(g, half, keep_inits)
-    nodes, float32_names = [], set(keep_inits)
+    nodes, float32_names, wide_of = [], set(keep_inits), {}
     for i, n in enumerate(g.node):
         if i in blocked:
-            nodes += _blocked_node(n, types, half, keep_inits, float32_names)
+            nodes += _blocked_node(n, types, half, keep_inits, float32_names, wide_of)
         else:
             _retype_attributes(n, half)
             nodes.append(n)
     del g.node[:]
-    g.node.extend(nodes)
+    g.node.extend(_without_unread_casts(nodes, g, wide_of))
     first, last = _retype_io(g, half, keep_io_types)
     nodes = [*first, *g.node, *last]
     del g.node[:]
@@ -168,6 +169,14 @@ def _half_tensor(t: onnx.TensorProto, half: int) -> onnx.TensorProto:
     return numpy_helper.from_array(_half_array(numpy_helper.to_array(t), half), t.name)
 
 
+def _without_unread_casts(nodes: list, g: onnx.GraphProto, wide_of: dict[str, str]) -> list:
+    """`nodes` without the Casts back to half after blocked nodes that nothing reads: a blocked node's
+    result that only other blocked nodes read (in float32) needs none."""
+    wanted = {x for n in nodes for x in n.input} | {vi.name for vi in g.output}
+    return [n for n in nodes if not (n.op_type == "Cast" and n.output[0] not in wanted
+                                     and wide_of.get(n.output[0]) == n.input[0])]
+
+
 def _convert_initializers(g: onnx.GraphProto, half: int, keep: set[str]) -> None:
     for i, t in enumerate(g.initializer):
         if t.data_type == FLOAT and t.name not in keep:
@@ -199,12 +208,16 @@ def _cast(src: str, dst: str, to: int) -> onnx.NodeProto:
 
 
 def _blocked_node(node: onnx.NodeProto, types: dict[str, int], half: int, keep_inits: set[str],
-                  float32_names: set[str]) -> list:
+                  float32_names: set[str], wide_of: dict[str, str]) -> list:
     """A blocked node in float32: Casts to float32 on its (now half) float inputs, and its float outputs
-    computed under new names then cast to half under the original names (added to `float32_names`)."""
+    computed under new names then cast to half under the original names (added to `float32_names`).
+    An input another blocked node produced is read in float32 (`wide_of`), not through the half type:
+    a chain of blocked nodes rounds once, at its end."""
     before, after = [], []
     for j, x in enumerate(node.input):
-        if x and types.get(x) == FLOAT and x not in keep_inits:
+        if x in wide_of:
+            node.input[j] = wide_of[x]
+        elif x and types.get(x) == FLOAT and x not in keep_inits:
             wide = f"{x}_fp32_for_{node.name or node.op_type}_{j}"
             before.append(_cast(x, wide, FLOAT))
             node.input[j] = wide
@@ -215,7 +228,52 @@ def _blocked_node(node: onnx.NodeProto, types: dict[str, int], half: int, keep_i
             after.append(_cast(wide, y, half))
             node.output[j] = wide
             float32_names.add(wide)
+            wide_of[y] = wide
     return [*before, node, *after]
+
+
+# Trigonometric ops whose angle, when computed from positions and constants alone (rotary position
+# tables), stays float32 with everything it is computed from.
+_ANGLE_OPS = frozenset({"Sin", "Cos"})
+# The most nodes an angle may take with it into float32: a larger cone is not a position table.
+_ANGLE_CONE_LIMIT = 64
+
+
+def angle_nodes(g: onnx.GraphProto, types: dict[str, int]) -> set[int]:
+    """Indices of the Sin/Cos nodes whose float input derives from integers and constants only (no float
+    graph input), with the float-producing nodes it is computed from. A rotary table's angle is
+    position x frequency: in a half type the product keeps 8 (bfloat16) or 11 (float16) bits, so at
+    position 127 a bfloat16 angle is off by up to 0.25 rad. transformers computes these tables in float32
+    (autocast off) and rounds only the sines and cosines; the converter does the same."""
+    producer = {y: i for i, n in enumerate(g.node) for y in n.output if y}
+    float_inputs = {vi.name for vi in g.input if vi.type.tensor_type.elem_type == FLOAT}
+    chosen: set[int] = set()
+    for i, n in enumerate(g.node):
+        if n.op_type in _ANGLE_OPS and n.domain in ("", "ai.onnx"):
+            cone = _float_cone(g, n.input[0], producer, types, float_inputs)
+            if cone is not None:
+                chosen |= cone | {i}
+    return chosen
+
+
+def _float_cone(g: onnx.GraphProto, value: str, producer: dict[str, int], types: dict[str, int],
+                float_inputs: set[str]) -> set[int] | None:
+    """The nodes that compute float `value` through float values, back to integers and constants; None
+    when it reaches a float graph input or grows past _ANGLE_CONE_LIMIT (then it is not a table)."""
+    cone: set[int] = set()
+    todo = [value]
+    while todo:
+        x = todo.pop()
+        if x in float_inputs:
+            return None
+        i = producer.get(x)
+        if i is None or i in cone or types.get(x) != FLOAT:
+            continue
+        cone.add(i)
+        if len(cone) > _ANGLE_CONE_LIMIT:
+            return None
+        todo.extend(y for y in g.node[i].input if y)
+    return cone
 
 
 def _cast_float_results(model: onnx.ModelProto, half: int, float32_names: set[str]) -> None:
