@@ -10,6 +10,9 @@ runs the converted model rounding every node's result to its declared type (EPHO
 
 from __future__ import annotations
 
+import collections
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -17,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from host.precision import convert_precision
+from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
 
 DIM = 16
@@ -98,3 +102,33 @@ def test_a_sine_of_a_float_input_is_left_in_the_half_type():
     assert [n.op_type for n in converted.graph.node] == ["Mul", "Sin"]
     types = value_types(converted)
     assert types["a"] == TensorProto.BFLOAT16 and types["y"] == TensorProto.BFLOAT16
+
+
+LLAMA_DYNAMIC = Path(__file__).resolve().parents[1] / "models" / "dynamic_hf" / "llama_ts.onnx"
+
+
+def _optimized_ops(model: onnx.ModelProto, path: Path) -> collections.Counter:
+    options = SessionOptions()
+    options.optimized_model_filepath = str(path)
+    InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)])
+def test_a_converted_llama_with_dynamic_positions_keeps_its_rotary_fusion(precision, dtype, tmp_path):
+    """The dynamic Llama's tables are Cos/Sin of Range positions: converted, they are float32 and cast
+    to the half type, and the optimizer still fuses RotaryEmbedding (over the casts' tables) as in the
+    float32 model; the result stays within the half type's rounding of the float32 model at seq 128."""
+    model32 = onnx.load(str(LLAMA_DYNAMIC))
+    converted = convert_precision(model32, precision)
+    want = _optimized_ops(model32, tmp_path / "fp32.onnx")
+    got = _optimized_ops(converted, tmp_path / "half.onnx")
+    assert want["RotaryEmbedding"] > 0
+    assert got["RotaryEmbedding"] == want["RotaryEmbedding"]
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 100, (1, 128)).astype(np.int64),
+             "attention_mask": np.ones((1, 128), np.int64)}
+    ref = InferenceSession(model32.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    out = InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert out.dtype == dtype
+    assert np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max() <= 2e-2

@@ -138,6 +138,33 @@ class GatheredTableRotary(_TableRotary):
         return op.RotaryEmbedding(x, cos, sin, position_ids, interleaved=0)
 
 
+class CastTableRotary(onnxscript_rope.RotaryEmbedding23Fusion):
+    """onnxscript's form with the tables computed in float32 and cast to x's type: what `ephost convert`
+    writes for a half-precision model (a rotary angle stays float32; host/precision.py). The fused op
+    takes the casts of Cos / Sin of the float32 angles, so the tables are still rounded once."""
+
+    def __init__(self):
+        pattern.RewriteRuleClassBase.__init__(self, name="RotaryEmbedding23CastTables", remove_nodes=False)
+
+    def pattern(self, op, x, freqs, start1, end1, start2, end2, one1, one2):
+        freqs_repeated = op.Concat(freqs, freqs, axis=-1)
+        cos_4d = op.Unsqueeze(op.Cast(op.Cos(freqs_repeated), _outputs=["cos"]), one1)
+        sin_4d = op.Unsqueeze(op.Cast(op.Sin(freqs_repeated), _outputs=["sin"]), one2)
+        rotated = onnxscript_rope._rotate_half_pattern(op, x, start1, end1, start2, end2)
+        return x * cos_4d + rotated * sin_4d
+
+    def check(self, op, x, cos, sin, **kwargs) -> pattern.MatchResult:
+        result = super().check(op, x, **kwargs)
+        if result and not (x.dtype == cos.dtype == sin.dtype):
+            return result.fail("the casts do not give x's type", cos)
+        return result
+
+    def rewrite(self, op, x, freqs, **_):
+        to = x.dtype.value
+        return op.RotaryEmbedding(x, op.Cast(op.Cos(freqs), to=to), op.Cast(op.Sin(freqs), to=to),
+                                  interleaved=0, num_heads=x.shape[1])
+
+
 def _is_slice(node: ir.Node, start: int, end_ok) -> bool:
     """A Slice of the last axis of a 4-D input from `start` to an end accepted by `end_ok`, step 1."""
     inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
@@ -159,7 +186,7 @@ def _broadcasts(shape: tuple, target: tuple) -> bool:
 
 def rotary_rules() -> list:
     table_rules = [r for cls in (FoldedTableRotary, GatheredTableRotary) for r in cls.rule().commute()]
-    return [onnxscript_rope.RotaryEmbedding23Fusion.rule(), *table_rules]
+    return [onnxscript_rope.RotaryEmbedding23Fusion.rule(), CastTableRotary.rule(), *table_rules]
 
 
 # Every form has rotate_half's Neg, Slice and Concat; Cos / Sin are gone once the tables are folded.
