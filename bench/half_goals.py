@@ -11,7 +11,9 @@ export at the goal sizes; ResNet-50 from torchvision) and converted by `ephost c
 - eager: ephost through IOBinding (inputs on the device) against PyTorch eager;
 - replay: ephost with enable_cuda_graph=1 against a torch.cuda.CUDAGraph and against torch.compile
   (default mode, dynamic=False) of the same module at the same shape;
-- accuracy: max |ephost - PyTorch| / max |PyTorch| (both in the half type), eager and replay.
+- accuracy: max |ephost - PyTorch| / max |PyTorch| (both in the half type), eager and replay; and each
+  run against the float32 module on the same inputs (`torch_vs_fp32`, `eager_vs_fp32`).
+`EPHOST_BENCH_PROFILE=1` adds where the host spends the eager runs (cProfile, cumulative).
 
 Times are medians of `--iters` calls (bench/timing.py) in microseconds. torch.compile costs tens of
 seconds per shape: rows stop compiling once `--budget` seconds have passed (the cell says so).
@@ -137,11 +139,26 @@ def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, 
             res[f"{mode}_vs_fp32"] = round(relative(got, exact), 5)
         res[f"ephost_{mode}_us"] = median_us(run, iters)
         if mode == "eager":
+            res.update(_profiled_runs(run, iters))
+        if mode == "eager":
             res.update(coverage(session))
         else:
             res["captured"] = bool(session.fallbacks.get("graph_captured"))
         session.close()
     return res
+
+
+def _profiled_runs(run, iters: int) -> dict:
+    """With EPHOST_BENCH_PROFILE=1: where the host spends `iters` eager runs (cProfile's top functions
+    by cumulative time; bench/creation_gpu.py's helpers)."""
+    from bench.creation_gpu import _profiler, _top
+
+    profiler = _profiler("1")
+    if profiler is None:
+        return {}
+    for _ in range(iters):
+        run()
+    return {"eager_profile": _top(profiler)}
 
 
 def _torch_arg(torch, arr: np.ndarray, dtype):
