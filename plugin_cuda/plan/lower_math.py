@@ -24,6 +24,9 @@ UNARY = {
     "Relu": "ep_relu({0})",
     "Sigmoid": "ep_sigmoid({0})",
     "Erf": "erff({0})",
+    # full-range reduction (no fast math): a rotary table's angles reach thousands of radians
+    "Cos": "cosf({0})",
+    "Sin": "sinf({0})",
 }
 BINARY = {
     "Add": "({0} + {1})",

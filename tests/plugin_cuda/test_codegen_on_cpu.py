@@ -77,3 +77,19 @@ def test_generated_kernels_match_onnx_reference(name, tmp_path):
         # float32 sums of hundreds of products (split convolutions add in another order): an atol
         # relative to the output's magnitude
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(w).max())))
+
+
+def test_cos_and_sin_keep_their_accuracy_at_large_angles(tmp_path):
+    """Rotary tables take Cos/Sin of angles up to thousands of radians (position x frequency, float32
+    since `ephost convert` keeps them so): the kernels use cosf/sinf with full range reduction."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cos", ["x"], ["c"]), helper.make_node("Sin", ["x"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "trig", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(0).uniform(-4096, 4096, (4, 64)).astype(np.float32)
+    (got,) = run_on_cpu(model, {"x": x}, tmp_path)
+    want = np.cos(x.astype(np.float64)) * np.sin(x.astype(np.float64))
+    np.testing.assert_allclose(got, want, atol=1e-6)

@@ -370,3 +370,27 @@ def test_symbolic_half_plan_source_compiles(precision, tmp_path):
     source = _module_source(prog)
     assert "const int S0, " in source
     _nvcc(source, tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_converted_llamas_float32_rotary_tables_join_a_plan(precision, tmp_path):
+    """`ephost convert` keeps a dynamic Llama's rotary angles float32 and casts the tables (Cos/Sin) to
+    the half type: Cos and Sin have plan lowerings, so the casts are not left as one-node partitions
+    between per-node Cos/Sin kernels (34 partitions instead of 2 on an H200 before)."""
+    from pathlib import Path
+
+    import host
+    from host.precision import convert_precision
+    from plugin_cuda.plan.partition import fusable_groups
+
+    source = Path(__file__).resolve().parents[1] / "models" / "dynamic_hf" / "llama_ts.onnx"
+    options = host.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    host.InferenceSession(convert_precision(onnx.load(str(source)), precision).SerializeToString(), options,
+                          providers=["CPUExecutionProvider"])
+    spec = spec_from_onnx(onnx.load(options.optimized_model_filepath))
+    trig = [n for n in spec.nodes if n.op_type in ("Cos", "Sin")]
+    assert trig and all(lower.unsupported_reason(spec, n, probe=lower.PROBE_DIM) == "" for n in trig)
+    groups = fusable_groups(spec, dynamic=True)
+    assert all(len(g) > 1 for g in groups), [len(g) for g in groups]
+    assert len(groups) <= 2
