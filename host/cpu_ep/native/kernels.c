@@ -238,7 +238,7 @@ HOT void ep_bias_act(const float *x, const float *bias, float *y, int rows, int 
 typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
 
 INLINE void tile_full(const float *A, const float *B, float *acc, int R, int K, int N, int i0, int j0) {
-    vf c[4][2];
+    vf c[8][2];
     for (int r = 0; r < R; r++) c[r][0] = c[r][1] = (vf){0};
     for (int k = 0; k < K; k++) {
         const float *b = B + (size_t)k * N + j0;
@@ -300,13 +300,21 @@ INLINE void row_wide(const float *A, const float *B, float *acc, int K, int N, i
  * row_wide across the columns first. */
 INLINE void gemm_core(const float *A, const float *B, const float *bias, int bias_kind, float *C, int M, int K,
                       int N) {
-    float acc[4 * NR];
-    int jfull = N - N % NR, mfull = M - M % 4;
-    for (int j0 = 0; j0 < jfull; j0 += NR)
-        for (int i0 = 0; i0 < mfull; i0 += 4) {
+    float acc[8 * NR];
+    int jfull = N - N % NR, m8 = M - M % 8, mfull = M - M % 4;
+    for (int j0 = 0; j0 < jfull; j0 += NR) {
+        /* 8-row tiles keep 16 sums in registers: enough independent multiply-adds to cover their latency
+         * on both FMA ports (a 4-row tile's 8 chains left them half idle); the sums over k are the same. */
+        int i0 = 0;
+        for (; i0 < m8; i0 += 8) {
+            tile_full(A, B, acc, 8, K, N, i0, j0);
+            store(C, acc, 8, NR, NR, N, i0, j0, bias, bias_kind);
+        }
+        for (; i0 < mfull; i0 += 4) {
             tile_full(A, B, acc, 4, K, N, i0, j0);
             store(C, acc, 4, NR, NR, N, i0, j0, bias, bias_kind);
         }
+    }
     for (int i = mfull; i < M; i++) {
         int j0 = 0;
         for (; j0 + 4 * NR <= jfull; j0 += 4 * NR) {

@@ -18,6 +18,7 @@ typedef struct {
     int mask_kind, B, H, S, T, D, DV, R, causal, units;
     const int64_t *qs, *ks, *vs, *ys, *ms;
     float scale;
+    int prescaled; /* q was multiplied by scale as it was copied (no mask to add before the scale) */
     int failed; /* a unit could not allocate its scratch (atomic) */
 } AttentionJob;
 
@@ -26,7 +27,8 @@ typedef struct {
 INLINE void attention_row(const AttentionJob *j, float *p, int b, int h, int s) {
     int T = j->T;
     int64_t mo = b * j->ms[0] + h * j->ms[1] + s * j->ms[2];
-    for (int t = 0; t < T; t++) p[t] *= j->scale;
+    if (!j->prescaled)
+        for (int t = 0; t < T; t++) p[t] *= j->scale;
     if (j->mask_kind == 1) {
         const float *mr = (const float *)j->mask + mo;
         if (j->ms[3] == 1)
@@ -45,8 +47,8 @@ INLINE void attention_row(const AttentionJob *j, float *p, int b, int h, int s) 
         return;
     }
     for (int t = 0; t < T; t++) p[t] = ep_exp(p[t] - top); /* apart from the sum: it vectorizes */
-    float total = lane_sum(p, T);
-    for (int t = 0; t < T; t++) p[t] /= total;
+    float inv = 1.0f / lane_sum(p, T); /* one division a row: vdivps over the row cost a sixth of the softmax */
+    for (int t = 0; t < T; t++) p[t] *= inv;
 }
 
 /* Heads (b, h) numbered b * H + h in [bh0, bh1). R: query heads per key/value head (grouped-query
@@ -57,19 +59,36 @@ HOT static int attention_heads(const AttentionJob *j, int bh0, int bh1) {
     int S = j->S, T = j->T, D = j->D, DV = j->DV, H = j->H, R = j->R;
     int TP = (T + NR - 1) / NR * NR, DP = (DV + NR - 1) / NR * NR;
     size_t n = (size_t)S * D + (size_t)D * TP + (size_t)TP * DP + (size_t)S * TP + (size_t)S * DP;
-    float *qh = calloc(n, sizeof(float));
+    float *qh = malloc(n * sizeof(float));
     if (!qh) return 1;
     float *kt = qh + (size_t)S * D, *vh = kt + (size_t)D * TP, *sc = vh + (size_t)TP * DP, *yh = sc + (size_t)S * TP;
+    /* Only the padding must be zero (the copies below write the rest for every head): key columns T..TP
+     * of kt, and value rows T..TP and columns DV..DP of vh. Zeroing all of the scratch (calloc) cost more
+     * than a head's two GEMMs at seq 128. */
+    if (TP > T)
+        for (int d = 0; d < D; d++) memset(kt + (size_t)d * TP + T, 0, sizeof(float) * (size_t)(TP - T));
+    if (TP > T || DP > DV) memset(vh, 0, sizeof(float) * (size_t)TP * DP);
     const int64_t *qs = j->qs, *ks = j->ks, *vs = j->vs, *ys = j->ys;
     for (int bh = bh0; bh < bh1; bh++) {
         int b = bh / H, h = bh % H;
-        for (int s = 0; s < S; s++)
-            memcpy(qh + (size_t)s * D, j->q + b * qs[0] + h * qs[1] + s * qs[2], sizeof(float) * (size_t)D);
-        for (int t = 0; t < T; t++) {
-            const float *kr = j->k + b * ks[0] + (h / R) * ks[1] + t * ks[2];
-            for (int d = 0; d < D; d++) kt[(size_t)d * TP + t] = kr[d];
-            memcpy(vh + (size_t)t * DP, j->v + b * vs[0] + (h / R) * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
+        for (int s = 0; s < S; s++) {
+            const float *qr = j->q + b * qs[0] + h * qs[1] + s * qs[2];
+            float *qd = qh + (size_t)s * D;
+            if (j->prescaled)
+                for (int d = 0; d < D; d++) qd[d] = qr[d] * j->scale;
+            else
+                memcpy(qd, qr, sizeof(float) * (size_t)D);
         }
+        const float *kb = j->k + b * ks[0] + (h / R) * ks[1];
+        /* k^T in blocks of 16 keys x 16 features: reads and writes stay within a few cache lines each */
+        for (int t0 = 0; t0 < T; t0 += 16)
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                int t1 = t0 + 16 < T ? t0 + 16 : T, d1 = d0 + 16 < D ? d0 + 16 : D;
+                for (int d = d0; d < d1; d++)
+                    for (int t = t0; t < t1; t++) kt[(size_t)d * TP + t] = kb[t * ks[2] + d];
+            }
+        for (int t = 0; t < T; t++)
+            memcpy(vh + (size_t)t * DP, j->v + b * vs[0] + (h / R) * vs[1] + t * vs[2], sizeof(float) * (size_t)DV);
         gemm_core(qh, kt, NULL, 0, sc, S, D, TP);
         for (int s = 0; s < S; s++) attention_row(j, sc + (size_t)s * TP, b, h, s);
         gemm_core(sc, vh, NULL, 0, yh, S, TP, DP);
@@ -92,7 +111,12 @@ static void attention_unit(const void *arg, int unit) {
 HOT int ep_attention(const float *q, const float *k, const float *v, const void *mask, int mask_kind, float *y,
                      int B, int H, int S, int T, int D, int DV, int R, const int64_t *qs, const int64_t *ks,
                      const int64_t *vs, const int64_t *ys, const int64_t *ms, float scale, int causal, int threads) {
-    AttentionJob j = {q, k, v, mask, y, mask_kind, B, H, S, T, D, DV, R, causal, 1, qs, ks, vs, ys, ms, scale, 0};
+    /* The scale goes into the copy of q (one pass fewer per row of scores) where it is a power of two, so
+     * that (q * scale) . k is exactly (q . k) * scale; other scales multiply the scores as before. */
+    int exponent;
+    int prescaled = frexpf(scale, &exponent) == 0.5f;
+    AttentionJob j = {q, k, v, mask, y, mask_kind, B, H, S, T, D, DV, R, causal, 1, qs, ks, vs, ys, ms, scale,
+                      prescaled, 0};
     if (threads > 1) j.units = threads * 2 < B * H ? threads * 2 : B * H;
     if (j.units < 1) j.units = 1;
     pool_run(attention_unit, &j, j.units, threads - 1);
