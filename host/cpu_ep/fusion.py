@@ -13,7 +13,9 @@ nothing else reads:
   spatial axes -> 1x1 Conv -> Relu -> 1x1 Conv -> HardSigmoid or Sigmoid -> Mul with the pooled input,
   both convolutions' weights initializers: a few GEMVs on the pooled channels;
 - **joint q, k, v projections** with the Attention node reading them (fusion_qkv.py);
-- **a product and the SkipLayerNormalization** that alone reads it (fusion_norm.py).
+- **a product and the SkipLayerNormalization** that alone reads it (fusion_norm.py);
+- **consecutive GEMM layers** (an MLP's chains, each reading the last alone) as one compiled call
+  (fusion_stack.py).
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
@@ -458,6 +460,7 @@ def fuse(nodes, keep, constants) -> list:
     projections with their Attention) replaced by FusedNodes."""
     from host.cpu_ep.fusion_norm import match_gemm_skip_norm
     from host.cpu_ep.fusion_qkv import match_qkv_attention
+    from host.cpu_ep.fusion_stack import stack_layers
 
     consumers = _consumers(nodes)
     out, i = [], 0
@@ -476,5 +479,5 @@ def fuse(nodes, keep, constants) -> list:
         else:
             out.append(found[0])
             i += found[1]
-    return out
+    return stack_layers(out, consumers, keep)
 

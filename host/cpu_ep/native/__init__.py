@@ -48,6 +48,8 @@ int ep_depthwise2d(const void *x, const void *w, const void *bias, void *y, cons
                     const void *res, float alpha, float beta);
 int ep_conv2d(const void *x, const void *w, const void *wt, const void *bias, void *y, const void *g, unsigned prog,
               const void *res, float alpha, float beta);
+int ep_gemm_stack(int layers, const void *x, void *y, int rows, const int *k, const int *n, const int64_t *w,
+                  const int64_t *bias, const unsigned *prog);
 int64_t ep_packed_b_size(int K, int N);
 void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
 void ep_gemm_packed(const void *A, const void *Bp, const void *bias, void *C, int M, int K, int N, unsigned prog,

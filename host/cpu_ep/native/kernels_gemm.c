@@ -187,3 +187,25 @@ HOT int ep_matmul_batched(const float *A, const float *B, float *C, int batch, i
     free(scratch);
     return 0;
 }
+
+/* Consecutive layers (an MLP at a small batch, fusion_stack.py) in one call: layer l is ep_gemm over the
+ * previous layer's output (the same product and epilogue program as the layer's own call), B (k[l] x n[l])
+ * and bias (n[l], or 0 for none) at the addresses in w[l] and bias[l]. The layers between the first and
+ * the last write to two scratch blocks in turn. Returns 1 (nothing written) when scratch cannot be had. */
+HOT int ep_gemm_stack(int layers, const float *x, float *y, int rows, const int *k, const int *n, const int64_t *w,
+                      const int64_t *bias, const unsigned *prog) {
+    int widest = 1;
+    for (int l = 0; l + 1 < layers; l++) widest = n[l] > widest ? n[l] : widest;
+    float *scratch = malloc(sizeof(float) * (size_t)rows * (size_t)widest * 2);
+    if (!scratch) return 1;
+    const float *in = x;
+    for (int l = 0; l < layers; l++) {
+        float *out = l == layers - 1 ? y : scratch + (size_t)(l % 2) * rows * widest;
+        const float *b = (const float *)(intptr_t)bias[l];
+        ep_gemm(in, NULL, (const float *)(intptr_t)w[l], b, b ? 1 : 0, out, rows, k[l], n[l], prog[l], NULL, 0.0f,
+                0.0f);
+        in = out;
+    }
+    free(scratch);
+    return 0;
+}
