@@ -14,6 +14,8 @@ by one, each as it would alone.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from host.cpu_ep import native
@@ -77,29 +79,38 @@ class LayerStack:
         self.layers = layers
         self.arg_ids = layers[0].arg_ids  # the run loop gathers these for the first layer
         self.operand_ids = [layer.arg_ids[1:] for layer in layers[1:]]
+        self.later_ids = tuple(v for ids in self.operand_ids for v in ids)
         self.name, self.op_type = layers[0].name, layers[0].op_type
         self._runs: dict[tuple, tuple] = {}  # per input shape: (lib, call or False, the operands it was made for)
 
     def failure(self, exc):
         return self.layers[0].failure(exc)
 
-    def _operands(self, values, args) -> list[tuple]:
-        return [tuple(args[1:])] + [tuple(values[v] for v in ids) for ids in self.operand_ids]
-
     def _run(self, values, args):
         lib, x = native.LIB, args[0]
         if lib is not None and x.dtype == F32 and x.flags.c_contiguous:
-            operands = self._operands(values, args)
+            # The layers' weights as this run has them, flat: the stack's call was made for these objects.
+            operands = (*args[1:], *(values[v] for v in self.later_ids))
             entry = self._runs.get(x.shape)
             if entry is None or entry[0] is not lib or not _same(entry[2], operands):
                 if len(self._runs) >= 16:
                     self._runs.clear()
-                entry = self._runs[x.shape] = (lib, _stack_call(lib, self.layers, x, operands), operands)
+                entry = self._runs[x.shape] = (lib, _stack_call(lib, self.layers, x, self._per_layer(operands)),
+                                               operands)
             if entry[1]:
                 y = entry[1](x)
                 if y is not None:
                     return (y,)
         return self._one_by_one(values, args)
+
+    def _per_layer(self, operands: tuple) -> list[tuple]:
+        """The flat operands cut into each layer's."""
+        out, at = [], 0
+        for layer in self.layers:
+            n = len(layer.arg_ids) - 1
+            out.append(operands[at:at + n])
+            at += n
+        return out
 
     def _one_by_one(self, values, args):
         y = self.layers[0]._run(values, args)[0]
@@ -108,9 +119,8 @@ class LayerStack:
         return (y,)
 
 
-def _same(made: list[tuple], operands: list[tuple]) -> bool:
-    return all(a is b for m, o in zip(made, operands) for a, b in zip(m, o)) and all(
-        len(m) == len(o) for m, o in zip(made, operands))
+def _same(made: tuple, operands: tuple) -> bool:
+    return len(made) == len(operands) and all(map(operator.is_, made, operands))
 
 
 def _weights(layer: _EpilogueChain, operands: tuple):
