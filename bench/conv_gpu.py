@@ -2,7 +2,8 @@
 
     python bench/conv_gpu.py check          # cuDNN version, one Conv and one ConvTranspose vs onnxruntime CPU
     python bench/conv_gpu.py layers         # per-layer: cuDNN vs the direct kernels (per-node and plan)
-    python bench/conv_gpu.py resnet50 [--batch 8] [--iters 50]
+    python bench/conv_gpu.py resnet50 [--batch 8] [--iters 50] [--graph on|off|both]
+    python bench/conv_gpu.py calls          # host and GPU time per call: legacy API vs graph-API plans
 
 `resnet50`: torchvision ResNet-50 (random weights, eval), exported to ONNX; ephost eager and CUDA-graph
 replay (IOBinding) against torch eager and torch.cuda.CUDAGraph, TF32 off then on, on both sides.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
+import os
 import sys
 import time
 
@@ -215,9 +218,101 @@ def resnet50(env, batch: int, iters: int) -> None:
               f"eager / torch eager = {row['ephost eager'] / row['torch eager']:.2f}x", flush=True)
 
 
+CALL_SHAPES = [  # ResNet-50 batch 8 layers: (x shape, w shape, pads, strides)
+    ((8, 64, 56, 56), (64, 64, 3, 3), (1, 1), (1, 1)),
+    ((8, 256, 56, 56), (64, 256, 1, 1), (0, 0), (1, 1)),
+    ((8, 512, 28, 28), (128, 512, 1, 1), (0, 0), (1, 1)),
+    ((8, 256, 14, 14), (256, 256, 3, 3), (1, 1), (1, 1)),
+    ((8, 3, 224, 224), (64, 3, 7, 7), (3, 3), (2, 2)),
+]
+
+
+def _host_and_gpu_us(launch, n=50) -> tuple:
+    """(host µs per call, GPU µs per call) of `n` calls on the null stream."""
+    import cupy as cp
+
+    launch()
+    cp.cuda.Device().synchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        launch()
+    host = (time.perf_counter() - t0) / n * 1e6
+    end.record()
+    end.synchronize()
+    return host, cp.cuda.get_elapsed_time(start, end) * 1e3 / n
+
+
+def _call_row(handle, name: str, dtype, shape, iters: int) -> str:
+    import cupy as cp
+
+    from plugin_cuda.device import cudnn, cudnn_conv, cudnn_graph
+
+    xs, ws, pads, strides = shape
+    ys = (xs[0], ws[0]) + tuple((i + 2 * p - k) // s + 1 for i, p, k, s in zip(xs[2:], pads, ws[2:], strides))
+    geo = cudnn_conv.forward_geometry(xs, ws, ys, 1, pads, pads, strides, (1, 1))
+    rng = np.random.default_rng(0)
+    # Raw bytes on the device (CuPy has no bfloat16); results are read back through NumPy views.
+    x, w, z, b = (cp.asarray(rng.standard_normal(s).astype(dtype).view(np.uint8)) for s in (xs, ws, ys, (ws[0],)))
+    y_legacy, y_graph = (cp.empty(math.prod(ys) * np.dtype(dtype).itemsize, np.uint8) for _ in range(2))
+    setup = cudnn_conv.setup(handle, "forward", geo, dtype)
+    ws_mem = cp.empty(max(setup.workspace_bytes, 256 << 20), np.uint8)
+    p = [int(a.data.ptr) for a in (x, w, y_legacy, b, z)]
+    wsp = int(ws_mem.data.ptr)
+    row = [f"{name:>13} x{xs} w{ws[2:]}"]
+    host, gpu = _host_and_gpu_us(
+        lambda: cudnn_conv.forward(handle, setup, p[0], p[1], p[2], wsp, bias=p[3], relu=True, z=p[4]), iters)
+    row.append(f"legacy host {host:6.1f} gpu {gpu:6.1f} (fused {setup.fused_ok})")
+    for label, ep in (("graph", cudnn_graph.Epilogue(True, True, True)), ("conv-only graph", cudnn_graph.Epilogue())):
+        try:
+            t0 = time.perf_counter()
+            g = cudnn_graph.make(handle, geo, dtype, ep)
+            built = (time.perf_counter() - t0) * 1e3
+        except cudnn.CudnnError as e:
+            row.append(f"{label}: refused ({str(e)[:60]})")
+            continue
+        ptrs = [int(y_graph.data.ptr) if i == 2 else p[i] for i in range(3)] + ([p[3], p[4]] if ep.bias else [])
+        pack = g.pack(ptrs, wsp)
+        host, gpu = _host_and_gpu_us(lambda g=g, pack=pack: g.execute(handle.raw, pack), iters)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            g.pack(ptrs, wsp)
+        pack_us = (time.perf_counter() - t0) / 20 * 1e6
+        diff = ""
+        if ep.bias:
+            cp.cuda.Device().synchronize()
+            want, got = (cp.asnumpy(a).view(dtype).astype(np.float32) for a in (y_legacy, y_graph))
+            diff = f" diff {float(np.abs(got - want).max()) / float(np.abs(want).max()):.1e}"
+        row.append(f"{label} host {host:5.1f} gpu {gpu:6.1f} build {built:6.1f} ms pack {pack_us:4.1f} us{diff}")
+    return " | ".join(row)
+
+
+def calls(iters: int) -> None:
+    """Per-call cost of one convolution (+ bias + residual + ReLU) through the legacy API and through a
+    graph-API execution plan, with the build time of the plan and the two results' difference."""
+    import cupy as cp
+    import ml_dtypes
+
+    from plugin_cuda.device import cudnn
+
+    print(f"cuDNN {cudnn.version()['cudnn']}, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}", flush=True)
+    for dtype, tf32 in ((np.float32, False), (np.float32, True), (np.float16, True), (ml_dtypes.bfloat16, True)):
+        handle = cudnn.CudnnHandle(0, use_tf32=tf32)
+        name = np.dtype(dtype).name + (" tf32" if tf32 and dtype == np.float32 else "")
+        for shape in CALL_SHAPES:
+            try:
+                print(_call_row(handle, name, dtype, shape, iters), flush=True)
+            except Exception as e:  # noqa: BLE001 - a bench row fails alone
+                print(f"{name} {shape}: {type(e).__name__}: {e}", flush=True)
+        handle.close()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("check", "layers", "resnet50"))
+    parser.add_argument("what", choices=("check", "layers", "resnet50", "calls"))
+    parser.add_argument("--graph", choices=("on", "off", "both"), default="on",
+                        help="resnet50: plan convolutions through the graph API, the legacy calls, or both")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--layer", action="append")
@@ -227,8 +322,13 @@ def main(argv=None) -> int:
         check(env)
     elif args.what == "layers":
         layers(env, args.layer)
+    elif args.what == "calls":
+        calls(args.iters)
     else:
-        resnet50(env, args.batch, args.iters)
+        for graph in (("on", "off") if args.graph == "both" else (args.graph,)):
+            os.environ["EPHOST_CUDNN_GRAPH"] = "1" if graph == "on" else "0"
+            print(f"-- plan convolutions through the {'graph API' if graph == 'on' else 'legacy calls'}", flush=True)
+            resnet50(env, args.batch, args.iters)
     return 0
 
 

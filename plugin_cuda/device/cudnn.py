@@ -164,6 +164,16 @@ int cudnnActivationForward(cudnnHandle_t handle, cudnnActivationDescriptor_t act
                            cudnnTensorDescriptor_t yDesc, void* y);
 int cudnnAddTensor(cudnnHandle_t handle, const void* alpha, cudnnTensorDescriptor_t aDesc, const void* A,
                    const void* beta, cudnnTensorDescriptor_t cDesc, void* C);
+typedef void* cudnnBackendDescriptor_t;
+int cudnnBackendCreateDescriptor(int descriptorType, cudnnBackendDescriptor_t* descriptor);
+int cudnnBackendDestroyDescriptor(cudnnBackendDescriptor_t descriptor);
+int cudnnBackendFinalize(cudnnBackendDescriptor_t descriptor);
+int cudnnBackendSetAttribute(cudnnBackendDescriptor_t descriptor, int attributeName, int attributeType,
+                             int64_t elementCount, const void* arrayOfElements);
+int cudnnBackendGetAttribute(cudnnBackendDescriptor_t const descriptor, int attributeName, int attributeType,
+                             int64_t requestedElementCount, int64_t* elementCount, void* arrayOfElements);
+int cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                        cudnnBackendDescriptor_t variantPack);
 """
 
 ffi = cffi.FFI()

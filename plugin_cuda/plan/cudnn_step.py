@@ -7,17 +7,27 @@ same-shape value before it: ResNet's residual) into the op: cudnnConvolutionBias
 computes relu(conv(x, w) + z + bias) in one call. The op has no generated kernel, so its step is
 packed by the plan as a CudnnStep: its descriptors and algorithm are made once per plan (shared
 by every stream), its workspace once per stream instance; a run reads the operands' addresses
-from the plan's cells and makes one or two cuDNN calls (no allocation: capturable).
+from the plan's cells and makes its cuDNN calls (no allocation: capturable).
+
+Two ways to make the calls, chosen per run (docs/cuda_ops.md has the measurements):
+- eager runs execute a graph-API plan (device/cudnn_graph.py, built with the step): 6-34 µs of
+  host time per convolution where the legacy calls take 60-180 µs, which made eager runs of
+  ResNet-50 host-bound. cuDNN fuses no pointwise tail onto NCHW convolutions there, so the bias,
+  residual and ReLU follow as legacy calls;
+- captures (and the rehearsal run before one) and the first run make the legacy calls, whose
+  fused bias + residual + ReLU kernel is the fastest for a replay, where host time is not paid.
+`EPHOST_CUDNN_GRAPH=0` keeps the legacy calls for every run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
 
-from plugin_cuda.device import cudnn, cudnn_conv
+from plugin_cuda.device import cudnn, cudnn_conv, cudnn_graph
 from plugin_cuda.plan.program import Op, Program
 
 KIND = "cudnn_conv"
@@ -119,8 +129,28 @@ def _handle(inst):
     return own
 
 
+def graph_enabled() -> bool:
+    """Whether plan convolutions use cuDNN's graph API (EPHOST_CUDNN_GRAPH=0: the legacy calls only)."""
+    return os.environ.get("EPHOST_CUDNN_GRAPH", "1") != "0"
+
+
+def _graph_for(handle, geo, dtype, epilogue: cudnn_graph.Epilogue):
+    """The graph with the whole epilogue, else the convolution alone (the tail then runs as legacy
+    calls), else None (the legacy calls throughout)."""
+    if not graph_enabled():
+        return None
+    for wanted in (epilogue, cudnn_graph.Epilogue()):
+        try:
+            return cudnn_graph.build(handle, geo, dtype, wanted)
+        except cudnn.CudnnError:
+            continue
+    return None
+
+
 class CudnnStep:
     """One cudnn_conv step of a plan instance (see the module docstring)."""
+
+    PACKS = 8  # variant packs kept per step (one per set of the run's own input/output addresses)
 
     def __init__(self, inst, step, variant):
         op = step.op
@@ -129,24 +159,58 @@ class CudnnStep:
         self.name = step.name
         self.handle = _handle(inst)
         geo = geometry(plan.prog, op)
-        with plan.cupy.cuda.Device(plan.device_id):
-            # The data type is the input's (float32, float16 or bfloat16, as the per-node cuDNN path).
-            self.setup = cudnn_conv.setup(self.handle, "forward", geo, plan.prog.values[op.inputs[0]].dtype)
-        nbytes = self.setup.workspace_bytes
-        self._ws_mem = plan._malloc(nbytes, inst.stream_ptr) if nbytes else None
-        self.workspace = int(self._ws_mem.ptr) if nbytes else 0
+        dtype = plan.prog.values[op.inputs[0]].dtype
         self.relu = bool(op.attrs.get("relu"))
         bias = op.inputs[2] if len(op.inputs) > 2 else None
         residual = op.inputs[3] if len(op.inputs) > 3 else None
+        with plan.cupy.cuda.Device(plan.device_id):
+            # The data type is the input's (float32, float16 or bfloat16, as the per-node cuDNN path).
+            self.setup = cudnn_conv.setup(self.handle, "forward", geo, dtype)
+            # A variant that only captures record never runs eagerly: it needs no graph.
+            captured_only = variant is plan.graph and plan.graph is not plan.eager
+            self.graph = None if captured_only else _graph_for(
+                self.handle, geo, dtype, cudnn_graph.Epilogue(bias is not None, residual is not None, self.relu))
+        nbytes = max(self.setup.workspace_bytes, self.graph.workspace_bytes if self.graph else 0)
+        self._ws_mem = plan._malloc(nbytes, inst.stream_ptr) if nbytes else None
+        self.workspace = int(self._ws_mem.ptr) if nbytes else 0
         self.operands = [inst.address(v, variant) if v is not None else (None, 0)
                          for v in (op.inputs[0], op.inputs[1], op.outputs[0], bias, residual)]
-        self.calls = None  # prepared after the first run (which settles setup.fused_ok)
+        self.calls = None  # the legacy calls, prepared after their first run (which settles setup.fused_ok)
+        self.tail = None  # the legacy calls after a graph of the convolution alone
+        self.packs: dict = {}
+        self._graph_ran = False
+        if self.graph is not None:
+            ep = self.graph.epilogue
+            # The graph's operands in uid order: x, w, y, then the bias and z where the graph has them.
+            self._graph_operands = self.operands[:3] + [self.operands[i] for i, on in ((3, ep.bias),
+                                                                                      (4, ep.residual)) if on]
+            self._dynamic = [j for j, _ in self._graph_operands if j is not None]
+            if ep == cudnn_graph.Epilogue() and self._has_tail():
+                self.tail = self._tail_calls()
 
     def __call__(self) -> None:
-        calls = self.calls
-        if calls is None:
+        graph = self.graph
+        # Eager runs take the graph; captures (and their rehearsal) and the very first run take the
+        # legacy calls, whose fused bias + residual + ReLU kernel a replay runs fastest.
+        if graph is not None and self.calls is not None and not self.inst.recording:
+            ext = self.inst.ext
+            key = tuple([ext[j] for j in self._dynamic])
+            pack = self.packs.get(key) or self._new_pack(key)
+            if pack is not None:
+                status = graph.execute(self.handle.raw, pack)
+                if status:
+                    self._graph_failed(status)
+                    return
+                self._graph_ran = True
+                if self.tail:
+                    self._run(self.tail)
+                return
+        if self.calls is None:
             self._first_run()
-            return
+        else:
+            self._run(self.calls)
+
+    def _run(self, calls) -> None:
         ext = self.inst.ext
         cast = cudnn.ffi.cast
         for fn, args, dynamic in calls:
@@ -158,6 +222,30 @@ class CudnnStep:
             if status:
                 self._failed(status)
 
+    def _has_tail(self) -> bool:
+        return self.relu or self.operands[3] != (None, 0) or self.operands[4] != (None, 0)
+
+    def _new_pack(self, key: tuple):
+        """The variant pack for this run's addresses (None: one is not aligned; the legacy calls run)."""
+        values = iter(key)
+        pointers = [next(values) if j is not None else addr for j, addr in self._graph_operands]
+        pack = self.graph.pack(pointers, self.workspace)
+        if pack is not None:
+            if len(self.packs) >= self.PACKS:
+                self.packs.pop(next(iter(self.packs)))  # the oldest; its descriptors are destroyed with it
+            self.packs[key] = pack
+        return pack
+
+    def _graph_failed(self, status: int) -> None:
+        """A graph that cuDNN refuses at its first execution is dropped (the legacy calls run, now and
+        after: nothing was launched); a failure after it has run is an error."""
+        if self._graph_ran:
+            self._failed(status)
+        self.graph = None
+        self.packs.clear()
+        self.tail = None
+        self()
+
     def _first_run(self) -> None:
         ext = self.inst.ext
         x, w, y, b, z = (addr if j is None else ext[j] for j, addr in self.operands)
@@ -168,12 +256,9 @@ class CudnnStep:
             raise
         self.calls = self._prepare()
 
-    def _prepare(self) -> list:
-        """The cuDNN calls of a run with every argument fixed but the call's own inputs/outputs:
-        [(function, args, [(position, ext index)])], the same calls cudnn_conv.forward makes."""
-        s, lib, raw = self.setup, self.handle.lib, self.handle.raw
-        ffi, one, zero = cudnn.ffi, cudnn.ONE, cudnn.ZERO
-        ws = ffi.cast("void *", self.workspace) if self.workspace else cudnn.NULL
+    def _args(self):
+        """(named operand arguments x, w, y, b, z; the ext slots of the named ones)."""
+        ffi = cudnn.ffi
         slots = {}
 
         def arg(name, index):
@@ -183,8 +268,41 @@ class CudnnStep:
             slots.setdefault(name, []).append(j)
             return name
 
-        x, w, y, b, z = (arg(n, i) for i, n in enumerate("xwybz"))
-        has_bias, has_z = self.operands[3] != (None, 0), self.operands[4] != (None, 0)
+        return [arg(n, i) for i, n in enumerate("xwybz")], slots
+
+    @staticmethod
+    def _with_slots(raw_calls, slots) -> list:
+        calls = []
+        for fn, args in raw_calls:
+            dynamic = [(pos, slots[a][0]) for pos, a in enumerate(args) if isinstance(a, str)]
+            calls.append((fn, args, dynamic))
+        return calls
+
+    def _tail_raw(self, y, b, z) -> list:
+        """bias, residual and ReLU after a plain convolution, as legacy calls in place on y."""
+        s, lib, raw = self.setup, self.handle.lib, self.handle.raw
+        one, zero = cudnn.ONE, cudnn.ZERO
+        calls = []
+        if self.operands[3] != (None, 0):
+            calls.append((lib.cudnnAddTensor, [raw, one, s.bias, b, one, s.y, y]))
+        if self.operands[4] != (None, 0):
+            calls.append((lib.cudnnAddTensor, [raw, one, s.y, z, one, s.y, y]))
+        if self.relu:
+            calls.append((lib.cudnnActivationForward, [raw, s.relu(), one, s.y, y, zero, s.y, y]))
+        return calls
+
+    def _tail_calls(self) -> list:
+        (_, _, y, b, z), slots = self._args()
+        return self._with_slots(self._tail_raw(y, b, z), slots)
+
+    def _prepare(self) -> list:
+        """The legacy cuDNN calls of a run with every argument fixed but the call's own inputs/outputs:
+        [(function, args, [(position, ext index)])], the same calls cudnn_conv.forward makes."""
+        s, lib, raw = self.setup, self.handle.lib, self.handle.raw
+        one, zero = cudnn.ONE, cudnn.ZERO
+        ws = cudnn.ffi.cast("void *", self.workspace) if self.workspace else cudnn.NULL
+        (x, w, y, b, z), slots = self._args()
+        has_z = self.operands[4] != (None, 0)
         if self.relu and s.fused_ok:
             raw_calls = [(lib.cudnnConvolutionBiasActivationForward,
                           [raw, one, s.x, x, s.w, w, s.conv, s.algo, ws, s.workspace_bytes, one if has_z else zero,
@@ -192,17 +310,8 @@ class CudnnStep:
         else:
             raw_calls = [(lib.cudnnConvolutionForward,
                           [raw, one, s.x, x, s.w, w, s.conv, s.algo, ws, s.workspace_bytes, zero, s.y, y])]
-            if has_bias:
-                raw_calls.append((lib.cudnnAddTensor, [raw, one, s.bias, b, one, s.y, y]))
-            if has_z:
-                raw_calls.append((lib.cudnnAddTensor, [raw, one, s.y, z, one, s.y, y]))
-            if self.relu:
-                raw_calls.append((lib.cudnnActivationForward, [raw, s.relu(), one, s.y, y, zero, s.y, y]))
-        calls = []
-        for fn, args in raw_calls:
-            dynamic = [(pos, slots[a][0]) for pos, a in enumerate(args) if isinstance(a, str)]
-            calls.append((fn, args, dynamic))
-        return calls
+            raw_calls += self._tail_raw(y, b, z)
+        return self._with_slots(raw_calls, slots)
 
     def _failed(self, status: int) -> None:
         try:

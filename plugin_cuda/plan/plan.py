@@ -255,14 +255,14 @@ class Plan:
         inst.set_io(input_ptrs, output_ptrs)
         if capturing:
             inst.graph_warm = True
-            inst.launch_all(inst.graph_seq)
+            inst.rehearse()
         else:
             if not inst.graph_warm:
                 # The graph variant runs once eagerly before any capture, so that its cuBLAS calls
                 # have run (and loaded their kernels) before they are recorded. The eager variant
                 # then overwrites its results: every eager run answers with the same kernels.
                 inst.graph_warm = True
-                inst.launch_all(inst.graph_seq)
+                inst.rehearse()
             inst.launch_all(inst.eager_seq)
         if self.auto_graph and not capturing:
             inst.runs += 1
@@ -279,9 +279,11 @@ class Plan:
             inst = self._instance(stream)
         inst.set_io(input_ptrs, output_ptrs)
         if inst.graph_seq is not inst.eager_seq:
-            inst.launch_all(inst.graph_seq)
+            inst.rehearse()
         inst.graph_warm = True
         inst.launch_all(inst.eager_seq)
+        if any(isinstance(step, cudnn_step.CudnnStep) for step in inst.eager_seq):
+            inst.launch_all(inst.eager_seq)  # cuDNN steps run their legacy calls first, their graphs from run 2
 
     def forget_stream(self, stream: int) -> None:
         """Release what the plan keeps for `stream` (its arena, graph and packed launches, which
@@ -379,6 +381,9 @@ class _Instance:
         self.eager_seq = self._pack(plan.eager)
         self.graph_seq = self.eager_seq if plan.graph is plan.eager else self._pack(plan.graph)
         self.graph_warm = plan.graph is plan.eager
+        # True while the graph variant runs for a capture or its rehearsal: cuDNN steps then make the
+        # calls whose kernels a replay runs fastest (cudnn_step.py).
+        self.recording = False
         self._variant_of = {id(self.eager_seq): plan.eager, id(self.graph_seq): plan.graph}
 
     def _pack(self, variant) -> list:
@@ -441,6 +446,15 @@ class _Instance:
         ext[0:n_in] = input_ptrs
         ext[n_in:n_in + self.n_out] = output_ptrs
 
+    def rehearse(self) -> None:
+        """Launch the graph variant as a capture records it (the capture itself, or the eager run
+        before the first capture)."""
+        self.recording = True
+        try:
+            self.launch_all(self.graph_seq)
+        finally:
+            self.recording = False
+
     def launch_all(self, seq: list) -> None:
         launch = self.cu.cuLaunchKernel
         for item in seq:
@@ -479,7 +493,7 @@ class _Instance:
         self.in_stage = list(zip(addrs[:len(in_bytes)], in_bytes))
         self.out_stage = list(zip(addrs[len(in_bytes):], out_bytes))
         self.ext[0:len(addrs)] = addrs
-        self.graph = capture.Graph.capture(self.stream, lambda: self.launch_all(self.graph_seq))
+        self.graph = capture.Graph.capture(self.stream, self.rehearse)
         plan.stats["captures"] += 1
 
     def replay(self, input_ptrs, output_ptrs) -> None:
