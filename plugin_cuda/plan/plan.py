@@ -92,10 +92,16 @@ class Plan:
             # size: generated GEMV / tiled GEMMs are chosen by size, so the module would change with
             # the shape and be compiled again (plan/symint.py).
             capture = True
-        eager_steps = build_steps(prog, tiled=capture is not True)
-        graph_steps = build_steps(prog, tiled=capture is False)
+        eager_tiled, graph_tiled = capture is not True, capture is False
+        eager_steps = build_steps(prog, tiled=eager_tiled)
         source, eager_specs = codegen.generate(prog, eager_steps, "ep_k")
-        graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_k")
+        if graph_tiled == eager_tiled:
+            # One variant (every symbolic plan, auto_graph, any set `capture`): steps and source made once,
+            # which halves the host time of a new input-shape signature's plan spent here.
+            graph_steps, graph_source = eager_steps, source
+        else:
+            graph_steps = build_steps(prog, tiled=graph_tiled)
+            graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_k")
         self._resolve_locations()
         self.eager = _Variant("eager", eager_steps, eager_specs)
         if graph_source == source:
