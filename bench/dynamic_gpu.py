@@ -17,8 +17,10 @@ at the same shape. Outputs are checked against onnxruntime's CPU session on the 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -182,11 +184,31 @@ def profiled(run, ctx, shape: str) -> None:
     import pstats
 
     seen.add(shape)
+    collections = _gc_timer()
     profile = cProfile.Profile()
     profile.runcall(run)
+    gc.callbacks.remove(collections)
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
     print(f"first run at {shape}:\n" + "\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
+    threads = sorted(t.name for t in threading.enumerate())
+    print(f"  garbage collections in it: {collections.count} ({collections.full} of generation 2), "
+          f"{collections.seconds * 1e3:.1f} ms; threads: {threads}")
+
+
+def _gc_timer():
+    """A gc callback that counts collections and their time (a pause cProfile charges to whatever runs)."""
+    def callback(phase, info):
+        if phase == "start":
+            callback.started = time.perf_counter()
+            return
+        callback.count += 1
+        callback.full += info["generation"] == 2
+        callback.seconds += time.perf_counter() - callback.started
+
+    callback.count, callback.full, callback.seconds, callback.started = 0, 0, 0.0, 0.0
+    gc.callbacks.append(callback)
+    return callback
 
 
 def replay_cells(ctx, feeds: dict, t_args, out_shape) -> tuple[str, np.ndarray]:
