@@ -11,7 +11,7 @@ import abi
 from abi import fused_blob
 from abi.sdk import PluginError
 from plugin_cuda.device import algo_cache, nvrtc
-from plugin_cuda.plan import prechoose, saved, warmup
+from plugin_cuda.plan import gc_pause, prechoose, saved, warmup
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.plan import Plan
 from plugin_cuda.plan.signatures import ConstantStore, PlanCache, host_value_inputs, is_dynamic, specialize
@@ -138,7 +138,8 @@ class ShapePlanFunction(PlanFunction):
             raise PluginError(f"fused node '{self.name}': input shapes {list(signature)} are not all known",
                               abi.EP_INVALID_ARGUMENT)
         try:
-            return self._build_symbolic(signature)
+            with gc_pause.paused():
+                return self._build_symbolic(signature)
         except PlanError as exc:
             raise PluginError(f"fused node '{self.name}' at input shapes {list(signature)}: {exc}",
                               abi.EP_FAIL) from None
