@@ -17,6 +17,7 @@ from host.cpu_ep.base import OpKernel
 from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, post_transform
 from host.cpu_ep.ml_tree_classes import ClassRules, many_labels, two_labels
 from host.cpu_ep.registry import register
+from host.runtime import threads
 
 ML = "ai.onnx.ml"
 MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "BRANCH_MEMBER", "LEAF")
@@ -26,9 +27,13 @@ _BLOCK = 1 << 16  # (row, tree) cursors walked at once
 # Up to this many (row, node) decisions, all nodes are decided at once (_decided) instead of walked.
 _DECIDE_ALL_CELLS = 1 << 16
 _COMPARE = (np.less_equal, np.less, np.greater_equal, np.greater, np.equal, np.not_equal)
-# Up to this many rows the compiled walk (_CompiledWalk) takes a batch; beyond, NumPy's cursor walk is
-# as fast or faster (a 100-tree depth-3 boosting model at 10k rows: 12 ms against 18 ms in C).
-_COMPILED_MAX_ROWS = 1024
+# Rows per thread of the compiled walk: below, a worker's start costs more than its share saves.
+_ROWS_PER_THREAD = 512
+
+
+def _threads(rows: int) -> int:
+    """Threads for a compiled walk over `rows` rows: the run's bound (threads.POOLS), one per _ROWS_PER_THREAD."""
+    return max(1, min(threads.POOLS.share(), rows // _ROWS_PER_THREAD))
 
 
 @dataclass
@@ -171,7 +176,7 @@ class _CompiledWalk:
         self.arrays = [np.ascontiguousarray(a, dtype=t) for a, t in (
             (forest.feature, np.int64), (forest.thresholds32, np.float32), (forest.mode, np.uint8),
             (forest.true_next, np.int64), (forest.false_next, np.int64), (forest.missing_true, np.uint8),
-            (forest.roots, np.int64))]
+            (forest.roots, np.int64), (_tree_depths(forest), np.int64))]
         # weights summed by ep_tree_sums: float32 ones only (those of ai.onnx.ml 1-3's float lists)
         self.weights = np.ascontiguousarray(forest.weights) if forest.weights.dtype == np.float32 else None
         self.arrays += [] if self.weights is None else [self.weights]
@@ -183,28 +188,31 @@ class _CompiledWalk:
     def of(cls, forest: Forest) -> _CompiledWalk | None:
         if (forest.mode == _MEMBER).any() or (forest.feature < 0).any() or not forest.roots.size:
             return None
-        return cls(forest)
+        try:
+            return cls(forest)
+        except ValueError:  # a cycle: the NumPy walk reports it
+            return None
 
     def leaves(self, x: np.ndarray) -> np.ndarray | None:
         lib = native.LIB
-        if lib is None or x.dtype != np.float32 or x.shape[1] < self.width or x.shape[0] > _COMPILED_MAX_ROWS:
+        if lib is None or x.dtype != np.float32 or x.shape[1] < self.width:
             return None
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], self.trees), dtype=np.int64)
-        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:7], self.trees, native.ptr(out))
+        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:8], self.trees, native.ptr(out),
+                           _threads(x.shape[0]))
         return out
 
     def sums(self, x: np.ndarray) -> np.ndarray | None:
         """(rows, targets) float32 sums of the reached leaves' weights, added tree by tree; None where
         the compiled walk does not serve."""
         lib = native.LIB
-        if (lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width
-                or x.shape[0] > _COMPILED_MAX_ROWS):
+        if lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width:
             return None
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], self.weights.shape[1]), dtype=np.float32)
-        lib.ep_tree_sums(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:7], self.trees, self.pointers[7],
-                         self.weights.shape[1], native.ptr(out))
+        lib.ep_tree_sums(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:8], self.trees, self.pointers[8],
+                         self.weights.shape[1], native.ptr(out), _threads(x.shape[0]))
         return out
 
 
@@ -240,6 +248,26 @@ class _ByFeature:
                    forest.missing_true[interior], new_id[forest.true_next[interior]],
                    new_id[forest.false_next[interior]], new_id[forest.roots],
                    np.arange(interior.size, nodes.size, dtype=np.intp), width)
+
+
+def _tree_depths(forest: Forest) -> np.ndarray:
+    """Per tree, the interior nodes on its longest path from the root: the steps of the compiled walk
+    (a leaf steps to itself, so a shorter path just stays at its leaf). A cycle is a model error."""
+    depths = np.zeros(len(forest.roots), dtype=np.int64)
+    nodes, owner = forest.roots, np.arange(len(forest.roots))
+    level, limit = 0, len(forest.mode) + 1
+    while True:
+        inner = forest.mode[nodes] != _LEAF
+        nodes, owner = nodes[inner], owner[inner]
+        if nodes.size == 0:
+            return depths
+        level += 1
+        if level > limit:
+            raise ValueError("the trees have a cycle (a node is its own descendant)")
+        depths[owner] = level
+        pairs = np.unique(np.stack([np.concatenate([owner, owner]),
+                                    np.concatenate([forest.true_next[nodes], forest.false_next[nodes]])]), axis=1)
+        owner, nodes = pairs[0], pairs[1]
 
 
 def _depth(forest: Forest) -> int:

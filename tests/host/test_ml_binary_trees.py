@@ -205,7 +205,7 @@ def _forest(mode: str):
     return sess, model, sess.plan.nodes[0].kernel.forest
 
 
-@pytest.mark.parametrize("rows", [1, 3, 700])
+@pytest.mark.parametrize("rows", [1, 3, 700, 1029])  # 1029: blocks of 256 rows, lanes of 8 and a tail
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_tree_walk_reaches_the_numpy_walks_leaves(mode, rows):
     from host.cpu_ep import native
@@ -229,7 +229,7 @@ def test_compiled_tree_walk_reaches_the_numpy_walks_leaves(mode, rows):
         native.use(saved)
 
 
-def test_compiled_tree_walk_leaves_float64_narrow_rows_and_large_batches_to_numpy():
+def test_compiled_tree_walk_leaves_float64_and_narrow_rows_to_numpy():
     from host.cpu_ep import native
 
     if native.LIB is None:
@@ -239,7 +239,33 @@ def test_compiled_tree_walk_leaves_float64_narrow_rows_and_large_batches_to_nump
     assert forest._compiled.leaves(x) is not None
     assert forest._compiled.leaves(x.astype(np.float64)) is None
     assert forest._compiled.leaves(x[:, :-1]) is None
-    from host.cpu_ep import ops_ml_trees
 
-    many = np.zeros((ops_ml_trees._COMPILED_MAX_ROWS + 1, x.shape[1]), dtype=np.float32)
-    assert forest._compiled.leaves(many) is None and forest._compiled.sums(many) is None
+
+def test_compiled_tree_walk_on_two_threads_gives_the_one_thread_leaves_and_sums(monkeypatch):
+    from host.cpu_ep import native, ops_ml_trees
+    from tests.host.test_ml_fast_paths import _inputs
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    _, _, forest = _forest("mixed")
+    x = np.ascontiguousarray(np.concatenate([_inputs(700)] * 3))  # 2100 rows: blocks for both threads
+    one = forest._compiled.leaves(x), forest._compiled.sums(x)
+    monkeypatch.setattr(ops_ml_trees, "_threads", lambda rows: 2)
+    two = forest._compiled.leaves(x), forest._compiled.sums(x)
+    np.testing.assert_array_equal(two[0], one[0])
+    np.testing.assert_array_equal(two[1], one[1])
+    np.testing.assert_array_equal(one[0], forest._numpy_leaves(x))
+
+
+def test_tree_depths_count_the_longest_path_of_each_tree():
+    from host.cpu_ep.ops_ml_trees import _LEAF, Forest, _tree_depths
+
+    # tree 0: root 0 -> (1 leaf, 2 -> (3 -> (4 leaf, 5 leaf), 6 leaf)); tree 1: a lone leaf 7; tree 2: 8 -> (9, 10)
+    true_next = np.array([1, 1, 3, 4, 4, 5, 6, 7, 9, 9, 10])
+    false_next = np.array([2, 1, 6, 5, 4, 5, 6, 7, 10, 9, 10])
+    mode = np.zeros(11, dtype=np.uint8)
+    mode[[1, 4, 5, 6, 7, 9, 10]] = _LEAF
+    n = len(mode)
+    forest = Forest(np.zeros(n, np.int64), np.zeros(n), mode, true_next, false_next, np.zeros(n, bool),
+                    np.array([0, 7, 8]), np.zeros((n, 1), np.float32), np.zeros((n, 1), bool), {})
+    assert _tree_depths(forest).tolist() == [3, 0, 1]

@@ -64,10 +64,11 @@ int ep_f16_to_f32(const void *src, void *dst, int64_t n);
 int ep_f32_to_f16(const void *src, void *dst, int64_t n);
 void ep_tree_leaves(const void *x, int64_t rows, int64_t width, const void *feature, const void *threshold,
                     const void *mode, const void *true_next, const void *false_next, const void *missing_true,
-                    const void *roots, int64_t trees, void *leaves);
+                    const void *roots, const void *depths, int64_t trees, void *leaves, int threads);
 void ep_tree_sums(const void *x, int64_t rows, int64_t width, const void *feature, const void *threshold,
                   const void *mode, const void *true_next, const void *false_next, const void *missing_true,
-                  const void *roots, int64_t trees, const void *weights, int64_t targets, void *sums);
+                  const void *roots, const void *depths, int64_t trees, const void *weights, int64_t targets,
+                  void *sums, int threads);
 int ep_squeeze_excite(const void *x, void *y, int N, int C, int HW, const void *w1, const void *b1,
                       const void *w2, const void *b2, int R, unsigned gate, float alpha, float beta);
 """

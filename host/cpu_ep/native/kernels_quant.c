@@ -28,3 +28,5 @@ HOT void ep_quantize(const float *x, void *y, int64_t n, int op, float scale, fl
     default: QUANT_LOOP(uint16_t) break;
     }
 }
+
+#include "kernels_trees.c" /* tree ensembles: after kernels_gemm.c, whose pool shares their rows out */

@@ -29,4 +29,3 @@ HOT void ep_softmax(const float *x, float *y, int64_t rows, int n, int log_form)
     }
 }
 
-#include "kernels_trees.c" /* tree ensembles: kept beside kernels.c, which is at its length limit */

@@ -1,16 +1,23 @@
 /* Tree ensembles of ai.onnx.ml (host/cpu_ep/ops_ml_trees.py), #included at the end of
- * kernels_rows.c (so at the end of kernels.c) and hashed with it by build_info.
+ * kernels_quant.c (so at the end of kernels.c, after the pool of kernels_gemm.c) and hashed with it by
+ * build_info.
  *
  * ep_tree_leaves: the leaf each row reaches in each tree of a Forest (its flattened node table: per
  * node a feature, a float32 threshold, a mode code, the true and false next nodes, whether a missing
  * value goes the true way; leaves point to themselves). The same decisions as Forest._walk makes with
  * NumPy: comparisons in float32, NaN fails every comparison but NEQ, and goes the true way where the
  * node says so. Modes are ops_ml_trees.MODES' codes; the caller sends no BRANCH_MEMBER node (6) and
- * checked every feature id against the row width. Each (row, tree) is one walk down from the root,
- * which at one row replaces the NumPy path's dozen array operations per level. ep_tree_sums adds the
- * reached leaves' weights instead (SUM and AVERAGE over float32 weights). One walk waits on each
- * level's loads in turn, where NumPy's cursor walk overlaps those of thousands of cursors: the caller
- * sends batches up to _COMPILED_MAX_ROWS rows only. */
+ * checked every feature id against the row width. ep_tree_sums adds the reached leaves' weights instead
+ * (SUM and AVERAGE over float32 weights), tree after tree for each row (onnxruntime's order).
+ *
+ * One walk waits on each level's loads in turn; TREE_LANES rows walk a tree together, one step each in
+ * turn, so that their loads overlap (as NumPy's cursor walk overlaps those of thousands of cursors).
+ * Rows go in blocks of TREE_BLOCK: each block walks every tree (a tree's nodes stay in cache while its
+ * rows walk it; a forest's whole table, hundreds of KB, does not), and with `threads` > 1 the pool
+ * shares the blocks out. Every output is the one a single walk per (row, tree) computes. */
+
+#define TREE_LANES 8
+#define TREE_BLOCK 256
 
 enum { TREE_LEQ, TREE_LT, TREE_GTE, TREE_GT, TREE_EQ, TREE_NEQ, TREE_MEMBER, TREE_LEAF };
 
@@ -22,48 +29,98 @@ typedef struct {
     const uint8_t *missing_true;
 } TreeNodes;
 
+/* One step from interior node n (mode m) for the value v of the row. */
+INLINE int64_t tree_next(const TreeNodes *t, int64_t n, uint8_t m, float v) {
+    float th = t->threshold[n];
+    int go;
+    switch (m) {
+    case TREE_LEQ: go = v <= th; break;
+    case TREE_LT: go = v < th; break;
+    case TREE_GTE: go = v >= th; break;
+    case TREE_GT: go = v > th; break;
+    case TREE_EQ: go = v == th; break;
+    default: go = v != th; break; /* TREE_NEQ */
+    }
+    go |= t->missing_true[n] & (v != v);
+    /* both loaded and masked: a branch on `go` here is mispredicted half the time on real data */
+    int64_t yes = t->true_next[n], no = t->false_next[n];
+    return no + ((yes - no) & -(int64_t)go);
+}
+
 /* The leaf `row` reaches from node n. */
 INLINE int64_t tree_leaf(const TreeNodes *t, const float *row, int64_t n) {
-    for (;;) {
-        uint8_t m = t->mode[n];
-        if (m == TREE_LEAF) return n;
-        float v = row[t->feature[n]], th = t->threshold[n];
-        int go;
-        switch (m) {
-        case TREE_LEQ: go = v <= th; break;
-        case TREE_LT: go = v < th; break;
-        case TREE_GTE: go = v >= th; break;
-        case TREE_GT: go = v > th; break;
-        case TREE_EQ: go = v == th; break;
-        default: go = v != th; break; /* TREE_NEQ */
-        }
-        go |= t->missing_true[n] && v != v;
-        n = go ? t->true_next[n] : t->false_next[n];
+    for (uint8_t m; (m = t->mode[n]) != TREE_LEAF;) n = tree_next(t, n, m, row[t->feature[n]]);
+    return n;
+}
+
+/* leaf[r - r0] = the leaf rows r0..r1-1 reach from `root`, TREE_LANES rows at a time: `depth` steps each
+ * (the tree's depth), without a test per step (a leaf steps to itself). */
+static void tree_walk_rows(const TreeNodes *t, const float *x, int64_t width, int64_t r0, int64_t r1, int64_t root,
+                           int64_t depth, int64_t *leaf) {
+    int64_t r = r0;
+    for (; r + TREE_LANES <= r1; r += TREE_LANES) {
+        int64_t n[TREE_LANES];
+        const float *row = x + r * width;
+        for (int l = 0; l < TREE_LANES; l++) n[l] = root;
+        for (int64_t d = 0; d < depth; d++)
+            for (int l = 0; l < TREE_LANES; l++)
+                n[l] = tree_next(t, n[l], t->mode[n[l]], row[l * width + t->feature[n[l]]]);
+        for (int l = 0; l < TREE_LANES; l++) leaf[r + l - r0] = n[l];
     }
+    for (; r < r1; r++) leaf[r - r0] = tree_leaf(t, x + r * width, root);
+}
+
+typedef struct {
+    TreeNodes t;
+    const float *x;
+    int64_t rows, width, trees, targets;
+    const int64_t *roots, *depths;
+    const float *weights; /* NULL: leaves wanted */
+    int64_t *leaves;
+    float *sums;
+} TreeJob;
+
+static void tree_unit(const void *arg, int unit) {
+    const TreeJob *j = (const TreeJob *)arg;
+    int64_t r0 = (int64_t)unit * TREE_BLOCK, r1 = r0 + TREE_BLOCK < j->rows ? r0 + TREE_BLOCK : j->rows;
+    int64_t leaf[TREE_BLOCK];
+    if (j->weights)
+        for (int64_t q = r0 * j->targets; q < r1 * j->targets; q++) j->sums[q] = 0.0f;
+    for (int64_t i = 0; i < j->trees; i++) {
+        tree_walk_rows(&j->t, j->x, j->width, r0, r1, j->roots[i], j->depths[i], leaf);
+        if (!j->weights) {
+            for (int64_t r = r0; r < r1; r++) j->leaves[r * j->trees + i] = leaf[r - r0];
+            continue;
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const float *w = j->weights + leaf[r - r0] * j->targets;
+            float *out = j->sums + r * j->targets;
+            for (int64_t k = 0; k < j->targets; k++) out[k] += w[k];
+        }
+    }
+}
+
+static void tree_run(TreeJob *j, int threads) {
+    int units = (int)((j->rows + TREE_BLOCK - 1) / TREE_BLOCK);
+    pool_run(tree_unit, j, units, threads - 1);
 }
 
 void ep_tree_leaves(const float *x, int64_t rows, int64_t width, const int64_t *feature, const float *threshold,
                     const uint8_t *mode, const int64_t *true_next, const int64_t *false_next,
-                    const uint8_t *missing_true, const int64_t *roots, int64_t trees, int64_t *leaves) {
-    TreeNodes t = {feature, threshold, mode, true_next, false_next, missing_true};
-    /* tree after tree, every row through it: a tree's nodes stay in cache while the rows walk it (a
-     * forest's whole table, hundreds of KB, does not) */
-    for (int64_t i = 0; i < trees; i++)
-        for (int64_t r = 0; r < rows; r++) leaves[r * trees + i] = tree_leaf(&t, x + r * width, roots[i]);
+                    const uint8_t *missing_true, const int64_t *roots, const int64_t *depths, int64_t trees,
+                    int64_t *leaves, int threads) {
+    TreeJob j = {{feature, threshold, mode, true_next, false_next, missing_true}, x, rows, width, trees, 0, roots,
+                 depths, NULL, leaves, NULL};
+    tree_run(&j, threads);
 }
 
 /* sums[r, k] = the sum over trees of weights[leaf, k] (weights: nodes x targets, float32), added tree
  * after tree in float32 (onnxruntime's order) instead of the leaves. */
 void ep_tree_sums(const float *x, int64_t rows, int64_t width, const int64_t *feature, const float *threshold,
                   const uint8_t *mode, const int64_t *true_next, const int64_t *false_next,
-                  const uint8_t *missing_true, const int64_t *roots, int64_t trees, const float *weights,
-                  int64_t targets, float *sums) {
-    TreeNodes t = {feature, threshold, mode, true_next, false_next, missing_true};
-    for (int64_t j = 0; j < rows * targets; j++) sums[j] = 0.0f;
-    for (int64_t i = 0; i < trees; i++) /* tree-major, as ep_tree_leaves; each row's sum still goes tree by tree */
-        for (int64_t r = 0; r < rows; r++) {
-            const float *w = weights + tree_leaf(&t, x + r * width, roots[i]) * targets;
-            float *out = sums + r * targets;
-            for (int64_t k = 0; k < targets; k++) out[k] += w[k];
-        }
+                  const uint8_t *missing_true, const int64_t *roots, const int64_t *depths, int64_t trees,
+                  const float *weights, int64_t targets, float *sums, int threads) {
+    TreeJob j = {{feature, threshold, mode, true_next, false_next, missing_true}, x, rows, width, trees, targets,
+                 roots, depths, weights, NULL, sums};
+    tree_run(&j, threads);
 }
