@@ -33,6 +33,8 @@ _ROWS_PER_THREAD = 512
 
 def _threads(rows: int) -> int:
     """Threads for a compiled walk over `rows` rows: the run's bound (threads.POOLS), one per _ROWS_PER_THREAD."""
+    if rows < 2 * _ROWS_PER_THREAD:
+        return 1  # the common small batch: without asking the pools
     return max(1, min(threads.POOLS.share(), rows // _ROWS_PER_THREAD))
 
 
