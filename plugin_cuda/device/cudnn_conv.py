@@ -113,7 +113,8 @@ def math_type(dtype, use_tf32: bool) -> int:
 # Descriptors
 
 
-def _packed_strides(shape) -> list:
+def packed_strides(shape) -> list:
+    """Row-major strides of `shape` in elements."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -122,7 +123,7 @@ def _packed_strides(shape) -> list:
 
 
 def _destroy_all(lib, owned: list) -> None:
-    for destroy, desc in owned:
+    for destroy, desc in reversed(owned):  # the last made first: a graph's operations before their tensors
         try:
             getattr(lib, destroy)(desc)
         except Exception:  # noqa: BLE001 - a finalizer must not raise
@@ -130,8 +131,8 @@ def _destroy_all(lib, owned: list) -> None:
     owned.clear()
 
 
-class _Descriptors:
-    """The descriptors of one setup; destroyed with it."""
+class Descriptors:
+    """The descriptors of one setup (or one graph: cudnn_graph.py); destroyed with it."""
 
     def __init__(self, lib):
         self.lib = lib
@@ -148,7 +149,7 @@ class _Descriptors:
     def tensor(self, shape, dtype_code: int):
         desc = self._create("Tensor")
         dims = ffi.new("int[]", list(shape))
-        strides = ffi.new("int[]", _packed_strides(shape))
+        strides = ffi.new("int[]", packed_strides(shape))
         check(self.lib.cudnnSetTensorNdDescriptor(desc, dtype_code, len(shape), dims, strides),
               f"cudnnSetTensorNdDescriptor {tuple(shape)}")
         return desc
@@ -188,7 +189,7 @@ class ConvSetup:
         code = cudnn.data_type(dtype)
         self.math = math_type(dtype, use_tf32)
         self.strict = self.dtype.name == "float32" and not use_tf32
-        d = self.descriptors = _Descriptors(lib)
+        d = self.descriptors = Descriptors(lib)
         self.x = d.tensor(geo.x_shape, code)
         self.w = d.filter(geo.w_shape, code)
         self.y = d.tensor(geo.y_shape, code)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from plugin_cuda.device import cudnn
+from plugin_cuda.device import cudnn, cudnn_conv
 from plugin_cuda.device.cudnn import CudnnError, check, ffi
 
 __all__ = ["ConvGraph", "Epilogue", "build", "clear", "stats"]
@@ -75,28 +74,13 @@ class Epilogue:
     relu: bool = False
 
 
-def _destroy(lib, owned: list) -> None:
-    for desc in reversed(owned):
-        try:
-            lib.cudnnBackendDestroyDescriptor(desc)
-        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter exit, dead context)
-            pass
-    owned.clear()
-
-
-class Descriptors:
+class Descriptors(cudnn_conv.Descriptors):
     """Backend descriptors made, set and finalized together, destroyed with this object."""
-
-    def __init__(self, lib):
-        self.lib = lib
-        self._owned: list = []
-        self._finalizer = weakref.finalize(self, _destroy, lib, self._owned)
-        self._finalizer.atexit = False
 
     def make(self, kind: int):
         box = ffi.new("cudnnBackendDescriptor_t *")
         check(self.lib.cudnnBackendCreateDescriptor(kind, box), f"cudnnBackendCreateDescriptor({kind})")
-        self._owned.append(box[0])
+        self._owned.append(("cudnnBackendDestroyDescriptor", box[0]))
         return box[0]
 
     def set(self, desc, attr: int, kind: int, ctype: str, values) -> None:
@@ -112,19 +96,11 @@ class Descriptors:
         self._finalizer()
 
 
-def _packed_strides(shape) -> list:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return strides[::-1]
-
-
 def _tensor(d: Descriptors, uid: int, shape, code: int, virtual: bool = False):
     t = d.make(D_TENSOR)
     d.set(t, A_T_DATA_TYPE, T_DATA_TYPE, "int", [code])
     d.set(t, A_T_DIMS, T_INT64, "int64_t", shape)
-    d.set(t, A_T_STRIDES, T_INT64, "int64_t", _packed_strides(shape))
+    d.set(t, A_T_STRIDES, T_INT64, "int64_t", cudnn_conv.packed_strides(shape))
     d.set(t, A_T_UID, T_INT64, "int64_t", [uid])
     d.set(t, A_T_ALIGNMENT, T_INT64, "int64_t", [ALIGNMENT])
     if virtual:
