@@ -184,6 +184,9 @@ class _CompiledWalk:
         self.arrays += [] if self.weights is None else [self.weights]
         self.pointers = [native.ptr(a) for a in self.arrays]  # constant: made once, not per run
         self.trees = len(forest.roots)
+        # The constant middle of each call's arguments (the node table, roots, depths, tree count, weights)
+        self._table = (*self.pointers[:8], self.trees)
+        self._weights = () if self.weights is None else (self.pointers[8], self.weights.shape[1])
         self.width = int(forest.feature.max()) + 1 if forest.feature.size else 0
 
     @classmethod
@@ -199,10 +202,12 @@ class _CompiledWalk:
         lib = native.LIB
         if lib is None or x.dtype != np.float32 or x.shape[1] < self.width:
             return None
-        x = np.ascontiguousarray(x)
-        out = np.empty((x.shape[0], self.trees), dtype=np.int64)
-        lib.ep_tree_leaves(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:8], self.trees, native.ptr(out),
-                           _threads(x.shape[0]))
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        rows = x.shape[0]
+        out = np.empty((rows, self.trees), dtype=np.int64)
+        ptr = native.ptr
+        lib.ep_tree_leaves(ptr(x), rows, x.shape[1], *self._table, ptr(out), _threads(rows))
         return out
 
     def sums(self, x: np.ndarray) -> np.ndarray | None:
@@ -211,10 +216,12 @@ class _CompiledWalk:
         lib = native.LIB
         if lib is None or self.weights is None or x.dtype != np.float32 or x.shape[1] < self.width:
             return None
-        x = np.ascontiguousarray(x)
-        out = np.empty((x.shape[0], self.weights.shape[1]), dtype=np.float32)
-        lib.ep_tree_sums(native.ptr(x), x.shape[0], x.shape[1], *self.pointers[:8], self.trees, self.pointers[8],
-                         self.weights.shape[1], native.ptr(out), _threads(x.shape[0]))
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        rows = x.shape[0]
+        out = np.empty((rows, self._weights[1]), dtype=np.float32)
+        ptr = native.ptr
+        lib.ep_tree_sums(ptr(x), rows, x.shape[1], *self._table, *self._weights, ptr(out), _threads(rows))
         return out
 
 

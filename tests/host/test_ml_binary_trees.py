@@ -184,14 +184,30 @@ def test_regressor_probit_and_softmax_zero_match_onnxruntime(post):
 MODES = ["BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "mixed"]
 
 
-def _forest(mode: str):
+def _merged(parts: list) -> dict:
+    """The attributes of several _trees() forests as one, their tree ids renumbered in order."""
+    out = {k: [] for k in parts[0]}
+    offset = 0
+    for attrs in parts:
+        for k, v in attrs.items():
+            out[k] += [t + offset for t in v] if k in ("nodes_treeids", "target_treeids") else list(v)
+        offset += max(attrs["nodes_treeids"]) + 1
+    return out
+
+
+def _forest(mode: str, shallow_first: bool = False):
     """A 12-tree regressor's Forest (tests/host/test_ml_fast_paths.py's random trees, NaN directions
-    included); "mixed": every branch mode in one forest."""
+    included); "mixed": every branch mode in one forest. `shallow_first`: tree 0 is one split, the
+    others five levels deep (trees of unequal depth walking together)."""
     from onnx import helper
 
     from tests.host.test_ml_fast_paths import FEATURES, _trees
 
-    attrs = _trees("BRANCH_LEQ" if mode == "mixed" else mode, n_trees=12, depth=5, rng=np.random.RandomState(4))
+    kind, rng = "BRANCH_LEQ" if mode == "mixed" else mode, np.random.RandomState(4)
+    if shallow_first:
+        attrs = _merged([_trees(kind, n_trees=1, depth=1, rng=rng), _trees(kind, n_trees=11, depth=5, rng=rng)])
+    else:
+        attrs = _trees(kind, n_trees=12, depth=5, rng=rng)
     if mode == "mixed":
         pick = np.random.RandomState(5)
         attrs["nodes_modes"] = [m if m == "LEAF" else MODES[pick.randint(6)] for m in attrs["nodes_modes"]]
@@ -255,6 +271,24 @@ def test_compiled_tree_walk_on_two_threads_gives_the_one_thread_leaves_and_sums(
     np.testing.assert_array_equal(two[0], one[0])
     np.testing.assert_array_equal(two[1], one[1])
     np.testing.assert_array_equal(one[0], forest._numpy_leaves(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])
+def test_a_shallow_tree_leading_a_group_does_not_stop_the_deeper_ones(rows):
+    """Trees walk a small batch 8 at a time and rows walk a tree 8 at a time: each for the depth of
+    the deepest, a shallow tree first in its group included."""
+    from host.cpu_ep import native
+    from tests.host.test_ml_fast_paths import _inputs
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    _, _, forest = _forest("BRANCH_LEQ", shallow_first=True)
+    assert forest._compiled.arrays[7][0] == 1 and forest._compiled.arrays[7][1:].max() == 5  # the depths
+    x = _inputs(rows)
+    np.testing.assert_array_equal(forest._compiled.leaves(x), forest._numpy_leaves(x))
+    weights = forest.weights.astype(np.float32)
+    want = np.stack([weights[leaves].sum(axis=0, dtype=np.float32) for leaves in forest._numpy_leaves(x)])
+    np.testing.assert_allclose(forest._compiled.sums(x), want, rtol=1e-6, atol=1e-6)
 
 
 def test_tree_depths_count_the_longest_path_of_each_tree():

@@ -11,7 +11,8 @@
  * (SUM and AVERAGE over float32 weights), tree after tree for each row (onnxruntime's order).
  *
  * One walk waits on each level's loads in turn; TREE_LANES rows walk a tree together, one step each in
- * turn, so that their loads overlap (as NumPy's cursor walk overlaps those of thousands of cursors).
+ * turn, so that their loads overlap (as NumPy's cursor walk overlaps those of thousands of cursors); a
+ * batch of fewer rows has TREE_LANES trees walk each row together instead.
  * Rows go in blocks of TREE_BLOCK: each block walks every tree (a tree's nodes stay in cache while its
  * rows walk it; a forest's whole table, hundreds of KB, does not), and with `threads` > 1 the pool
  * shares the blocks out. Every output is the one a single walk per (row, tree) computes. */
@@ -80,12 +81,51 @@ typedef struct {
     float *sums;
 } TreeJob;
 
+/* The leaves or sums of row r: TREE_LANES trees walk it together (a batch too small for lanes of rows),
+ * each for its own tree's depth at most; the weights are still added tree after tree. */
+static void tree_row_by_tree_lanes(const TreeJob *j, int64_t r) {
+    const float *row = j->x + r * j->width;
+    float *out = j->weights ? j->sums + r * j->targets : NULL;
+    int64_t i = 0;
+    for (; i + TREE_LANES <= j->trees; i += TREE_LANES) {
+        int64_t n[TREE_LANES], depth = 0;
+        for (int l = 0; l < TREE_LANES; l++) {
+            n[l] = j->roots[i + l];
+            depth = j->depths[i + l] > depth ? j->depths[i + l] : depth;
+        }
+        for (int64_t d = 0; d < depth; d++) /* a lane past its tree's depth stays at its leaf */
+            for (int l = 0; l < TREE_LANES; l++)
+                n[l] = tree_next(&j->t, n[l], j->t.mode[n[l]], row[j->t.feature[n[l]]]);
+        for (int l = 0; l < TREE_LANES; l++) {
+            if (!out) {
+                j->leaves[r * j->trees + i + l] = n[l];
+                continue;
+            }
+            const float *w = j->weights + n[l] * j->targets;
+            for (int64_t k = 0; k < j->targets; k++) out[k] += w[k];
+        }
+    }
+    for (; i < j->trees; i++) {
+        int64_t n = tree_leaf(&j->t, row, j->roots[i]);
+        if (!out) {
+            j->leaves[r * j->trees + i] = n;
+            continue;
+        }
+        const float *w = j->weights + n * j->targets;
+        for (int64_t k = 0; k < j->targets; k++) out[k] += w[k];
+    }
+}
+
 static void tree_unit(const void *arg, int unit) {
     const TreeJob *j = (const TreeJob *)arg;
     int64_t r0 = (int64_t)unit * TREE_BLOCK, r1 = r0 + TREE_BLOCK < j->rows ? r0 + TREE_BLOCK : j->rows;
     int64_t leaf[TREE_BLOCK];
     if (j->weights)
         for (int64_t q = r0 * j->targets; q < r1 * j->targets; q++) j->sums[q] = 0.0f;
+    if (r1 - r0 < TREE_LANES) {
+        for (int64_t r = r0; r < r1; r++) tree_row_by_tree_lanes(j, r);
+        return;
+    }
     for (int64_t i = 0; i < j->trees; i++) {
         tree_walk_rows(&j->t, j->x, j->width, r0, r1, j->roots[i], j->depths[i], leaf);
         if (!j->weights) {
