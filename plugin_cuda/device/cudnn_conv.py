@@ -223,7 +223,8 @@ class ConvSetup:
 # Algorithm choice
 
 
-def _capturing(stream_ptr: int) -> bool:
+def capturing(stream_ptr: int) -> bool:
+    """Whether `stream_ptr` is capturing (True when it cannot be told: then nothing synchronises)."""
     try:
         return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
     except Exception:  # noqa: BLE001 - an old CuPy: assume it may be capturing (take the heuristic)
@@ -251,7 +252,7 @@ def _query(handle, s: ConvSetup, search: str):
            lib.cudnnGetConvolutionBackwardDataAlgorithmMaxCount)(raw, count), "cudnnGet*AlgorithmMaxCount")
     perfs = ffi.new(perf_t, max(count[0], 1))
     returned = ffi.new("int *")
-    if search == "EXHAUSTIVE" and not _capturing(handle.stream_ptr or 0):
+    if search == "EXHAUSTIVE" and not capturing(handle.stream_ptr or 0):
         try:
             _find(handle, s, count[0], returned, perfs)
             return _pick(perfs, returned[0], s.strict)

@@ -156,7 +156,6 @@ def operations(d: Descriptors, geo, dtype, epilogue: Epilogue) -> tuple:
     x = _tensor(d, UID_X, geo.x_shape, code)
     w = _tensor(d, UID_W, geo.w_shape, code)
     y = _tensor(d, UID_Y, geo.y_shape, code)
-    uids = [UID_X, UID_W, UID_Y]
     tail = [(PW_ADD, UID_BIAS, (1, geo.y_shape[1]) + (1,) * (len(geo.y_shape) - 2))] if epilogue.bias else []
     if epilogue.residual:
         tail.append((PW_ADD, UID_Z, geo.y_shape))
@@ -171,13 +170,10 @@ def operations(d: Descriptors, geo, dtype, epilogue: Epilogue) -> tuple:
     ops = [_conv_op(d, x, w, cur, _convolution(d, geo))]
     for i, (mode, uid, shape) in enumerate(tail):
         out = result(i == len(tail) - 1)
-        b = None
-        if uid is not None:
-            b = _tensor(d, uid, shape, code)
-            uids.append(uid)
+        b = None if uid is None else _tensor(d, uid, shape, code)
         ops.append(_pointwise(d, mode, cur, out, b))
         cur = out
-    return ops, tuple(uids)
+    return ops, _uids(epilogue)
 
 
 def _graph(d: Descriptors, handle_raw, ops):
@@ -279,17 +275,7 @@ class ConvGraph:
     def pack(self, pointers, workspace: int) -> Descriptors | None:
         """A variant pack binding `pointers` (one per uid) and the workspace, owned by the caller;
         None when an address is not aligned as promised (the caller runs the legacy calls)."""
-        if any(p % ALIGNMENT for p in pointers):
-            return None
-        d = Descriptors(self.lib)
-        vp = d.make(D_VARIANT_PACK)
-        d.set(vp, A_VP_UIDS, T_INT64, "int64_t", self.uids)
-        d.set(vp, A_VP_POINTERS, T_VOID_PTR, "void *", [ffi.cast("void *", p) for p in pointers])
-        d.set(vp, A_VP_WORKSPACE, T_VOID_PTR, "void *", [ffi.cast("void *", workspace)])
-        d.finalize(vp, "variant pack")
-        d.raw = vp
-        stats["packs"] += 1
-        return d
+        return variant_pack(self.lib, self.uids, pointers, workspace)
 
     def execute(self, handle_raw, pack: Descriptors) -> int:
         """The status of cudnnBackendExecute (0: launched on the handle's stream)."""
@@ -322,7 +308,9 @@ def _fastest(handle, found, geo, dtype, epilogue: Epilogue):
         plan = candidate[0]
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         try:
-            pack = _pack_for(handle.lib, plan, pointers, int(ws.data.ptr), epilogue)
+            pack = variant_pack(handle.lib, _uids(epilogue), pointers, int(ws.data.ptr))
+            if pack is None:  # CuPy's blocks are aligned: not expected
+                continue
             for i in range(4):
                 if i == 1:
                     start.record(stream)
@@ -337,6 +325,21 @@ def _fastest(handle, found, geo, dtype, epilogue: Epilogue):
     return best
 
 
+def variant_pack(lib, uids: tuple, pointers, workspace: int) -> Descriptors | None:
+    """The variant pack of ConvGraph.pack (its `raw` descriptor), or None for an unaligned address."""
+    if any(p % ALIGNMENT for p in pointers):
+        return None
+    d = Descriptors(lib)
+    vp = d.make(D_VARIANT_PACK)
+    d.set(vp, A_VP_UIDS, T_INT64, "int64_t", uids)
+    d.set(vp, A_VP_POINTERS, T_VOID_PTR, "void *", [ffi.cast("void *", p) for p in pointers])
+    d.set(vp, A_VP_WORKSPACE, T_VOID_PTR, "void *", [ffi.cast("void *", workspace)])
+    d.finalize(vp, "variant pack")
+    d.raw = vp
+    stats["packs"] += 1
+    return d
+
+
 def _uids(epilogue: Epilogue) -> tuple:
     uids = [UID_X, UID_W, UID_Y]
     if epilogue.bias:
@@ -344,23 +347,6 @@ def _uids(epilogue: Epilogue) -> tuple:
     if epilogue.residual:
         uids.append(UID_Z)
     return tuple(uids)
-
-
-def _pack_for(lib, plan, pointers, workspace: int, epilogue: Epilogue) -> Descriptors:
-    g = ConvGraph(Descriptors(lib), plan, 0, _uids(epilogue), epilogue)
-    pack = g.pack(pointers, workspace)
-    if pack is None:
-        raise CudnnError("scratch tensors are not aligned")
-    return pack
-
-
-def _capturing(stream_ptr: int) -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.runtime.streamIsCapturing(stream_ptr))
-    except Exception:  # noqa: BLE001 - cannot tell: do not synchronise
-        return True
 
 
 def make(handle, geo, dtype, epilogue: Epilogue, search: str | None = None) -> ConvGraph:
@@ -371,7 +357,7 @@ def make(handle, geo, dtype, epilogue: Epilogue, search: str | None = None) -> C
     d = Descriptors(lib)
     ops, uids = operations(d, geo, dtype, epilogue)
     graph = _graph(d, handle.raw, ops)
-    exhaustive = search == "EXHAUSTIVE" and not _capturing(handle.stream_ptr or 0)
+    exhaustive = search == "EXHAUSTIVE" and not cudnn_conv.capturing(handle.stream_ptr or 0)
     found = candidates(d, handle.raw, graph, dtype, handle.use_tf32, EXHAUSTIVE_CANDIDATES if exhaustive else 1)
     if not found:
         stats["refused"] += 1
