@@ -7,12 +7,16 @@ per-call argument packing beyond those pointers.
 
 Element types: every pointer has its value's C type (program.C_TYPES); float32 buffers are read
 and written directly, float16 / bfloat16 ones through `to_f` / `put` (semantics/half.py, in the
-module's prelude when the program has half values), so the arithmetic is float32 throughout.
+module's prelude when the program has half values), so the arithmetic is float32 throughout. A fused
+group's intermediate whose value is float16 / bfloat16 in the graph is rounded to that type where its
+node would have stored it (`round_intermediates`), so a plan gives the node-by-node graph's result;
+`EPHOST_PLAN_ROUND=0` keeps them in float32.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -20,7 +24,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.fuse import SMALL_GEMM_MAX_ROWS, Step
-from plugin_cuda.plan.program import C_TYPES, F32, Program, f32_literal, strides
+from plugin_cuda.plan.program import C_TYPES, F32, ROUNDINGS, Program, f32_literal, strides
 from plugin_cuda.plan.symint import SymInt
 from plugin_cuda.plan.templates import TILED_GEMM
 from plugin_cuda.semantics import GELU_CUDA
@@ -183,6 +187,25 @@ class _Body:
         return name
 
 
+def round_intermediates() -> bool:
+    """Whether fused half-precision intermediates are rounded to their type (EPHOST_PLAN_ROUND=0: no).
+
+    Rounding where each node would store its result keeps a plan's result that of the graph run node by
+    node, and close to a framework's eager run in the same type (PyTorch rounds every op's output); in
+    float32 the intermediates are more precise but drift from both.
+    """
+    return os.environ.get("EPHOST_PLAN_ROUND", "1") != "0"
+
+
+def rounded(prog: Program, vid: int, expr: str) -> str:
+    """`expr` (a float32 C expression computing value `vid`) rounded to the value's half type, if it has one
+    and round_intermediates()."""
+    dtype = prog.values[vid].dtype or F32
+    if dtype == F32 or not round_intermediates():
+        return expr
+    return ROUNDINGS[dtype].format(expr)
+
+
 def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: str | None) -> list:
     """Statements computing a group's members at flat index `i` and writing its exports.
 
@@ -191,7 +214,11 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
     lines = []
     var: dict = {}
     if group.head is not None:
-        var[group.head.outputs[0]] = first
+        head = group.head.outputs[0]
+        var[head] = first
+        if rounded(prog, head, first) != first:
+            lines.append(f"const float h0 = {rounded(prog, head, first)};")
+            var[head] = "h0"
     for k, leaf in enumerate(group.leaves):
         lit = _inline_scalar(prog, leaf)
         if lit is not None:
@@ -203,7 +230,7 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
         var[leaf] = f"a{k}"
     for k, m in enumerate(group.members):
         args = [var[v] for v in m.inputs]
-        lines.append(f"const float v{k} = {m.attrs['expr'].format(*args)};")
+        lines.append(f"const float v{k} = {rounded(prog, m.outputs[0], m.attrs['expr'].format(*args))};")
         var[m.outputs[0]] = f"v{k}"
     for v in group.exports:
         p = body.pointer(v, const=False)

@@ -6,7 +6,7 @@ import numpy as np
 
 from plugin_cuda.plan.errors import PlanError
 from plugin_cuda.plan.lowering import EPHOST_DOMAIN, attributes, broadcast, ew, lowers, present
-from plugin_cuda.plan.program import BF16, F16, F32, f32_literal, plan_dtype
+from plugin_cuda.plan.program import F32, ROUNDINGS, f32_literal, plan_dtype
 from plugin_cuda.semantics import shapes
 
 # ---------------------------------------------------------------------------------------------
@@ -117,11 +117,10 @@ def _clip(ctx, node):
 
 
 # Cast between the plan's float types: the value rounded to its own type, then to the target type.
-# Kernels keep a fused group's intermediates in float32, so without the roundings a half value cast
-# to float32 (or a float32 one cast to half, then read in the same kernel) would keep float32
-# precision; a store into a 16-bit buffer rounds the same way again, which changes nothing.
-# ep_round_* are codegen's (HALF_PRELUDE).
-ROUNDINGS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
+# With EPHOST_PLAN_ROUND=0 kernels keep a fused group's intermediates in float32, so without these
+# roundings a half value cast to float32 (or a float32 one cast to half, then read in the same kernel)
+# would keep float32 precision; a rounding repeated (codegen's, a store into a 16-bit buffer) changes
+# nothing.
 
 
 @lowers("Cast")

@@ -38,6 +38,9 @@ F32, F16, BF16 = np.dtype(np.float32), np.dtype(np.float16), BFLOAT16_DTYPE
 PLAN_DTYPES = {1: F32, 10: F16, 16: BF16}
 # The C type of a buffer of each dtype in generated kernels (plugin_cuda/semantics/half.py).
 C_TYPES = {F32: "float", F16: "half_bits", BF16: "bf16_bits"}
+# A float32 value rounded to each plan type, as a C expression template over {0} (ep_round_*: codegen's
+# HALF_PRELUDE).
+ROUNDINGS = {F32: "{0}", F16: "ep_round_f16({0})", BF16: "ep_round_bf16({0})"}
 
 
 def plan_dtype(elem_type) -> np.dtype | None:

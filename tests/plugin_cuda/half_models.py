@@ -116,3 +116,27 @@ def half_models() -> dict:
             out[f"{name}-{precision}"] = (lambda make=make, elem=elem: retyped(make(), elem))
         out[f"mixed-{precision}"] = (lambda elem=elem: mixed_model(elem))
     return out
+
+
+def fused_chain(elem: int) -> onnx.ModelProto:
+    """Y = (X * A + B) * C - X over half inputs: four nodes, one generated kernel, whose intermediates
+    the graph declares in the half type (A, B, C are row vectors, so none is inlined as a literal)."""
+    half = to_numpy(elem)
+    rng = np.random.default_rng(7)
+    nodes = [helper.make_node("Mul", ["X", "A"], ["xa"], name="mul"),
+             helper.make_node("Add", ["xa", "B"], ["xab"], name="add"),
+             helper.make_node("Mul", ["xab", "C"], ["xabc"], name="mul2"),
+             helper.make_node("Sub", ["xabc", "X"], ["Y"], name="sub")]
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 3, 16).astype(half), name) for name in "ABC"]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("X", elem, [8, 16])],
+                              [helper.make_tensor_value_info("Y", elem, [8, 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def node_by_node(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """fused_chain's result with every node's output rounded to the half type (float32 arithmetic)."""
+    half = x.dtype
+    a, b, c = (numpy_helper.to_array(t).astype(np.float32) for t in model.graph.initializer)
+    step = lambda v: v.astype(half).astype(np.float32)  # noqa: E731 - the rounding of one node's output
+    x32 = x.astype(np.float32)
+    return step(step(step(step(x32 * a) + b) * c) - x32).astype(half)

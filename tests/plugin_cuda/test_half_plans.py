@@ -25,7 +25,15 @@ from onnx import TensorProto
 
 from host.cli import zoo
 from tests.plugin_cuda.attention_models import attention_feeds
-from tests.plugin_cuda.half_models import FLOAT_MODELS, HALVES, gelu_mlp, mixed_model, retyped
+from tests.plugin_cuda.half_models import (
+    FLOAT_MODELS,
+    HALVES,
+    fused_chain,
+    gelu_mlp,
+    mixed_model,
+    node_by_node,
+    retyped,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
@@ -206,6 +214,21 @@ def check_session(name, precision, model32, model, feeds, genv, whole: bool, opt
 def test_half_session_runs_in_compiled_partitions(cp, genv, name, precision):
     model32, model = session_models(precision)[name]
     check_session(name, precision, model32, model, zoo.random_inputs(model32, seed=1), genv, whole=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fused_intermediates_round_as_the_nodes_would_on_the_gpu(cp, genv, precision):
+    """One generated kernel for four half nodes gives the node-by-node bits (nvcc would contract
+    x * a + b into one FMA without the rounding between them)."""
+    from host.runtime.session import InferenceSession
+
+    model = fused_chain(HALVES[precision])
+    x = np.random.default_rng(3).uniform(-4, 4, (8, 16)).astype(half_dtype(precision))
+    session = InferenceSession(model.SerializeToString(), providers=[(CUDA, {})], env=genv)
+    compiled, per_node = plan_counts(session)
+    assert compiled == 1 and per_node == []
+    (got,) = session.run(None, {"X": x})
+    np.testing.assert_array_equal(got.view(np.uint16), node_by_node(model, x).view(np.uint16))
 
 
 HF_MODELS = ["bert_torchscript", "llama_dynamo"]

@@ -28,7 +28,15 @@ from host.cli import zoo
 from plugin_cuda.plan import codegen, fuse, lower
 from plugin_cuda.plan.onnx_spec import spec_from_onnx
 from plugin_cuda.plan.program import BF16, F16, F32
-from tests.plugin_cuda.half_models import FLOAT_MODELS, HALVES, half_models, mixed_model, retyped
+from tests.plugin_cuda.half_models import (
+    FLOAT_MODELS,
+    HALVES,
+    fused_chain,
+    half_models,
+    mixed_model,
+    node_by_node,
+    retyped,
+)
 from tests.plugin_cuda.layout_models import CASES as LAYOUT_CASES
 from tests.plugin_cuda.layout_models import _model, feeds
 from tests.plugin_cuda.test_codegen_on_cpu import CPU_KINDS, SHIM
@@ -321,6 +329,25 @@ def test_casts_inside_a_kernel_round_like_numpy(elem, tmp_path):
     assert y.dtype == half and z.dtype == np.float32
     np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
     np.testing.assert_array_equal(z, want.astype(np.float32))
+
+
+@needs_gxx
+@pytest.mark.parametrize("elem", [FP16, BFLOAT16], ids=["fp16", "bf16"])
+def test_fused_half_intermediates_round_where_their_nodes_would(elem, tmp_path, monkeypatch):
+    """A plan gives the node-by-node graph's bits (issue 24's accuracy against PyTorch, which rounds
+    every op's output); EPHOST_PLAN_ROUND=0 keeps the intermediates in float32, and the bits differ."""
+    half = to_numpy(elem)
+    model = fused_chain(elem)
+    assert [s.kind for s in fuse.build_steps(lowered(model))] == ["ew"]
+    x = np.random.default_rng(3).uniform(-4, 4, (8, 16)).astype(half)
+    want = node_by_node(model, x)
+    (got,) = run_half_on_cpu(model, {"X": x}, tmp_path)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    monkeypatch.setenv("EPHOST_PLAN_ROUND", "0")
+    (tmp_path / "off").mkdir()  # a second module: the first one's library stays loaded under its name
+    (unrounded,) = run_half_on_cpu(model, {"X": x}, tmp_path / "off")
+    assert (unrounded.view(np.uint16) != want.view(np.uint16)).any()
+    assert _relative_error(unrounded.astype(np.float32), want.astype(np.float32)) <= HALF_TOL[elem]
 
 
 # ---------------------------------------------------------------------------------------------
