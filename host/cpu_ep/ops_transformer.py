@@ -82,6 +82,8 @@ class RMSNormalization(OpKernel):
         inv = np.sqrt(ms, out=ms)
         np.reciprocal(inv, out=inv)
         y = xc * inv
+        if y.dtype != x.dtype:  # the op's function body: the normalised value in X's type, then the scale
+            y = y.astype(x.dtype).astype(st)
         y *= scale
         return (y.astype(x.dtype, copy=False),)
 

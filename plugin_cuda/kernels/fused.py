@@ -109,6 +109,10 @@ __device__ __forceinline__ float activate(float v, int act) {
 """
 
 SOURCE = r"""
+// v rounded to T, where an op's function body computes in X's type (RMSNormalization's normalised
+// value, RotaryEmbedding's products): a no-op for float.
+__device__ __forceinline__ float in_t(float v) { T t; put(&t, 0, v); return to_f(t); }
+
 // One block per row. rms: RMSNormalization (no mean); otherwise LayerNormalization.
 extern "C" __global__ void ephost_norm(
     const T* __restrict__ x, const T* __restrict__ skip, const T* __restrict__ bias,
@@ -148,7 +152,9 @@ extern "C" __global__ void ephost_norm(
     float v = to_f(xr[j]);
     if (sr) v += to_f(sr[j]);
     if (bias) v += to_f(bias[j]);
-    float o = (v - mean) * rstd * to_f(gamma[j % gamma_n]);
+    float o = (v - mean) * rstd;
+    if (rms) o = in_t(o);  // RMSNormalization's function body: the normalised value in X's type
+    o *= to_f(gamma[j % gamma_n]);
     if (beta) o += to_f(beta[j % beta_n]);
     put(yr, j, o);
   }
@@ -194,7 +200,7 @@ extern "C" __global__ void ephost_rotary(
     }
     const i64 crow = pos ? pos[b * pos_bstride + s] : b * cache_bstride + s;
     const float c = to_f(cosc[crow * half + p]), sn = to_f(sinc[crow * half + p]);
-    put(y, i, first ? c * x1 - sn * x2 : sn * x1 + c * x2);
+    put(y, i, first ? in_t(c * x1) - in_t(sn * x2) : in_t(sn * x1) + in_t(c * x2));
   }
 }
 

@@ -441,10 +441,13 @@ def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
             f"  const {ctype(prog, x)}* xr = p0 + (long long)blockIdx.x * C;\n"
             f"  {ctype(prog, y)}* yr = {out} + (long long)blockIdx.x * C;\n")
     if op.attrs["kind"] == "rms":
+        # RMSNormalization's function body casts the normalised value to X's type before the scale
+        # (so does PyTorch's Llama RMSNorm): one rounding more than x * r * scale in half plans.
+        normalised = rounded(prog, x, f"{xc} * r")
         body = ("  float q = 0.0f;\n"
                 f"  for (int c = threadIdx.x; c < C; c += B) {{ const float v = {xc}; q += v * v; }}\n"
                 f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
-                f"  for (int c = threadIdx.x; c < C; c += B) {store(prog, y, 'yr', 'c', f'{xc} * r * {scale}')}\n")
+                f"  for (int c = threadIdx.x; c < C; c += B) {store(prog, y, 'yr', 'c', f'{normalised} * {scale}')}\n")
     else:
         affine = f" + {load(prog, op.inputs[2], 'p2[c]')}" if has_bias else ""
         body = ("  float s = 0.0f;\n"
@@ -521,11 +524,15 @@ def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     def x_at(ref: str) -> str:
         return load(prog, xv, f"p0[{ref}]")
 
+    def rotated(sign: str, other: str) -> str:
+        # RotaryEmbedding's function body multiplies in X's type: each product is rounded to it.
+        return f"{rounded(prog, y, 'x * c')} {sign} {rounded(prog, y, f'{x_at(other)} * s')}"
+
     if a["interleaved"]:
-        j, partner = "(d >> 1)", f"((d & 1) ? x * c + {x_at('i - 1')} * s : x * c - {x_at('i + 1')} * s)"
+        j, partner = "(d >> 1)", f"((d & 1) ? {rotated('+', 'i - 1')} : {rotated('-', 'i + 1')})"
     else:
         j = f"(d < {half} ? d : d - {half})"
-        partner = f"(d < {half} ? x * c - {x_at(f'i + {half}')} * s : x * c + {x_at(f'i - {half}')} * s)"
+        partner = f"(d < {half} ? {rotated('-', f'i + {half}')} : {rotated('+', f'i - {half}')})"
     body = (f"  const int d = i % {size}, t = (i / {row}) % {seq}, b = i / {per_batch};\n"
             f"  const float x = {x_at('i')};\n"
             f"  if (d >= {rot}) {{ {store(prog, y, 'p3', 'i', 'x')} return; }}\n"

@@ -231,6 +231,56 @@ def test_fused_intermediates_round_as_the_nodes_would_on_the_gpu(cp, genv, preci
     np.testing.assert_array_equal(got.view(np.uint16), node_by_node(model, x).view(np.uint16))
 
 
+def rms_model(elem: int, scale: np.ndarray) -> onnx.ModelProto:
+    node = onnx.helper.make_node("RMSNormalization", ["X", "S"], ["Y"], name="rms", epsilon=1e-5)
+    graph = onnx.helper.make_graph([node], "rms", [onnx.helper.make_tensor_value_info("X", elem, [32, 256])],
+                                   [onnx.helper.make_tensor_value_info("Y", elem, [32, 256])],
+                                   [onnx.numpy_helper.from_array(scale, "S")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 23)])
+
+
+@pytest.mark.parametrize("compiled_plan", ["1", "0"], ids=["plan", "per-node"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_rms_normalization_rounds_the_normalised_value(cp, genv, precision, compiled_plan):
+    """RMSNormalization's function body rounds x / rms to X's type before the scale, on both paths
+    (one rounding instead changes ~25% of the elements' bits)."""
+    from host.runtime.session import InferenceSession
+    from tests.host.test_cpu_ops_transformer import bits_differing, rms_function_body
+
+    rng = np.random.default_rng(5)
+    dtype = half_dtype(precision)
+    x = rng.standard_normal((32, 256)).astype(dtype)
+    scale = rng.uniform(0.5, 2, 256).astype(dtype)
+    model = rms_model(HALVES[precision], scale)
+    session = InferenceSession(model.SerializeToString(), providers=[(CUDA, {"compiled_plan": compiled_plan})],
+                               env=genv)
+    assert plan_counts(session) == ((1, []) if compiled_plan == "1" else (0, ["rms (RMSNormalization)"]))
+    (got,) = session.run(None, {"X": x})
+    assert got.dtype == dtype
+    assert bits_differing(got, rms_function_body(x, scale, 1e-5)) <= 0.01
+
+
+@pytest.mark.parametrize("compiled_plan", ["1", "0"], ids=["plan", "per-node"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_rotary_products_round_as_the_function_body_on_the_gpu(cp, genv, precision, compiled_plan):
+    """RotaryEmbedding multiplies in X's type (its function body): the reference evaluator's bits."""
+    from onnx.reference import ReferenceEvaluator
+
+    from host.runtime.session import InferenceSession
+    from tests.plugin_cuda.layout_models import CASES as LAYOUT_CASES
+    from tests.plugin_cuda.layout_models import feeds
+
+    dtype = half_dtype(precision)
+    model = retyped(LAYOUT_CASES["rotary-4d"](), HALVES[precision])
+    inputs = {k: v.astype(dtype) for k, v in feeds(model).items()}
+    (want,) = ReferenceEvaluator(model).run(None, inputs)
+    session = InferenceSession(model.SerializeToString(), providers=[(CUDA, {"compiled_plan": compiled_plan})],
+                               env=genv)
+    assert plan_counts(session)[0] == (1 if compiled_plan == "1" else 0)
+    (got,) = session.run(None, inputs)
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want, dtype).view(np.uint16))
+
+
 HF_MODELS = ["bert_torchscript", "llama_dynamo"]
 
 

@@ -350,6 +350,22 @@ def test_fused_half_intermediates_round_where_their_nodes_would(elem, tmp_path, 
     assert _relative_error(unrounded.astype(np.float32), want.astype(np.float32)) <= HALF_TOL[elem]
 
 
+@needs_gxx
+@pytest.mark.parametrize("case", ["rotary-4d", "rotary-4d-cache-batch1-interleaved", "rotary-4d-partial"])
+@pytest.mark.parametrize("elem", [FP16, BFLOAT16], ids=["fp16", "bf16"])
+def test_rotary_products_round_as_the_function_body(elem, case, tmp_path):
+    """RotaryEmbedding's function body multiplies in X's type: the plan's kernel gives the reference
+    evaluator's bits (NumPy half arithmetic rounds each product), not those of one rounding at the end."""
+    from onnx.reference import ReferenceEvaluator
+
+    half = to_numpy(elem)
+    model = retyped(LAYOUT_CASES[case](), elem)
+    inputs = {k: v.astype(half) for k, v in feeds(model).items()}
+    (want,) = ReferenceEvaluator(model).run(None, inputs)
+    (got,) = run_half_on_cpu(model, inputs, tmp_path)
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want, half).view(np.uint16))
+
+
 # ---------------------------------------------------------------------------------------------
 # Every generated CUDA C variant compiles (nvcc -ptx)
 
