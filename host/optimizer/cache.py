@@ -5,9 +5,15 @@ milliseconds to many seconds for a large export); a second session for the same 
 result back instead. One file per entry, under `$EPHOST_CACHE_DIR/optimized` (default
 `~/.cache/ephost/optimized`, docs/cli.md#start-up-time):
 
-    key   = sha256(fingerprint of the optimizer, level, serialized input model)
+    key   = sha256(fingerprint of the optimizer, level, model_digest(input model))
     entry = MAGIC | sha256 of the rest (32 bytes) | len(meta) (4 bytes) | meta (JSON: the report, counts,
-            opsets, sha256 of the model) | model
+            opsets, sha256 of the model, the shared weights) | model
+
+Weights are not stored twice: a large initializer of the optimized model that is byte for byte one of
+the source model's (most of them: the passes move weights, they seldom make new ones) is stored as a
+placeholder (its name, type and dims, no data) and listed in meta["shared"]; a hit fills it from the
+source model, which the key covers. So an entry for a BERT-sized model is kilobytes, not hundreds of
+megabytes, and neither writing nor reading it serialises or hashes the weights again.
 
 The fingerprint covers what changes the result besides the model and the level: ephost's optimizer
 sources, the onnx, onnxscript and onnx-ir installs, and this file format. Writes go to a temporary
@@ -43,7 +49,7 @@ CONFIG_KEY = "session.ephost.optimized_model_cache"
 BUDGET_ENV = "EPHOST_OPTIMIZED_CACHE_BYTES"
 DEFAULT_BUDGET = 512 << 20
 SUFFIX = ".onnxopt"
-MAGIC = b"EPHOST-OPTIMIZED\x02"
+MAGIC = b"EPHOST-OPTIMIZED\x03"
 _LENGTH = struct.Struct("<I")
 _DIGEST_SIZE = 32  # sha256
 _HERE = Path(__file__).resolve().parent
@@ -145,7 +151,7 @@ class OptimizedModelCache:
     def store(self, key: str, result: OptimizeResult, source: onnx.ModelProto) -> None:
         """Write the entry for `key` (atomically), then keep the folder within the budget. A folder that cannot
         be written only costs the next session the optimization again."""
-        data = _encode(result, unchanged=result.model is source)
+        data = _encode(result, unchanged=result.model is source, source=source)
         if len(data) > self.budget:
             return
         with _ignored_os_errors():
@@ -184,12 +190,58 @@ class OptimizedModelCache:
         _TOTALS[self.folder] = total
 
 
-def _encode(result: OptimizeResult, unchanged: bool) -> bytes:
-    model = b"" if unchanged else result.model.SerializeToString()
+# Initializers above this many bytes are shared with the source model when their bytes are the same.
+SHARED_MIN_BYTES = 4096
+
+
+def _shared_light(model: onnx.ModelProto, source: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """`model` with its large initializers that are byte for byte the source's replaced by placeholders
+    (type and dims only), and their names; `model` itself when there is none."""
+    by_name = {t.name: t for t in source.graph.initializer if len(t.raw_data) >= SHARED_MIN_BYTES}
+    shared = [t.name for t in model.graph.initializer if _same_weight(t, by_name.get(t.name))]
+    if not shared:
+        return model, []
+    from host.runtime.model import copy_fields
+
+    light = onnx.ModelProto()
+    copy_fields(model, light, skip=("graph",))
+    copy_fields(model.graph, light.graph, skip=("initializer",))
+    names = set(shared)
+    for t in model.graph.initializer:
+        if t.name in names:
+            light.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        else:
+            light.graph.initializer.append(t)
+    return light, shared
+
+
+def _same_weight(t: onnx.TensorProto, s: onnx.TensorProto | None) -> bool:
+    return (s is not None and len(t.raw_data) >= SHARED_MIN_BYTES and t.data_type == s.data_type
+            and t.dims == s.dims and t.raw_data == s.raw_data and t.data_location == s.data_location)
+
+
+def _fill_shared(model: onnx.ModelProto, shared: list, source: onnx.ModelProto) -> bool:
+    """Fill the placeholders named in `shared` from the source's initializers; False where one does not match."""
+    by_name = {t.name: t for t in source.graph.initializer}
+    names = set(shared)
+    for t in model.graph.initializer:
+        if t.name not in names:
+            continue
+        s = by_name.get(t.name)
+        if s is None or s.data_type != t.data_type or s.dims != t.dims or t.raw_data:
+            return False
+        t.CopyFrom(s)
+        names.discard(t.name)
+    return not names
+
+
+def _encode(result: OptimizeResult, unchanged: bool, source: onnx.ModelProto | None = None) -> bytes:
+    light, shared = (result.model, []) if unchanged or source is None else _shared_light(result.model, source)
+    model = b"" if unchanged else light.SerializeToString()
     meta = {
         "unchanged": unchanged, "sha256": hashlib.sha256(model).hexdigest(), "level": int(result.level),
         "nodes_before": result.nodes_before, "nodes_after": result.nodes_after,
-        "source_opsets": result.source_opsets,
+        "source_opsets": result.source_opsets, "shared": shared,
         "report": [vars(r) for r in result.report],
     }
     text = json.dumps(meta, sort_keys=True).encode()
@@ -202,25 +254,47 @@ def _decode(data: bytes, source: onnx.ModelProto, level: GraphOptimizationLevel)
     # The digest covers the metadata as well as the model: a changed byte in the report or the counts is
     # a miss, not a hit with a wrong report (tests/property/test_optimized_cache.py).
     head = len(MAGIC) + _DIGEST_SIZE
+    view = memoryview(data)
     if not data.startswith(MAGIC) or len(data) < head + _LENGTH.size \
-            or hashlib.sha256(data[head:]).digest() != data[len(MAGIC):head]:
+            or hashlib.sha256(view[head:]).digest() != data[len(MAGIC):head]:
         return None
-    data = data[head:]
+    body = view[head:]
     start = _LENGTH.size
-    (length,) = _LENGTH.unpack_from(data, 0)
+    (length,) = _LENGTH.unpack_from(body, 0)
     try:
-        meta = json.loads(data[start:start + length])
-        model_bytes = data[start + length:]
-        if len(data) < start + length or hashlib.sha256(model_bytes).hexdigest() != meta["sha256"]:
+        meta = json.loads(bytes(body[start:start + length]))
+        model_bytes = body[start + length:]
+        if len(body) < start + length or hashlib.sha256(model_bytes).hexdigest() != meta["sha256"]:
             return None
         if meta["level"] != int(level):
             return None
-        model = source if meta["unchanged"] else onnx.load_from_string(model_bytes)
+        if meta["unchanged"]:
+            model = source
+        else:
+            model = onnx.ModelProto()
+            model.ParseFromString(model_bytes)
+            if not _fill_shared(model, meta["shared"], source):
+                return None
         report = [PassReport(**r) for r in meta["report"]]
         return OptimizeResult(model, level, report, meta["nodes_before"], meta["nodes_after"],
                               {str(k): int(v) for k, v in meta["source_opsets"].items()})
     except Exception:  # noqa: BLE001 - any damage (bad JSON, fields, protobuf) makes it a miss
         return None
+
+
+def model_digest(proto: onnx.ModelProto) -> bytes:
+    """What identifies a model for the key: its deterministic serialisation without the large weights (typed
+    graph inputs stand for them), then each large weight's raw bytes as they are (no serialisation: a BERT-
+    sized model's would take half a second), each with its name, type, dims and length."""
+    from host.runtime.model import is_large, typed_inputs
+
+    h = hashlib.sha256(typed_inputs(proto).SerializeToString(deterministic=True))
+    for t in proto.graph.initializer:
+        if is_large(t):
+            data = t.raw_data if t.raw_data else t.SerializeToString(deterministic=True)
+            h.update(f"\0{t.name}\0{t.data_type}\0{list(t.dims)}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.digest()
 
 
 def optimize_cached(proto: onnx.ModelProto, level: GraphOptimizationLevel,
@@ -229,11 +303,11 @@ def optimize_cached(proto: onnx.ModelProto, level: GraphOptimizationLevel,
     """`optimize(proto, level)`, read from the cache when it holds the answer and written to it when
     not. A result that is None (the optimizer failed) or not cacheable is returned, not stored."""
     try:
-        model_bytes = proto.SerializeToString(deterministic=True)
-    except Exception:  # noqa: BLE001 - over protobuf's 2 GiB: optimized every time, as before
+        digest = model_digest(proto)
+    except Exception:  # noqa: BLE001 - over protobuf's 2 GiB without its weights: optimized every time
         return optimize(proto, level)
     cache = cache or OptimizedModelCache()
-    key = cache.key(model_bytes, level)
+    key = cache.key(digest, level)
     hit = cache.lookup(key, proto, level)
     if hit is not None:
         return hit

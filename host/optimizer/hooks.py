@@ -26,14 +26,15 @@ def _default_opset(proto: onnx.ModelProto) -> int | None:
 def _loadable(proto: onnx.ModelProto) -> bool:
     """Whether the session would accept the model as it is; others go through unchanged so the
     session's loader reports what is wrong with them, not the optimizer."""
-    from host.runtime.model import check_text
+    from host.runtime.model import check_text, check_weights, typed_inputs
 
     opset = _default_opset(proto)
     if opset is None or not MIN_OPSET <= opset <= MAX_OPSET:
         return False
     try:
         check_text(proto)  # a name that is not UTF-8 passes the checker but fails onnx-ir's serializer
-        onnx.checker.check_model(proto)
+        check_weights(proto.graph)
+        onnx.checker.check_model(typed_inputs(proto))  # without serialising the weights
     except Exception:  # noqa: BLE001 - the loader turns the same failure into a ModelError
         return False
     return True

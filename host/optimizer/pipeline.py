@@ -29,6 +29,7 @@ from host.optimizer.rules.casts import cast_rules
 from host.optimizer.rules.reshape_dims import reshape_dims_rules
 from host.optimizer.rules.views import view_rules
 from host.optimizer.subgraphs import eliminate_identities
+from host.runtime.model import initializers_back, typed_inputs
 from host.runtime.warn import warn_caller
 
 _LOCK = threading.Lock()
@@ -273,17 +274,22 @@ def _with_fresh_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     are static; onnxscript keeps those, and the fusions that compare dims then miss. ONNX shape
     inference with data propagation (what the session's loader runs) resolves them.
     """
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model)
+    # On a view without the large weights (typed inputs instead): inference never reads them, and
+    # would serialise them (seconds for a BERT-sized model); they are copied back once at the end.
+    light = typed_inputs(model)
+    if light is model:  # no large weights: a plain copy
+        light = onnx.ModelProto()
+        light.CopyFrom(model)
     # Kept: dims that are expressions over the inputs' symbols (the dynamo exporter's '2*s0', the
     # session's Range lengths): inference cannot find them again, and shape arithmetic needs them.
-    kept = [vi for vi in proto.graph.value_info if _symbolic_over_inputs(vi, model)]
-    del proto.graph.value_info[:]
-    proto.graph.value_info.extend(kept)
+    kept = [vi for vi in light.graph.value_info if _symbolic_over_inputs(vi, model)]
+    del light.graph.value_info[:]
+    light.graph.value_info.extend(kept)
     try:
-        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help here; the loader reports real errors
-        return proto
+        inferred = light
+    return initializers_back(inferred, model)
 
 
 def _symbolic_over_inputs(vi: onnx.ValueInfoProto, model: onnx.ModelProto) -> bool:

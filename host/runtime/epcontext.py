@@ -258,7 +258,7 @@ class SavedContexts:
                 saved.blob = None  # the EP keeps what it needs: the session does not hold the bytes too
         if not recompile:
             return graph, view
-        graph = build_graph(self._inlined(recompile), weights_checked=False)  # checked when it was saved
+        graph = build_graph(self._inlined(recompile))
         return graph, GraphView(graph)
 
     def _why_not_loaded(self, saved: SavedNode, ep, answers: dict[str, Compatibility]) -> str | None:

@@ -141,11 +141,11 @@ def check_text(proto: onnx.ModelProto) -> None:
             raise ModelError(f"model is not valid ONNX: a {what} is not UTF-8 text ({bytes(value)[:40]!r})")
 
 
-def build_graph(model, weights_checked: bool = True) -> Graph:
-    """The Graph of `model`. `weights_checked=False` (a context model: it was checked when it was
-    saved) runs ONNX's checker and shape inference with the large initializers as typed graph inputs
-    instead, so that neither serialises their data (`_typed_inputs`); their arrays still come from the
-    model."""
+def build_graph(model) -> Graph:
+    """The Graph of `model`. ONNX's checker and shape inference run with the large initializers as typed
+    graph inputs (`typed_inputs`), so that neither serialises their data (seconds for a BERT-sized
+    model); their value fields are checked here instead (`check_weights`), and their arrays come from
+    the model."""
     proto = load_model(model)
     check_text(proto)
     opsets = _check_opsets(proto)
@@ -156,7 +156,8 @@ def build_graph(model, weights_checked: bool = True) -> Graph:
         upgraded.CopyFrom(proto)
         upgraded.ir_version = 4
         proto = upgraded
-    checked = proto if weights_checked else _typed_inputs(proto)
+    check_weights(proto.graph)
+    checked = typed_inputs(proto)
     try:
         onnx.checker.check_model(checked)
     except onnx.checker.ValidationError as exc:
@@ -168,7 +169,7 @@ def build_graph(model, weights_checked: bool = True) -> Graph:
     except Exception as exc:  # noqa: BLE001 - inference errors are model errors
         raise ModelError(f"shape inference failed: {exc}") from exc
     if checked is not proto:
-        inferred = _initializers_back(inferred, proto)
+        inferred = initializers_back(inferred, proto)
     for what, vis in (("graph input", inferred.graph.input), ("graph output", inferred.graph.output)):
         for vi in vis:
             types.check_io_type(vi.name, vi.type, what)
@@ -178,29 +179,47 @@ def build_graph(model, weights_checked: bool = True) -> Graph:
 _LARGE_ELEMENTS = 1024  # shape inference reads the data of small initializers only (Reshape's shape...)
 
 
-def _large(t: onnx.TensorProto) -> bool:
+def is_large(t: onnx.TensorProto) -> bool:
     return int(np.prod(t.dims, dtype=np.int64)) > _LARGE_ELEMENTS
 
 
-def _typed_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
+# The fields of a TensorProto that hold its values: the checker wants exactly one of them set (or external data).
+_VALUE_FIELDS = frozenset({"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
+                           "uint64_data"})
+
+
+def check_weights(g: onnx.GraphProto) -> None:
+    """What ONNX's checker says of a large initializer that `typed_inputs` leaves out of its view: one value
+    field, or external data (sizes against dims and types are checked when the arrays are read)."""
+    for t in g.initializer:
+        if not is_large(t):
+            continue
+        fields = [fd.name for fd, _ in t.ListFields() if fd.name in _VALUE_FIELDS]
+        external = t.data_location == onnx.TensorProto.EXTERNAL
+        if len(fields) + external != 1:
+            raise ModelError(f"model is not valid ONNX: TensorProto (tensor name: {t.name}) should contain one and "
+                             f"only one value field; it has {fields or 'none'}{' and external data' if external else ''}")
+
+
+def typed_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `proto` whose large initializers are graph inputs of their type and shape (no data);
     `proto` itself when it has none. Those that are graph inputs already are simply left out."""
     g = proto.graph
-    large = [t for t in g.initializer if _large(t)]
+    large = [t for t in g.initializer if is_large(t)]
     if not large:
         return proto
     light = onnx.ModelProto()
     copy_fields(proto, light, skip=("graph",))
     copy_fields(g, light.graph, skip=("initializer",))
-    light.graph.initializer.extend(t for t in g.initializer if not _large(t))
+    light.graph.initializer.extend(t for t in g.initializer if not is_large(t))
     listed = {vi.name for vi in g.input}
     light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                              for t in large if t.name not in listed)
     return light
 
 
-def _initializers_back(inferred: onnx.ModelProto, proto: onnx.ModelProto) -> onnx.ModelProto:
-    """`inferred` (shape inference's answer for `_typed_inputs(proto)`) with `proto`'s graph inputs and
+def initializers_back(inferred: onnx.ModelProto, proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`inferred` (shape inference's answer for `typed_inputs(proto)`) with `proto`'s graph inputs and
     initializers again (copies of the data, not serialisations)."""
     out = onnx.ModelProto()
     copy_fields(inferred, out, skip=("graph",))

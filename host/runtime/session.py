@@ -164,7 +164,7 @@ class InferenceSession:
         stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
             model = self._optimized(path_or_bytes)
-            self.graph = build_graph(model, weights_checked=self.contexts is None)  # a context model's were
+            self.graph = build_graph(model)
         self.env.track_session(self)  # env.close() closes it first; refused when the env is closed
         try:
             self._provider_list = _parse_providers(

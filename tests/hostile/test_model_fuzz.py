@@ -109,6 +109,26 @@ def test_name_that_is_not_utf8():
         InferenceSession(bytes(raw), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.parametrize("fields", [("raw_data", "float_data"), ()], ids=["two", "none"])
+def test_a_large_weight_needs_exactly_one_value_field(fields):
+    """The checker sees large weights as typed inputs (so it does not serialise them); their value fields are
+    checked apart, with the checker's words."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "W")
+    if "float_data" in fields:
+        w.float_data.extend([1.0])
+    if not fields:
+        w.ClearField("raw_data")
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 64])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelError, match=r"^model is not valid ONNX: TensorProto \(tensor name: W\) should contain "
+                                         r"one and only one value field; it has "):
+        InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
 ELEM_TYPES = st.sampled_from([0, 2, 6, 7, 8, 9, 10, 11, 16, 17, 21, 99, 1000])
 
 

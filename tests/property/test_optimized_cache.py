@@ -254,7 +254,7 @@ def test_an_entry_that_cannot_be_written_is_skipped_cleanly():
     the temporary file is removed, and the next opening optimizes again."""
     with tempfile.TemporaryDirectory() as tmp:
         cache = oc.OptimizedModelCache(Path(tmp), budget_bytes=1 << 30)
-        cache.path(cache.key(MODELS[0].SerializeToString(deterministic=True), LEVELS[0])).mkdir()
+        cache.path(cache.key(oc.model_digest(MODELS[0]), LEVELS[0])).mkdir()
         calls = []
 
         def optimize(proto, level):

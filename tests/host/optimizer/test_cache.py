@@ -103,6 +103,65 @@ def test_a_changed_model_or_level_misses(cache_dir, optimizer_calls):
     assert len(optimizer_calls) == 3
 
 
+def _meta(entry) -> dict:
+    import json
+
+    data = entry.read_bytes()
+    body = data[len(cache.MAGIC) + 32:]
+    (length,) = cache._LENGTH.unpack_from(body, 0)
+    return json.loads(body[4:4 + length])
+
+
+def test_weights_the_optimizer_kept_are_not_stored_twice(cache_dir, optimizer_calls):
+    """An entry holds placeholders for the large weights that are the source's bytes (a hit fills them from
+    the source); weights the passes made are stored whole. The hit is the uncached model, byte for byte."""
+    model = zoo.transformer_block(seq=8, hidden=64, heads=4, ffn=256)
+    weights = {t.name: t.raw_data for t in model.graph.initializer if len(t.raw_data) >= cache.SHARED_MIN_BYTES}
+    uncached = InferenceSession(model.SerializeToString(), _options(cached="0"))
+    InferenceSession(model.SerializeToString(), _options())
+    (entry,) = _entries(cache_dir)
+    data = entry.read_bytes()
+    kept = {t.name: t.raw_data for t in uncached.optimization.model.graph.initializer}
+    shared = [n for n, raw in weights.items() if kept.get(n) == raw]
+    assert shared and sorted(_meta(entry)["shared"]) == sorted(shared)
+    assert all(weights[n] not in data for n in shared)
+    made = [raw for n, raw in kept.items() if len(raw) >= cache.SHARED_MIN_BYTES and n not in shared]
+    assert all(raw in data for raw in made)  # a weight the optimizer made (none or some) is in the entry
+    assert len(data) < sum(len(weights[n]) for n in shared) // 4
+    second = InferenceSession(model.SerializeToString(), _options())
+    assert len(optimizer_calls) == 2
+    assert second.optimization.model.SerializeToString() == uncached.optimization.model.SerializeToString()
+
+
+def test_an_entry_whose_source_lacks_a_shared_weight_is_a_miss(cache_dir):
+    model = zoo.transformer_block(seq=8, hidden=64, heads=4, ffn=256)
+    InferenceSession(model.SerializeToString(), _options())
+    (entry,) = _entries(cache_dir)
+    assert cache._decode(entry.read_bytes(), model, ALL) is not None
+    name = _meta(entry)["shared"][0]
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    (t,) = [t for t in other.graph.initializer if t.name == name]
+    other.graph.initializer.remove(t)
+    assert cache._decode(entry.read_bytes(), other, ALL) is None
+
+
+def test_the_model_digest_reads_every_byte_of_the_weights():
+    model = zoo.transformer_block(seq=8, hidden=64, heads=4, ffn=256)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    assert cache.model_digest(copy) == cache.model_digest(model)
+    (big,) = [t for t in copy.graph.initializer if len(t.raw_data) >= 16384][:1]
+    raw = bytearray(big.raw_data)
+    raw[len(raw) // 2] ^= 1
+    big.raw_data = bytes(raw)
+    assert cache.model_digest(copy) != cache.model_digest(model)
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    renamed.graph.node[0].name = "another"
+    assert cache.model_digest(renamed) != cache.model_digest(model)
+
+
 def test_the_key_covers_the_optimizer_fingerprint(monkeypatch):
     data = _block().SerializeToString()
     before = cache.OptimizedModelCache.key(data, ALL)
