@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+from onnx import external_data_helper
 
 import abi
 from host.errors import EpError, InvalidArgument, ModelError
@@ -167,6 +168,22 @@ def _text(node: onnx.NodeProto, name: str) -> str:
     return _attr(node, name, b"").decode("utf-8", "replace")
 
 
+def main_graph_reads(g: onnx.GraphProto) -> set[str]:
+    """What the graph's own nodes (their control-flow bodies included; an EPContext node's only graph is its
+    kept subgraph, left out), inputs and outputs read."""
+    read = {v.name for v in (*g.input, *g.output)}
+    for n in g.node:
+        read.update(n.input)
+        if not is_context_node(n):
+            read.update(outer_names(n))
+    return read
+
+
+def kept_weights_file(model_path: Path) -> Path:
+    """Where a context model keeps the weights only its kept subgraphs read (ONNX external data)."""
+    return model_path.with_name(f"{model_path.stem}.weights")
+
+
 def unread_initializers_dropped(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` without the initializers that no node, graph input or graph output reads (a copy; `proto`
     itself when there are none). In a context model these are the weights of the compiled partitions:
@@ -174,8 +191,7 @@ def unread_initializers_dropped(proto: onnx.ModelProto) -> onnx.ModelProto:
     checker and shape inference do not serialise them and GetCapability does not hand them to the
     EPs (the kept subgraphs are compiled from the full model when a context is refused)."""
     g = proto.graph
-    read = {name for n in g.node for name in (*n.input, *outer_names(n))}
-    read.update(v.name for v in (*g.input, *g.output))
+    read = main_graph_reads(g)
     if all(t.name in read for t in g.initializer):
         return proto
     lean = onnx.ModelProto()
@@ -205,14 +221,19 @@ class SavedContexts:
     nodes: dict[str, SavedNode]
     compatibility: dict[str, str]         # EP name -> saved compatibility string
     ready: dict[str, compiled.CompiledPartition] = field(default_factory=dict)
+    base: Path | None = None              # the model's folder (external weights and context files)
 
     @classmethod
     def split(cls, model) -> tuple[onnx.ModelProto, SavedContexts | None]:
-        """The loaded model, and its contexts when it holds EPContext nodes (None otherwise)."""
-        proto = load_model(model)
-        if not any(is_context_node(n) for n in proto.graph.node):
-            return proto, None
+        """The loaded model, and its contexts when it holds EPContext nodes (None otherwise). External
+        tensors are read for a plain model; a context model's stay unread until a kept subgraph is compiled
+        again (its saver puts there the weights only the kept subgraphs read: kept_weights_file)."""
         base = Path(model).parent if isinstance(model, (str, Path)) else None
+        proto = load_model(model, external_data=False)
+        if not any(is_context_node(n) for n in proto.graph.node):
+            if base is not None:  # as onnx.load would have (every tensor, subgraphs' and attributes' too)
+                _load_external(proto, base, "the model's external tensors")
+            return proto, None
         light = proto
         if proto is model:  # the caller's ModelProto is not ours to change (a loaded one is: no copy of the weights)
             light = onnx.ModelProto()
@@ -225,7 +246,10 @@ class SavedContexts:
                 kept = [a for a in node.attribute if a.name not in STRIPPED]
                 del node.attribute[:]
                 node.attribute.extend(kept)
-        return unread_initializers_dropped(light), cls(light, nodes, compatibility_strings(light))
+        lean = unread_initializers_dropped(light)
+        if _has_external(lean):  # external tensors the graph reads (the saver keeps none there)
+            _load_external(lean, base, "the external tensors the graph reads")
+        return lean, cls(light, nodes, compatibility_strings(light), base=base)
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
         """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
@@ -317,6 +341,9 @@ class SavedContexts:
                 nodes.append(node)
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
+        if _has_external(proto):
+            _load_external(proto, self.base, f"the weights of {', '.join(repr(n) for n in names)}, to compile "
+                                             "them again")
         return proto
 
     def partitions(self, graph: Graph) -> list[compiled.CompiledPartition]:
@@ -327,6 +354,27 @@ class SavedContexts:
             part.group = dataclasses.replace(part.group, nodes=(index[name],))
             parts.append(part)
         return parts
+
+
+def _has_external(proto: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+
+
+def _load_external(proto: onnx.ModelProto, base: Path | None, what: str) -> None:
+    """Read `proto`'s external tensors from the files beside the model (in place); a typed error when the
+    model was not given as a path or a file cannot be read."""
+    files = sorted({d.value for t in external_data_helper._get_all_tensors(proto)
+                    if t.data_location == onnx.TensorProto.EXTERNAL for d in t.external_data if d.key == "location"})
+    if not files:
+        return
+    if base is None:
+        raise ModelError(f"{what} are in {files} beside the model, and the model was not given as a path; "
+                           "expected a model path (the files are found beside it)")
+    try:
+        external_data_helper.load_external_data_for_model(proto, str(base))
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+        raise ModelError(f"{what}: cannot read {files} in '{base}' ({exc}); expected the files written "
+                           "beside the model") from None
 
 
 def current_compatibility(ep, graph_ptr=ffi.NULL) -> str | None:

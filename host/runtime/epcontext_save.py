@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import onnx
-from onnx import helper
+from onnx import external_data_helper, helper
 
 from host.errors import EpError, InvalidArgument
 from host.plugins import hostapi
@@ -28,6 +28,8 @@ from host.runtime.epcontext import (
     SOURCE_HASH_KEY,
     ContextOptions,
     current_compatibility,
+    kept_weights_file,
+    main_graph_reads,
     source_hash,
 )
 from host.runtime.warn import warn_caller
@@ -48,11 +50,34 @@ def save_if_enabled(session, source) -> Path | None:
     proto.metadata_props.add(key=SOURCE_HASH_KEY, value=source_hash(source))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _kept_weights_apart(proto, path)
         onnx.save(proto, str(path))
     except OSError as exc:
         raise InvalidArgument(f"ep.context_file_path '{path}': cannot write the "
                               f"context model ({exc.strerror or exc}); expected a writable file path") from exc
     return path
+
+
+KEPT_WEIGHTS_MIN_BYTES = 4096  # smaller weights stay in the model
+_ALIGN = 64
+
+
+def _kept_weights_apart(proto: onnx.ModelProto, path: Path) -> None:
+    """Move the weights that only the kept subgraphs read into kept_weights_file(path), as ONNX external
+    data (64-byte aligned): a session from the context model never reads them unless it compiles a kept
+    subgraph again, so loading the model parses the contexts and the graph's own weights only."""
+    read = main_graph_reads(proto.graph)
+    apart = [t for t in proto.graph.initializer if t.name not in read and len(t.raw_data) >= KEPT_WEIGHTS_MIN_BYTES]
+    if not apart:
+        return
+    file = kept_weights_file(path)
+    with open(file, "wb") as f:
+        for t in apart:
+            f.write(b"\0" * (-f.tell() % _ALIGN))
+            offset = f.tell()
+            f.write(t.raw_data)
+            external_data_helper.set_external_data(t, file.name, offset, len(t.raw_data))
+            t.ClearField("raw_data")
 
 
 def _target(opts: ContextOptions, source) -> Path:

@@ -60,8 +60,9 @@ def _meta(vi: onnx.ValueInfoProto) -> ValueMeta:
     return ValueMeta(vi.name, t.elem_type, shape)
 
 
-def load_model(model) -> onnx.ModelProto:
-    """A ModelProto from a path, bytes or a ModelProto; parser errors carry the path."""
+def load_model(model, external_data: bool = True) -> onnx.ModelProto:
+    """A ModelProto from a path, bytes or a ModelProto; parser errors carry the path. `external_data=False`
+    leaves a file's external tensors unread (references to their files)."""
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, (bytes, bytearray)):
@@ -77,7 +78,7 @@ def load_model(model) -> onnx.ModelProto:
         if not path.is_file():
             raise NoSuchFile(f"model file '{path}' does not exist")
         try:
-            proto = onnx.load(str(path))
+            proto = onnx.load(str(path), load_external_data=external_data)
         except Exception as exc:  # noqa: BLE001
             raise ModelError(f"model file '{path}' could not be parsed: {exc}") from exc
         return _with_graph(proto, f"Load model from {path} failed: ", path.stat().st_size)

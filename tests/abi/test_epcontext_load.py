@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import abi
+from host.errors import ModelError
 from host.plugins.environment import Environment
 from host.runtime import epcontext
 from host.runtime.session import InferenceSession
@@ -63,6 +64,77 @@ def test_a_refused_context_compiles_with_the_weights_of_the_full_model(env7, sou
         assert "w" in s.graph.initializers
         x = x_input(4)
         np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6)
+
+
+WIDE = 2048  # 'w' of 8 KiB: over epcontext_save.KEPT_WEIGHTS_MIN_BYTES
+
+
+@pytest.fixture
+def wide(tmp_path):
+    model = chain_model(OPS, shape=(2, WIDE))
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    return model, path
+
+
+def _x_wide(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, WIDE)).astype(np.float32)
+
+
+def _prefer_recompilation(ctx_path) -> None:
+    """The saved compatibility string of an older plugin, the external weights left where they are."""
+    proto = onnx.load(str(ctx_path), load_external_data=False)
+    for p in proto.metadata_props:
+        if p.key == "ep_compatibility_info.ExampleEP":
+            p.value = f"{EP};plugin=0.9.0;abi={V};format=1;device=example-cpu"
+    onnx.save(proto, str(ctx_path))
+
+
+def test_weights_only_the_kept_subgraphs_read_go_to_a_file_beside_the_model(env7, wide):
+    """The context model holds them as ONNX external data (the example plugin's own context keeps its copy);
+    a session whose contexts serve never reads the file."""
+    model, path = wide
+    ctx_path, _ = save(env7, path)
+    raw = np.linspace(-1, 1, WIDE, dtype=np.float32).tobytes()
+    weights = epcontext.kept_weights_file(ctx_path)
+    assert weights.name == "model_ctx.weights" and raw in weights.read_bytes()
+    (w,) = [t for t in onnx.load(str(ctx_path), load_external_data=False).graph.initializer if t.name == "w"]
+    assert w.data_location == TensorProto.EXTERNAL
+    weights.rename(weights.with_suffix(".gone"))
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 2
+        x = _x_wide(5)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_refused_context_reads_the_kept_weights_from_their_file(env7, wide):
+    model, path = wide
+    ctx_path, _ = save(env7, path)
+    _prefer_recompilation(ctx_path)
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert (s.fallbacks["context_loaded"], s.fallbacks["context_recompiled"]) == (0, 2)
+        x = _x_wide(6)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ModelError, match=r"to compile them again are in \['model_ctx.weights'\] beside the model, "
+                                         r"and the model was not given as a path"):
+        InferenceSession(ctx_path.read_bytes(), providers=[(EP, EP_OPTIONS)], env=env7)
+    epcontext.kept_weights_file(ctx_path).unlink()
+    with pytest.raises(ModelError, match=r"to compile them again: cannot read \['model_ctx.weights'\]"):
+        InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7)
+
+
+def test_a_plain_model_with_external_data_still_loads_it(env7, tmp_path):
+    model = chain_model(OPS, shape=(2, WIDE))
+    path = tmp_path / "plain.onnx"
+    onnx.save(chain_model(OPS, shape=(2, WIDE)), str(path), save_as_external_data=True, location="plain.data",
+              size_threshold=1024)
+    assert (tmp_path / "plain.data").is_file()
+    with InferenceSession(str(path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        x = _x_wide(7)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], _reference(model, x), rtol=1e-6, atol=1e-6)
+    (tmp_path / "plain.data").unlink()
+    with pytest.raises(ModelError, match=r"the model's external tensors: cannot read \['plain.data'\]"):
+        InferenceSession(str(path), providers=[(EP, EP_OPTIONS)], env=env7)
 
 
 def _model_with_initializers() -> onnx.ModelProto:
