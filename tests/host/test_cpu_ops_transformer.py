@@ -90,19 +90,60 @@ def bits_differing(got: np.ndarray, want: np.ndarray) -> float:
     return float((got.view(np.uint16) != want.view(np.uint16)).mean())
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rms_normalization_rounds_the_normalised_value_in_half_types(dtype):
-    """The function body's two roundings (one rounding instead, x * r * scale, differs on ~25% of the
-    elements; the statistics' summation order on well under 1%)."""
+def _half(dtype: str) -> np.dtype:
     import ml_dtypes
 
-    half = np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16) if dtype == "float16" else np.dtype(ml_dtypes.bfloat16)
+
+
+def _one_node_session(op: str, inputs: dict, elem: int, **attrs) -> InferenceSession:
+    node = helper.make_node(op, list(inputs), ["y"], name=op.lower(), **attrs)
+    shape = list(next(iter(inputs.values())).shape)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, elem, list(v.shape))
+                                            for k, v in inputs.items()],
+                              [helper.make_tensor_value_info("y", elem, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    return InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+HALF_ELEM = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rms_normalization_rounds_the_normalised_value_in_half_types(dtype):
+    """In a session (the kernel runs on float32 copies of the half inputs, host/cpu_ep/half.py) and on half
+    arrays: the function body's two roundings (one rounding instead, x * r * scale, differs on ~25% of the
+    elements; the statistics' summation order on well under 1%)."""
+    half = _half(dtype)
     x = rng.standard_normal((32, 256)).astype(half)
     scale = rng.uniform(0.5, 2, 256).astype(half)
+    want = rms_function_body(x, scale, 1e-5)
+    (got,) = _one_node_session("RMSNormalization", {"x": x, "scale": scale}, HALF_ELEM[dtype],
+                               epsilon=1e-5).run(None, {"x": x, "scale": scale})
+    assert got.dtype == half and bits_differing(got, want) <= 0.01
     node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], name="rms", epsilon=1e-5)
-    (got,) = create_kernel(node_info(node, 23)).run(x, scale)
+    (direct,) = create_kernel(node_info(node, 23)).run(x, scale)
+    assert direct.dtype == half and bits_differing(direct, want) <= 0.01
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rotary_embedding_rounds_each_product_in_half_types(dtype, interleaved):
+    """RotaryEmbedding's function body multiplies in X's type: the reference evaluator's bits."""
+    from onnx.reference import ReferenceEvaluator
+
+    half = _half(dtype)
+    feeds = {"x": rng.standard_normal((2, 3, 5, 8)).astype(half), "cos": rng.uniform(-1, 1, (2, 5, 4)).astype(half),
+             "sin": rng.uniform(-1, 1, (2, 5, 4)).astype(half)}
+    session = _one_node_session("RotaryEmbedding", feeds, HALF_ELEM[dtype], interleaved=interleaved)
+    (got,) = session.run(None, feeds)
+    node = helper.make_node("RotaryEmbedding", list(feeds), ["y"], interleaved=interleaved)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, HALF_ELEM[dtype], list(v.shape))
+                                            for k, v in feeds.items()],
+                              [helper.make_tensor_value_info("y", HALF_ELEM[dtype], [2, 3, 5, 8])])
+    (want,) = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])).run(None, feeds)
     assert got.dtype == half
-    assert bits_differing(got, rms_function_body(x, scale, 1e-5)) <= 0.01
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want, half).view(np.uint16))
 
 
 # -- the ai.ephost fused ops, against their definitions written in NumPy ------------------------------------
