@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 
-from abi.dtypes import HALF_DTYPES
 from host.cpu_ep import native, packed_gemm
 from host.cpu_ep.base import OpKernel, bound_tile, compute_dtype, constant_column, normalize_axis, row_tile
 from host.cpu_ep.ops_attention import _FAST_SOFTMAX, Attention  # noqa: F401  (Attention: moved there)
@@ -19,21 +18,6 @@ from host.cpu_ep.registry import register
 
 EPHOST_DOMAIN = "ai.ephost"
 F32 = native.F32
-
-
-def graph_half_type(kernel: OpKernel, x: np.ndarray) -> np.dtype | None:
-    """The half type (float16 / bfloat16) X has in the graph, whether the kernel gets it as is or, as in a
-    session, widened to float32 (host/cpu_ep/half.py keeps that type on `kernel.half`); None otherwise. The
-    ops whose function bodies compute in X's type round to it where those bodies do."""
-    state = getattr(kernel, "half", None)
-    if state is not None and state.fallback is not None:
-        return state.fallback
-    return x.dtype if x.dtype in HALF_DTYPES else None
-
-
-def _in_type(values: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """`values` rounded to `dtype` and widened back (itself when dtype is None)."""
-    return values if dtype is None else values.astype(dtype).astype(values.dtype)
 
 
 @register("RMSNormalization", since=23)
@@ -68,21 +52,20 @@ class RMSNormalization(OpKernel):
 
     def _run(self, x, scale):
         lib = native.LIB
-        half = graph_half_type(self, x)  # its function body rounds the normalised value to X's type
-        if half is None and lib is not None and scale is self._bound_scale and x.dtype == F32 and x.flags.c_contiguous:
+        if lib is not None and scale is self._bound_scale and x.dtype == F32 and x.flags.c_contiguous:
             run = native.cached(self._runs, x.shape, lib, lambda: self._runner(lib, x, scale))
             if run:
                 return run(x)
         axis = normalize_axis(self.axis, x.ndim)
         st = np.float64 if self.stash_type == 11 or x.dtype == np.float64 else np.float32
-        if (half is None and lib is not None and st is np.float32 and x.dtype == F32 and fast_rows(x, axis) and scale.dtype == F32
+        if (lib is not None and st is np.float32 and x.dtype == F32 and fast_rows(x, axis) and scale.dtype == F32
                 and scale.shape == x.shape[-1:] and scale.flags.c_contiguous):
             # One pass per row in C (the sum of squares accumulates in double).
             y = np.empty(x.shape, dtype=F32)
             lib.ep_rmsnorm(native.ptr(x), native.ptr(scale), native.ptr(y), x.size // x.shape[-1], x.shape[-1],
                            self.epsilon)
             return (y,)
-        if half is None and x.dtype == st and fast_rows(x, axis):
+        if x.dtype == st and fast_rows(x, axis):
             # The mean of squares as one GEMV against a 1/n column; y = x / sqrt(ms + eps) * scale.
             x2 = x.reshape(-1, x.shape[-1])
             ms = np.dot(np.square(x2), constant_column(x2.shape[1], 1 / x2.shape[1], st))
@@ -98,7 +81,7 @@ class RMSNormalization(OpKernel):
         ms += st(self.epsilon)
         inv = np.sqrt(ms, out=ms)
         np.reciprocal(inv, out=inv)
-        y = _in_type(xc * inv, half)  # the function body: the normalised value in X's type, then the scale
+        y = xc * inv
         y *= scale
         return (y.astype(x.dtype, copy=False),)
 
@@ -169,8 +152,7 @@ class RotaryEmbedding(OpKernel):
     def _rotate(self, x, cos_cache, sin_cache, position_ids, split: bool):
         """x (batch, heads, seq, size) rotated."""
         lib = native.LIB
-        stored = graph_half_type(self, x)  # its function body multiplies in X's type: each product rounded
-        if (stored is None and lib is not None and position_ids is None and x.dtype == F32 and cos_cache.dtype == F32
+        if (lib is not None and position_ids is None and x.dtype == F32 and cos_cache.dtype == F32
                 and sin_cache.dtype == F32 and cos_cache.flags.c_contiguous and sin_cache.flags.c_contiguous
                 and cos_cache.shape == sin_cache.shape):
             # Per (x's shape and strides, the caches' shape): the checks once, then one compiled call.
@@ -179,7 +161,7 @@ class RotaryEmbedding(OpKernel):
             y = run and run(x, cos_cache, sin_cache)
             if y is not None and y is not False:
                 return y
-        if (stored is None and position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
+        if (position_ids is None and not self.interleaved and x.dtype in _FAST_SOFTMAX
                 and cos_cache.dtype == x.dtype and sin_cache.dtype == x.dtype and cos_cache.ndim == 3
                 and cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == x.shape[2]
                 and 2 * cos_cache.shape[2] == x.shape[3] and self.rotary_dim in (0, x.shape[3])):
@@ -200,8 +182,8 @@ class RotaryEmbedding(OpKernel):
         sin = sin_cache[:, :, None, :]
         rot = xs[..., :rd]
         x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if self.interleaved else (rot[..., :half], rot[..., half:])
-        real = _in_type(cos * x1, stored) - _in_type(sin * x2, stored)
-        imag = _in_type(sin * x1, stored) + _in_type(cos * x2, stored)
+        real = cos * x1 - sin * x2
+        imag = sin * x1 + cos * x2
         out = np.empty(xs.shape, dtype=np.result_type(x.dtype, real.dtype))
         if self.interleaved:
             out[..., 0:rd:2], out[..., 1:rd:2] = real, imag

@@ -140,3 +140,17 @@ def node_by_node(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     step = lambda v: v.astype(half).astype(np.float32)  # noqa: E731 - the rounding of one node's output
     x32 = x.astype(np.float32)
     return step(step(step(step(x32 * a) + b) * c) - x32).astype(half)
+
+
+def rms_function_body(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNormalization-23's function body over the last axis for a half `x`: the statistics in float32,
+    the normalised value cast to X's type, then the scale (a product of two half values, rounded)."""
+    xf = x.astype(np.float32)
+    inv = np.float32(1) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(eps))
+    normalised = (xf * inv).astype(x.dtype).astype(np.float32)
+    return (normalised * scale.astype(np.float32)).astype(x.dtype)
+
+
+def bits_differing(got: np.ndarray, want: np.ndarray) -> float:
+    """The fraction of elements whose 16-bit patterns differ."""
+    return float((got.view(np.uint16) != want.view(np.uint16)).mean())

@@ -28,11 +28,13 @@ from tests.plugin_cuda.attention_models import attention_feeds
 from tests.plugin_cuda.half_models import (
     FLOAT_MODELS,
     HALVES,
+    bits_differing,
     fused_chain,
     gelu_mlp,
     mixed_model,
     node_by_node,
     retyped,
+    rms_function_body,
 )
 
 pytestmark = pytest.mark.gpu
@@ -245,7 +247,6 @@ def test_rms_normalization_rounds_the_normalised_value(cp, genv, precision, comp
     """RMSNormalization's function body rounds x / rms to X's type before the scale, on both paths
     (one rounding instead changes ~25% of the elements' bits)."""
     from host.runtime.session import InferenceSession
-    from tests.host.test_cpu_ops_transformer import bits_differing, rms_function_body
 
     rng = np.random.default_rng(5)
     dtype = half_dtype(precision)
