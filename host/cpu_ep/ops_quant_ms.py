@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, constant_column, normalize_axis
 from host.cpu_ep.ops_pool import AveragePool
 from host.cpu_ep.ops_quant import (
@@ -264,12 +265,58 @@ class DynamicQuantizeMatMul(IntGemm):
         self.quantize = DynamicQuantizeLinear(node)
 
     def _run(self, a, b, b_scale, b_zp=None, bias=None):
+        y = self._compiled(a, b, b_scale, b_zp, bias)
+        if y is not None:
+            return (y,)
         qa, a_scale, a_zp = self.quantize._run(a)
         acc = self.int_product(qa, b, a_zp, b_zp)
         y = acc.astype(F32) * (a_scale * self.derived((2,), (b_scale,), _per_column))
         if bias is not None:
             y += bias
         return (y.astype(F32),)
+
+
+    def _compiled(self, a, b, b_scale, b_zp, bias) -> np.ndarray | None:
+        """The whole op as one compiled call (ep_dynamic_qmatmul: the same float32 operations and exact
+        integer product as the NumPy path) for a small product over a float32 A and a 2-D int8/uint8 B;
+        None where it does not serve."""
+        lib = native.LIB
+        if lib is None or a.dtype != F32 or not a.ndim or not a.flags.c_contiguous or b.ndim != 2:
+            return None
+        k, n = b.shape
+        m = a.size // k if k else 0
+        if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS:
+            return None
+        operands = self.derived((1, 2, 3, 4), (b, b_scale, b_zp, bias), _compiled_operands)
+        if operands is None:
+            return None
+        centered, scales, column_bias = operands
+        y = np.empty((*a.shape[:-1], n), F32)
+        failed = lib.ep_dynamic_qmatmul(native.ptr(a), m, k, native.ptr(centered), n, native.ptr(scales),
+                                        native.NULL if column_bias is None else native.ptr(column_bias), native.ptr(y))
+        return None if failed else y
+
+
+# Products (M * K * N) up to which DynamicQuantizeMatMul is one compiled call: its loops are plain, and a
+# larger product is faster through the NumPy path's exact float GEMM (BLAS).
+COMPILED_MAX_MACS = 1 << 18
+
+
+def _compiled_operands(b, b_scale, b_zp, bias):
+    """(B minus its zero point as int16, the N column scales, the N-float bias or None) for ep_dynamic_qmatmul,
+    or None where the operands are not a 2-D int8/uint8 B with per-tensor or per-column parameters."""
+    n = b.shape[1]
+    if b.dtype not in (np.int8, np.uint8):
+        return None
+    zp = np.zeros(1, np.int16) if b_zp is None else np.asarray(b_zp)
+    scale = np.asarray(b_scale)
+    if zp.size not in (1, n) or scale.size not in (1, n) or scale.dtype != F32:
+        return None
+    if bias is not None and (np.asarray(bias).dtype != F32 or np.asarray(bias).shape != (n,)):
+        return None
+    centered = np.ascontiguousarray(b.astype(np.int16) - zp.reshape(1, -1).astype(np.int16))
+    scales = np.ascontiguousarray(np.broadcast_to(scale.reshape(-1), (n,)), F32)
+    return centered, scales, None if bias is None else np.ascontiguousarray(bias, F32)
 
 
 @register("QLinearSoftmax", domain=MS)

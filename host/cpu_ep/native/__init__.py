@@ -57,6 +57,8 @@ void ep_gemm_packed(const void *A, const void *Bp, const void *bias, void *C, in
 int ep_pool_workers(void);
 void ep_quantize(const void *x, void *y, int64_t n, int op, float scale, float zero_point, float lo, float hi,
                  int kind);
+int ep_dynamic_qmatmul(const void *a, int64_t M, int K, const void *bc, int N, const void *b_scale, const void *bias,
+                       void *y);
 int ep_matmul_batched(const void *A, const void *B, void *C, int batch, int inner, int M, int K, int N, int64_t sa1,
                       int64_t sa2, int64_t lda, int64_t sb1, int64_t sb2, int64_t bk, int64_t bn);
 void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);

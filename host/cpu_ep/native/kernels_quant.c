@@ -29,4 +29,57 @@ HOT void ep_quantize(const float *x, void *y, int64_t n, int op, float scale, fl
     }
 }
 
+/* DynamicQuantizeMatMul (ops_quant_ms.py) in one call, for small products where NumPy's per-call costs are
+ * most of the time: A (M x K) quantized to uint8 as DynamicQuantizeLinear does (the range including 0, the
+ * scale (hi - lo) / 255 and the zero point rint(-lo / scale) clamped to [0, 255], in float32: the NumPy
+ * path's operations, which dynamic_params reproduces in doubles), then the exact integer product with the
+ * centered B (K x N, B minus its zero point, int16), then y = float(acc) * (a_scale * b_scale[n]) + bias[n]:
+ * float32 operations in the NumPy path's order (no FMA contraction). Returns 1 (nothing written) when A holds a NaN or an
+ * infinity (the NumPy path gives what NumPy gives) or memory is short. */
+/* No FMA: the scale's product and the bias's sum are two roundings, as in NumPy. */
+HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(const float *a, int64_t M, int K, const int16_t *bc, int N, const float *b_scale,
+                           const float *bias, float *y) {
+    float lo = 0.0f, hi = 0.0f;
+    const int64_t count = M * (int64_t)K;
+    for (int64_t i = 0; i < count; i++) {
+        const float v = a[i];
+        if (v != v) return 1;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    const float range = hi - lo;
+    if (!isfinite(range)) return 1;
+    float scale = range / 255.0f, zp = 0.0f;
+    if (scale == 0.0f) {
+        scale = 1.0f; /* an all-zero A: any scale maps it to the zero point */
+    } else {
+        zp = rintf(-(lo / scale));
+        zp = zp < 0.0f ? 0.0f : zp > 255.0f ? 255.0f : zp;
+    }
+    int32_t *buf = malloc(sizeof(int32_t) * ((size_t)K + (size_t)N));
+    if (!buf) return 1;
+    int32_t *qa = buf, *acc = buf + K;
+    for (int64_t m = 0; m < M; m++) {
+        const float *ar = a + m * K;
+        for (int k = 0; k < K; k++) {
+            float q = rintf(ar[k] / scale) + zp;
+            q = q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q;
+            qa[k] = (int32_t)q - (int32_t)zp;
+        }
+        for (int n = 0; n < N; n++) acc[n] = 0;
+        for (int k = 0; k < K; k++) {
+            const int32_t q = qa[k];
+            const int16_t *br = bc + (size_t)k * N;
+            for (int n = 0; n < N; n++) acc[n] += q * (int32_t)br[n];
+        }
+        float *yr = y + m * N;
+        for (int n = 0; n < N; n++) {
+            float v = (float)acc[n] * (scale * b_scale[n]);
+            yr[n] = bias ? v + bias[n] : v;
+        }
+    }
+    free(buf);
+    return 0;
+}
+
 #include "kernels_trees.c" /* tree ensembles: after kernels_gemm.c, whose pool shares their rows out */
