@@ -404,8 +404,66 @@ class QLinearMatMul(IntGemm):
         return Requantize(mult, y_zp, np.asarray(y_zp).dtype)
 
     def _run(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp):
+        y = self._compiled(a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp)
+        if y is not None:
+            return (y,)
         acc = self.int_product(a, b, a_zp, b_zp)
         return (self.derived((1, 4, 6, 7), (a_scale, b_scale, y_scale, y_zp), self._output)(acc),)
+
+    def _compiled(self, a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp) -> np.ndarray | None:
+        """The whole op as one compiled call (ep_qlinear_matmul: the exact integer product and the NumPy path's
+        requantization) for a small product of a contiguous 8-bit A with a per-tensor zero point and a 2-D
+        8-bit B; None where it does not serve."""
+        lib = native.LIB
+        kind = _NATIVE_KINDS.get(a.dtype)
+        if lib is None or kind is None or kind > 1 or not a.ndim or not a.flags.c_contiguous or b.ndim != 2:
+            return None
+        k, n = b.shape
+        m = a.size // k if k else 0
+        if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS or (a_zp is not None and np.size(a_zp) != 1):
+            return None
+        out = self.derived((3, 5, 1, 4, 6, 7), (b, b_zp, a_scale, b_scale, y_scale, y_zp), _compiled_requant)
+        if out is None:
+            return None
+        centered, mult, sat = out
+        y = np.empty((*a.shape[:-1], n), sat.dtype)
+        zp = 0 if a_zp is None else int(np.asarray(a_zp).reshape(()))
+        y_zp_value = 0.0 if sat.zero_point is None else float(sat.zero_point)
+        if lib.ep_qlinear_matmul(native.ptr(a), kind, m, k, zp, native.ptr(centered), n, native.ptr(mult), y_zp_value,
+                                 sat.lo, sat.hi, sat.kind, native.ptr(y)):
+            return None
+        return y
+
+
+# Products (M * K * N) up to which the small integer GEMMs (QLinearMatMul here, DynamicQuantizeMatMul in
+# ops_quant_ms.py) are one compiled call: its loops are plain, and a larger product is faster through the
+# NumPy path's exact float GEMM (BLAS).
+COMPILED_MAX_MACS = 1 << 18
+
+
+def centered_int16(b: np.ndarray, zero_point) -> np.ndarray | None:
+    """A 2-D 8-bit B minus its per-tensor or per-column zero point, as contiguous int16 (exact), or None."""
+    n = b.shape[1]
+    if b.dtype not in (np.int8, np.uint8):
+        return None
+    zp = np.zeros(1, np.int16) if zero_point is None else np.asarray(zero_point)
+    if zp.size not in (1, n):
+        return None
+    return np.ascontiguousarray(b.astype(np.int16) - zp.reshape(1, -1).astype(np.int16))
+
+
+def _compiled_requant(b, b_zp, a_scale, b_scale, y_scale, y_zp):
+    """(centered B, the N float32 multipliers, the output's Saturate) for ep_qlinear_matmul, or None."""
+    n = b.shape[1]
+    centered = centered_int16(b, b_zp)
+    b_scale = np.asarray(b_scale)
+    if centered is None or b_scale.size not in (1, n) or np.size(y_zp) != 1:
+        return None
+    sat = Saturate(y_zp, np.asarray(y_zp).dtype)
+    if sat.kind is None or sat.kind > 1:
+        return None
+    mult = output_multiplier(a_scale, b_scale.reshape(-1), y_scale)
+    return centered, np.ascontiguousarray(np.broadcast_to(mult.reshape(-1), (n,)), F32), sat
 
 
 def _channel(v, ndim: int) -> np.ndarray:

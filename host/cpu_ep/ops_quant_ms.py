@@ -17,6 +17,7 @@ from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel, constant_column, normalize_axis
 from host.cpu_ep.ops_pool import AveragePool
 from host.cpu_ep.ops_quant import (
+    COMPILED_MAX_MACS,
     F32,
     BoundParams,
     CenteredB,
@@ -24,6 +25,7 @@ from host.cpu_ep.ops_quant import (
     IntGemm,
     Requantize,
     Saturate,
+    centered_int16,
     minus,
     saturate_round,
 )
@@ -63,6 +65,9 @@ class QLinearAdd(BoundParams, OpKernel):
                                                     self._params)
         if c_zp is None and sat.dtype != a.dtype:
             sat = Saturate(None, a.dtype)
+        y = _compiled_add(a, b, ratio_a, ratio_b, fixed, sat)
+        if y is not None:
+            return (y,)
         values = a.astype(F32)
         values *= ratio_a
         values += fixed
@@ -73,6 +78,29 @@ class QLinearAdd(BoundParams, OpKernel):
         else:
             values = values + scaled_b
         return (sat(values),)
+
+
+def _compiled_add(a, b, ratio_a, ratio_b, fixed, sat) -> np.ndarray | None:
+    """QLinearAdd as one compiled pass (ep_qlinear_add: the NumPy path's float32 operations in its order)
+    for contiguous 8-bit A and B of A's shape, or B repeating over A's last axis; None otherwise."""
+    lib = native.LIB
+    a_kind, b_kind = _BYTE_KINDS.get(a.dtype), _BYTE_KINDS.get(b.dtype)
+    if (lib is None or a_kind is None or b_kind is None or sat.kind not in (0, 1) or not a.size or not b.size
+            or not a.flags.c_contiguous or not b.flags.c_contiguous):
+        return None
+    if b.shape == a.shape:
+        period = a.size
+    elif a.ndim and b.size == a.shape[-1] and b.shape[-1:] == a.shape[-1:] and b.ndim <= a.ndim:
+        period = b.size
+    else:
+        return None
+    y = np.empty(a.shape, sat.dtype)
+    lib.ep_qlinear_add(native.ptr(a), a_kind, a.size, native.ptr(b), b_kind, period, float(ratio_a), float(ratio_b),
+                       float(fixed), sat.lo, sat.hi, sat.kind, native.ptr(y))
+    return y
+
+
+_BYTE_KINDS = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1}
 
 
 @register("QLinearMul", domain=MS)
@@ -297,24 +325,16 @@ class DynamicQuantizeMatMul(IntGemm):
         return None if failed else y
 
 
-# Products (M * K * N) up to which DynamicQuantizeMatMul is one compiled call: its loops are plain, and a
-# larger product is faster through the NumPy path's exact float GEMM (BLAS).
-COMPILED_MAX_MACS = 1 << 18
-
-
 def _compiled_operands(b, b_scale, b_zp, bias):
     """(B minus its zero point as int16, the N column scales, the N-float bias or None) for ep_dynamic_qmatmul,
     or None where the operands are not a 2-D int8/uint8 B with per-tensor or per-column parameters."""
     n = b.shape[1]
-    if b.dtype not in (np.int8, np.uint8):
-        return None
-    zp = np.zeros(1, np.int16) if b_zp is None else np.asarray(b_zp)
+    centered = centered_int16(b, b_zp)
     scale = np.asarray(b_scale)
-    if zp.size not in (1, n) or scale.size not in (1, n) or scale.dtype != F32:
+    if centered is None or scale.size not in (1, n) or scale.dtype != F32:
         return None
     if bias is not None and (np.asarray(bias).dtype != F32 or np.asarray(bias).shape != (n,)):
         return None
-    centered = np.ascontiguousarray(b.astype(np.int16) - zp.reshape(1, -1).astype(np.int16))
     scales = np.ascontiguousarray(np.broadcast_to(scale.reshape(-1), (n,)), F32)
     return centered, scales, None if bias is None else np.ascontiguousarray(bias, F32)
 

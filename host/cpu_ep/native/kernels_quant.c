@@ -82,4 +82,57 @@ HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(const fl
     return 0;
 }
 
+/* An 8-bit value of kind 0 (int8) or 1 (uint8) at x[i], as an int32. */
+static inline int32_t q8_at(const void *x, int kind, int64_t i) {
+    return kind == 0 ? (int32_t)((const int8_t *)x)[i] : (int32_t)((const uint8_t *)x)[i];
+}
+
+/* v rounded half to even, clamped to [lo, hi] and stored as kind 0 (int8) or 1 (uint8) at y[i]: ep_quantize's
+ * end for one value (a NaN gives 0). */
+static inline void q8_put(void *y, int kind, int64_t i, float v, float lo, float hi) {
+    v = v < lo ? lo : v > hi ? hi : v;
+    if (kind == 0)
+        ((int8_t *)y)[i] = v == v ? (int8_t)v : 0;
+    else
+        ((uint8_t *)y)[i] = v == v ? (uint8_t)v : 0;
+}
+
+/* QLinearMatMul (ops_quant.py) for small products in one call: A (M x K, int8 or uint8, a per-tensor zero
+ * point) times the centered B (K x N int16: B minus its zero point), the exact int32 sums, then the NumPy
+ * path's requantization: float(acc) * multiplier[n] (a_scale * b_scale / y_scale in float32), rounded half to
+ * even, plus the output zero point, saturated. Returns 1 (nothing written) when memory is short. */
+HOT __attribute__((optimize("fp-contract=off"))) int ep_qlinear_matmul(
+    const void *a, int a_kind, int64_t M, int K, int32_t a_zp, const int16_t *bc, int N, const float *mult,
+    float y_zp, float lo, float hi, int y_kind, void *y) {
+    int32_t *buf = malloc(sizeof(int32_t) * ((size_t)K + (size_t)N));
+    if (!buf) return 1;
+    int32_t *qa = buf, *acc = buf + K;
+    for (int64_t m = 0; m < M; m++) {
+        for (int k = 0; k < K; k++) qa[k] = q8_at(a, a_kind, m * K + k) - a_zp;
+        for (int n = 0; n < N; n++) acc[n] = 0;
+        for (int k = 0; k < K; k++) {
+            const int32_t q = qa[k];
+            const int16_t *br = bc + (size_t)k * N;
+            for (int n = 0; n < N; n++) acc[n] += q * (int32_t)br[n];
+        }
+        for (int n = 0; n < N; n++) q8_put(y, y_kind, m * N + n, rintf((float)acc[n] * mult[n]) + y_zp, lo, hi);
+    }
+    free(buf);
+    return 0;
+}
+
+/* com.microsoft QLinearAdd (ops_quant_ms.py) in one pass, MLAS's form in the NumPy path's order:
+ * ((float(a) * ratio_a + fixed) + float(b) * ratio_b), rounded half to even, saturated (the output zero point
+ * is inside `fixed`). B repeats with period `b_period` along A's elements (the same shape: n; a bias over the
+ * last axis: its length). */
+HOT __attribute__((optimize("fp-contract=off"))) void ep_qlinear_add(
+    const void *a, int a_kind, int64_t n, const void *b, int b_kind, int64_t b_period, float ratio_a, float ratio_b,
+    float fixed, float lo, float hi, int y_kind, void *y) {
+    for (int64_t i = 0; i < n; i++) {
+        const float va = (float)q8_at(a, a_kind, i) * ratio_a + fixed;
+        const float vb = (float)q8_at(b, b_kind, i % b_period) * ratio_b;
+        q8_put(y, y_kind, i, rintf(va + vb), lo, hi);
+    }
+}
+
 #include "kernels_trees.c" /* tree ensembles: after kernels_gemm.c, whose pool shares their rows out */
