@@ -420,17 +420,15 @@ class QLinearMatMul(IntGemm):
             return None
         k, n = b.shape
         m = a.size // k if k else 0
-        if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS or (a_zp is not None and np.size(a_zp) != 1):
+        if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS:
             return None
-        out = self.derived((3, 5, 1, 4, 6, 7), (b, b_zp, a_scale, b_scale, y_scale, y_zp), _compiled_requant)
+        out = self.derived((3, 5, 1, 2, 4, 6, 7), (b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp), _compiled_requant)
         if out is None:
             return None
-        centered, mult, sat = out
+        centered, a_zp_value, mult, y_zp_value, sat = out
         y = np.empty((*a.shape[:-1], n), sat.dtype)
-        zp = 0 if a_zp is None else int(np.asarray(a_zp).reshape(()))
-        y_zp_value = 0.0 if sat.zero_point is None else float(sat.zero_point)
-        if lib.ep_qlinear_matmul(native.ptr(a), kind, m, k, zp, native.ptr(centered), n, native.ptr(mult), y_zp_value,
-                                 sat.lo, sat.hi, sat.kind, native.ptr(y)):
+        if lib.ep_qlinear_matmul(native.ptr(a), kind, m, k, a_zp_value, native.ptr(centered), n, native.ptr(mult),
+                                 y_zp_value, sat.lo, sat.hi, sat.kind, native.ptr(y)):
             return None
         return y
 
@@ -452,18 +450,27 @@ def centered_int16(b: np.ndarray, zero_point) -> np.ndarray | None:
     return np.ascontiguousarray(b.astype(np.int16) - zp.reshape(1, -1).astype(np.int16))
 
 
-def _compiled_requant(b, b_zp, a_scale, b_scale, y_scale, y_zp):
-    """(centered B, the N float32 multipliers, the output's Saturate) for ep_qlinear_matmul, or None."""
+def columns(v, n: int) -> np.ndarray:
+    """A per-tensor (one value) or per-column (n values) parameter as n contiguous float32 values."""
+    return np.ascontiguousarray(np.broadcast_to(np.asarray(v, F32).reshape(-1), (n,)))
+
+
+def _compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
+    """(centered B, A's zero point as an int, the N float32 multipliers, the output zero point as a float, the
+    output's Saturate) for ep_qlinear_matmul, or None where A's zero point is not per tensor or the parameters
+    are neither per tensor nor per column."""
     n = b.shape[1]
     centered = centered_int16(b, b_zp)
     b_scale = np.asarray(b_scale)
-    if centered is None or b_scale.size not in (1, n) or np.size(y_zp) != 1:
+    if centered is None or b_scale.size not in (1, n) or np.size(y_zp) != 1 or np.size(a_zp) > 1:
         return None
     sat = Saturate(y_zp, np.asarray(y_zp).dtype)
     if sat.kind is None or sat.kind > 1:
         return None
+    a_zp_value = 0 if a_zp is None else int(np.asarray(a_zp).reshape(()))
+    y_zp_value = 0.0 if sat.zero_point is None else float(sat.zero_point)
     mult = output_multiplier(a_scale, b_scale.reshape(-1), y_scale)
-    return centered, np.ascontiguousarray(np.broadcast_to(mult.reshape(-1), (n,)), F32), sat
+    return centered, a_zp_value, columns(mult, n), y_zp_value, sat
 
 
 def _channel(v, ndim: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from host.cpu_ep.ops_quant import (
     Requantize,
     Saturate,
     centered_int16,
+    columns,
     minus,
     saturate_round,
 )
@@ -303,7 +304,6 @@ class DynamicQuantizeMatMul(IntGemm):
             y += bias
         return (y.astype(F32),)
 
-
     def _compiled(self, a, b, b_scale, b_zp, bias) -> np.ndarray | None:
         """The whole op as one compiled call (ep_dynamic_qmatmul: the same float32 operations and exact
         integer product as the NumPy path) for a small product over a float32 A and a 2-D int8/uint8 B;
@@ -335,8 +335,7 @@ def _compiled_operands(b, b_scale, b_zp, bias):
         return None
     if bias is not None and (np.asarray(bias).dtype != F32 or np.asarray(bias).shape != (n,)):
         return None
-    scales = np.ascontiguousarray(np.broadcast_to(scale.reshape(-1), (n,)), F32)
-    return centered, scales, None if bias is None else np.ascontiguousarray(bias, F32)
+    return centered, columns(scale, n), None if bias is None else np.ascontiguousarray(bias, F32)
 
 
 @register("QLinearSoftmax", domain=MS)

@@ -247,8 +247,7 @@ class SavedContexts:
                 del node.attribute[:]
                 node.attribute.extend(kept)
         lean = unread_initializers_dropped(light)
-        if _has_external(lean):  # external tensors the graph reads (the saver keeps none there)
-            _load_external(lean, base, "the external tensors the graph reads")
+        _load_external(lean, base, "the external tensors the graph reads")  # the saver keeps none there
         return lean, cls(light, nodes, compatibility_strings(light), base=base)
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
@@ -341,9 +340,7 @@ class SavedContexts:
                 nodes.append(node)
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
-        if _has_external(proto):
-            _load_external(proto, self.base, f"the weights of {', '.join(repr(n) for n in names)}, to compile "
-                                             "them again")
+        _load_external(proto, self.base, f"the weights of {', '.join(repr(n) for n in names)}, to compile them again")
         return proto
 
     def partitions(self, graph: Graph) -> list[compiled.CompiledPartition]:
@@ -356,25 +353,21 @@ class SavedContexts:
         return parts
 
 
-def _has_external(proto: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-
-
 def _load_external(proto: onnx.ModelProto, base: Path | None, what: str) -> None:
-    """Read `proto`'s external tensors from the files beside the model (in place); a typed error when the
-    model was not given as a path or a file cannot be read."""
+    """Read `proto`'s external tensors from the files beside the model (in place; nothing when it has none);
+    a typed error when the model was not given as a path or a file cannot be read."""
     files = sorted({d.value for t in external_data_helper._get_all_tensors(proto)
                     if t.data_location == onnx.TensorProto.EXTERNAL for d in t.external_data if d.key == "location"})
     if not files:
         return
     if base is None:
         raise ModelError(f"{what} are in {files} beside the model, and the model was not given as a path; "
-                           "expected a model path (the files are found beside it)")
+                         "expected a model path (the files are found beside it)")
     try:
         external_data_helper.load_external_data_for_model(proto, str(base))
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"{what}: cannot read {files} in '{base}' ({exc}); expected the files written "
-                           "beside the model") from None
+                         "beside the model") from None
 
 
 def current_compatibility(ep, graph_ptr=ffi.NULL) -> str | None:

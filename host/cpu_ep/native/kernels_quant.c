@@ -29,16 +29,27 @@ HOT void ep_quantize(const float *x, void *y, int64_t n, int op, float scale, fl
     }
 }
 
+/* acc[n] = sum_k qa[k] * bc[k * N + n]: one row of the small integer GEMMs below, exact in int32 (|qa| and
+ * |bc| <= 255). */
+static inline void int_row_product(const int32_t *qa, const int16_t *bc, int K, int N, int32_t *acc) {
+    for (int n = 0; n < N; n++) acc[n] = 0;
+    for (int k = 0; k < K; k++) {
+        const int32_t q = qa[k];
+        const int16_t *br = bc + (size_t)k * N;
+        for (int n = 0; n < N; n++) acc[n] += q * (int32_t)br[n];
+    }
+}
+
 /* DynamicQuantizeMatMul (ops_quant_ms.py) in one call, for small products where NumPy's per-call costs are
  * most of the time: A (M x K) quantized to uint8 as DynamicQuantizeLinear does (the range including 0, the
  * scale (hi - lo) / 255 and the zero point rint(-lo / scale) clamped to [0, 255], in float32: the NumPy
  * path's operations, which dynamic_params reproduces in doubles), then the exact integer product with the
- * centered B (K x N, B minus its zero point, int16), then y = float(acc) * (a_scale * b_scale[n]) + bias[n]:
- * float32 operations in the NumPy path's order (no FMA contraction). Returns 1 (nothing written) when A holds a NaN or an
- * infinity (the NumPy path gives what NumPy gives) or memory is short. */
-/* No FMA: the scale's product and the bias's sum are two roundings, as in NumPy. */
-HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(const float *a, int64_t M, int K, const int16_t *bc, int N, const float *b_scale,
-                           const float *bias, float *y) {
+ * centered B (K x N, B minus its zero point, int16), then y = float(acc) * (a_scale * b_scale[n]) + bias[n].
+ * No FMA contraction: the scale's product and the bias's sum are two roundings, as in NumPy. Returns 1
+ * (nothing written) when A holds a NaN or an infinity (the NumPy path gives what NumPy gives) or memory is
+ * short. */
+HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(
+    const float *a, int64_t M, int K, const int16_t *bc, int N, const float *b_scale, const float *bias, float *y) {
     float lo = 0.0f, hi = 0.0f;
     const int64_t count = M * (int64_t)K;
     for (int64_t i = 0; i < count; i++) {
@@ -66,15 +77,10 @@ HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(const fl
             q = q < 0.0f ? 0.0f : q > 255.0f ? 255.0f : q;
             qa[k] = (int32_t)q - (int32_t)zp;
         }
-        for (int n = 0; n < N; n++) acc[n] = 0;
-        for (int k = 0; k < K; k++) {
-            const int32_t q = qa[k];
-            const int16_t *br = bc + (size_t)k * N;
-            for (int n = 0; n < N; n++) acc[n] += q * (int32_t)br[n];
-        }
+        int_row_product(qa, bc, K, N, acc);
         float *yr = y + m * N;
         for (int n = 0; n < N; n++) {
-            float v = (float)acc[n] * (scale * b_scale[n]);
+            const float v = (float)acc[n] * (scale * b_scale[n]);
             yr[n] = bias ? v + bias[n] : v;
         }
     }
@@ -87,8 +93,8 @@ static inline int32_t q8_at(const void *x, int kind, int64_t i) {
     return kind == 0 ? (int32_t)((const int8_t *)x)[i] : (int32_t)((const uint8_t *)x)[i];
 }
 
-/* v rounded half to even, clamped to [lo, hi] and stored as kind 0 (int8) or 1 (uint8) at y[i]: ep_quantize's
- * end for one value (a NaN gives 0). */
+/* v (rounded and offset by the caller) clamped to [lo, hi] and stored as kind 0 (int8) or 1 (uint8) at y[i]:
+ * ep_quantize's end for one value (a NaN gives 0). */
 static inline void q8_put(void *y, int kind, int64_t i, float v, float lo, float hi) {
     v = v < lo ? lo : v > hi ? hi : v;
     if (kind == 0)
@@ -109,12 +115,7 @@ HOT __attribute__((optimize("fp-contract=off"))) int ep_qlinear_matmul(
     int32_t *qa = buf, *acc = buf + K;
     for (int64_t m = 0; m < M; m++) {
         for (int k = 0; k < K; k++) qa[k] = q8_at(a, a_kind, m * K + k) - a_zp;
-        for (int n = 0; n < N; n++) acc[n] = 0;
-        for (int k = 0; k < K; k++) {
-            const int32_t q = qa[k];
-            const int16_t *br = bc + (size_t)k * N;
-            for (int n = 0; n < N; n++) acc[n] += q * (int32_t)br[n];
-        }
+        int_row_product(qa, bc, K, N, acc);
         for (int n = 0; n < N; n++) q8_put(y, y_kind, m * N + n, rintf((float)acc[n] * mult[n]) + y_zp, lo, hi);
     }
     free(buf);
