@@ -215,9 +215,10 @@ def _epilogue(prog: Program, body: _Body, group, shape: tuple, i: str, first: st
     var: dict = {}
     if group.head is not None:
         head = group.head.outputs[0]
+        value = rounded(prog, head, first)
         var[head] = first
-        if rounded(prog, head, first) != first:
-            lines.append(f"const float h0 = {rounded(prog, head, first)};")
+        if value != first:  # a half head: rounded once, read by every member
+            lines.append(f"const float h0 = {value};")
             var[head] = "h0"
     for k, leaf in enumerate(group.leaves):
         lit = _inline_scalar(prog, leaf)
