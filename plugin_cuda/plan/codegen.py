@@ -690,9 +690,26 @@ def check_pointer_types(prog: Program, spec: KernelSpec) -> None:
                             f"'{prog.values[vid].name}' is {prog.values[vid].dtype} ({want})")
 
 
-def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True) -> tuple[str, list]:
+def _reuse(spec: KernelSpec, seen: dict) -> bool:
+    """True when a kernel with `spec`'s body is already in the module: `spec` then names that one."""
+    body = spec.source.replace(spec.name, "\0")
+    first = seen.setdefault(body, spec.name)
+    if first == spec.name:
+        return False
+    spec.name, spec.source = first, body.replace("\0", first)
+    return True
+
+
+def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = True,
+             seen: dict | None = None) -> tuple[str, list]:
     """(module source, one KernelSpec per generated step, None for cuBLAS steps) for `steps`;
-    kernels are named `prefix` + step index."""
+    kernels are named `prefix` + step index.
+
+    A step whose kernel is another's but for its name (a model's repeated layers: BERT-base's twelve
+    give each body twelve times) launches the first one, and its source is left out: NVRTC's time
+    is proportional to the source. `seen` (body -> kernel name) carries this across calls that
+    build one module (a plan's eager and graph variants)."""
+    seen = {} if seen is None else seen
     specs = []
     parts = [PRELUDE + (HALF_PRELUDE if prog.has_half() else "")] if prelude else []
     for i, step in enumerate(steps):
@@ -704,6 +721,7 @@ def generate(prog: Program, steps: list, prefix: str = "ep_k", prelude: bool = T
         check_pointer_types(prog, spec)
         if prog.symbols:
             _take_symbols(spec, prog.symbols)
-        parts.append(f"/* {step.name} */\n" + spec.source)
+        if not _reuse(spec, seen):
+            parts.append(f"/* {step.name} */\n" + spec.source)
         specs.append(spec)
     return "\n".join(parts), specs

@@ -94,7 +94,8 @@ class Plan:
             capture = True
         eager_tiled, graph_tiled = capture is not True, capture is False
         eager_steps = build_steps(prog, tiled=eager_tiled)
-        source, eager_specs = codegen.generate(prog, eager_steps, "ep_k")
+        seen: dict = {}  # kernel bodies of the module: a graph step's kernel may be an eager one's
+        source, eager_specs = codegen.generate(prog, eager_steps, "ep_k", seen=seen)
         if graph_tiled == eager_tiled:
             # One variant (every symbolic plan, auto_graph, any set `capture`): steps and source made once,
             # which halves the host time of a new input-shape signature's plan spent here.
@@ -107,7 +108,7 @@ class Plan:
         if graph_source == source:
             self.graph = self.eager
         else:
-            graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_g", prelude=False)
+            graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_g", prelude=False, seen=seen)
             source += graph_source
             self.graph = _Variant("graph", graph_steps, graph_specs)
         self.steps, self.specs = eager_steps, eager_specs

@@ -93,3 +93,54 @@ def test_cos_and_sin_keep_their_accuracy_at_large_angles(tmp_path):
     (got,) = run_on_cpu(model, {"x": x}, tmp_path)
     want = np.cos(x.astype(np.float64)) * np.sin(x.astype(np.float64))
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def _repeated_layers(layers: int):
+    """`layers` copies of tanh(transpose(x) * a + b): each copy's kernels are the others' but for
+    their names, as in a transformer's repeated layers; the weights differ."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    nodes, inits, x = [], [], "x"
+    for k in range(layers):
+        inits += [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"a{k}"),
+                  numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), f"b{k}")]
+        nodes += [helper.make_node("Transpose", [x], [f"t{k}"], perm=[1, 0]),
+                  helper.make_node("Mul", [f"t{k}", f"a{k}"], [f"m{k}"]),
+                  helper.make_node("Add", [f"m{k}", f"b{k}"], [f"s{k}"]),
+                  helper.make_node("Tanh", [f"s{k}"], [f"y{k}"])]
+        x = f"y{k}"
+    graph = helper.make_graph(nodes, "layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 8])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [8, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_repeated_layers_share_their_kernels(tmp_path):
+    """The module holds each kernel body once (NVRTC's time follows the source's length); the steps
+    of later layers launch the first layer's kernels on their own buffers, and the result is
+    onnx.reference's."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _repeated_layers(4)
+    prog = lower.lower(spec_from_onnx(model))
+    steps = fuse.build_steps(prog)
+    source, specs = codegen.generate(prog, steps, prelude=False)
+    names = [s.name for s in specs if s is not None]
+    assert len(names) >= 8 and len(set(names)) * 4 == len(names)  # each layer's kernels: the first layer's
+    assert source.count("__global__") == len(set(names))
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    (got,) = run_on_cpu(model, {"x": x}, tmp_path)
+    np.testing.assert_allclose(got, ReferenceEvaluator(model).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_one_seen_table_spans_the_calls_of_one_module():
+    """A second call with the first call's `seen` (a plan's graph variant) names the first call's
+    kernels and adds no source for them."""
+    model = _repeated_layers(2)
+    prog = lower.lower(spec_from_onnx(model))
+    steps = fuse.build_steps(prog)
+    seen: dict = {}
+    first, first_specs = codegen.generate(prog, steps, "ep_k", seen=seen)
+    second, second_specs = codegen.generate(prog, steps, "ep_g", prelude=False, seen=seen)
+    assert "__global__" not in second
+    assert [s.name for s in second_specs if s] == [s.name for s in first_specs if s]
