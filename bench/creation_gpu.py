@@ -252,12 +252,14 @@ def main(argv=None) -> int:
         print(json.dumps(measure(sys.argv[2], sys.argv[3], save)))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(MODELS), choices=MODELS)
+    # no default list with `choices`: Python 3.12's argparse checks a nargs="*" default as one value
+    parser.add_argument("models", nargs="*", choices=MODELS, help=f"default: all of {', '.join(MODELS)}")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for all models together")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="the measurements to make (context needs save before it)")
     args = parser.parse_args(argv)
+    args.models = args.models or list(MODELS)
     import build
 
     plugin = str(build.build_python_plugin("cuda", max(build.PYTHON_PLUGINS["cuda"].versions)))
