@@ -284,17 +284,32 @@ def _decode(data: bytes, source: onnx.ModelProto, level: GraphOptimizationLevel)
 
 def model_digest(proto: onnx.ModelProto) -> bytes:
     """What identifies a model for the key: its deterministic serialisation without the large weights (typed
-    graph inputs stand for them), then each large weight's raw bytes as they are (no serialisation: a BERT-
-    sized model's would take half a second), each with its name, type, dims and length."""
+    graph inputs stand for them), then each large weight's name, type, dims and length and the digest of its
+    raw bytes as they are (no serialisation: a BERT-sized model's would take half a second), the weights
+    hashed in parallel threads (host/runtime/digest.py)."""
+    from host.runtime.digest import buffer_digests
     from host.runtime.model import is_large, typed_inputs
 
     h = hashlib.sha256(typed_inputs(proto).SerializeToString(deterministic=True))
-    for t in proto.graph.initializer:
-        if is_large(t):
-            data = t.raw_data if t.raw_data else t.SerializeToString(deterministic=True)
-            h.update(f"\0{t.name}\0{t.data_type}\0{list(t.dims)}\0{len(data)}\0".encode())
-            h.update(data)
+    large = [t for t in proto.graph.initializer if is_large(t)]
+    datas = ((t.raw_data or t.SerializeToString(deterministic=True)) for t in large)  # raw_data: a copy per access
+    for t, (length, digest) in zip(large, _with_lengths(datas, buffer_digests)):
+        h.update(f"\0{t.name}\0{t.data_type}\0{list(t.dims)}\0{length}\0".encode())
+        h.update(digest)
     return h.digest()
+
+
+def _with_lengths(datas, digests):
+    """(length, digest) of each buffer of `datas`, hashed by `digests` (which sees each buffer once)."""
+    lengths = []
+
+    def counted():
+        for data in datas:
+            lengths.append(len(data))
+            yield data
+
+    for k, digest in enumerate(digests(counted())):
+        yield lengths[k], digest
 
 
 def optimize_cached(proto: onnx.ModelProto, level: GraphOptimizationLevel,
