@@ -338,6 +338,24 @@ def _compiled_operands(b, b_scale, b_zp, bias):
     return centered, columns(scale, n), None if bias is None else np.ascontiguousarray(bias, F32)
 
 
+def _compiled_softmax(codes, table, steps, sat) -> np.ndarray | None:
+    """QLinearSoftmax over the last axis as one compiled pass (ep_qlinear_softmax: the NumPy path's float32
+    operations, its sum included) for contiguous 8-bit codes and an 8-bit output with a scalar zero point;
+    None otherwise."""
+    lib = native.LIB
+    kind = _BYTE_KINDS.get(codes.dtype)
+    zp = sat.zero_point
+    if (lib is None or kind is None or sat.kind not in (0, 1) or not codes.ndim or not codes.size
+            or not codes.flags.c_contiguous or (zp is not None and zp.ndim)):
+        return None
+    y = np.empty(codes.shape, sat.dtype)
+    n = codes.shape[-1]
+    if lib.ep_qlinear_softmax(native.ptr(codes), kind, codes.size // n, n, native.ptr(table), float(steps),
+                              0.0 if zp is None else float(zp), sat.lo, sat.hi, sat.kind, native.ptr(y)):
+        return None
+    return y
+
+
 @register("QLinearSoftmax", domain=MS)
 class QLinearSoftmax(BoundParams, OpKernel):
     """Dequantize, softmax in float32 along `axis` (the whole tail from `axis` where the op's `opset`
@@ -368,6 +386,10 @@ class QLinearSoftmax(BoundParams, OpKernel):
         table, steps, sat = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), self._params)
         if y_zp is None and sat.dtype != x.dtype:
             sat = Saturate(None, x.dtype)
+        if axis == codes.ndim - 1:
+            y = _compiled_softmax(codes, table, steps, sat)
+            if y is not None:
+                return (y.reshape(shape),)
         top = np.maximum.reduce(codes, axis=axis, keepdims=True)
         # max - code >= 0: exact in uint8 itself for uint8 codes, in int32 for signed ones
         distance = top - codes if codes.dtype == np.uint8 else np.subtract(top, codes, dtype=np.int32)

@@ -136,4 +136,51 @@ HOT __attribute__((optimize("fp-contract=off"))) void ep_qlinear_add(
     }
 }
 
+/* NumPy's float32 sum of n contiguous values (its pairwise_sum: a plain loop under 8 values, eight running
+ * sums up to 128, halves above), so that a sum here has the bits of `x.sum(axis=-1)` over a contiguous row. */
+static float numpy_pairwise_sum(const float *a, int64_t n) {
+    if (n < 8) {
+        float res = -0.0f;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        int64_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return numpy_pairwise_sum(a, n2) + numpy_pairwise_sum(a + n2, n - n2);
+}
+
+/* com.microsoft QLinearSoftmax (ops_quant_ms.py) over the last axis of `rows` contiguous rows of n 8-bit codes,
+ * in the NumPy path's float32 operations: e = table[max code - code] (exp(-d * x_scale)), p = e * steps / sum(e),
+ * rounded half to even, plus the output zero point, saturated. Returns 1 (nothing written) when memory is
+ * short. */
+HOT __attribute__((optimize("fp-contract=off"))) int ep_qlinear_softmax(
+    const void *x, int x_kind, int64_t rows, int64_t n, const float *table, float steps, float y_zp, float lo,
+    float hi, int y_kind, void *y) {
+    float *e = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    if (!e) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * n;
+        int32_t top = q8_at(x, x_kind, base);
+        for (int64_t i = 1; i < n; i++) {
+            const int32_t c = q8_at(x, x_kind, base + i);
+            top = c > top ? c : top;
+        }
+        for (int64_t i = 0; i < n; i++) e[i] = table[top - q8_at(x, x_kind, base + i)];
+        const float total = numpy_pairwise_sum(e, n);
+        for (int64_t i = 0; i < n; i++) q8_put(y, y_kind, base + i, rintf(e[i] * steps / total) + y_zp, lo, hi);
+    }
+    free(e);
+    return 0;
+}
+
 #include "kernels_trees.c" /* tree ensembles: after kernels_gemm.c, whose pool shares their rows out */
