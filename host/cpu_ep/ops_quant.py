@@ -427,7 +427,7 @@ class QLinearMatMul(IntGemm):
             return None
         centered, a_zp_value, mult, y_zp_value, sat = out
         y = np.empty((*a.shape[:-1], n), sat.dtype)
-        if lib.ep_qlinear_matmul(native.ptr(a), kind, m, k, a_zp_value, native.ptr(centered), n, native.ptr(mult),
+        if lib.ep_qlinear_matmul(native.ptr(a), kind, m, k, a_zp_value, centered, n, mult,
                                  y_zp_value, sat.lo, sat.hi, sat.kind, native.ptr(y)):
             return None
         return y
@@ -457,7 +457,7 @@ def columns(v, n: int) -> np.ndarray:
 
 def _compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
     """(centered B, A's zero point as an int, the N float32 multipliers, the output zero point as a float, the
-    output's Saturate) for ep_qlinear_matmul, or None where A's zero point is not per tensor or the parameters
+    output's Saturate) for ep_qlinear_matmul, B and the multipliers as C pointers, or None where A's zero point is not per tensor or the parameters
     are neither per tensor nor per column."""
     n = b.shape[1]
     centered = centered_int16(b, b_zp)
@@ -470,7 +470,7 @@ def _compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
     a_zp_value = 0 if a_zp is None else int(np.asarray(a_zp).reshape(()))
     y_zp_value = 0.0 if sat.zero_point is None else float(sat.zero_point)
     mult = output_multiplier(a_scale, b_scale.reshape(-1), y_scale)
-    return centered, a_zp_value, columns(mult, n), y_zp_value, sat
+    return native.ptr(centered), a_zp_value, native.ptr(columns(mult, n)), y_zp_value, sat  # pointers keep their arrays
 
 
 def _channel(v, ndim: int) -> np.ndarray:

@@ -318,16 +318,16 @@ class DynamicQuantizeMatMul(IntGemm):
         operands = self.derived((1, 2, 3, 4), (b, b_scale, b_zp, bias), _compiled_operands)
         if operands is None:
             return None
-        centered, scales, column_bias = operands
+        centered, scales, column_bias = operands  # C pointers, made once per bound B (each keeps its array)
         y = np.empty((*a.shape[:-1], n), F32)
-        failed = lib.ep_dynamic_qmatmul(native.ptr(a), m, k, native.ptr(centered), n, native.ptr(scales),
-                                        native.NULL if column_bias is None else native.ptr(column_bias), native.ptr(y))
+        failed = lib.ep_dynamic_qmatmul(native.ptr(a), m, k, centered, n, scales, column_bias, native.ptr(y))
         return None if failed else y
 
 
 def _compiled_operands(b, b_scale, b_zp, bias):
-    """(B minus its zero point as int16, the N column scales, the N-float bias or None) for ep_dynamic_qmatmul,
-    or None where the operands are not a 2-D int8/uint8 B with per-tensor or per-column parameters."""
+    """C pointers to (B minus its zero point as int16, the N column scales, the N-float bias or NULL) for
+    ep_dynamic_qmatmul, or None where the operands are not a 2-D int8/uint8 B with per-tensor or per-column
+    parameters."""
     n = b.shape[1]
     centered = centered_int16(b, b_zp)
     scale = np.asarray(b_scale)
@@ -335,22 +335,23 @@ def _compiled_operands(b, b_scale, b_zp, bias):
         return None
     if bias is not None and (np.asarray(bias).dtype != F32 or np.asarray(bias).shape != (n,)):
         return None
-    return centered, columns(scale, n), None if bias is None else np.ascontiguousarray(bias, F32)
+    return (native.ptr(centered), native.ptr(columns(scale, n)),
+            native.NULL if bias is None else native.ptr(np.ascontiguousarray(bias, F32)))
 
 
-def _compiled_softmax(codes, table, steps, sat) -> np.ndarray | None:
+def _compiled_softmax(codes, table_ptr, steps, sat) -> np.ndarray | None:
     """QLinearSoftmax over the last axis as one compiled pass (ep_qlinear_softmax: the NumPy path's float32
     operations, its sum included) for contiguous 8-bit codes and an 8-bit output with a scalar zero point;
     None otherwise."""
     lib = native.LIB
     kind = _BYTE_KINDS.get(codes.dtype)
     zp = sat.zero_point
-    if (lib is None or kind is None or sat.kind not in (0, 1) or not codes.ndim or not codes.size
+    if (lib is None or table_ptr is None or kind is None or sat.kind not in (0, 1) or not codes.ndim or not codes.size
             or not codes.flags.c_contiguous or (zp is not None and zp.ndim)):
         return None
     y = np.empty(codes.shape, sat.dtype)
     n = codes.shape[-1]
-    if lib.ep_qlinear_softmax(native.ptr(codes), kind, codes.size // n, n, native.ptr(table), float(steps),
+    if lib.ep_qlinear_softmax(native.ptr(codes), kind, codes.size // n, n, table_ptr, float(steps),
                               0.0 if zp is None else float(zp), sat.lo, sat.hi, sat.kind, native.ptr(y)):
         return None
     return y
@@ -376,18 +377,19 @@ class QLinearSoftmax(BoundParams, OpKernel):
         table = np.exp(distances * _f32(x_scale).reshape(()))
         # onnxruntime scales by floor(1 / y_scale), not 1 / y_scale (254, not 255, for a 1/255 scale)
         steps = np.floor(np.float32(1) / _f32(y_scale)).astype(F32).reshape(())
-        return table, steps, Saturate(y_zp, _out_dtype(y_zp, np.uint8))
+        # the table's C pointer too (made once per bound parameters) for the compiled pass
+        return table, steps, Saturate(y_zp, _out_dtype(y_zp, np.uint8)), native.ptr(table) if native.LIB else None
 
     def _run(self, x, x_scale, x_zp, y_scale, y_zp=None):
         axis = normalize_axis(self.axis, x.ndim)
         shape = x.shape
         codes = x.reshape(*shape[:axis], -1) if self.flatten else x
         axis = codes.ndim - 1 if self.flatten else axis
-        table, steps, sat = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), self._params)
+        table, steps, sat, table_ptr = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), self._params)
         if y_zp is None and sat.dtype != x.dtype:
             sat = Saturate(None, x.dtype)
         if axis == codes.ndim - 1:
-            y = _compiled_softmax(codes, table, steps, sat)
+            y = _compiled_softmax(codes, table_ptr, steps, sat)
             if y is not None:
                 return (y.reshape(shape),)
         top = np.maximum.reduce(codes, axis=axis, keepdims=True)
