@@ -142,12 +142,14 @@ def check_text(proto: onnx.ModelProto) -> None:
             raise ModelError(f"model is not valid ONNX: a {what} is not UTF-8 text ({bytes(value)[:40]!r})")
 
 
-def build_graph(model) -> Graph:
+def build_graph(model, owned: bool = False) -> Graph:
     """The Graph of `model`. ONNX's checker and shape inference run with the large initializers as typed
     graph inputs (`typed_inputs`), so that neither serialises their data (seconds for a BERT-sized
     model); their value fields are checked here instead (`check_weights`), and their arrays come from
-    the model."""
+    the model. `owned`: a ModelProto `model` is the caller's to change (the session's own optimized
+    model), so inference's answer is put into it instead of into a copy of its weights."""
     proto = load_model(model)
+    owned = owned or proto is not model  # loaded here from a path or bytes: ours
     check_text(proto)
     opsets = _check_opsets(proto)
     if proto.ir_version < 4:
@@ -157,6 +159,7 @@ def build_graph(model) -> Graph:
         upgraded.CopyFrom(proto)
         upgraded.ir_version = 4
         proto = upgraded
+        owned = True
     check_weights(proto.graph)
     checked = typed_inputs(proto)
     try:
@@ -170,7 +173,7 @@ def build_graph(model) -> Graph:
     except Exception as exc:  # noqa: BLE001 - inference errors are model errors
         raise ModelError(f"shape inference failed: {exc}") from exc
     if checked is not proto:
-        inferred = initializers_back(inferred, proto)
+        inferred = initializers_back(inferred, proto, in_place=owned)
     for what, vis in (("graph input", inferred.graph.input), ("graph output", inferred.graph.output)):
         for vi in vis:
             types.check_io_type(vi.name, vi.type, what)
@@ -219,9 +222,16 @@ def typed_inputs(proto: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
-def initializers_back(inferred: onnx.ModelProto, proto: onnx.ModelProto) -> onnx.ModelProto:
+def initializers_back(inferred: onnx.ModelProto, proto: onnx.ModelProto, in_place: bool = False) -> onnx.ModelProto:
     """`inferred` (shape inference's answer for `typed_inputs(proto)`) with `proto`'s graph inputs and
-    initializers again (copies of the data, not serialisations)."""
+    initializers again (copies of the data, not serialisations). `in_place`: `proto` itself with
+    inference's graph fields instead (nodes, whose subgraphs inference also annotates, value infos and
+    outputs): no copy of the weights, which for a BERT-sized model is a few hundred megabytes."""
+    if in_place:
+        for name in ("node", "value_info", "output"):
+            proto.graph.ClearField(name)
+            getattr(proto.graph, name).extend(getattr(inferred.graph, name))
+        return proto
     out = onnx.ModelProto()
     copy_fields(inferred, out, skip=("graph",))
     copy_fields(inferred.graph, out.graph, skip=("initializer", "input"))

@@ -164,7 +164,7 @@ class InferenceSession:
         stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
             model = self._optimized(path_or_bytes)
-            self.graph = build_graph(model)
+            self.graph = build_graph(model, owned=model is not path_or_bytes)  # not the caller's ModelProto
         self.env.track_session(self)  # env.close() closes it first; refused when the env is closed
         try:
             self._provider_list = _parse_providers(
