@@ -38,7 +38,7 @@ from host.plugins import hostapi
 from host.plugins.hostapi import ffi
 from host.plugins.loader import text
 from host.runtime.graphview import GraphView
-from host.runtime.model import Graph, build_graph, copy_fields, load_model, outer_names
+from host.runtime.model import Graph, build_graph, load_model, outer_names
 from host.runtime.partition import compile as compiled
 from host.runtime.warn import warn_caller
 
@@ -184,21 +184,24 @@ def kept_weights_file(model_path: Path) -> Path:
     return model_path.with_name(f"{model_path.stem}.weights")
 
 
-def unread_initializers_dropped(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """`proto` without the initializers that no node, graph input or graph output reads (a copy; `proto`
-    itself when there are none). In a context model these are the weights of the compiled partitions:
-    only the kept subgraphs read them, and the session's graph is built without them, so that the
-    checker and shape inference do not serialise them and GetCapability does not hand them to the
-    EPs (the kept subgraphs are compiled from the full model when a context is refused)."""
+def take_unread_initializers(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The initializers that no node, graph input or graph output of `proto` reads, taken out of it (in place,
+    the others left where they are: no copy of their data), in their order. In a context model these are the
+    weights of the compiled partitions: only the kept subgraphs read them (from the `.weights` file, unread
+    until then), and the session's graph is built without them, so that the checker and shape inference do
+    not serialise them and GetCapability does not hand them to the EPs (the kept subgraphs are compiled from
+    the model with them put back when a context is refused)."""
     g = proto.graph
     read = main_graph_reads(g)
-    if all(t.name in read for t in g.initializer):
-        return proto
-    lean = onnx.ModelProto()
-    copy_fields(proto, lean, skip=("graph",))
-    copy_fields(g, lean.graph, skip=("initializer",))
-    lean.graph.initializer.extend(t for t in g.initializer if t.name in read)
-    return lean
+    taken = []
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name not in read:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(g.initializer[i])
+            taken.append(copy)
+            del g.initializer[i]
+    taken.reverse()
+    return taken
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -222,6 +225,7 @@ class SavedContexts:
     compatibility: dict[str, str]         # EP name -> saved compatibility string
     ready: dict[str, compiled.CompiledPartition] = field(default_factory=dict)
     base: Path | None = None              # the model's folder (external weights and context files)
+    unread: list = field(default_factory=list)  # initializers only kept subgraphs read (take_unread_initializers)
 
     @classmethod
     def split(cls, model) -> tuple[onnx.ModelProto, SavedContexts | None]:
@@ -246,9 +250,9 @@ class SavedContexts:
                 kept = [a for a in node.attribute if a.name not in STRIPPED]
                 del node.attribute[:]
                 node.attribute.extend(kept)
-        lean = unread_initializers_dropped(light)
-        _load_external(lean, base, "the external tensors the graph reads")  # the saver keeps none there
-        return lean, cls(light, nodes, compatibility_strings(light), base=base)
+        unread = take_unread_initializers(light)
+        _load_external(light, base, "the external tensors the graph reads")  # the saver keeps none there
+        return light, cls(light, nodes, compatibility_strings(light), base=base, unread=unread)
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
         """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
@@ -340,6 +344,7 @@ class SavedContexts:
                 nodes.append(node)
         del proto.graph.node[:]
         proto.graph.node.extend(nodes)
+        proto.graph.initializer.extend(self.unread)
         _load_external(proto, self.base, f"the weights of {', '.join(repr(n) for n in names)}, to compile them again")
         return proto
 

@@ -1,5 +1,5 @@
 """Issue 29: what loading a context model skips. The session's graph is built without the weights that
-only the compiled partitions read (epcontext.unread_initializers_dropped), so the checker, shape
+only the compiled partitions read (epcontext.take_unread_initializers), so the checker, shape
 inference and GetCapability never see them; a refused context still compiles from the full model.
 Outputs are compared with onnxruntime's CPU EP on the source model."""
 
@@ -161,18 +161,20 @@ def _model_with_initializers() -> onnx.ModelProto:
     return model
 
 
-def test_unread_initializers_dropped_keeps_what_is_read():
+def test_take_unread_initializers_leaves_what_is_read_in_place():
     model = _model_with_initializers()
-    before = model.SerializeToString()
-    lean = epcontext.unread_initializers_dropped(model)
-    assert model.SerializeToString() == before, "the model given is not changed"
-    assert [t.name for t in lean.graph.initializer] == ["a", "b", "c", "zero"]
-    onnx.checker.check_model(lean)
-    # Everything but the unread initializer is as it was: the same model once that one is removed.
-    del model.graph.initializer[3]
-    assert lean.SerializeToString() == model.SerializeToString()
-    # Nothing to drop: the model itself.
-    assert epcontext.unread_initializers_dropped(lean) is lean
+    full = onnx.ModelProto()
+    full.CopyFrom(model)
+    taken = epcontext.take_unread_initializers(model)
+    assert [t.name for t in taken] == ["unread"]
+    assert [t.name for t in model.graph.initializer] == ["a", "b", "c", "zero"]
+    onnx.checker.check_model(model)
+    # Everything but the unread initializer is as it was; it comes back whole.
+    assert taken[0] == full.graph.initializer[3]
+    del full.graph.initializer[3]
+    assert model.SerializeToString() == full.SerializeToString()
+    # Nothing left to take.
+    assert epcontext.take_unread_initializers(model) == []
 
 
 def _weights_and_shapes_model() -> onnx.ModelProto:
