@@ -17,7 +17,8 @@ Creation is InferenceSession(...) alone (the Environment and plugin load are rep
 `env_s`). Each process then runs the model 100 times: `run1_ms` is the first run, `run100_ms` the
 hundredth (outputs copied to the host both times). `EPHOST_BENCH_PROFILE=1` adds each creation's
 cProfile top functions, `=2` run 1's too (its time then includes cProfile's overhead)
-($EPHOST_BENCH_PROFILE_ROWS rows each). Models are time-boxed: a model whose budget share
+($EPHOST_BENCH_PROFILE_ROWS rows each; $EPHOST_BENCH_PROFILE_CALLERS=name,... adds those functions'
+callers). Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 """
 
@@ -131,7 +132,30 @@ def _top(profiler, count: int | None = None) -> list[str]:
     count = count or int(os.environ.get("EPHOST_BENCH_PROFILE_ROWS", "14"))
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, callers)
-    return [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
+    lines = [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
+    return lines + _callers(stats, os.environ.get("EPHOST_BENCH_PROFILE_CALLERS", ""))
+
+
+def _callers(stats, names: str, depth: int = 4) -> list[str]:
+    """For each function named in `names` (comma-separated, $EPHOST_BENCH_PROFILE_CALLERS), who calls it, by
+    the time spent under them, `depth` callers up (the four heaviest at each step): what a hot leaf (cffi's
+    type parser, NVRTC) is called for."""
+    lines = []
+
+    def walk(key, level):
+        callers = stats.stats[key][4]
+        for ckey, c in sorted(callers.items(), key=lambda kv: -kv[1][3])[:4]:
+            f, ln, n = ckey
+            lines.append(f"{'  ' * level}{c[3]:.3f}s {c[1]} calls from {n} ({Path(f).name}:{ln})")
+            if level < depth and ckey in stats.stats:
+                walk(ckey, level + 1)
+
+    for want in filter(None, names.split(",")):
+        for key, (_, nc, _, ct, _) in list(stats.stats.items()):
+            if key[2] == want:
+                lines.append(f"{ct:.3f}s in {nc} calls of {want} ({Path(key[0]).name}:{key[1]}):")
+                walk(key, 1)
+    return lines
 
 
 def measure(model: str, plugin: str, save: str | None) -> dict:
