@@ -6,6 +6,7 @@ Both the host and plugins import this package; neither imports the other.
 from __future__ import annotations
 
 import functools
+import os
 
 import cffi
 
@@ -76,11 +77,20 @@ def slots_at(table: str, version: int) -> list[str]:
 
 
 @functools.cache
-def ffi_for(version: int = ABI_VERSION) -> cffi.FFI:
-    """An FFI holding the ABI declarations of `version` (cached: cdef parsing costs ms)."""
+def ffi_for(version: int = ABI_VERSION):
+    """An FFI holding the ABI declarations of `version`: the out-of-line module's (abi/outofline.py: type
+    strings parsed in C), else an in-line FFI (cached: cdef parsing costs ms). `EPHOST_CFFI_MODULES=0`: the
+    in-line one always."""
     check_known_version(version)
+    declarations = cdef(version)
+    if os.environ.get("EPHOST_CFFI_MODULES", "1") != "0":
+        from abi import outofline
+
+        ffi = outofline.load(f"_ephost_abi_v{version}", declarations)
+        if ffi is not None:
+            return ffi
     ffi = cffi.FFI()
-    ffi.cdef(cdef(version))
+    ffi.cdef(declarations)
     return ffi
 
 

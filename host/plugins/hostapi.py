@@ -122,13 +122,13 @@ def _log_onerror(exc_type, exc, tb):
 
 
 
-@ffi.callback("EpStatus*(int32_t, const char*)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(int32_t, const char*)", onerror=_status_onerror)
 def _create_status(code, message):
     text = ffi.string(message) if message != ffi.NULL else b""
     return STATUSES.create(code, text)
 
 
-@ffi.callback("int32_t(const EpStatus*)", error=abi.EP_INVALID_ARGUMENT, onerror=_log_onerror)
+@ffi.callback("int32_t(*)(const EpStatus*)", error=abi.EP_INVALID_ARGUMENT, onerror=_log_onerror)
 def _get_error_code(status):
     item = STATUSES.get(status)
     return abi.EP_INVALID_ARGUMENT if item is None else item[0]
@@ -142,25 +142,25 @@ def _message_onerror(exc_type, exc, tb):
     return _UNKNOWN
 
 
-@ffi.callback("const char*(const EpStatus*)", onerror=_message_onerror)
+@ffi.callback("const char*(*)(const EpStatus*)", onerror=_message_onerror)
 def _get_error_message(status):
     text = STATUSES.message(status)
     return _UNKNOWN if text is None else text
 
 
-@ffi.callback("void(EpStatus*)", onerror=_log_onerror)
+@ffi.callback("void(*)(EpStatus*)", onerror=_log_onerror)
 def _release_status(status):
     STATUSES.release(status)
 
 
-@ffi.callback("void(const EpLogger*, int32_t, const char*)", onerror=_log_onerror)
+@ffi.callback("void(*)(const EpLogger*, int32_t, const char*)", onerror=_log_onerror)
 def _logger_log(logger, severity, message):
     name = LOGGERS.name(logger) if logger != ffi.NULL else "unknown"
     text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
     logging.getLogger(f"ephost.plugin.{name}").log(_SEVERITY.get(severity, logging.INFO), "%s", text)
 
 
-@ffi.callback("EpStatus*(const EpSessionOptions*, const char*, char*, size_t*)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(const EpSessionOptions*, const char*, char*, size_t*)", onerror=_status_onerror)
 def _get_config_entry(options, key, value, size):
     entries = SESSION_OPTIONS.get(options)
     if entries is None or key == ffi.NULL or size == ffi.NULL:
@@ -204,7 +204,7 @@ def _context_call(name: str, context, fn):
         return _status(code, f"{name}: {exc}")
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, const EpKernelIO**)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(EpKernelContext*, const EpKernelIO**)", onerror=_status_onerror)
 def _kc_get_io(context, io):
     obj = _live_context(context)
     if obj is None or io == ffi.NULL:
@@ -213,7 +213,7 @@ def _kc_get_io(context, io):
     return ffi.NULL
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(EpKernelContext*, int32_t, const int64_t*, int32_t, EpTensor**)", onerror=_status_onerror)
 def _kc_get_output(context, index, shape, ndim, out):
     obj = _live_context(context)
     if obj is None or out == ffi.NULL or (ndim > 0 and shape == ffi.NULL):
@@ -229,7 +229,7 @@ def _kc_get_output(context, index, shape, ndim, out):
     return ffi.NULL
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, void**)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(EpKernelContext*, void**)", onerror=_status_onerror)
 def _kc_get_stream(context, stream):
     def run(obj):
         if stream == ffi.NULL:
@@ -239,7 +239,7 @@ def _kc_get_stream(context, stream):
     return _context_call("KernelContext_GetGPUComputeStream", context, run)
 
 
-@ffi.callback("EpStatus*(EpKernelContext*, EpSyncStream**)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(EpKernelContext*, EpSyncStream**)", onerror=_status_onerror)
 def _kc_get_sync_stream(context, stream):
     def run(obj):
         if stream == ffi.NULL:
@@ -274,7 +274,7 @@ class FuseRegistry:
 FUSE_GROUPS = FuseRegistry()
 
 
-@ffi.callback("EpStatus*(const EpGraphView*, const int32_t*, size_t)", onerror=_status_onerror)
+@ffi.callback("EpStatus*(*)(const EpGraphView*, const int32_t*, size_t)", onerror=_status_onerror)
 def _graph_add_nodes_to_fuse(graph, nodes, count):
     groups = FUSE_GROUPS.get(graph)
     if groups is None:
@@ -300,7 +300,7 @@ def _graph_add_nodes_to_fuse(graph, nodes, count):
 _VERSION_STRING = ffi.new("char[]", b"ephost 0.1.0")
 
 
-@ffi.callback("const char*(void)", onerror=_log_onerror)
+@ffi.callback("const char*(*)(void)", onerror=_log_onerror)
 def _get_version_string():
     return _VERSION_STRING
 
@@ -342,7 +342,7 @@ class HostApi:
         # Each version's table is made on first GetApi(v): its size comes from parsing that version's
         # declarations, which a plugin built for this host's version never needs.
         self._tables: dict[int, object] = {}
-        self._get_api = ffi.callback("const EpApi*(uint32_t)", self._lookup, onerror=_log_onerror)
+        self._get_api = ffi.callback("const EpApi*(*)(uint32_t)", self._lookup, onerror=_log_onerror)
         self.base = ffi.new("EpApiBase*")
         self.base.struct_size = ffi.sizeof("EpApiBase")
         self.base.version = api_version

@@ -26,6 +26,8 @@ MAX_FACTORIES = 8
 MAX_DEVICES = 64
 
 _ENTRY_FFI = abi.ffi_for(abi.ABI_VERSION)
+# What a missing symbol raises: an out-of-line FFI's own error (abi/outofline.py); AttributeError in-line.
+_MISSING_SYMBOL = getattr(_ENTRY_FFI, "error", AttributeError)
 
 
 # ---- the one gate ------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def open_library(path: Path):
         for sym in ("CreateEpFactories", "ReleaseEpFactory"):
             try:
                 getattr(lib, sym)
-            except (AttributeError, NotImplementedError) as exc:
+            except (AttributeError, NotImplementedError, _MISSING_SYMBOL) as exc:
                 raise PluginLoadError(f"plugin '{path}': missing entry symbol {sym}") from exc
         _LIBRARIES[key] = lib
         return lib

@@ -31,7 +31,7 @@ def prepare(plan, bounds_blas: bool) -> None:
         for name in RUN_TYPES:
             try:
                 ffi.typeof(name)  # cached by cffi for the process
-            except CDefError:  # not declared: then no run uses it either
+            except (CDefError, getattr(ffi, "error", CDefError)):  # not declared (in-line / out-of-line FFI): then no run uses it either
                 continue
     if bounds_blas:
         threads.POOLS.libraries()

@@ -113,7 +113,7 @@ def test_cdef_cuts_each_table_at_its_version(version):
         if not header().struct(table).exists_at(version):
             # A struct newer than the version is only a name there: no size, no members.
             assert f"typedef struct {table} {table};" in text
-            with pytest.raises(ValueError, match="is of unknown size"):
+            with pytest.raises((ValueError, getattr(ffi, "error", ValueError)), match="unknown size|know the size"):  # in-line / out-of-line FFI
                 ffi.sizeof(table)
             continue
         for m in header().struct(table).members:

@@ -37,7 +37,7 @@ def _status(code: int, message: str):
     return hostapi.STATUSES.create(code, message.encode("utf-8", "replace"))
 
 
-@ffi.callback("EpStatus*(void*, int32_t, const int64_t*, int32_t, void**)", onerror=hostapi._status_onerror)
+@ffi.callback("EpStatus*(*)(void*, int32_t, const int64_t*, int32_t, void**)", onerror=hostapi._status_onerror)
 def _allocate_output(context, index, dims, rank, data):
     ctx = FRAMES.get(context)
     if ctx is None or not ctx.active or data == _NULL or rank < 0 or (rank > 0 and dims == _NULL):
@@ -53,7 +53,7 @@ def _allocate_output(context, index, dims, rank, data):
     return _NULL
 
 
-@ffi.callback("EpStatus*(void*, size_t, void**)", onerror=hostapi._status_onerror)
+@ffi.callback("EpStatus*(*)(void*, size_t, void**)", onerror=hostapi._status_onerror)
 def _alloc_scratch(context, nbytes, data):
     ctx = FRAMES.get(context)
     if ctx is None or not ctx.active or data == _NULL:
@@ -65,7 +65,7 @@ def _alloc_scratch(context, nbytes, data):
     return _NULL
 
 
-@ffi.callback("void(void*, void*)", onerror=hostapi._log_onerror)
+@ffi.callback("void(*)(void*, void*)", onerror=hostapi._log_onerror)
 def _free_scratch(context, data):
     ctx = FRAMES.get(context)
     if ctx is not None and ctx.active:
