@@ -2,6 +2,8 @@
 
 - kernels.c becomes a setuptools extension module (host/cpu_ep/native/_kernels.<ext suffix>), which
   host.cpu_ep.native opens with ffi.dlopen. Its flags and source hash come from build_info.py.
+- The ABI's cffi declarations as out-of-line modules (abi/_cffi/_ephost_abi_v<N>_<hash>.py: C type strings
+  parsed in C at run time; abi/outofline.py), written into the build's copy of the package.
 - Each built-in plugin's cffi embedding shim (the CUDA plugin: plugin_cuda/_ephost_cuda_v<N>_pkg<hash>.<ext
   suffix>), which host.plugins.builtin finds by provider name and the loader opens by path.
 
@@ -27,4 +29,18 @@ _spec = importlib.util.spec_from_file_location("_ephost_build_info", ROOT / "hos
 build_info = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_info)
 
-setup(ext_modules=[build_info.extension(ROOT), *builtin.package_extensions()])
+from setuptools.command.build_py import build_py  # noqa: E402
+
+
+class BuildPyWithFfiModules(build_py):
+    """build_py, then the ABI's out-of-line cffi modules into the built package (not into the source tree)."""
+
+    def run(self):
+        super().run()
+        from abi import outofline
+
+        outofline.write_package_modules(Path(self.build_lib) / "abi" / "_cffi")
+
+
+setup(ext_modules=[build_info.extension(ROOT), *builtin.package_extensions()],
+      cmdclass={"build_py": BuildPyWithFfiModules})

@@ -234,7 +234,8 @@ def test_build_py_reports_a_missing_compiler_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkout(tmp_path):
     """`pip install .` (no checkout on sys.path): the CUDA plugin is the package build's, inside the
-    installed package, and loads; nothing is built into the cache."""
+    installed package, and loads; the ABI's cffi module is the package's too: nothing is built or written
+    into the cache."""
     target = tmp_path / "site"
     src = tmp_path / "src"  # a copy, so setuptools' build/ never lands in the checkout
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "mutants", ".ci-venv*", ".whl",
@@ -251,6 +252,8 @@ def test_a_non_editable_install_runs_the_builtin_cuda_plugin_outside_the_checkou
         from host.cli import zoo
         env = host.Environment()
         assert env.ensure_builtin("CUDAExecutionProvider")
+        import abi
+        assert type(abi.ffi_for()).__module__ == "_cffi_backend"  # the package's out-of-line ABI module
         print(env.plugins["cuda"].path)
     """)
     env = {**os.environ, "PYTHONPATH": str(target), "EPHOST_CACHE_DIR": str(tmp_path / "cache")}
