@@ -19,6 +19,7 @@ from host.plugins.environment import Environment
 from host.plugins.hostapi import ffi
 from host.runtime.session import InferenceSession
 from tests.abi.test_compiled import chain_model
+from tests.spies import record_calls
 
 
 @pytest.fixture
@@ -26,14 +27,7 @@ def parses(monkeypatch):
     """The C sources cffi's pycparser pass reads (cffi.cparser.Parser._parse: an in-line FFI's type strings,
     milliseconds each), with the host FFI's type cache emptied as in a new process where it has one (the
     in-line FFI; the out-of-line one, abi/outofline.py, parses type strings in C)."""
-    calls = []
-    parse = cparser.Parser._parse
-
-    def counted(self, csource):
-        calls.append(csource)
-        return parse(self, csource)
-
-    monkeypatch.setattr(cparser.Parser, "_parse", counted)
+    calls = record_calls(monkeypatch, cparser.Parser, "_parse")
     cache = getattr(ffi, "_parsed_types", None)
     saved = dict(cache or {})
     if cache is not None:

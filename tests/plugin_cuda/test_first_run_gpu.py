@@ -18,6 +18,7 @@ from host.runtime import epcontext
 from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
 from tests.plugin_cuda.test_plan import MODELS, feeds_for, reference
+from tests.spies import record_calls
 
 pytestmark = pytest.mark.gpu
 CUDA = "CUDAExecutionProvider"
@@ -31,15 +32,7 @@ def instances(monkeypatch) -> list:
     """The streams Plan._instance made an instance for, in order."""
     from plugin_cuda.plan import plan as plan_module
 
-    made = []
-    real = plan_module.Plan._instance
-
-    def counted(self, stream):
-        made.append(stream)
-        return real(self, stream)
-
-    monkeypatch.setattr(plan_module.Plan, "_instance", counted)
-    return made
+    return record_calls(monkeypatch, plan_module.Plan, "_instance")
 
 
 def _context_model(genv, model, tmp_path):
