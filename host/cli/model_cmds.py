@@ -37,12 +37,12 @@ def _builder_kwargs(args) -> dict:
 
 
 def _save(model, out: str) -> None:
-    import onnx
+    from host.runtime.model import save_model
 
     path = Path(out)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # `make-model mlp build/mlp.onnx` from an empty folder
-        onnx.save(model, str(path))
+        save_model(model, path)
     except OSError as exc:
         raise CliError(f"cannot write model to '{out}': {exc}") from exc
 

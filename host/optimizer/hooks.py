@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import onnx
 
 from host.errors import EphostError, InvalidArgument
@@ -99,8 +97,10 @@ def _run_optimizer(proto: onnx.ModelProto, level: GraphOptimizationLevel) -> Opt
 
 def save(model: onnx.ModelProto, path) -> None:
     """Write the optimized model (as onnxruntime does for optimized_model_filepath)."""
+    from host.runtime.model import save_model
+
     try:
-        onnx.save(model, str(Path(path)))
+        save_model(model, path)
     except OSError as exc:
         raise InvalidArgument(f"optimized_model_filepath '{path}': cannot write the optimized model ({exc}); "
                               "expected a writable file path") from exc

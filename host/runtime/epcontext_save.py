@@ -32,6 +32,7 @@ from host.runtime.epcontext import (
     main_graph_reads,
     source_hash,
 )
+from host.runtime.model import save_model
 from host.runtime.warn import warn_caller
 
 
@@ -51,7 +52,7 @@ def save_if_enabled(session, source) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _kept_weights_apart(proto, path)
-        onnx.save(proto, str(path))
+        save_model(proto, path)
     except OSError as exc:
         raise InvalidArgument(f"ep.context_file_path '{path}': cannot write the "
                               f"context model ({exc.strerror or exc}); expected a writable file path") from exc

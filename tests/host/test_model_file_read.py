@@ -60,3 +60,31 @@ def test_an_empty_file_has_no_graph(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(InvalidArgument, match="No graph was found in the protobuf \\(0 bytes\\)"):
         load_model(path)
+
+
+def test_save_model_replaces_the_file_instead_of_rewriting_it(tmp_path):
+    """A reader's memory map of the old file keeps the old bytes (a truncating rewrite would fault it), the
+    new file is the new model, and no temporary file is left."""
+    import mmap
+
+    from host.runtime.model import save_model
+
+    path = tmp_path / "m.onnx"
+    old = _model()
+    save_model(old, path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        new = _model()
+        new.graph.name = "another"
+        new.graph.initializer[0].raw_data = bytes(len(new.graph.initializer[0].raw_data))
+        save_model(new, path)
+        assert bytes(mapped) == old.SerializeToString()
+    assert load_model(path).SerializeToString() == new.SerializeToString()
+    assert [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+
+
+def test_save_model_into_a_missing_folder_raises_and_leaves_nothing(tmp_path):
+    from host.runtime.model import save_model
+
+    with pytest.raises(OSError):
+        save_model(_model(), tmp_path / "missing" / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
