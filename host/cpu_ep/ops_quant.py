@@ -457,8 +457,8 @@ def columns(v, n: int) -> np.ndarray:
 
 def _compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
     """(centered B, A's zero point as an int, the N float32 multipliers, the output zero point as a float, the
-    output's Saturate) for ep_qlinear_matmul, B and the multipliers as C pointers, or None where A's zero point is not per tensor or the parameters
-    are neither per tensor nor per column."""
+    output's Saturate) for ep_qlinear_matmul, B and the multipliers as C pointers; None where A's zero point
+    is not per tensor or the parameters are neither per tensor nor per column."""
     n = b.shape[1]
     centered = centered_int16(b, b_zp)
     b_scale = np.asarray(b_scale)

@@ -293,23 +293,10 @@ def model_digest(proto: onnx.ModelProto) -> bytes:
     h = hashlib.sha256(typed_inputs(proto).SerializeToString(deterministic=True))
     large = [t for t in proto.graph.initializer if is_large(t)]
     datas = ((t.raw_data or t.SerializeToString(deterministic=True)) for t in large)  # raw_data: a copy per access
-    for t, (length, digest) in zip(large, _with_lengths(datas, buffer_digests)):
+    for t, (length, digest) in zip(large, buffer_digests(datas)):
         h.update(f"\0{t.name}\0{t.data_type}\0{list(t.dims)}\0{length}\0".encode())
         h.update(digest)
     return h.digest()
-
-
-def _with_lengths(datas, digests):
-    """(length, digest) of each buffer of `datas`, hashed by `digests` (which sees each buffer once)."""
-    lengths = []
-
-    def counted():
-        for data in datas:
-            lengths.append(len(data))
-            yield data
-
-    for k, digest in enumerate(digests(counted())):
-        yield lengths[k], digest
 
 
 def optimize_cached(proto: onnx.ModelProto, level: GraphOptimizationLevel,

@@ -37,22 +37,23 @@ def _pieces(data) -> list:
     return [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)] or [view]
 
 
-def _batch_digests(batch: list, pool) -> list[bytes]:
+def _batch_digests(batch: list, pool) -> list[tuple[int, bytes]]:
     pieces = [_pieces(data) for data in batch]
     flat = [p for ps in pieces for p in ps]
     hashed = iter(pool.map(_sha256, flat) if pool is not None and len(flat) > 1 else map(_sha256, flat))
-    return [b"".join(next(hashed) for _ in ps) for ps in pieces]
+    return [(sum(map(len, ps)), b"".join(next(hashed) for _ in ps)) for ps in pieces]  # lengths in bytes
 
 
-def buffer_digests(buffers: Iterable) -> Iterator[bytes]:
-    """For each buffer (bytes-like) in order, the concatenated SHA-256 digests of its pieces."""
+def buffer_digests(buffers: Iterable) -> Iterator[tuple[int, bytes]]:
+    """For each buffer (bytes-like) in order, its length in bytes and the concatenated SHA-256 digests of its
+    pieces."""
     workers = threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ephost-digest") if workers > 1 else None
     try:
         batch, size = [], 0
         for data in buffers:
             batch.append(data)
-            size += len(data)
+            size += memoryview(data).nbytes
             if size >= BATCH:
                 yield from _batch_digests(batch, pool)
                 batch, size = [], 0

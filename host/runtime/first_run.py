@@ -31,7 +31,8 @@ def prepare(plan, bounds_blas: bool) -> None:
         for name in RUN_TYPES:
             try:
                 ffi.typeof(name)  # cached by cffi for the process
-            except (CDefError, getattr(ffi, "error", CDefError)):  # not declared (in-line / out-of-line FFI): then no run uses it either
+            # not declared (CDefError from an in-line FFI, ffi.error from an out-of-line one): no run uses it
+            except (CDefError, getattr(ffi, "error", CDefError)):
                 continue
     if bounds_blas:
         threads.POOLS.libraries()

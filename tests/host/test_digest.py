@@ -1,4 +1,4 @@
-"""host/runtime/digest.py: the parallel weight digests are a function of the bytes alone (not of
+"""host/runtime/digest.py: the parallel weight digests (with each buffer's length) are a function of the bytes alone (not of
 the number of threads or of how buffers are batched), and each piece is hashed as hashlib does."""
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def test_digests_are_the_pieces_sha256_whatever_the_threads_and_batches(sizes, c
         mp.setattr(digest, "BATCH", batch)
         mp.setattr(digest, "threads", lambda: workers)
         got = list(digest.buffer_digests(iter(buffers)))
-    assert got == [_reference(b, chunk) for b in buffers]
+    assert got == [(len(b), _reference(b, chunk)) for b in buffers]
 
 
 def test_a_buffer_is_any_bytes_like_object():
     """NumPy arrays and memoryviews hash their bytes, as bytes do."""
     arr = np.arange(1000, dtype=np.float32)
     (a, b, c) = digest.buffer_digests([arr, memoryview(arr.tobytes()), arr.tobytes()])
-    assert a == b == c == _reference(arr.tobytes(), digest.CHUNK)
+    assert a == b == c == (arr.nbytes, _reference(arr.tobytes(), digest.CHUNK))
