@@ -123,7 +123,12 @@ typedef struct EpTensor {
   int64_t nbytes;       /* since 1 */
 } EpTensor;
 
-/* Read-only graph view handed to GetCapability and CreateKernel. */
+/* Read-only graph view handed to GetCapability and CreateKernel.
+ * Lifetimes: everything a view points to (names, shapes, attributes, the data of a value's
+ * `constant`) is host-owned and stays valid and unchanged as long as the view: the session's view
+ * (GetCapability, CreateKernel) until the session is released, a fused group's view (Compile,
+ * CompileFromContext) until the compute info made from it is released. An EP may therefore keep
+ * pointers into a constant instead of copying it. */
 typedef struct EpAttribute {
   const char* name;            /* since 1 */
   int32_t type;                /* since 1 */
@@ -307,7 +312,9 @@ typedef struct EpNodeComputeInfo {
  * writes a context model (session config ep.context_enable=1); where the bytes go (embedded in
  * the model, or a file beside it: ep.context_embed_mode) is the host's business.
  *
- * Ep.CompileFromContext: rebuild the compute info of a saved fused node. `graph` shows the
+ * Ep.CompileFromContext: rebuild the compute info of a saved fused node. `data`/`size` are the
+ * context's bytes, host-owned and valid until the compute info made from them is released (the
+ * host may map them from a file: an EP keeps views of them rather than a copy). `graph` shows the
  * fused node alone (its inputs and outputs with their types and shapes, no subgraph); fused_node
  * is that node (its name is the partition name the node was saved under). An error status
  * (a corrupt or truncated blob, another device) makes the host compile the kept subgraph.

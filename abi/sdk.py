@@ -214,7 +214,9 @@ class EpBase(Impl):
 
     def CompileFromContext(self, graph, fused_node, data, size, compute_info_out):
         fused = FusedGraph(_s(self.ffi, fused_node.name), read_graph(self.ffi, graph))
-        blob = bytes(self.ffi.buffer(data, size)) if data != self.ffi.NULL and size else b""
+        # A view, not a copy (a BERT-size context is 440 MB): the host keeps the bytes until this
+        # compute info is released (abi/ep_abi.h).
+        blob = memoryview(self.ffi.buffer(data, size)).toreadonly() if data != self.ffi.NULL and size else b""
         function = self.compile_from_context(fused, blob)
         compute_info_out[0] = self.runtime.expose("EpNodeComputeInfo", ComputeInfo(self.runtime, self, function, fused))
 
@@ -258,8 +260,10 @@ class EpBase(Impl):
 
     def compile_from_context(self, fused: FusedGraph, blob: bytes):
         """(v7) Rebuild the compute function of a saved fused node from the bytes its context()
-        returned; `fused.graph` holds no nodes, only the node's inputs and outputs. Raise on a blob
-        it cannot read: the host then compiles the subgraph kept in the model."""
+        returned; `fused.graph` holds no nodes, only the node's inputs and outputs. `blob` is a
+        read-only memoryview of the host's bytes (perhaps a mapped file), valid until the function
+        is released: views of it need no copy. Raise on a blob it cannot read: the host then
+        compiles the subgraph kept in the model."""
         raise PluginError(f"{type(self).__name__} rebuilds no partition from a context", abi.EP_NOT_IMPLEMENTED)
 
     def compatibility_info(self) -> str | None:

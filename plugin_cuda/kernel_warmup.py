@@ -7,7 +7,9 @@ all have known, non-empty shapes and types is therefore run once when its kernel
 stream the session's first run will get (CudaEp.first_stream), with zero-filled inputs (zero: a
 valid index for every Gather-like op) and scratch outputs, freed after the stream synchronises.
 Any failure is ignored: the kernel is left as it was and its first real call does the work.
-Not done on a caller's `user_compute_stream` or once a run has started.
+Not done on a caller's `user_compute_stream` or once a run has started. A warm-up that succeeds
+leaves a recipe that a saved context carries, so that a session made from it compiles the same
+CuPy code early, in a background thread (kernel_prefetch.py); that thread is waited for first.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ import numpy as np
 
 from abi.dtypes import to_numpy
 
-__all__ = ["stats", "warm_up"]
+__all__ = ["run", "stats", "warm_up"]
 
 stats = {"warmed": 0, "failed": 0, "skipped": 0}  # kernels, per process (tests read them)
 
 
 def warm_up(ep, graph, node, adapter) -> bool:
     """Run `adapter`'s kernel once on zeros (see the module docstring); True when it did."""
+    from plugin_cuda import kernel_prefetch
+
+    prefetch = getattr(ep, "prefetch", None)
+    if prefetch is not None:
+        prefetch.join()  # a context's recipes compiled first: this call then finds CuPy's code ready
     first = getattr(ep, "first_stream", None)  # None: a stand-in EP (CPU tests)
     state = None if first is None or ep.opts.has_user_compute_stream else first()
     specs = _input_specs(graph, node) if state is not None else None
@@ -30,11 +37,12 @@ def warm_up(ep, graph, node, adapter) -> bool:
         stats["skipped"] += 1
         return False
     try:
-        _run(ep, adapter, specs, state)
+        run(ep, adapter, specs, state)
     except Exception:  # noqa: BLE001 - see the module docstring: the first real call does it
         stats["failed"] += 1
         return False
     stats["warmed"] += 1
+    kernel_prefetch.record(ep, node, specs, adapter)
     return True
 
 
@@ -54,7 +62,8 @@ def _input_specs(graph, node) -> list | None:
     return specs
 
 
-def _run(ep, adapter, specs, state) -> None:
+def run(ep, adapter, specs, state) -> None:
+    """`adapter`'s kernel once on zeros of `specs` on `state`'s stream, its blocks freed after."""
     cp = ep.cupy
     host = adapter.kernel.host_inputs
     with ep.device, state.stream:

@@ -16,6 +16,7 @@ import abi
 from abi import sdk
 from abi.dtypes import ONNX_TO_NUMPY, to_numpy
 from abi.sdk import PluginError
+from plugin_cuda import kernel_prefetch
 from plugin_cuda.device import algo_cache
 from plugin_cuda.options import CudaOptions, OptionError, parse_options
 from plugin_cuda.plan import saved as saved_context
@@ -210,6 +211,8 @@ class CudaEp(sdk.EpBase):
         self._closed = False
         self.graphs = GraphManager(self)
         self.run_streams = threading.local()  # .state: the stream this thread's run computed on
+        self.warm_recipes: dict = {}  # per-node warm-ups done, for a saved context (kernel_prefetch.py)
+        self.prefetch = kernel_prefetch.Prefetch(self)
         self._set_alloc, self._get_alloc = _thread_allocator_functions(cp)
 
     # -- cuBLAS handles ----------------------------------------------------------------------
@@ -405,6 +408,7 @@ class CudaEp(sdk.EpBase):
 
     # -- runs and graphs (v3..v5) ----------------------------------------------------------------------
     def OnRunStart(self, run_options):
+        self.prefetch.join()  # a context's per-node kernels compiled before run 1 (kernel_prefetch.py)
         self.graphs.on_run_start(self.run_options(run_options))
 
     def OnRunEnd(self, run_options, sync_stream):
@@ -463,6 +467,7 @@ class CudaEp(sdk.EpBase):
         self.graphs.replay(graph_id, sync=bool(sync))
 
     def close(self):
+        self.prefetch.join()  # its thread uses the streams and memory closed below
         for fn in self.__dict__.pop("plan_functions", ()):
             fn.close()  # plans hold arenas from self.memory: release them first
         self.graphs.close()

@@ -83,9 +83,9 @@ def add_compile(p: argparse.ArgumentParser) -> None:
     add_session_options(p)
     p.add_argument("-o", "--output", metavar="OUT.onnx",
                    help="the context model to write (default: MODEL_ctx.onnx beside MODEL)")
-    p.add_argument("--embed-mode", choices=("0", "1"), default="1",
-                   help="ep.context_embed_mode: 1 embeds each context in its EPContext node (default), 0 writes "
-                        "it to a file beside the model")
+    p.add_argument("--embed-mode", choices=("0", "1"), default="0",
+                   help="ep.context_embed_mode: 0 writes each context to a file beside the model (default, as "
+                        "onnxruntime; a session maps it), 1 embeds it in its EPContext node")
     p.add_argument("--check", action="store_true",
                    help="MODEL is a context model: print each EP's compatibility answer for it, create no "
                         "session (exit 1 when an EP answers unsupported)")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,11 +68,13 @@ class ContextOptions:
 
     enable: bool = False
     file_path: str = ""
-    embed_mode: int = 1
+    # 0, onnxruntime's default: each context in a file beside the model, which a session maps
+    # instead of parsing it out of the model (a BERT-size context is 440 MB).
+    embed_mode: int = 0
 
     @classmethod
     def from_entries(cls, entries: dict[str, str]) -> ContextOptions:
-        return cls(_flag(entries, ENABLE, "0") == 1, entries.get(FILE_PATH, ""), _flag(entries, EMBED_MODE, "1"))
+        return cls(_flag(entries, ENABLE, "0") == 1, entries.get(FILE_PATH, ""), _flag(entries, EMBED_MODE, "0"))
 
 
 def _flag(entries: dict[str, str], key: str, default: str) -> int:
@@ -211,7 +215,7 @@ class SavedNode:
 
     name: str
     source: str
-    blob: bytes | None
+    blob: bytes | mmap.mmap | None  # embedded bytes, or the context file mapped
     kept: onnx.GraphProto | None
     problem: str = ""  # why the bytes could not be read (a missing file, ...)
 
@@ -282,7 +286,7 @@ class SavedContexts:
                 self.ready[saved.name] = part
                 owned.append(part)
                 fallbacks["context_loaded"] += 1
-                saved.blob = None  # the EP keeps what it needs: the session does not hold the bytes too
+                saved.blob = None  # the partition holds the bytes now, until its release
         if not recompile:
             return graph, view
         graph = build_graph(self._inlined(recompile))
@@ -330,6 +334,8 @@ class SavedContexts:
         part = compiled.adopt_compute_info(ep, group, out[0], graph)
         if part is None:
             saved.problem = group.error
+        else:
+            part.keep_alive(saved.blob)  # the EP may keep views of the bytes until its release (abi/ep_abi.h)
         return part
 
     def _inlined(self, names: list[str]) -> onnx.ModelProto:
@@ -396,14 +402,23 @@ def _read_node(node: onnx.NodeProto, base: Path | None) -> SavedNode:
     elif _attr(node, "embed_mode", 1) == 1:
         saved.blob = data
     elif base is None:
-        saved.problem = f"the context is in file '{data.decode()}', and the model was not given as a path"
+        saved.problem = f"the context is in file '{data.decode(errors='replace')}', and the model was not given as a path"
     else:
-        path = base / data.decode()
+        path = base / data.decode(errors="replace")  # a name that is not UTF-8 names no file: "cannot be read"
         try:
-            saved.blob = path.read_bytes()
+            saved.blob = _mapped(path)
         except OSError as exc:
             saved.problem = f"context file '{path}' cannot be read: {exc.strerror or exc}"
     return saved
+
+
+def _mapped(path: Path):
+    """A context file's bytes, mapped read-only rather than read: the EP reads what it needs (a
+    BERT-size context is 440 MB, mostly weights that go straight to the device)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""  # an empty file cannot be mapped
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 __all__ = ["ContextError", "ContextOptions", "Compatibility", "SavedContexts", "check_compatibility",

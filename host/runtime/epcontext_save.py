@@ -32,7 +32,7 @@ from host.runtime.epcontext import (
     main_graph_reads,
     source_hash,
 )
-from host.runtime.model import save_model
+from host.runtime.model import replace_atomically, save_model
 from host.runtime.warn import warn_caller
 
 
@@ -47,10 +47,13 @@ def save_if_enabled(session, source) -> Path | None:
     path = _target(opts, source)
     parts = main_graph_partitions(session)
     blobs = {p.name: blob for p in parts if (blob := _context_of(p, session.fallbacks)) is not None}
-    proto = _context_model(session, [p for p in parts if p.name in blobs], blobs, opts, path)
+    files: dict[Path, bytes] = {}  # embed mode 0: the context files beside the model
+    proto = _context_model(session, [p for p in parts if p.name in blobs], blobs, opts, path, files)
     proto.metadata_props.add(key=SOURCE_HASH_KEY, value=source_hash(source))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        for file, blob in files.items():  # replaced whole: a session may have the old one mapped
+            replace_atomically(file, lambda tmp, blob=blob: tmp.write_bytes(blob))
         _kept_weights_apart(proto, path)
         save_model(proto, path)
     except OSError as exc:
@@ -72,13 +75,17 @@ def _kept_weights_apart(proto: onnx.ModelProto, path: Path) -> None:
     if not apart:
         return
     file = kept_weights_file(path)
-    with open(file, "wb") as f:
-        for t in apart:
-            f.write(b"\0" * (-f.tell() % _ALIGN))
-            offset = f.tell()
-            f.write(t.raw_data)
-            external_data_helper.set_external_data(t, file.name, offset, len(t.raw_data))
-            t.ClearField("raw_data")
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            for t in apart:
+                f.write(b"\0" * (-f.tell() % _ALIGN))
+                offset = f.tell()
+                f.write(t.raw_data)
+                external_data_helper.set_external_data(t, file.name, offset, len(t.raw_data))
+                t.ClearField("raw_data")
+
+    replace_atomically(file, write)
 
 
 def _target(opts: ContextOptions, source) -> Path:
@@ -118,7 +125,7 @@ def _context_of(part, fallbacks) -> bytes | None:
 
 
 def _context_model(session, parts: list, blobs: dict[str, bytes], opts: ContextOptions,
-                   path: Path) -> onnx.ModelProto:
+                   path: Path, files: dict[Path, bytes]) -> onnx.ModelProto:
     graph = session.graph
     proto = onnx.ModelProto()
     proto.CopyFrom(graph.model)
@@ -133,7 +140,7 @@ def _context_model(session, parts: list, blobs: dict[str, bytes], opts: ContextO
             nodes.append(node)
             continue
         if not members[part.name]:
-            nodes.append(_context_node(part, blobs[part.name], opts, path))
+            nodes.append(_context_node(part, blobs[part.name], opts, path, files))
         members[part.name].append(node)
     for part in parts:
         _attach_kept(nodes, part, members[part.name], graph)
@@ -150,14 +157,14 @@ def _node_names(g: onnx.GraphProto) -> list[str]:
     return [n.name or f"{n.op_type}_{k}" for k, n in enumerate(g.node)]
 
 
-def _context_node(part, blob: bytes, opts: ContextOptions, path: Path) -> onnx.NodeProto:
+def _context_node(part, blob: bytes, opts: ContextOptions, path: Path, files: dict[Path, bytes]) -> onnx.NodeProto:
+    """`files`: where embed mode 0 puts the context (written by save_if_enabled with the model)."""
     ep = part.group.ep
     if opts.embed_mode == 1:
         cache = blob
     else:
         file = path.with_name(f"{path.stem}_{re.sub(r'[^A-Za-z0-9_.-]', '_', part.name)}.bin")
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_bytes(blob)
+        files[file] = blob
         cache = file.name.encode()  # relative to the model's folder, as onnxruntime writes it
     return helper.make_node(CONTEXT_OP, list(part.group.inputs), list(part.group.outputs), name=part.name,
                             domain=CONTEXT_DOMAIN, main_context=1, ep_cache_context=cache,

@@ -114,10 +114,15 @@ def _read_file(path: Path, external_data: bool) -> onnx.ModelProto:
 def save_model(proto: onnx.ModelProto, path) -> None:
     """onnx.save(proto, path), atomically: written beside `path` and moved into place, so that a reader
     (whose memory map a truncated file would fault, `_read_file`) sees the old model or the new one."""
+    replace_atomically(path, lambda tmp: onnx.save(proto, str(tmp)))
+
+
+def replace_atomically(path, write) -> None:
+    """`write(tmp)` fills a file beside `path`, which then replaces `path` in one step (os.replace)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        onnx.save(proto, str(tmp))
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -58,7 +58,8 @@ class PlanFunction:
         ep = self.ep
         return saved.pack(saved.SavedPlan.of(self.fused, cc=ep.factory.compute_capability(ep.device_id),
                                              modules=saved_modules(self._plans()),
-                                             algos=algo_cache.taken(self._algo_mark)))
+                                             algos=algo_cache.taken(self._algo_mark),
+                                             warm=list(getattr(ep, "warm_recipes", {}).values())))
 
     def _plans(self) -> list:
         return [self.plan]
@@ -247,6 +248,9 @@ def subgraph_from_context(ep, name: str, blob: bytes):
     if plan.cc and plan.cc != here:
         raise PluginError(f"context of fused node '{name}' was compiled for compute capability {plan.cc}; "
                           f"device {ep.device_id} has {here}", abi.EP_INVALID_GRAPH)
+    prefetch = getattr(ep, "prefetch", None)
+    if prefetch is not None:
+        prefetch.start(plan.warm)  # CuPy compiles the per-node kernels while this plan is built
     for m in plan.modules:
         nvrtc.provide(m.arch, m.digest, m.binary)
     algo_cache.provide(plan.algos)

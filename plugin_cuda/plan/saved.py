@@ -11,7 +11,9 @@ A context holds what rebuilding the partition's plan would otherwise redo on the
            architecture ("sm_90": a cubin; "compute_90": PTX) and source hash (nvrtc.source_hash):
            loaded through nvrtc.provide, so the plan's `nvrtc.load` finds it without compiling;
   algos    the cuBLASLt heuristic answers and cuDNN algorithm choices the partition made
-           (device/algo_cache.py keys), handed to algo_cache.provide.
+           (device/algo_cache.py keys), handed to algo_cache.provide;
+  warm     (in the header, optional) the EP's per-node kernel warm-up recipes, replayed in a
+           background thread at load (plugin_cuda/kernel_prefetch.py).
 
 Lowering and code generation run again at load (pure Python: the generated source's hash is what
 finds the saved module); a symbolic-shape partition keeps the modules of the signatures it had
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +52,8 @@ FORMAT = 3
 _FIXED = len(MAGIC) + 4 + 8
 ALIGN = 64  # where array sections start, from the context's first byte
 SECTIONS = ("graph", "module", "array")
+_CRC_THREADS = 8
+_CRC_PARALLEL_BYTES = 64 << 20  # below this, threads cost more than they save
 
 __all__ = ["FORMAT", "MAGIC", "PlanBlobError", "SavedModule", "SavedPlan", "pack", "unpack"]
 
@@ -71,6 +77,7 @@ class SavedPlan:
     algos: dict = field(default_factory=dict)
     format: int = FORMAT
     constants: dict[int, np.ndarray] = field(default_factory=dict)  # value index -> its constant
+    warm: list = field(default_factory=list)  # the EP's per-node warm-up recipes (kernel_prefetch.py)
 
     @classmethod
     def of(cls, fused: FusedGraph, **kw) -> SavedPlan:
@@ -119,48 +126,59 @@ def pack(saved: SavedPlan) -> bytes:
         add("array", arr.reshape(-1).view(np.uint8), value=i, dtype=arr.dtype.str, shape=list(arr.shape))
     for m in saved.modules:
         add("module", m.binary, arch=m.arch, digest=m.digest)
-    head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections},
-                      sort_keys=True).encode()
+    head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections,
+                       "warm": saved.warm}, sort_keys=True).encode()
     head += b" " * (-(_FIXED + len(head)) % ALIGN)  # JSON ignores trailing blanks
     return MAGIC + FORMAT.to_bytes(4, "little") + len(head).to_bytes(8, "little") + head + b"".join(payload)
 
 
-def unpack(blob: bytes) -> SavedPlan:
-    """The SavedPlan `pack` wrote (or a bare fused graph's, graph only); PlanBlobError on anything else."""
-    blob = bytes(blob)
-    if blob.startswith(fused_blob.MAGIC):
-        return SavedPlan(graph=blob, format=1)
-    if not blob.startswith(MAGIC):
-        raise PlanBlobError(f"not a CUDA plan context ({len(blob)} bytes): no {MAGIC[:-1].decode()} header "
+def unpack(blob) -> SavedPlan:
+    """The SavedPlan `pack` wrote (or a bare fused graph's, graph only); PlanBlobError on anything else.
+    `blob` is any bytes-like object (bytes, a memoryview, a mapped file): the arrays are views of it,
+    never copies, so it must outlive them (the host keeps CompileFromContext's bytes until the compute
+    info is released)."""
+    view = memoryview(blob).cast("B")
+    if _starts(view, fused_blob.MAGIC):
+        return SavedPlan(graph=bytes(view), format=1)
+    if not _starts(view, MAGIC):
+        raise PlanBlobError(f"not a CUDA plan context ({len(view)} bytes): no {MAGIC[:-1].decode()} header "
                             f"(allowed: plan format {FORMAT}, or a bare fused graph)")
-    if len(blob) < _FIXED:
-        raise PlanBlobError(f"truncated CUDA plan context: {len(blob)} bytes, the fixed header needs {_FIXED}")
-    version = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 4], "little")
+    if len(view) < _FIXED:
+        raise PlanBlobError(f"truncated CUDA plan context: {len(view)} bytes, the fixed header needs {_FIXED}")
+    version = int.from_bytes(view[len(MAGIC):len(MAGIC) + 4], "little")
     if version != FORMAT:
         raise PlanBlobError(f"CUDA plan context format {version}; this plugin reads format {FORMAT} "
                             "(and bare fused graphs)")
-    size = int.from_bytes(blob[len(MAGIC) + 4:_FIXED], "little")
-    if _FIXED + size > len(blob):
+    size = int.from_bytes(view[len(MAGIC) + 4:_FIXED], "little")
+    if _FIXED + size > len(view):
         raise PlanBlobError(f"truncated CUDA plan context: the header needs {size} bytes, "
-                            f"{len(blob) - _FIXED} follow")
+                            f"{len(view) - _FIXED} follow")
     try:
-        head = json.loads(blob[_FIXED:_FIXED + size])
-        return _read_sections(head, blob, _FIXED + size)
+        head = json.loads(bytes(view[_FIXED:_FIXED + size]))
+        return _read_sections(head, view, _FIXED + size)
     except PlanBlobError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise PlanBlobError(f"unreadable CUDA plan context header: {type(exc).__name__}: {exc}") from None
 
 
-def _read_sections(head: dict, blob: bytes, base: int) -> SavedPlan:
+def _starts(view: memoryview, magic: bytes) -> bool:
+    return len(view) >= len(magic) and view[:len(magic)] == magic
+
+
+def _read_sections(head: dict, blob: memoryview, base: int) -> SavedPlan:
     """The sections listed in `head`, which follow it from byte `base` of `blob`."""
     if head.get("format") != FORMAT:
         raise PlanBlobError(f"CUDA plan context header says format {head.get('format')!r}; expected {FORMAT}")
-    saved = SavedPlan(graph=b"", cc=str(head["cc"]), algos=dict(head["algos"]))
+    warm = head.get("warm", [])  # absent from contexts written before the recipes
+    if not isinstance(warm, list):
+        raise PlanBlobError(f"CUDA plan context header: 'warm' is a {type(warm).__name__}; expected a list")
+    saved = SavedPlan(graph=b"", cc=str(head["cc"]), algos=dict(head["algos"]), warm=warm)
     graphs = 0
-    payload = memoryview(blob)[base:]
-    for s in head["sections"]:
-        data = _section(s, payload)
+    payload = blob[base:]
+    sections = [(s, _section(s, payload)) for s in head["sections"]]
+    _check_crcs(sections)
+    for s, data in sections:
         if s["name"] == "graph":
             saved.graph = bytes(data)
             graphs += 1
@@ -169,7 +187,7 @@ def _read_sections(head: dict, blob: bytes, base: int) -> SavedPlan:
         elif s["name"] == "array":
             if int(s["value"]) in saved.constants:
                 raise PlanBlobError(f"CUDA plan context has two array sections for value {s['value']}")
-            saved.constants[int(s["value"])] = _array(s, blob, base)
+            saved.constants[int(s["value"])] = _array(s, data)
         else:
             raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: "
                                 f"{', '.join(repr(n) for n in SECTIONS)}")
@@ -179,22 +197,36 @@ def _read_sections(head: dict, blob: bytes, base: int) -> SavedPlan:
 
 
 def _section(s: dict, payload: memoryview) -> memoryview:
-    """A section's bytes (a view), checked against its size and CRC-32."""
+    """A section's bytes (a view), checked against its size (the CRC-32: _check_crcs)."""
     start, size = int(s["offset"]), int(s["size"])
     if start < 0 or size < 0 or start + size > len(payload):
         raise PlanBlobError(f"truncated CUDA plan context: section {s['name']!r} needs bytes {start}..{start + size}, "
                             f"{len(payload)} follow the header")
-    data = payload[start:start + size]
-    if zlib.crc32(data) != s["crc32"]:
-        raise PlanBlobError(f"damaged CUDA plan context: section {s['name']!r} ({size} bytes) does not match "
-                            "its CRC-32")
-    return data
+    return payload[start:start + size]
 
 
-def _array(s: dict, blob: bytes, base: int) -> np.ndarray:
+def _check_crcs(sections: list) -> None:
+    """Each section against its CRC-32. zlib releases the GIL for large buffers, so a large context is
+    checked by several threads (440 MB: 0.16 s in one thread on a 2-CPU VM)."""
+    total = sum(len(data) for _, data in sections)
+    workers = min(_CRC_THREADS, os.cpu_count() or 1) if total >= _CRC_PARALLEL_BYTES else 1
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            crcs = list(pool.map(lambda item: zlib.crc32(item[1]), sections))
+    else:
+        crcs = [zlib.crc32(data) for _, data in sections]
+    for (s, data), crc in zip(sections, crcs):
+        if crc != s["crc32"]:
+            raise PlanBlobError(f"damaged CUDA plan context: section {s['name']!r} ({len(data)} bytes) does not "
+                                "match its CRC-32")
+
+
+def _array(s: dict, data: memoryview) -> np.ndarray:
     """An array section as a read-only NumPy view of the context's bytes (they stay alive with it)."""
     dtype, shape = np.dtype(s["dtype"]), tuple(int(d) for d in s["shape"])
     if dtype.hasobject or any(d < 0 for d in shape) or dtype.itemsize * int(np.prod(shape)) != int(s["size"]):
         raise PlanBlobError(f"CUDA plan context array for value {s['value']}: {s['size']} bytes do not hold a "
                             f"{dtype} array of shape {list(shape)}")
-    return np.frombuffer(blob, dtype, int(np.prod(shape)), base + int(s["offset"])).reshape(shape)
+    arr = np.frombuffer(data, dtype, int(np.prod(shape))).reshape(shape)
+    arr.flags.writeable = False
+    return arr

@@ -97,8 +97,10 @@ def test_saved_model_holds_epcontext_nodes_and_loads_without_compiling(env7, sou
     nodes = context_nodes(ctx_path)
     assert [(n.domain, n.name) for n in nodes] == [("com.microsoft", f"{EP}_fused_0"), ("com.microsoft", f"{EP}_fused_1")]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    # embed_mode 0 by default, as onnxruntime: the context in a file beside the model.
     assert (attrs["source"], attrs["partition_name"], attrs["embed_mode"], attrs["main_context"]) == (
-        EP.encode(), f"{EP}_fused_0".encode(), 1, 1)
+        EP.encode(), f"{EP}_fused_0".encode(), 0, 1)
+    assert (ctx_path.parent / attrs["ep_cache_context"].decode()).stat().st_size > 0
     assert [n.op_type for n in attrs[epcontext.KEPT_SUBGRAPH].node] == ["Add", "Relu"]
     meta = {p.key: p.value for p in onnx.load(str(ctx_path)).metadata_props}
     assert meta[epcontext.SOURCE_HASH_KEY] == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -111,8 +113,11 @@ def test_saved_model_holds_epcontext_nodes_and_loads_without_compiling(env7, sou
     assert calls["Ep.Compile"] == 0, "a loaded context is not compiled again"
     assert calls["EpFactory.ValidateCompiledModelCompatibilityInfo"] == 1  # once per EP, not per node
     assert calls["EpNodeComputeInfo.Compute"] == 2 * 2
-    # A ModelProto given by the caller is read, not changed (the blobs and kept subgraphs stay).
-    proto = onnx.load(str(ctx_path))
+    # A ModelProto given by the caller is read, not changed (the blobs and kept subgraphs stay): its
+    # contexts are embedded (a file beside it is found only from a model path).
+    embedded, _ = save(env7, path, **{epcontext.FILE_PATH: str(path.with_name("embedded_ctx.onnx")),
+                                      epcontext.EMBED_MODE: "1"})
+    proto = onnx.load(str(embedded))
     before = proto.SerializeToString()
     with InferenceSession(proto, providers=[(EP, EP_OPTIONS)], env=env7) as s:
         assert s.fallbacks["context_loaded"] == 2
@@ -312,7 +317,7 @@ def test_a_damaged_context_without_kept_nodes_is_a_typed_error(env7, source):
     from tests.property.scenario import damage
 
     _, path = source
-    ctx_path, _ = save(env7, path)
+    ctx_path, _ = save(env7, path, **{epcontext.EMBED_MODE: "1"})  # a ModelProto below: embedded contexts
     damage(ctx_path, "corrupt")
     proto = onnx.load(str(ctx_path))
     for node in proto.graph.node:

@@ -14,6 +14,7 @@ from abi import sdk
 from host.runtime import epcontext
 from host.runtime.options import SessionOptions
 from host.runtime.session import InferenceSession
+from tests.context_files import context_blobs, edit_contexts
 from tests.plugin_cuda.test_plan import MODELS, feeds_for, reference
 
 pytestmark = pytest.mark.gpu
@@ -115,17 +116,6 @@ def _lowering_counter(monkeypatch) -> dict:
     return seen
 
 
-def _blob_edit(path, edit) -> None:
-    """Rewrite every embedded CUDA context of the model at `path` with `edit(bytes) -> bytes`."""
-    proto = onnx.load(str(path))
-    for node in proto.graph.node:
-        if node.op_type == "EPContext":
-            for a in node.attribute:
-                if a.name == "ep_cache_context":
-                    a.s = edit(a.s)
-    onnx.save(proto, str(path))
-
-
 @pytest.mark.parametrize("name", ["transformer", "mlp-2x512-b512"])
 def test_context_reloads_with_no_nvrtc_compile_and_the_same_bits(cp, genv, tmp_path, cold, monkeypatch, name):
     from plugin_cuda.device import algo_cache, nvrtc
@@ -141,8 +131,7 @@ def test_context_reloads_with_no_nvrtc_compile_and_the_same_bits(cp, genv, tmp_p
     with InferenceSession(str(source), so, providers=[(CUDA, OPTIONS)], env=genv) as s:
         ctx = s.context_model
         first = [s.run(None, f)[0] for f in feeds]
-    blobs = [a.s for n in onnx.load(str(ctx)).graph.node if n.op_type == "EPContext" for a in n.attribute
-             if a.name == "ep_cache_context"]
+    blobs = context_blobs(ctx)
     plans = [saved.unpack(b) for b in blobs]
     assert plans and all(p.format == saved.FORMAT and p.modules for p in plans), [len(p.modules) for p in plans]
     if name == "mlp-2x512-b512":  # its GEMMs run on cuBLASLt with RELU_BIAS epilogues: the heuristic's answers
@@ -179,7 +168,7 @@ def test_a_context_the_plugin_refuses_is_compiled_again(cp, genv, tmp_path, cold
 
     model = MODELS["transformer"]()
     ctx, _ = _save(genv, model, tmp_path)
-    _blob_edit(ctx, edit)
+    edit_contexts(ctx, edit)
     cold()
     with pytest.warns(RuntimeWarning, match=r"^compiled context of '.*' not used \(.*CompileFromContext"):
         s = InferenceSession(str(ctx), providers=[(CUDA, OPTIONS)], env=genv)

@@ -129,3 +129,47 @@ def test_per_node_kernels_run_once_at_creation(cp, genv, name):
             np.testing.assert_allclose(got, reference(model, feeds)[0], rtol=1e-4, atol=1e-4)
     print(f"{name} per-node kernels: {done}; creation {creation:.3f} s, runs "
           f"{', '.join(f'{t:.2f}' for t in times)} ms")
+
+
+def _embedding_model() -> onnx.ModelProto:
+    """ids -> Gather(table) -> Where(mask, ., 0) -> MatMul -> Relu: the Gather, Cast and Where are
+    per-node kernels (a plan lowers none of them), the MatMul and Relu a compiled partition."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    table = numpy_helper.from_array(rng.standard_normal((50, 16)).astype(np.float32), "table")
+    w = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),
+             helper.make_node("Cast", ["mask"], ["m"], to=TensorProto.BOOL),
+             helper.make_node("Unsqueeze", ["m", "axes"], ["m3"]),
+             helper.make_node("Where", ["m3", "e", "zero"], ["em"]),
+             helper.make_node("MatMul", ["em", "w"], ["y0"]), helper.make_node("Relu", ["y0"], ["y"])]
+    axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
+    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 8]),
+                                               helper.make_tensor_value_info("mask", TensorProto.INT64, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16])], [table, w, zero, axes])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_context_replays_its_per_node_warm_ups_in_the_background(cp, genv, tmp_path):
+    """The saving session's per-node warm-ups go into the context as recipes (kernel_prefetch.py); a
+    session from it replays them from CompileFromContext on, and computes what onnxruntime does."""
+    ort = pytest.importorskip("onnxruntime")
+    from plugin_cuda import kernel_prefetch
+    from plugin_cuda.plan import saved
+    from tests.context_files import context_blobs
+
+    model = _embedding_model()
+    ctx = _context_model(genv, model, tmp_path)
+    recipes = [r for blob in context_blobs(ctx) for r in saved.unpack(blob).warm]
+    assert {r["op"] for r in recipes} >= {"Gather", "Where"}, recipes
+    before = dict(kernel_prefetch.stats)
+    with InferenceSession(str(ctx), providers=[(CUDA, OPTIONS)], env=genv) as s:
+        assert s.fallbacks["context_loaded"] >= 1 and s.fallbacks["context_recompiled"] == 0
+        done = {k: kernel_prefetch.stats[k] - before[k] for k in before}
+        assert done["replayed"] >= 2 and done["failed"] == 0, done
+        rng = np.random.default_rng(7)
+        feeds = {"ids": rng.integers(0, 50, (2, 8)).astype(np.int64), "mask": rng.integers(0, 2, (2, 8)).astype(np.int64)}
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(s.run(None, feeds)[0], want, rtol=1e-4, atol=1e-4)

@@ -450,7 +450,7 @@ class ExampleCompute:
     def from_context(cls, ep: ExampleEp, fused: sdk.FusedGraph, blob: bytes) -> ExampleCompute:
         """The closure context() described; a blob this EP did not write, or a damaged one, is refused."""
         try:
-            head, program, constants = _read_context(blob)
+            head, program, constants = _read_context(bytes(blob))  # its contexts are small: a copy
             compute = cls(ep, fused.name, [(op, tuple(ins), out, index, node) for op, ins, out, index, node in program],
                           constants, head["inputs"], head["outputs"], head["output_types"])
         except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile) as exc:  # a damaged blob

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import abi
 from host.errors import GraphCaptureError
 from host.runtime.session import InferenceSession
+from tests.context_files import edit_contexts
 from tests.property import harness as h
 from tests.property import strategies as s
 
@@ -169,14 +170,9 @@ def save_context_model(sc: Scenario, env, folder: Path) -> tuple[Path, Counter]:
 
 
 def damage(path: Path, how: str) -> None:
-    """Overwrite every EPContext blob of the model at `path`: garbage bytes, or its first half."""
-    proto = onnx.load(str(path))
-    for node in proto.graph.node:
-        if node.op_type == "EPContext":
-            for a in node.attribute:
-                if a.name == "ep_cache_context":
-                    a.s = a.s[:len(a.s) // 2] if how == "truncated" else bytes(range(256)) * 3
-    onnx.save(proto, str(path))
+    """Overwrite every EPContext blob of the model at `path` (embedded, or the file beside it that
+    the node names): garbage bytes, or its first half."""
+    edit_contexts(path, lambda blob: blob[:len(blob) // 2] if how == "truncated" else bytes(range(256)) * 3)
 
 
 @dataclass

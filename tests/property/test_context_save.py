@@ -138,7 +138,9 @@ def test_the_context_model_goes_beside_the_source_or_where_the_entry_says():
         so.add_session_config_entry("ep.context_enable", "1")
         with InferenceSession(str(source), so, providers=[(h.EXAMPLE_EP, OPS)], env=env):
             pass
-        assert sorted(p.name for p in Path(tmp).iterdir()) == ["net.onnx", "net_ctx.onnx"]
+        # The contexts in files beside it (embed mode 0, the default), named after the model and partition.
+        assert sorted(p.name for p in Path(tmp).iterdir()) == [
+            "net.onnx", "net_ctx.onnx", "net_ctx_ExampleEP_fused_0.bin", "net_ctx_ExampleEP_fused_1.bin"]
         with pytest.raises(InvalidArgument, match=r"^ep.context_enable=1 with a model given as bytes: set "
                                                   r"ep.context_file_path to the file the context model goes to$"):
             InferenceSession(MODEL.SerializeToString(), so, providers=[(h.EXAMPLE_EP, OPS)], env=env)

@@ -134,6 +134,7 @@ class CompiledPartition:
         self.inferred_dims = [inferred_dims(m) for m in metas]
         self.state = _NULL
         self._released = False
+        self._kept: list = []  # host memory the EP may point into until Release (a context's bytes)
         if info.CreateState is not None:
             out = ffi.new("void**")
             hostapi.check(info.CreateState(info.ptr, out), f"{group.ep.owner}: CreateState of fused node "
@@ -147,6 +148,10 @@ class CompiledPartition:
             where += f", at node '{self.node_names[error_node]}' ({self.node_ops[error_node]})"
         return where
 
+    def keep_alive(self, obj) -> None:
+        """Hold `obj` (bytes handed to the EP) until the compute info is released."""
+        self._kept.append(obj)
+
     def release(self) -> None:
         if self._released:
             return
@@ -155,6 +160,7 @@ class CompiledPartition:
         if info.ReleaseState is not None and self.state != _NULL:
             info.ReleaseState(info.ptr, self.state)
         info.Release(info.ptr)
+        self._kept.clear()  # a mapped context is unmapped once nothing points into it
 
 
 def _compile(ep: PluginEp, groups: list[FusedGroup]) -> list:

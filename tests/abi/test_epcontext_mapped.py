@@ -1,0 +1,100 @@
+"""ABI v7: a context file beside the model (embed mode 0, the default) is mapped, not read, and the
+bytes reach CompileFromContext without a copy; the host keeps them until the partition's release.
+
+Through the example plugin, whose compile_from_context is wrapped here to see what it is handed.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from host.runtime import epcontext
+from host.runtime.session import InferenceSession
+from tests.abi.test_epcontext import EP, EP_OPTIONS, env7, onnxruntime_reference, save, source, x_input
+from tests.context_files import context_files
+from tests.plugins import example_ep
+
+__all__ = ["env7", "source"]  # fixtures, imported for pytest
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """What each compile_from_context call was given: (type, read-only, first bytes)."""
+    seen = []
+    original = example_ep.ExampleEp.compile_from_context
+
+    def spy(self, fused, blob):
+        seen.append((type(blob), memoryview(blob).readonly, bytes(blob[:8])))
+        return original(self, fused, blob)
+
+    monkeypatch.setattr(example_ep.ExampleEp, "compile_from_context", spy)
+    return seen
+
+
+def test_a_context_file_is_handed_over_as_a_read_only_view_of_its_mapping(env7, source, handed):
+    model, path = source
+    ctx_path, _ = save(env7, path)  # embed mode 0 by default
+    files = context_files(ctx_path)
+    assert len(files) == 2
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 2
+        assert [(t, ro) for t, ro, _ in handed] == [(memoryview, True)] * 2
+        assert [head for _, _, head in handed] == [f.read_bytes()[:8] for f in files]
+        kept = [obj for part in s._partitioner.partitions for obj in part._kept]
+        assert len(kept) == 2 and all(isinstance(obj, mmap.mmap) and not obj.closed for obj in kept)
+        x = x_input()
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
+    assert all(not part._kept for part in s._partitioner.partitions), "released with the partitions"
+
+
+def test_embedded_contexts_are_handed_over_without_a_copy_too(env7, source, handed):
+    model, path = source
+    ctx_path, _ = save(env7, path, **{epcontext.EMBED_MODE: "1"})
+    assert context_files(ctx_path) == []
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 2
+        assert [(t, ro) for t, ro, _ in handed] == [(memoryview, True)] * 2
+        kept = [obj for part in s._partitioner.partitions for obj in part._kept]
+        assert len(kept) == 2 and all(isinstance(obj, bytes) for obj in kept)
+        x = x_input(1)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
+
+
+def test_saving_again_replaces_a_mapped_context_file_whole(env7, source):
+    """A session keeps its mapping of the old file; a second save writes a new file in its place
+    (os.replace), so the running session's bytes never change under it and the next session reads the
+    new ones."""
+    model, path = source
+    ctx_path, _ = save(env7, path)
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        inode = [f.stat().st_ino for f in context_files(ctx_path)]
+        save(env7, path)
+        assert [f.stat().st_ino for f in context_files(ctx_path)] != inode
+        x = x_input(2)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s2:
+        assert s2.fallbacks["context_loaded"] == 2
+
+
+@pytest.mark.filterwarnings("ignore:compiled context of .* not used:RuntimeWarning")
+def test_an_empty_or_missing_context_file_is_compiled_again(env7, source):
+    model, path = source
+    ctx_path, _ = save(env7, path)
+    first, second = context_files(ctx_path)
+    first.write_bytes(b"")  # a file of 0 bytes cannot be mapped: the EP is handed no bytes and refuses
+    second.unlink()
+    with InferenceSession(str(ctx_path), providers=[(EP, EP_OPTIONS)], env=env7) as s:
+        assert (s.fallbacks["context_loaded"], s.fallbacks["context_recompiled"]) == (0, 2)
+        x = x_input(3)
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], onnxruntime_reference(model, x), rtol=1e-6)
+
+
+def test_the_default_embed_mode_is_onnxruntimes(env7, source):
+    assert epcontext.ContextOptions.from_entries({}).embed_mode == 0
+    assert epcontext.ContextOptions.from_entries({epcontext.EMBED_MODE: "1"}).embed_mode == 1
+    _, path = source
+    ctx_path, _ = save(env7, path, **{epcontext.FILE_PATH: str(path.with_name("x_ctx.onnx"))})
+    assert [f.name for f in context_files(ctx_path)] == ["x_ctx_ExampleEP_fused_0.bin", "x_ctx_ExampleEP_fused_1.bin"]
