@@ -16,6 +16,8 @@ nothing else reads:
 - **a product and the SkipLayerNormalization** that alone reads it (fusion_norm.py);
 - **consecutive GEMM layers** (an MLP's chains, each reading the last alone) as one compiled call
   (fusion_stack.py).
+- **quantized nodes in a row** (QuantizeLinear -> QLinearConv -> ... -> DequantizeLinear) as one compiled
+  call (quant_chain.py).
 
 The graph is not changed: node assignment, the optimizer and other EPs see the nodes as they are.
 A chain computes what its nodes compute one by one, with the same NumPy operations in the same
@@ -461,6 +463,7 @@ def fuse(nodes, keep, constants) -> list:
     from host.cpu_ep.fusion_norm import match_gemm_skip_norm
     from host.cpu_ep.fusion_qkv import match_qkv_attention
     from host.cpu_ep.fusion_stack import stack_layers
+    from host.cpu_ep.quant_chain import match_quant_chain
 
     consumers = _consumers(nodes)
     out, i = [], 0
@@ -472,7 +475,8 @@ def fuse(nodes, keep, constants) -> list:
             continue
         found = (match_squeeze_excite(nodes, i, consumers, keep, constants)
                  or match_gemm_skip_norm(nodes, i, consumers, keep, constants)
-                 or match_epilogues(nodes, i, consumers, keep, constants))
+                 or match_epilogues(nodes, i, consumers, keep, constants)
+                 or match_quant_chain(nodes, i, consumers, keep, constants))
         if found is None:
             out.append(nodes[i])
             i += 1

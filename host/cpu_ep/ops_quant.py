@@ -422,7 +422,7 @@ class QLinearMatMul(IntGemm):
         m = a.size // k if k else 0
         if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS:
             return None
-        out = self.derived((3, 5, 1, 2, 4, 6, 7), (b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp), _compiled_requant)
+        out = self.derived((3, 5, 1, 2, 4, 6, 7), (b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp), compiled_requant)
         if out is None:
             return None
         centered, a_zp_value, mult, y_zp_value, sat = out
@@ -455,7 +455,7 @@ def columns(v, n: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(np.asarray(v, F32).reshape(-1), (n,)))
 
 
-def _compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
+def compiled_requant(b, b_zp, a_scale, a_zp, b_scale, y_scale, y_zp):
     """(centered B, A's zero point as an int, the N float32 multipliers, the output zero point as a float, the
     output's Saturate) for ep_qlinear_matmul, B and the multipliers as C pointers; None where A's zero point
     is not per tensor or the parameters are neither per tensor nor per column."""
@@ -534,12 +534,16 @@ class QLinearConv(_IntConv):
 
     def _run(self, x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp, bias=None):
         acc = self.accumulate(x, x_zp, w, w_zp)
-        out = self.derived((1, 4, 6, 7, 8), (x_scale, w_scale, y_scale, y_zp, bias),
-                           lambda xs, ws, ys, yz, b: self._requantizer(xs, ws, ys, yz, b, acc.ndim))
-        bias64, requant = out
+        bias64, requant = self.output_params(x_scale, w_scale, y_scale, y_zp, bias, acc.ndim)
         if bias64 is not None:
             acc += bias64  # in float64, then rounded once: float32(acc + bias) is MLAS's int32 sum
         return (requant(acc),)
+
+    def output_params(self, x_scale, w_scale, y_scale, y_zp, bias, ndim: int) -> tuple:
+        """(the bias as float64 per channel or None, the Requantize), made once per bound parameters (a quantized
+        chain, quant_chain.py, reads the same)."""
+        return self.derived((1, 4, 6, 7, 8), (x_scale, w_scale, y_scale, y_zp, bias),
+                            lambda xs, ws, ys, yz, b: self._requantizer(xs, ws, ys, yz, b, ndim))
 
     @staticmethod
     def _requantizer(x_scale, w_scale, y_scale, y_zp, bias, ndim: int) -> tuple:

@@ -141,15 +141,19 @@ class QLinearGlobalAveragePool(BoundParams, OpKernel):
             acc = (rows @ constant_column(size, 1.0, F32)).reshape(*x.shape[:2], *[1] * (x.ndim - 2))
         else:
             acc = x.sum(axis=axes, keepdims=True, dtype=F32 if size * 256 < 1 << 24 else np.float64)
-        # per image size: the zero point's share of a sum and the requantization (the params are bound)
-        per_size, params = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), lambda *p: ({}, p))
-        entry = per_size.get((size, x.dtype))
-        if entry is None:
-            entry = per_size.setdefault((size, x.dtype), self._params(*params, size, x.dtype))
-        zp_sum, requant = entry
+        zp_sum, requant = self.size_params(x_scale, x_zp, y_scale, y_zp, size, x.dtype)
         if zp_sum:
             acc -= zp_sum
         return (requant(acc),)
+
+    def size_params(self, x_scale, x_zp, y_scale, y_zp, size: int, x_dtype) -> tuple:
+        """(the zero point's share of a sum, the Requantize) per image size, made once per bound parameters (a
+        quantized chain, quant_chain.py, reads the same)."""
+        per_size, params = self.derived((1, 2, 3, 4), (x_scale, x_zp, y_scale, y_zp), lambda *p: ({}, p))
+        entry = per_size.get((size, x_dtype))
+        if entry is None:
+            entry = per_size.setdefault((size, x_dtype), self._params(*params, size, x_dtype))
+        return entry
 
     @staticmethod
     def _params(x_scale, x_zp, y_scale, y_zp, size: int, x_dtype) -> tuple:

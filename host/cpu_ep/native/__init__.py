@@ -65,6 +65,8 @@ void ep_qlinear_add(const void *a, int a_kind, int64_t n, const void *b, int b_k
                     float ratio_b, float fixed, float lo, float hi, int y_kind, void *y);
 int ep_qlinear_softmax(const void *x, int x_kind, int64_t rows, int64_t n, const void *table, float steps,
                        float y_zp, float lo, float hi, int y_kind, void *y);
+int ep_quant_chain(const void *prog, const void *fprog, int n_ops, const void *in0, const void *in1,
+                   const void *in2, const void *in3, void *out, void *scratch);
 int ep_matmul_batched(const void *A, const void *B, void *C, int batch, int inner, int M, int K, int N, int64_t sa1,
                       int64_t sa2, int64_t lda, int64_t sb1, int64_t sb2, int64_t bk, int64_t bn);
 void ep_softmax(const void *x, void *y, int64_t rows, int n, int log_form);

@@ -106,20 +106,30 @@ static inline void q8_put(void *y, int kind, int64_t i, float v, float lo, float
 /* QLinearMatMul (ops_quant.py) for small products in one call: A (M x K, int8 or uint8, a per-tensor zero
  * point) times the centered B (K x N int16: B minus its zero point), the exact int32 sums, then the NumPy
  * path's requantization: float(acc) * multiplier[n] (a_scale * b_scale / y_scale in float32), rounded half to
- * even, plus the output zero point, saturated. Returns 1 (nothing written) when memory is short. */
-HOT __attribute__((optimize("fp-contract=off"))) int ep_qlinear_matmul(
-    const void *a, int a_kind, int64_t M, int K, int32_t a_zp, const int16_t *bc, int N, const float *mult,
-    float y_zp, float lo, float hi, int y_kind, void *y) {
+ * even, plus the output zero point, saturated; QGemm's int32 bias (a quantized chain's) added to acc first.
+ * Returns 1 (nothing written) when memory is short. */
+static __attribute__((optimize("fp-contract=off"))) int qlinear_matmul_bias(
+    const void *a, int a_kind, int64_t M, int K, int32_t a_zp, const int16_t *bc, int N, const int32_t *bias,
+    const float *mult, float y_zp, float lo, float hi, int y_kind, void *y) {
     int32_t *buf = malloc(sizeof(int32_t) * ((size_t)K + (size_t)N));
     if (!buf) return 1;
     int32_t *qa = buf, *acc = buf + K;
     for (int64_t m = 0; m < M; m++) {
         for (int k = 0; k < K; k++) qa[k] = q8_at(a, a_kind, m * K + k) - a_zp;
         int_row_product(qa, bc, K, N, acc);
-        for (int n = 0; n < N; n++) q8_put(y, y_kind, m * N + n, rintf((float)acc[n] * mult[n]) + y_zp, lo, hi);
+        for (int n = 0; n < N; n++) {
+            /* with a bias: float32 of the exact sum (the NumPy path adds it in float64, then rounds once) */
+            const float v = bias ? (float)((int64_t)acc[n] + bias[n]) : (float)acc[n];
+            q8_put(y, y_kind, m * N + n, rintf(v * mult[n]) + y_zp, lo, hi);
+        }
     }
     free(buf);
     return 0;
+}
+
+HOT int ep_qlinear_matmul(const void *a, int a_kind, int64_t M, int K, int32_t a_zp, const int16_t *bc, int N,
+                          const float *mult, float y_zp, float lo, float hi, int y_kind, void *y) {
+    return qlinear_matmul_bias(a, a_kind, M, K, a_zp, bc, N, NULL, mult, y_zp, lo, hi, y_kind, y);
 }
 
 /* com.microsoft QLinearAdd (ops_quant_ms.py) in one pass, MLAS's form in the NumPy path's order:
@@ -182,5 +192,7 @@ HOT __attribute__((optimize("fp-contract=off"))) int ep_qlinear_softmax(
     free(e);
     return 0;
 }
+
+#include "kernels_quant_chain.c" /* quantized nodes in a row as one call */
 
 #include "kernels_trees.c" /* tree ensembles: after kernels_gemm.c, whose pool shares their rows out */
