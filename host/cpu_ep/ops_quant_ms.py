@@ -319,7 +319,7 @@ class DynamicQuantizeMatMul(IntGemm):
         m = a.size // k if k else 0
         if a.shape[-1] != k or not m or m * k * n > COMPILED_MAX_MACS:
             return None
-        operands = self.derived((1, 2, 3, 4), (b, b_scale, b_zp, bias), _compiled_operands)
+        operands = self.derived((1, 2, 3, 4), (b, b_scale, b_zp, bias), compiled_operands)
         if operands is None:
             return None
         centered, scales, column_bias = operands  # C pointers, made once per bound B (each keeps its array)
@@ -328,7 +328,7 @@ class DynamicQuantizeMatMul(IntGemm):
         return None if failed else y
 
 
-def _compiled_operands(b, b_scale, b_zp, bias):
+def compiled_operands(b, b_scale, b_zp, bias):
     """C pointers to (B minus its zero point as int16, the N column scales, the N-float bias or NULL) for
     ep_dynamic_qmatmul, or None where the operands are not a 2-D int8/uint8 B with per-tensor or per-column
     parameters."""

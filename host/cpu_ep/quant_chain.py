@@ -23,7 +23,8 @@ from host.cpu_ep import native
 from host.cpu_ep.ops_quant import COMPILED_MAX_MACS, F32, Saturate, centered_int16, columns, compiled_requant
 
 QC_WORDS, QC_FLOATS = 32, 8  # kernels_quant_chain.c's record
-QUANTIZE, DEQUANTIZE, CONV, MAXPOOL, ADD, GLOBAL_AVG, MATMUL, SOFTMAX, COPY = range(1, 10)
+(QUANTIZE, DEQUANTIZE, CONV, MAXPOOL, ADD, GLOBAL_AVG, MATMUL, SOFTMAX, COPY, DYNAMIC_QUANTIZE, BINARY, RELU, CAST,
+ SOFTMAX_F32, DYNAMIC_MATMUL, MAXPOOL_F32) = range(1, 17)
 _SLOT_SHIFT = 56
 _IN_SLOTS, _OUT_SLOT, _SCRATCH_SLOT = 4, 4, 5
 _BYTE_KINDS = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1}
@@ -106,21 +107,15 @@ def _dequantize(prog, node, args, outs, constants) -> bool:
 
 
 def _conv(prog, node, args, outs, constants) -> bool:
+    """QLinearConv: the exact product, the bias, the requantization."""
     kernel = node.kernel
     x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp, bias = (list(args) + [None] * 9)[:9]
-    kind = _BYTE_KINDS.get(x.dtype)
-    if kind is None or x.ndim != 4 or w.ndim != 4 or np.size(x_zp) > 1 or w.dtype not in _BYTE_KINDS:
-        return False
     if bias is not None and (bias.dtype != np.int32 or bias.size != w.shape[0]):
         return False
-    g, strides, dilations = kernel.conv._params(x, w.shape[2:])
-    group = kernel.conv.group
-    n, c, h, wd = x.shape
-    m, k = w.shape[0], math.prod(w.shape[1:])
-    if c != w.shape[1] * group or m % group or k * 255 * 255 >= 1 << 31:
+    geometry = _conv_geometry(kernel.conv, x, x_zp, w)
+    if geometry is None:
         return False
-    if m * k * math.prod(g.out) * n > CONV_MAX_MACS:
-        return False
+    m = w.shape[0]
     _, requant = kernel.output_params(x_scale, w_scale, y_scale, y_zp, bias, x.ndim)
     sat = requant.saturate
     if sat.kind not in (0, 1) or _scalar_zp(sat) is None or requant.multiplier.size not in (1, m):
@@ -129,11 +124,43 @@ def _conv(prog, node, args, outs, constants) -> bool:
     if centered is None:
         return False
     x_zp_value = 0 if x_zp is None else int(np.asarray(x_zp).reshape(()))
-    words = (prog.ref(node.inputs[0]), kind, x_zp_value, prog.address(centered),
+    words = (prog.ref(node.inputs[0]), _BYTE_KINDS[x.dtype], x_zp_value, prog.address(centered),
              0 if bias is None else prog.address(bias.astype(np.int32)), prog.address(columns(requant.multiplier, m)),
-             prog.ref(node.outputs[0]), sat.kind, n, c, h, wd, m, *w.shape[2:], *strides, *g.begin, *dilations,
-             *g.out, group)
+             prog.ref(node.outputs[0]), sat.kind, *geometry, 0)
     return prog.emit(CONV, words, (_scalar_zp(sat), sat.lo, sat.hi))
+
+
+def _conv_integer(prog, node, args, outs, constants) -> bool:
+    """ConvInteger: the exact int32 product; x's zero point an initializer or a value of the chain."""
+    x, w, x_zp, w_zp = (list(args) + [None] * 4)[:4]
+    geometry = _conv_geometry(node.kernel.conv, x, x_zp, w)
+    centered = _centered_filters(w, w_zp) if geometry is not None else None
+    if centered is None or outs[0].dtype != np.int32 or (x_zp is not None and x_zp.dtype != x.dtype):
+        return False
+    zp_vid = node.inputs[2] if len(node.inputs) > 2 else -1
+    in_chain = zp_vid >= 0 and zp_vid not in constants
+    x_zp_value = 0 if x_zp is None or in_chain else int(np.asarray(x_zp).reshape(()))
+    words = (prog.ref(node.inputs[0]), _BYTE_KINDS[x.dtype], x_zp_value, prog.address(centered), 0, 0,
+             prog.ref(node.outputs[0]), 4, *geometry, prog.ref(zp_vid) if in_chain else 0)
+    return prog.emit(CONV, words)
+
+
+def _conv_geometry(conv, x, x_zp, w) -> tuple | None:
+    """(N, C, H, W, M, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW, G) of a 2-D convolution of 8-bit x by 8-bit w
+    that the chain's loops take (a per-tensor x zero point, an int32 accumulator, at most CONV_MAX_MACS), else
+    None."""
+    if (x.dtype not in _BYTE_KINDS or w.dtype not in _BYTE_KINDS or x.ndim != 4 or w.ndim != 4
+            or np.size(x_zp) > 1):
+        return None
+    g, strides, dilations = conv._params(x, w.shape[2:])
+    group = conv.group
+    n, c, h, wd = x.shape
+    m, k = w.shape[0], math.prod(w.shape[1:])
+    if c != w.shape[1] * group or m % group or k * 255 * 255 >= 1 << 31:
+        return None
+    if m * k * math.prod(g.out) * n > CONV_MAX_MACS:
+        return None
+    return (n, c, h, wd, m, *w.shape[2:], *strides, *g.begin, *dilations, *g.out, group)
 
 
 def _centered_filters(w: np.ndarray, w_zp) -> np.ndarray | None:
@@ -146,14 +173,17 @@ def _centered_filters(w: np.ndarray, w_zp) -> np.ndarray | None:
 
 
 def _maxpool(prog, node, args, outs, constants) -> bool:
+    """MaxPool of 8-bit codes, or of float32 values in the kernel's own order of maxima (its tiling decision)."""
     kernel, x = node.kernel, args[0]
-    kind = _BYTE_KINDS.get(x.dtype)
-    if kind is None or x.ndim != 4 or len(outs) != 1 or kernel.want_indices:
+    kind = _BYTE_KINDS.get(x.dtype, 4 if x.dtype == F32 else None)
+    if kind is None or x.ndim != 4 or len(outs) != 1 or kernel.want_indices or len(kernel.kernel_shape) != 2:
         return False
     g, strides, dilations = kernel._params(x, kernel.kernel_shape)
     n, c, h, w = x.shape
     words = (prog.ref(node.inputs[0]), kind, n * c, h, w, *kernel.kernel_shape, *strides, *g.begin, *dilations,
              *g.out, prog.ref(node.outputs[0]))
+    if kind == 4:
+        return prog.emit(MAXPOOL_F32, (*words, int(kernel._tiles(x))))
     return prog.emit(MAXPOOL, words)
 
 
@@ -257,6 +287,88 @@ def _softmax(prog, node, args, outs, constants) -> bool:
     return prog.emit(SOFTMAX, words, (steps, _scalar_zp(sat), sat.lo, sat.hi))
 
 
+def _dynamic_quantize(prog, node, args, outs, constants) -> bool:
+    x = args[0]
+    if x.dtype != F32 or len(node.outputs) != 3 or min(node.outputs) < 0:
+        return False
+    y, scale, zp = node.outputs
+    return prog.emit(DYNAMIC_QUANTIZE, (prog.ref(node.inputs[0]), x.size, prog.ref(y), prog.ref(scale), prog.ref(zp)))
+
+
+def _binary(code: int):
+    """Add (1) or Mul (2) of two float32 operands broadcast to the output's shape (rank <= 6)."""
+
+    def record(prog, node, args, outs, constants) -> bool:
+        (a, b), y = args[:2], outs[0]
+        if a.dtype != F32 or b.dtype != F32 or y.dtype != F32 or y.ndim > 6:
+            return False
+        refs = [_data_ref(prog, v, arr, constants) for v, arr in zip(node.inputs, (a, b))]
+        dims = (1,) * (6 - y.ndim) + y.shape
+        strides = [_element_strides(arr, dims) for arr in (a, b)]
+        return prog.emit(BINARY, (code, *refs, prog.ref(node.outputs[0]), *dims, *strides[0], *strides[1]))
+
+    return record
+
+
+def _element_strides(array: np.ndarray, dims: tuple) -> tuple:
+    """The element strides of a contiguous `array` broadcast to `dims` (0 along the axes it repeats on)."""
+    shape = (1,) * (len(dims) - array.ndim) + array.shape
+    strides, step = [0] * len(dims), 1
+    for axis in range(len(dims) - 1, -1, -1):
+        strides[axis] = step if shape[axis] != 1 else 0
+        step *= shape[axis]
+    return tuple(strides)
+
+
+def _relu(prog, node, args, outs, constants) -> bool:
+    if args[0].dtype != F32:
+        return False
+    return prog.emit(RELU, (prog.ref(node.inputs[0]), prog.ref(node.outputs[0]), args[0].size))
+
+
+_CAST_KINDS = {**_BYTE_KINDS, np.dtype(np.int32): 4}
+
+
+def _cast(prog, node, args, outs, constants) -> bool:
+    kind = _CAST_KINDS.get(args[0].dtype)
+    if kind is None or outs[0].dtype != F32:
+        return False
+    return prog.emit(CAST, (prog.ref(node.inputs[0]), kind, args[0].size, prog.ref(node.outputs[0])))
+
+
+def _softmax_f32(prog, node, args, outs, constants) -> bool:
+    """Softmax where its kernel takes ep_softmax (float32 rows over the last axis, or the opset < 13 tail)."""
+    kernel, x = node.kernel, args[0]
+    if x.dtype != F32 or not x.size or not -x.ndim <= kernel.axis < x.ndim:
+        return False
+    axis = kernel.axis % x.ndim
+    n = math.prod(x.shape[axis:])
+    if n >= 1 << 31 or (axis != x.ndim - 1 and not kernel.legacy):
+        return False
+    return prog.emit(SOFTMAX_F32, (prog.ref(node.inputs[0]), prog.ref(node.outputs[0]), x.size // n, n))
+
+
+def _dynamic_matmul(prog, node, args, outs, constants) -> bool:
+    """DynamicQuantizeMatMul where its kernel takes ep_dynamic_qmatmul (ops_quant_ms: the same conditions)."""
+    from host.cpu_ep.ops_quant_ms import compiled_operands
+
+    kernel = node.kernel
+    a, b, b_scale, b_zp, bias = (list(args) + [None] * 5)[:5]
+    if a.dtype != F32 or not a.ndim or b.ndim != 2 or a.shape[-1] != b.shape[0]:
+        return False
+    k, n = b.shape
+    m = a.size // k if k else 0
+    if not m or m * k * n > COMPILED_MAX_MACS:
+        return False
+    operands = kernel.derived((1, 2, 3, 4), (b, b_scale, b_zp, bias), compiled_operands)
+    if operands is None:
+        return False
+    centered, scales, column_bias = operands
+    words = (prog.ref(node.inputs[0]), m, k, prog.pointer(centered), n, prog.pointer(scales),
+             prog.pointer(column_bias), prog.ref(node.outputs[0]))
+    return prog.emit(DYNAMIC_MATMUL, words)
+
+
 def _alias(prog, node, args, outs, constants) -> bool:
     """Flatten, Reshape: the same bytes under another shape."""
     return outs[0].dtype == args[0].dtype and outs[0].size == args[0].size
@@ -272,11 +384,24 @@ OPS = {
     ("", "MaxPool"): (_maxpool, (0,)),
     ("", "Flatten"): (_alias, (0,)),
     ("", "Reshape"): (_alias, (0,)),
+    ("", "DynamicQuantizeLinear"): (_dynamic_quantize, (0,)),
+    ("", "ConvInteger"): (_conv_integer, (0, 2)),
+    ("", "Cast"): (_cast, (0,)),
+    ("", "Add"): (_binary(1), (0, 1)),
+    ("", "Mul"): (_binary(2), (0, 1)),
+    ("", "Relu"): (_relu, (0,)),
+    ("", "Softmax"): (_softmax_f32, (0,)),
+    (MS, "DynamicQuantizeMatMul"): (_dynamic_matmul, (0,)),
     (MS, "QLinearAdd"): (_add, (0, 3)),
     (MS, "QLinearGlobalAveragePool"): (_global_avg, (0,)),
     (MS, "QGemm"): (_gemm, (0,)),
     (MS, "QLinearSoftmax"): (_softmax, (0,)),
 }
+
+
+# Ops a chain takes only around quantized ones: a run of these alone is a float model's business (fusion.py).
+_PASSENGERS = {("", "Flatten"), ("", "Reshape"), ("", "Cast"), ("", "Add"), ("", "Mul"), ("", "Relu"),
+               ("", "Softmax"), ("", "MaxPool")}
 
 
 def _op(node) -> tuple[str, str]:
@@ -437,7 +562,7 @@ def match_quant_chain(nodes, i: int, consumers, keep, constants):
     for j in range(end, i + 1, -1):
         chain = nodes[i:j]
         closed = _closed(chain, consumers, keep)
-        if closed is None:
+        if closed is None or all(_op(n) in _PASSENGERS for n in chain):
             continue
         external = tuple(v for v in closed if v not in constants)
         if len(external) > _IN_SLOTS:

@@ -40,18 +40,11 @@ static inline void int_row_product(const int32_t *qa, const int16_t *bc, int K, 
     }
 }
 
-/* DynamicQuantizeMatMul (ops_quant_ms.py) in one call, for small products where NumPy's per-call costs are
- * most of the time: A (M x K) quantized to uint8 as DynamicQuantizeLinear does (the range including 0, the
- * scale (hi - lo) / 255 and the zero point rint(-lo / scale) clamped to [0, 255], in float32: the NumPy
- * path's operations, which dynamic_params reproduces in doubles), then the exact integer product with the
- * centered B (K x N, B minus its zero point, int16), then y = float(acc) * (a_scale * b_scale[n]) + bias[n].
- * No FMA contraction: the scale's product and the bias's sum are two roundings, as in NumPy. Returns 1
- * (nothing written) when A holds a NaN or an infinity (the NumPy path gives what NumPy gives) or memory is
- * short. */
-HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(
-    const float *a, int64_t M, int K, const int16_t *bc, int N, const float *b_scale, const float *bias, float *y) {
+/* DynamicQuantizeLinear's scale and zero point of the count values at a (the range including 0, in float32, as
+ * the NumPy path computes them); 1 (nothing written) for a NaN or an infinity. */
+static __attribute__((optimize("fp-contract=off"))) int dynamic_params(const float *a, int64_t count, float *scale_out,
+                                                                       float *zp_out) {
     float lo = 0.0f, hi = 0.0f;
-    const int64_t count = M * (int64_t)K;
     for (int64_t i = 0; i < count; i++) {
         const float v = a[i];
         if (v != v) return 1;
@@ -67,6 +60,23 @@ HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(
         zp = rintf(-(lo / scale));
         zp = zp < 0.0f ? 0.0f : zp > 255.0f ? 255.0f : zp;
     }
+    *scale_out = scale;
+    *zp_out = zp;
+    return 0;
+}
+
+/* DynamicQuantizeMatMul (ops_quant_ms.py) in one call, for small products where NumPy's per-call costs are
+ * most of the time: A (M x K) quantized to uint8 as DynamicQuantizeLinear does (the range including 0, the
+ * scale (hi - lo) / 255 and the zero point rint(-lo / scale) clamped to [0, 255], in float32: the NumPy
+ * path's operations, which ops_quant.dynamic_params reproduces in doubles), then the exact integer product with the
+ * centered B (K x N, B minus its zero point, int16), then y = float(acc) * (a_scale * b_scale[n]) + bias[n].
+ * No FMA contraction: the scale's product and the bias's sum are two roundings, as in NumPy. Returns 1
+ * (nothing written) when A holds a NaN or an infinity (the NumPy path gives what NumPy gives) or memory is
+ * short. */
+HOT __attribute__((optimize("fp-contract=off"))) int ep_dynamic_qmatmul(
+    const float *a, int64_t M, int K, const int16_t *bc, int N, const float *b_scale, const float *bias, float *y) {
+    float scale, zp;
+    if (dynamic_params(a, M * (int64_t)K, &scale, &zp)) return 1;
     int32_t *buf = malloc(sizeof(int32_t) * ((size_t)K + (size_t)N));
     if (!buf) return 1;
     int32_t *qa = buf, *acc = buf + K;

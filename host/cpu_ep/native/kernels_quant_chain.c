@@ -24,6 +24,13 @@ enum {
     QC_MATMUL,       /* a, a_kind, M, K, a_zp, bc (int16), N, mult, y, y_kind, bias (int32) or 0 | y_zp, lo, hi */
     QC_SOFTMAX,      /* x, x_kind, rows, n, table, y, y_kind | steps, y_zp, lo, hi */
     QC_COPY,         /* x, y, bytes */
+    QC_DYNAMIC_QUANTIZE, /* x (float32), n, y (uint8), scale (float32), zp (uint8) */
+    QC_BINARY,       /* see qc_binary */
+    QC_RELU,         /* x, y, n (float32) */
+    QC_CAST,         /* x, x_kind (0 int8, 1 uint8, 4 int32), n, y (float32) */
+    QC_SOFTMAX_F32,  /* x, y, rows, n: ep_softmax */
+    QC_DYNAMIC_MATMUL, /* a, M, K, bc (int16), N, b_scale, bias or 0, y: ep_dynamic_qmatmul */
+    QC_MAXPOOL_F32,  /* qc_maxpool's words, then whether the windows tile the image (see qc_maxpool_f32) */
 };
 
 static inline void *qc_at(char *const *slots, int64_t ref) {
@@ -44,12 +51,13 @@ static __attribute__((optimize("fp-contract=off"))) void qc_dequantize(const voi
  * C/G * KH * KW), then per output channel float32(acc + bias) * mult[m], rounded half to even, plus the output
  * zero point, saturated (the NumPy path: an exact float accumulator, the bias added exactly, one rounding).
  * Words: x, x_kind, x_zp, w, bias (int32) or 0, mult, y, y_kind, N, C, H, W, M, KH, KW, SH, SW, PH, PW, DH, DW,
- * OH, OW, G. Floats: y_zp, lo, hi. */
+ * OH, OW, G, and where x's zero point is a value of the chain (ConvInteger after DynamicQuantizeLinear) its place
+ * (else 0). Floats: y_zp, lo, hi. y_kind 4: the int32 accumulator as it is (ConvInteger; no bias, no mult). */
 static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const *slots, const int64_t *w,
                                                               const float *f) {
     const void *x = qc_at(slots, w[1]);
     const int x_kind = (int)w[2];
-    const int32_t x_zp = (int32_t)w[3];
+    const int32_t x_zp = w[25] ? q8_at(qc_at(slots, w[25]), x_kind, 0) : (int32_t)w[3];
     const int16_t *wts = qc_at(slots, w[4]);
     const int32_t *bias = w[5] ? qc_at(slots, w[5]) : NULL;
     const float *mult = qc_at(slots, w[6]);
@@ -94,6 +102,10 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
                 }
                 const int64_t out = (n * M + m) * P;
                 const int64_t b = bias ? bias[m] : 0;
+                if (y_kind == 4) { /* ConvInteger: the accumulator itself */
+                    memcpy((int32_t *)y + out, acc, sizeof(int32_t) * (size_t)P);
+                    continue;
+                }
                 for (int64_t p = 0; p < P; p++)
                     q8_put(y, y_kind, out + p, rintf((float)((int64_t)acc[p] + b) * mult[m]) + f[0], f[1], f[2]);
             }
@@ -136,6 +148,48 @@ static void qc_maxpool(char *const *slots, const int64_t *w) {
     }
 }
 
+/* np.maximum(a, b) on float32: b where they are equal (so max(-0, +0) is +0, max(+0, -0) is -0), a NaN of a
+ * first, then of b. */
+static inline float numpy_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+/* MaxPool of float32 planes in the NumPy path's order of np.maximum (which decides a tie of -0 and +0 and which
+ * NaN wins): where the windows tile the image (ops_pool._tile_max: kernel = strides, no padding, whole tiles)
+ * each column of a window first, top to bottom, then the columns left to right; otherwise the window's taps
+ * row by row over the image padded with -inf. Words: as qc_maxpool's, then the tiling flag. */
+static void qc_maxpool_f32(char *const *slots, const int64_t *w) {
+    const float *x = qc_at(slots, w[1]);
+    const int64_t planes = w[3], H = w[4], W = w[5], KH = w[6], KW = w[7], SH = w[8], SW = w[9], PH = w[10],
+                  PW = w[11], DH = w[12], DW = w[13], OH = w[14], OW = w[15];
+    float *y = qc_at(slots, w[16]);
+    const int tiles = (int)w[17];
+    for (int64_t c = 0; c < planes; c++) {
+        const float *xp = x + c * H * W;
+        for (int64_t oh = 0; oh < OH; oh++) {
+            for (int64_t ow = 0; ow < OW; ow++) {
+                float top = 0.0f;
+                if (tiles) {
+                    for (int64_t kw = 0; kw < KW; kw++) {
+                        const float *cell = xp + (oh * KH) * W + ow * KW + kw;
+                        float col = cell[0];
+                        for (int64_t kh = 1; kh < KH; kh++) col = numpy_max(col, cell[kh * W]);
+                        top = kw ? numpy_max(top, col) : col;
+                    }
+                } else {
+                    for (int64_t kh = 0; kh < KH; kh++) {
+                        const int64_t ih = oh * SH - PH + kh * DH;
+                        for (int64_t kw = 0; kw < KW; kw++) {
+                            const int64_t iw = ow * SW - PW + kw * DW;
+                            const float v = ih >= 0 && ih < H && iw >= 0 && iw < W ? xp[ih * W + iw] : -INFINITY;
+                            top = kh || kw ? numpy_max(top, v) : v;
+                        }
+                    }
+                }
+                y[(c * OH + oh) * OW + ow] = top;
+            }
+        }
+    }
+}
+
 /* QLinearGlobalAveragePool (channels first): per plane the exact sum minus the zero point's share, then
  * float32(sum) * scale (x_scale / (y_scale * size) in float32), rounded half to even, plus the output zero
  * point, saturated. Words: x, x_kind, planes, size, zp_sum, y, y_kind. Floats: scale, y_zp, lo, hi. */
@@ -152,6 +206,56 @@ static __attribute__((optimize("fp-contract=off"))) void qc_global_avg(char *con
     }
 }
 
+/* DynamicQuantizeLinear: the scale and zero point of x's range (dynamic_params), x quantized to uint8 with them.
+ * Returns 1 for a NaN or an infinity in x (the NumPy path decides those). */
+static __attribute__((optimize("fp-contract=off"))) int qc_dynamic_quantize(char *const *slots, const int64_t *w) {
+    const float *x = qc_at(slots, w[1]);
+    float scale, zp;
+    if (dynamic_params(x, w[2], &scale, &zp)) return 1;
+    ep_quantize(x, qc_at(slots, w[3]), w[2], 2, scale, zp, 0.0f, 255.0f, 1);
+    *(float *)qc_at(slots, w[4]) = scale;
+    *(uint8_t *)qc_at(slots, w[5]) = (uint8_t)zp;
+    return 0;
+}
+
+/* Add (op 1) or Mul (op 2) of float32 a and b broadcast to y's dims (rank <= 6, each operand's element strides
+ * per axis, 0 where it repeats): one IEEE operation per element, as NumPy's. Words: op, a, b, y, then dims[6],
+ * a_strides[6], b_strides[6]. */
+static __attribute__((optimize("fp-contract=off"))) void qc_binary(char *const *slots, const int64_t *w) {
+    const float *a = qc_at(slots, w[2]), *b = qc_at(slots, w[3]);
+    float *y = qc_at(slots, w[4]);
+    const int64_t *d = w + 5, *sa = w + 11, *sb = w + 17;
+    const int add = w[1] == 1;
+    int64_t i = 0;
+    for (int64_t i0 = 0; i0 < d[0]; i0++)
+        for (int64_t i1 = 0; i1 < d[1]; i1++)
+            for (int64_t i2 = 0; i2 < d[2]; i2++)
+                for (int64_t i3 = 0; i3 < d[3]; i3++)
+                    for (int64_t i4 = 0; i4 < d[4]; i4++) {
+                        const int64_t oa = i0 * sa[0] + i1 * sa[1] + i2 * sa[2] + i3 * sa[3] + i4 * sa[4];
+                        const int64_t ob = i0 * sb[0] + i1 * sb[1] + i2 * sb[2] + i3 * sb[3] + i4 * sb[4];
+                        for (int64_t i5 = 0; i5 < d[5]; i5++, i++) {
+                            const float va = a[oa + i5 * sa[5]], vb = b[ob + i5 * sb[5]];
+                            y[i] = add ? va + vb : va * vb;
+                        }
+                    }
+}
+
+/* np.maximum(x, 0) on float32: a NaN passes as it is, -0 gives +0 (NumPy's result on x86-64). */
+static void qc_relu(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        y[i] = (v > 0.0f || v != v) ? v : 0.0f;
+    }
+}
+
+static void qc_cast(const void *x, int kind, int64_t n, float *y) {
+    if (kind == 4)
+        for (int64_t i = 0; i < n; i++) y[i] = (float)((const int32_t *)x)[i];
+    else
+        for (int64_t i = 0; i < n; i++) y[i] = (float)q8_at(x, kind, i);
+}
+
 static int qc_step(char *const *slots, const int64_t *w, const float *f) {
     switch (w[0]) {
     case QC_QUANTIZE:
@@ -164,6 +268,9 @@ static int qc_step(char *const *slots, const int64_t *w, const float *f) {
         return qc_conv(slots, w, f);
     case QC_MAXPOOL:
         qc_maxpool(slots, w);
+        return 0;
+    case QC_MAXPOOL_F32:
+        qc_maxpool_f32(slots, w);
         return 0;
     case QC_ADD:
         ep_qlinear_add(qc_at(slots, w[1]), (int)w[2], w[3], qc_at(slots, w[4]), (int)w[5], w[6], f[0], f[1], f[2],
@@ -182,6 +289,23 @@ static int qc_step(char *const *slots, const int64_t *w, const float *f) {
     case QC_COPY:
         memcpy(qc_at(slots, w[2]), qc_at(slots, w[1]), (size_t)w[3]);
         return 0;
+    case QC_DYNAMIC_QUANTIZE:
+        return qc_dynamic_quantize(slots, w);
+    case QC_BINARY:
+        qc_binary(slots, w);
+        return 0;
+    case QC_RELU:
+        qc_relu(qc_at(slots, w[1]), qc_at(slots, w[2]), w[3]);
+        return 0;
+    case QC_CAST:
+        qc_cast(qc_at(slots, w[1]), (int)w[2], w[3], qc_at(slots, w[4]));
+        return 0;
+    case QC_SOFTMAX_F32:
+        ep_softmax(qc_at(slots, w[1]), qc_at(slots, w[2]), w[3], (int)w[4], 0);
+        return 0;
+    case QC_DYNAMIC_MATMUL:
+        return ep_dynamic_qmatmul(qc_at(slots, w[1]), w[2], (int)w[3], qc_at(slots, w[4]), (int)w[5],
+                                  qc_at(slots, w[6]), w[7] ? qc_at(slots, w[7]) : NULL, qc_at(slots, w[8]));
     default:
         return 1;
     }
