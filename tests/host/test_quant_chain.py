@@ -292,3 +292,151 @@ def test_a_large_convolution_runs_its_nodes_one_by_one(monkeypatch):
         np.testing.assert_array_equal(joined.run(None, {"x": x})[0], plain.run(None, {"x": x})[0])
     (chain,) = _chains(joined)
     assert [run for _, run in chain._runs.values()] == [False]
+
+
+# -- quantize_dynamic's graphs: float ops around the integer ones ---------------------------------------------
+
+
+@st.composite
+def dynamic_cnn_cases(draw):
+    """DynamicQuantizeLinear -> ConvInteger -> Cast -> Mul (the scales) -> Add (bias) -> Relu -> MaxPool (float32,
+    tiling or not) -> Reshape -> DynamicQuantizeMatMul, as quantize_dynamic writes a CNN, cut after a random node."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    g = _Graph(rng, np.uint8)
+    c, m = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    h, w = 2 * draw(st.integers(2, 4)), 2 * draw(st.integers(2, 4))
+    w_type = draw(st.sampled_from([np.int8, np.uint8]))
+    g.nodes.append(helper.make_node("DynamicQuantizeLinear", ["x"], ["dq_y", "dq_s", "dq_z"], name="dql"))
+    stages = [("dq_y", TensorProto.UINT8, 4)]
+    weights, w_scale, w_zp = g.weights((m, c, 3, 3), w_type, False)
+    scale = g.node("Mul", ["dq_s", w_scale])
+    stages.append((scale, TensorProto.FLOAT, 0))
+    zp_input = [w_zp] if draw(st.booleans()) else []
+    pad = draw(st.integers(0, 1))
+    conv = g.node("ConvInteger", ["dq_y", weights, "dq_z", *zp_input], pads=[pad] * 4)
+    stages.append((conv, TensorProto.INT32, 4))
+    cast = g.node("Cast", [conv], to=TensorProto.FLOAT)
+    scaled = g.node("Mul", [cast, scale])
+    bias_shape = draw(st.sampled_from([(1, m, 1, 1), (m, 1, 1), (1,)]))
+    biased = g.node("Add", [scaled, g.const(rng.standard_normal(bias_shape).astype(np.float32) * 0.1)])
+    relu = g.node("Relu", [biased])
+    stages += [(v, TensorProto.FLOAT, 4) for v in (cast, scaled, biased, relu)]
+    tiles = draw(st.booleans()) and pad == 1  # the convolution keeps the even image: 2x2 windows tile it
+    pool_pad = 0 if tiles else draw(st.integers(0, 1))
+    pool = g.node("MaxPool", [relu], kernel_shape=[2, 2], strides=[2, 2] if tiles else [1, 1], pads=[pool_pad] * 4)
+    stages.append((pool, TensorProto.FLOAT, 4))
+    flat = g.node("Reshape", [pool, g.const(np.array([1, -1], np.int64))])
+    stages.append((flat, TensorProto.FLOAT, 2))
+    oh, ow = h + 2 * pad - 2, w + 2 * pad - 2
+    ph, pw = (oh // 2, ow // 2) if tiles else (oh + 2 * pool_pad - 1, ow + 2 * pool_pad - 1)
+    b, b_scale, b_zp = g.weights((m * ph * pw, draw(st.integers(1, 5))), w_type, draw(st.booleans()), axis=1)
+    out = g.node("DynamicQuantizeMatMul", [flat, b, b_scale, b_zp], domain=MS)
+    stages.append((out, TensorProto.FLOAT, 2))
+    stop = draw(st.integers(2, len(stages)))
+    g.nodes = g.nodes[:stop]
+    x = (rng.standard_normal((1, c, h, w)) * draw(st.sampled_from([0.5, 3.0]))).astype(np.float32)
+    return _typed_model(g, [1, c, h, w], *stages[stop - 1]), x
+
+
+def _typed_model(g: _Graph, x_shape, last: str, elem: int, rank: int):
+    y = helper.make_tensor_value_info(last, elem, [f"d{i}" for i in range(rank)])
+    graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)], [y],
+                              g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(MS, 1)])
+
+
+@st.composite
+def dynamic_block_cases(draw):
+    """quantize_dynamic's transformer block: DynamicQuantizeMatMul -> Relu -> DynamicQuantizeMatMul -> Add (the
+    input) -> Softmax, cut after a random node."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    g = _Graph(rng, np.uint8)
+    lead = draw(st.sampled_from([(1,), (3,), (1, 4)]))
+    k, hidden = draw(st.integers(1, 20)), draw(st.integers(1, 40))
+    w_type = draw(st.sampled_from([np.int8, np.uint8]))
+    stages = []
+    b1, s1, z1 = g.weights((k, hidden), w_type, draw(st.booleans()), axis=1)
+    bias = [g.const(rng.standard_normal(hidden).astype(np.float32))] if draw(st.booleans()) else []
+    m1 = g.node("DynamicQuantizeMatMul", ["x", b1, s1, z1, *bias], domain=MS)
+    r = g.node("Relu", [m1])
+    b2, s2, z2 = g.weights((hidden, k), w_type, draw(st.booleans()), axis=1)
+    m2 = g.node("DynamicQuantizeMatMul", [r, b2, s2, z2], domain=MS)
+    a = g.node("Add", [m2, "x"])
+    y = g.node("Softmax", [a], axis=-1)
+    stages = [m1, r, m2, a, y]
+    stop = draw(st.integers(2, len(stages)))
+    g.nodes = g.nodes[:stop]
+    x = (rng.standard_normal((*lead, k)) * draw(st.sampled_from([0.5, 3.0]))).astype(np.float32)
+    return _typed_model(g, [*lead, k], stages[stop - 1], TensorProto.FLOAT, len(lead) + 1), x
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=dynamic_cnn_cases())
+def test_a_dynamic_cnn_chain_gives_the_bits_of_its_nodes_one_by_one(case):
+    _same_bits_as_one_by_one(*case)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=dynamic_block_cases())
+def test_a_dynamic_transformer_chain_gives_the_bits_of_its_nodes_one_by_one(case):
+    _same_bits_as_one_by_one(*case)
+
+
+def test_a_nan_in_the_input_runs_that_call_one_by_one(monkeypatch):
+    """DynamicQuantizeLinear leaves a NaN or an infinity to the NumPy path: the chain's call declines, the nodes
+    run in turn for that run, and the next finite input takes the compiled call again."""
+    model, x = _dynamic_block_fixed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joined, plain = _session(model, True, monkeypatch), _session(model, False, monkeypatch)
+    for value in (0.0, np.nan, np.inf, -np.inf, 1.0):
+        x2 = x.copy()
+        x2[0, 1, 3] = value
+        for _ in range(2):
+            np.testing.assert_array_equal(joined.run(None, {"x": x2})[0].view(np.uint32),
+                                          plain.run(None, {"x": x2})[0].view(np.uint32))
+    (chain,) = _chains(joined)
+    assert all(run for _, run in chain._runs.values())
+
+
+def _dynamic_block_fixed():
+    g = _Graph(np.random.default_rng(4), np.uint8)
+    b, s, z = g.weights((16, 8), np.int8, True, axis=1)
+    m = g.node("DynamicQuantizeMatMul", ["x", b, s, z], domain=MS)
+    r = g.node("Relu", [m])
+    x = np.random.default_rng(5).standard_normal((1, 4, 16)).astype(np.float32)
+    return _typed_model(g, [1, 4, 16], r, TensorProto.FLOAT, 3), x
+
+
+def test_a_float_maxpool_in_a_chain_keeps_numpys_signed_zeros_and_nans(monkeypatch):
+    """Quantize -> Dequantize -> Mul by +-1 and NaNs of either sign -> MaxPool: windows of -0 and +0 and of NaNs,
+    whose winner depends on the order of np.maximum (tiling windows and padded ones)."""
+    rng = np.random.default_rng(6)
+    for tiles in (True, False):
+        g = _Graph(rng, np.uint8)
+        xs, xz = g.params(0.02)
+        q = g.node("QuantizeLinear", ["x", xs, xz])
+        d = g.node("DequantizeLinear", [q, xs, xz])
+        signs = rng.choice(np.array([1.0, -1.0, np.nan, -np.nan], np.float32), (1, 2, 6, 6), p=[0.4, 0.4, 0.1, 0.1])
+        mul = g.node("Mul", [d, g.const(signs.astype(np.float32))])
+        pool = g.node("MaxPool", [mul], kernel_shape=[2, 2], strides=[2, 2] if tiles else [1, 1],
+                      pads=[0] * 4 if tiles else [1] * 4)
+        model = _typed_model(g, [1, 2, 6, 6], pool, TensorProto.FLOAT, 4)
+        x = np.zeros((1, 2, 6, 6), np.float32)  # every code the zero point: every product a signed zero or NaN
+        want = _same_bits_as_one_by_one(model, x)
+        assert np.signbit(want[~np.isnan(want)]).any() and not np.signbit(want[~np.isnan(want)]).all()
+        assert np.isnan(want).any()
+
+
+def test_a_relu_in_a_chain_gives_numpys_zero_and_nans(monkeypatch):
+    """np.maximum(x, 0) makes -0 +0 and passes a NaN of either sign as it is."""
+    rng = np.random.default_rng(7)
+    g = _Graph(rng, np.uint8)
+    xs, xz = g.params(0.02)
+    d = g.node("DequantizeLinear", [g.node("QuantizeLinear", ["x", xs, xz]), xs, xz])
+    signs = rng.choice(np.array([1.0, -1.0, np.nan, -np.nan], np.float32), (3, 8), p=[0.4, 0.4, 0.1, 0.1])
+    relu = g.node("Relu", [g.node("Mul", [d, g.const(signs.astype(np.float32))])])
+    model = _typed_model(g, [3, 8], relu, TensorProto.FLOAT, 2)
+    x = np.where(rng.random((3, 8)) < 0.5, 0.0, rng.standard_normal((3, 8))).astype(np.float32)
+    want = _same_bits_as_one_by_one(model, x)
+    assert (want == 0).any() and not np.signbit(want[want == 0]).any() and np.signbit(want[np.isnan(want)]).any()
