@@ -28,28 +28,43 @@ import numpy as np
 
 from plugin_cuda import kernel_warmup
 
-__all__ = ["Prefetch", "decode", "record", "stats"]
+__all__ = ["Prefetch", "decode", "key_of", "recipe_of", "record", "stats"]
 
 MAX_RECIPES = 256  # per EP: what one context carries
 MAX_CONSTANT_ELEMENTS = 1024  # larger attributes or host constants: the node is not recorded
+MAX_THREADS = 4  # NVRTC releases the GIL: recipes compile side by side
 
 stats = {"recorded": 0, "replayed": 0, "failed": 0, "skipped": 0}  # per process (tests read them)
 
 
-def record(ep, node, specs, adapter) -> None:
-    """Keep the recipe of a warm-up that just succeeded in `ep.warm_recipes` (key -> recipe)."""
-    recipes = getattr(ep, "warm_recipes", None)
-    if recipes is None or adapter.needs_cublas or adapter.needs_cudnn or len(recipes) >= MAX_RECIPES:
-        return
+def recipe_of(node, specs, adapter) -> dict | None:
+    """The recipe of a per-node warm-up call (JSON-ready); None when it is not saved (a kernel with
+    library handles, a large or object constant)."""
+    if adapter.needs_cublas or adapter.needs_cudnn:
+        return None
     try:
-        recipe = {"op": node.op_type, "domain": node.domain, "opset": int(node.opset), "name": node.name,
-                  "attrs": {k: _encode(v) for k, v in sorted(node.attrs.items())},
-                  "inputs": [None if s is None else [list(s[0]), np.dtype(s[1]).str] for s in specs],
-                  "constants": {str(i): _encode(c) for i, c in sorted(adapter.constants.items()) if c is not None},
-                  "present": [bool(p) for p in adapter.present]}
+        return {"op": node.op_type, "domain": node.domain, "opset": int(node.opset), "name": node.name,
+                "attrs": {k: _encode(v) for k, v in sorted(node.attrs.items())},
+                "inputs": [None if s is None else [list(s[0]), np.dtype(s[1]).str] for s in specs],
+                "constants": {str(i): _encode(c) for i, c in sorted(adapter.constants.items()) if c is not None},
+                "present": [bool(p) for p in adapter.present]}
     except _NotSaved:
+        return None
+
+
+def key_of(recipe) -> str | None:
+    """What identifies a recipe's kernel call: all of it but the node's name."""
+    if not isinstance(recipe, dict):
+        return None
+    return json.dumps({k: v for k, v in recipe.items() if k != "name"}, sort_keys=True)
+
+
+def record(ep, recipe: dict | None) -> None:
+    """Keep `recipe` (of a warm-up that succeeded) in `ep.warm_recipes` (key -> recipe) for a context."""
+    recipes = getattr(ep, "warm_recipes", None)
+    if recipes is None or recipe is None or len(recipes) >= MAX_RECIPES:
         return
-    key = json.dumps({k: v for k, v in recipe.items() if k != "name"}, sort_keys=True)
+    key = key_of(recipe)
     if key not in recipes:
         recipes[key] = recipe
         stats["recorded"] += 1
@@ -85,49 +100,50 @@ def decode(v):
 
 
 class Prefetch:
-    """The background replay of saved recipes for one EP (at most one thread at a time)."""
+    """The background replay of saved recipes for one EP."""
 
     def __init__(self, ep):
         self.ep = ep
-        self.done: set[str] = set()  # recipe keys replayed or tried in this process
-        self._thread: threading.Thread | None = None
+        self.done: set[str] = set()  # keys of the recipes replayed, or under way, in this EP
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def start(self, recipes: list) -> bool:
-        """Replay `recipes` (a context's "warm" list) in a thread; False when nothing is to be done."""
+        """Replay `recipes` (a context's "warm" list) in up to MAX_THREADS threads; False when nothing is
+        to be done (every recipe replayed already, or none readable)."""
         todo = []
         for recipe in recipes if isinstance(recipes, list) else []:
-            key = _key(recipe)
+            key = key_of(recipe)
             if key is not None and key not in self.done:
                 self.done.add(key)
                 todo.append(recipe)
         if not todo:
             return False
+        count = min(MAX_THREADS, len(todo))
+        threads = [threading.Thread(target=self._replay, args=(todo[k::count],), daemon=True,
+                                    name=f"ephost-cuda-prefetch-{k}") for k in range(count)]
         with self._lock:
-            previous = self._thread
-            self._thread = threading.Thread(target=self._replay, args=(todo, previous), daemon=True,
-                                            name="ephost-cuda-prefetch")
-            self._thread.start()
+            self._threads.extend(threads)
+        for t in threads:
+            t.start()
         return True
 
-    def join(self) -> None:
-        """Wait for the replay (CreateKernel, OnRunStart and close call this first)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+    def covers(self, recipe: dict | None) -> bool:
+        """Whether `recipe`'s call is replayed here (done or under way): CreateKernel's own warm-up
+        then leaves it to the replay."""
+        return recipe is not None and key_of(recipe) in self.done
 
-    def _replay(self, todo: list, previous: threading.Thread | None) -> None:
-        if previous is not None:
-            previous.join()  # one replay at a time: no kernel compiled by two threads
+    def join(self) -> None:
+        """Wait for every replay started so far (Sync, OnRunStart and close call this; CreateKernel
+        too before a warm-up of its own, so no kernel is compiled by two threads)."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for t in threads:
+            t.join()
+
+    def _replay(self, todo: list) -> None:
         for recipe in todo:
             replay(self.ep, recipe)
-
-
-def _key(recipe) -> str | None:
-    if not isinstance(recipe, dict):
-        return None
-    return json.dumps({k: v for k, v in recipe.items() if k != "name"}, sort_keys=True)
 
 
 def replay(ep, recipe: dict) -> bool:

@@ -9,7 +9,7 @@ valid index for every Gather-like op) and scratch outputs, freed after the strea
 Any failure is ignored: the kernel is left as it was and its first real call does the work.
 Not done on a caller's `user_compute_stream` or once a run has started. A warm-up that succeeds
 leaves a recipe that a saved context carries, so that a session made from it compiles the same
-CuPy code early, in a background thread (kernel_prefetch.py); that thread is waited for first.
+CuPy code early, in background threads (kernel_prefetch.py): a call a recipe covers is left to them.
 """
 
 from __future__ import annotations
@@ -20,29 +20,35 @@ from abi.dtypes import to_numpy
 
 __all__ = ["run", "stats", "warm_up"]
 
-stats = {"warmed": 0, "failed": 0, "skipped": 0}  # kernels, per process (tests read them)
+stats = {"warmed": 0, "failed": 0, "skipped": 0, "prefetched": 0}  # kernels, per process (tests read them)
 
 
 def warm_up(ep, graph, node, adapter) -> bool:
-    """Run `adapter`'s kernel once on zeros (see the module docstring); True when it did."""
+    """Run `adapter`'s kernel once on zeros (see the module docstring); True when it did, or when a
+    context's replay does it (kernel_prefetch.py)."""
     from plugin_cuda import kernel_prefetch
 
-    prefetch = getattr(ep, "prefetch", None)
-    if prefetch is not None:
-        prefetch.join()  # a context's recipes compiled first: this call then finds CuPy's code ready
     first = getattr(ep, "first_stream", None)  # None: a stand-in EP (CPU tests)
     state = None if first is None or ep.opts.has_user_compute_stream else first()
     specs = _input_specs(graph, node) if state is not None else None
     if state is None or specs is None:
         stats["skipped"] += 1
         return False
+    recipe = kernel_prefetch.recipe_of(node, specs, adapter)
+    prefetch = getattr(ep, "prefetch", None)
+    if prefetch is not None and prefetch.covers(recipe):
+        stats["prefetched"] += 1
+        kernel_prefetch.record(ep, recipe)
+        return True
+    if prefetch is not None:
+        prefetch.join()  # no kernel compiled by two threads
     try:
         run(ep, adapter, specs, state)
     except Exception:  # noqa: BLE001 - see the module docstring: the first real call does it
         stats["failed"] += 1
         return False
     stats["warmed"] += 1
-    kernel_prefetch.record(ep, node, specs, adapter)
+    kernel_prefetch.record(ep, recipe)
     return True
 
 

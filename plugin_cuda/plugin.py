@@ -396,6 +396,7 @@ class CudaEp(sdk.EpBase):
 
     # -- v2 ------------------------------------------------------------------------------------------
     def Sync(self):
+        self.prefetch.join()  # a context's per-node kernels compiled too (kernel_prefetch.py)
         with self.device:
             self.cupy.cuda.runtime.deviceSynchronize()
 

@@ -204,6 +204,7 @@ class InferenceSession:
         self.executor = Executor(self.plan, self._concurrent(), ep_allocates_host=capture_eps, observer=observer,
                                  transfer_eps=self._eps, program_capacity=getattr(
                                      self.shape_program, "capacity", shape_program.DEFAULT_CAPACITY))
+        self.executor.upload_constants()  # per-node kernels' weights on their device before run 1 (issue 29)
         self.capture = GraphCapture(self._eps, self.plan, self.fallbacks, self._run_bound,
                                     None if self.executor.concurrent else self._lock,
                                     shape_graphs.capacity(self.options.entries))

@@ -99,3 +99,34 @@ def test_the_default_embed_mode_is_onnxruntimes(env7, source):
     _, path = source
     ctx_path, _ = save(env7, path, **{epcontext.FILE_PATH: str(path.with_name("x_ctx.onnx"))})
     assert [f.name for f in context_files(ctx_path)] == ["x_ctx_ExampleEP_fused_0.bin", "x_ctx_ExampleEP_fused_1.bin"]
+
+
+_NO_OPTIMIZER = r"""
+import sys
+import build, abi
+from host.plugins.environment import Environment
+from host.runtime.session import InferenceSession
+with Environment() as env:
+    env.register_plugin("ex7", str(build.build_python_plugin("example", abi.ABI_VERSION)))
+    with InferenceSession(sys.argv[1], providers=[("ExampleEP", {"fuse": "1", "ops": "Add,Relu,Mul"})], env=env) as s:
+        assert s.fallbacks["context_loaded"] == 2, dict(s.fallbacks)
+# host.optimizer.deferred leaves placeholders for two modules it defers; onnx-ir itself is never imported.
+print(sorted(m for m in ("onnx_ir", "onnxscript.ir", "host.optimizer.fallback", "host.optimizer.pipeline")
+             if m in sys.modules))
+"""
+
+
+def test_a_context_session_does_not_import_the_optimizer(env7, source):
+    """A context model is not optimized again, and its EPContext nodes need no expansion: onnx-ir and
+    onnxscript (0.4 s on the H200's host) stay unimported."""
+    import subprocess
+    import sys
+
+    import build
+
+    _, path = source
+    ctx_path, _ = save(env7, path)
+    out = subprocess.run([sys.executable, "-c", _NO_OPTIMIZER, str(ctx_path)], capture_output=True, text=True,
+                         cwd=build.ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -31,11 +31,15 @@ def _adapter(constants=None, cublas=False):
 SPECS = [((30522, 768), np.dtype(np.float32)), ((8, 128), np.dtype(np.int64))]
 
 
+def _record(ep, node, specs, adapter):
+    kernel_prefetch.record(ep, kernel_prefetch.recipe_of(node, specs, adapter))
+
+
 def test_a_warm_up_leaves_one_recipe_per_distinct_kernel_call():
     ep = types.SimpleNamespace(warm_recipes={})
-    kernel_prefetch.record(ep, _node(name="a"), SPECS, _adapter())
-    kernel_prefetch.record(ep, _node(name="b"), SPECS, _adapter())  # the same call but for its name
-    kernel_prefetch.record(ep, _node(attrs={"axis": 1}), SPECS, _adapter())
+    _record(ep, _node(name="a"), SPECS, _adapter())
+    _record(ep, _node(name="b"), SPECS, _adapter())  # the same call but for its name
+    _record(ep, _node(attrs={"axis": 1}), SPECS, _adapter())
     recipes = list(ep.warm_recipes.values())
     assert [(r["name"], r["attrs"]) for r in recipes] == [("a", {"axis": 0}), ("g0", {"axis": 1})]
     assert recipes[0]["inputs"] == [[[30522, 768], "<f4"], [[8, 128], "<i8"]]
@@ -43,12 +47,12 @@ def test_a_warm_up_leaves_one_recipe_per_distinct_kernel_call():
 
 def test_kernels_with_library_handles_or_large_constants_are_not_recorded():
     ep = types.SimpleNamespace(warm_recipes={})
-    kernel_prefetch.record(ep, _node("MatMul"), SPECS, _adapter(cublas=True))
+    _record(ep, _node("MatMul"), SPECS, _adapter(cublas=True))
     big = np.zeros(kernel_prefetch.MAX_CONSTANT_ELEMENTS + 1, np.int64)
-    kernel_prefetch.record(ep, _node("Reshape"), SPECS, _adapter(constants={1: big}))
-    kernel_prefetch.record(ep, _node("Tile", attrs={"x": object()}), SPECS, _adapter())
+    _record(ep, _node("Reshape"), SPECS, _adapter(constants={1: big}))
+    _record(ep, _node("Tile", attrs={"x": object()}), SPECS, _adapter())
     assert ep.warm_recipes == {}
-    kernel_prefetch.record(types.SimpleNamespace(), _node(), SPECS, _adapter())  # an EP without recipes: nothing
+    _record(types.SimpleNamespace(), _node(), SPECS, _adapter())  # an EP without recipes: nothing
 
 
 values = st.recursive(
@@ -97,37 +101,57 @@ def test_a_warm_list_that_is_not_a_list_is_a_damaged_context():
 
 
 def test_the_replay_runs_once_per_recipe_and_is_waited_for(monkeypatch):
-    gate, order = threading.Event(), []
+    gate, done, threads = threading.Event(), [], set()
 
     def slow_replay(ep, recipe):
         gate.wait(5)
-        order.append(recipe["name"])
+        done.append(recipe["name"])
+        threads.add(threading.current_thread().name)
         return True
 
     monkeypatch.setattr(kernel_prefetch, "replay", slow_replay)
     pre = kernel_prefetch.Prefetch(ep=None)
-    a = {"op": "Cast", "name": "a", "attrs": {"to": 1}}
-    b = {"op": "Where", "name": "b", "attrs": {}}
-    assert pre.start([a, b])
-    assert not pre.start([dict(a, name="a2")]), "the same call, already under way: nothing new"
-    assert pre.start([{"op": "And", "name": "c", "attrs": {}}])  # queued behind the first thread
-    assert order == []
+    recipes = [{"op": op, "name": op.lower(), "attrs": {}} for op in ("Cast", "Where", "And", "Or", "Not")]
+    assert pre.start(recipes[:2])
+    assert pre.covers(dict(recipes[0], name="other")) and not pre.covers(recipes[2]) and not pre.covers(None)
+    assert not pre.start([dict(recipes[0], name="again")]), "the same call, under way: nothing new"
+    assert pre.start(recipes[2:])
+    assert done == [] and len(pre._threads) == 2 + 3  # a thread per recipe, up to MAX_THREADS per start
     gate.set()
     pre.join()
-    assert order == ["a", "b", "c"]
+    assert sorted(done) == sorted(r["name"] for r in recipes)  # each once
+    assert threads and not pre._threads
     assert not pre.start("not a list") and not pre.start([1, None])
     pre.join()  # nothing to wait for
 
 
-def test_create_kernel_waits_for_the_replay_first(monkeypatch):
-    """kernel_warmup.warm_up joins the EP's replay before its own call (no CuPy kernel compiled by two
-    threads at once, and its own call then finds the code compiled)."""
+def _warm_up_ep(events, covered=False):
+    prefetch = types.SimpleNamespace(join=lambda: events.append("join"), covers=lambda recipe: covered)
+    return types.SimpleNamespace(prefetch=prefetch, first_stream=lambda: "state", warm_recipes={},
+                                 opts=types.SimpleNamespace(has_user_compute_stream=False))
+
+
+def _graph_and_node():
+    value = types.SimpleNamespace(shape=(4, 2), elem_type=1)
+    return types.SimpleNamespace(values=[value]), types.SimpleNamespace(
+        op_type="Relu", domain="", opset=14, name="r", attrs={}, inputs=(0,))
+
+
+def test_create_kernel_leaves_a_covered_call_to_the_replay_and_waits_before_its_own(monkeypatch):
+    """kernel_warmup.warm_up: a call a context's recipe covers is not run again (the replay compiles it);
+    any other call waits for the replay first (no kernel compiled by two threads)."""
+    ran = []
+    monkeypatch.setattr(kernel_warmup, "run", lambda ep, adapter, specs, state: ran.append(specs))
+    graph, node = _graph_and_node()
     events = []
-    ep = types.SimpleNamespace(prefetch=types.SimpleNamespace(join=lambda: events.append("join")),
-                               first_stream=lambda: events.append("stream"), opts=types.SimpleNamespace(
-                                   has_user_compute_stream=False))
-    kernel_warmup.warm_up(ep, None, None, None)
-    assert events[:2] == ["join", "stream"]
+    ep = _warm_up_ep(events, covered=True)
+    before = dict(kernel_warmup.stats)
+    assert kernel_warmup.warm_up(ep, graph, node, _adapter())
+    assert (events, ran, kernel_warmup.stats["prefetched"] - before["prefetched"]) == ([], [], 1)
+    assert len(ep.warm_recipes) == 1  # still recorded, for a context saved from this session
+    ep = _warm_up_ep(events)
+    assert kernel_warmup.warm_up(ep, graph, node, _adapter())
+    assert events == ["join"] and ran == [[((4, 2), np.dtype(np.float32))]]
 
 
 def test_a_recipe_that_does_not_replay_is_counted_not_raised(monkeypatch):
