@@ -22,8 +22,8 @@ callers). Models are time-boxed: a model whose budget share
 is spent skips its remaining modes (the table says so). Prints a markdown table.
 
 ephost's own modules are compiled to bytecode first (compileall), as `pip install` does for an
-installed package: a source tree on a machine with PYTHONDONTWRITEBYTECODE set (the GPU machine)
-would otherwise compile them from source in every process (0.2 s of each creation).
+installed package: on the GPU machine no bytecode was written for the source tree, and its profiles
+showed every process compiling ephost's modules from source (0.2 s of each creation).
 """
 
 from __future__ import annotations
