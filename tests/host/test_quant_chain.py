@@ -83,7 +83,7 @@ def cnn_cases(draw):
     kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     strides = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
     pads = [draw(st.integers(0, 1)) for _ in range(4)]
-    dilations = [draw(st.integers(1, 2)), 1]
+    dilations = [draw(st.integers(1, 2)), draw(st.integers(1, 2))]
     h, w = draw(st.integers(5, 9)), draw(st.integers(5, 9))
     stop = draw(st.integers(2, 8))
     g = _Graph(rng, act)
@@ -271,7 +271,8 @@ def test_a_failing_node_of_a_chain_is_named(monkeypatch):
         warnings.simplefilter("ignore")
         joined = _session(model, True, monkeypatch)
     assert _chains(joined)
-    with pytest.raises(KernelError, match=r"^node 'QLinearMatMul_\d+' \(QLinearMatMul\) on CPUExecutionProvider failed"):
+    named = r"^node 'QLinearMatMul_\d+' \(QLinearMatMul\) on CPUExecutionProvider failed"
+    with pytest.raises(KernelError, match=named):
         joined.run(None, {"x": np.zeros((1, 4, 15), np.float32)})
 
 

@@ -42,8 +42,8 @@ static inline void int_row_product(const int32_t *qa, const int16_t *bc, int K, 
 
 /* DynamicQuantizeLinear's scale and zero point of the count values at a (the range including 0, in float32, as
  * the NumPy path computes them); 1 (nothing written) for a NaN or an infinity. */
-static __attribute__((optimize("fp-contract=off"))) int dynamic_params(const float *a, int64_t count, float *scale_out,
-                                                                       float *zp_out) {
+static HOT __attribute__((optimize("fp-contract=off"))) int dynamic_params(const float *a, int64_t count,
+                                                                           float *scale_out, float *zp_out) {
     float lo = 0.0f, hi = 0.0f;
     for (int64_t i = 0; i < count; i++) {
         const float v = a[i];
@@ -118,7 +118,7 @@ static inline void q8_put(void *y, int kind, int64_t i, float v, float lo, float
  * path's requantization: float(acc) * multiplier[n] (a_scale * b_scale / y_scale in float32), rounded half to
  * even, plus the output zero point, saturated; QGemm's int32 bias (a quantized chain's) added to acc first.
  * Returns 1 (nothing written) when memory is short. */
-static __attribute__((optimize("fp-contract=off"))) int qlinear_matmul_bias(
+static HOT __attribute__((optimize("fp-contract=off"))) int qlinear_matmul_bias(
     const void *a, int a_kind, int64_t M, int K, int32_t a_zp, const int16_t *bc, int N, const int32_t *bias,
     const float *mult, float y_zp, float lo, float hi, int y_kind, void *y) {
     int32_t *buf = malloc(sizeof(int32_t) * ((size_t)K + (size_t)N));

@@ -41,9 +41,30 @@ static inline void *qc_at(char *const *slots, int64_t ref) {
 
 /* (float(x) - zp) * scale: DequantizeLinear per tensor (ops_quant.py: the cast, the subtraction, the product,
  * each in float32). */
-static __attribute__((optimize("fp-contract=off"))) void qc_dequantize(const void *x, int kind, int64_t n, float *y,
+static HOT __attribute__((optimize("fp-contract=off"))) void qc_dequantize(const void *x, int kind, int64_t n, float *y,
                                                                       float zp, float scale) {
     for (int64_t i = 0; i < n; i++) y[i] = ((float)q8_at(x, kind, i) - zp) * scale;
+}
+
+/* One output row of a window tap: dst[ow] = x[plane + ih * W + ow * SW + off] - x_zp where that cell is inside the
+ * image, 0 (the zero point, centered) in the padding; the bounds worked out once per row, not per cell. */
+static inline void im2col_row(const void *x, int kind, int32_t x_zp, int64_t plane, int64_t ih, int64_t H, int64_t W,
+                              int64_t off, int64_t SW, int64_t OW, int16_t *dst) {
+    int64_t lo = 0, hi = 0; /* the outputs [lo, hi) whose cell ow * SW + off is in [0, W) */
+    if (ih >= 0 && ih < H) {
+        lo = off < 0 ? (-off + SW - 1) / SW : 0;
+        hi = W - off <= 0 ? 0 : (W - off + SW - 1) / SW;
+        lo = lo < OW ? lo : OW;
+        hi = hi < OW ? hi : OW;
+        hi = hi > lo ? hi : lo;
+    }
+    for (int64_t ow = 0; ow < lo; ow++) dst[ow] = 0;
+    const int64_t base = plane + ih * W + off; /* + ow * SW: in the image for ow in [lo, hi) */
+    if (kind == 0)
+        for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const int8_t *)x)[base + ow * SW] - x_zp);
+    else
+        for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const uint8_t *)x)[base + ow * SW] - x_zp);
+    for (int64_t ow = hi; ow < OW; ow++) dst[ow] = 0;
 }
 
 /* QLinearConv of N images, one group after another: the window copy (im2col) of x minus its zero point as int16
@@ -80,14 +101,9 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
                 for (int64_t kh = 0; kh < KH; kh++) {
                     for (int64_t kw = 0; kw < KW; kw++) {
                         int16_t *row = col + ((c * KH + kh) * KW + kw) * P;
-                        for (int64_t oh = 0; oh < OH; oh++) {
-                            const int64_t ih = oh * SH - PH + kh * DH;
-                            for (int64_t ow = 0; ow < OW; ow++) {
-                                const int64_t iw = ow * SW - PW + kw * DW;
-                                const int inside = ih >= 0 && ih < H && iw >= 0 && iw < W;
-                                row[oh * OW + ow] = inside ? (int16_t)(q8_at(x, x_kind, plane + ih * W + iw) - x_zp) : 0;
-                            }
-                        }
+                        for (int64_t oh = 0; oh < OH; oh++)
+                            im2col_row(x, x_kind, x_zp, plane, oh * SH - PH + kh * DH, H, W, kw * DW - PW, SW, OW,
+                                       row + oh * OW);
                     }
                 }
             }
@@ -118,7 +134,7 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
 
 /* MaxPool of 8-bit codes over planes of H x W: the largest code of each window's cells inside the image (the
  * padding never wins). Words: x, kind, planes, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW, y. */
-static void qc_maxpool(char *const *slots, const int64_t *w) {
+static HOT void qc_maxpool(char *const *slots, const int64_t *w) {
     const void *x = qc_at(slots, w[1]);
     const int kind = (int)w[2];
     const int64_t planes = w[3], H = w[4], W = w[5], KH = w[6], KW = w[7], SH = w[8], SW = w[9], PH = w[10],
@@ -156,7 +172,7 @@ static inline float numpy_max(float a, float b) { return (a > b || a != a) ? a :
  * NaN wins): where the windows tile the image (ops_pool._tile_max: kernel = strides, no padding, whole tiles)
  * each column of a window first, top to bottom, then the columns left to right; otherwise the window's taps
  * row by row over the image padded with -inf. Words: as qc_maxpool's, then the tiling flag. */
-static void qc_maxpool_f32(char *const *slots, const int64_t *w) {
+static HOT void qc_maxpool_f32(char *const *slots, const int64_t *w) {
     const float *x = qc_at(slots, w[1]);
     const int64_t planes = w[3], H = w[4], W = w[5], KH = w[6], KW = w[7], SH = w[8], SW = w[9], PH = w[10],
                   PW = w[11], DH = w[12], DW = w[13], OH = w[14], OW = w[15];
@@ -193,7 +209,7 @@ static void qc_maxpool_f32(char *const *slots, const int64_t *w) {
 /* QLinearGlobalAveragePool (channels first): per plane the exact sum minus the zero point's share, then
  * float32(sum) * scale (x_scale / (y_scale * size) in float32), rounded half to even, plus the output zero
  * point, saturated. Words: x, x_kind, planes, size, zp_sum, y, y_kind. Floats: scale, y_zp, lo, hi. */
-static __attribute__((optimize("fp-contract=off"))) void qc_global_avg(char *const *slots, const int64_t *w,
+static HOT __attribute__((optimize("fp-contract=off"))) void qc_global_avg(char *const *slots, const int64_t *w,
                                                                       const float *f) {
     const void *x = qc_at(slots, w[1]);
     const int kind = (int)w[2];
@@ -208,7 +224,7 @@ static __attribute__((optimize("fp-contract=off"))) void qc_global_avg(char *con
 
 /* DynamicQuantizeLinear: the scale and zero point of x's range (dynamic_params), x quantized to uint8 with them.
  * Returns 1 for a NaN or an infinity in x (the NumPy path decides those). */
-static __attribute__((optimize("fp-contract=off"))) int qc_dynamic_quantize(char *const *slots, const int64_t *w) {
+static HOT __attribute__((optimize("fp-contract=off"))) int qc_dynamic_quantize(char *const *slots, const int64_t *w) {
     const float *x = qc_at(slots, w[1]);
     float scale, zp;
     if (dynamic_params(x, w[2], &scale, &zp)) return 1;
@@ -221,7 +237,7 @@ static __attribute__((optimize("fp-contract=off"))) int qc_dynamic_quantize(char
 /* Add (op 1) or Mul (op 2) of float32 a and b broadcast to y's dims (rank <= 6, each operand's element strides
  * per axis, 0 where it repeats): one IEEE operation per element, as NumPy's. Words: op, a, b, y, then dims[6],
  * a_strides[6], b_strides[6]. */
-static __attribute__((optimize("fp-contract=off"))) void qc_binary(char *const *slots, const int64_t *w) {
+static HOT __attribute__((optimize("fp-contract=off"))) void qc_binary(char *const *slots, const int64_t *w) {
     const float *a = qc_at(slots, w[2]), *b = qc_at(slots, w[3]);
     float *y = qc_at(slots, w[4]);
     const int64_t *d = w + 5, *sa = w + 11, *sb = w + 17;
@@ -242,14 +258,14 @@ static __attribute__((optimize("fp-contract=off"))) void qc_binary(char *const *
 }
 
 /* np.maximum(x, 0) on float32: a NaN passes as it is, -0 gives +0 (NumPy's result on x86-64). */
-static void qc_relu(const float *x, float *y, int64_t n) {
+static HOT void qc_relu(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float v = x[i];
         y[i] = (v > 0.0f || v != v) ? v : 0.0f;
     }
 }
 
-static void qc_cast(const void *x, int kind, int64_t n, float *y) {
+static HOT void qc_cast(const void *x, int kind, int64_t n, float *y) {
     if (kind == 4)
         for (int64_t i = 0; i < n; i++) y[i] = (float)((const int32_t *)x)[i];
     else
