@@ -8,9 +8,13 @@ by one, as before, and their values' shapes and types, with each kernel's own bo
 into a program of records; later runs of that shape are one call of `ep_quant_chain`, which does each node's
 NumPy-path operations in their order and precision (the same bits). A node the program cannot express for
 that shape (a per-axis activation, a 16-bit type, a product beyond the compiled bounds) makes the whole chain
-run its nodes one by one for that shape.
+run its nodes one by one for that shape, as does a call that declines (a NaN or an infinity reaching
+DynamicQuantizeLinear) for that run.
 
-Only parameters that are initializers are written into a program (a node with a fed scale is not joined).
+quantize_dynamic's graphs put float32 ops between the integer ones (Cast, Mul by the scales, Add of the bias,
+Relu, MaxPool, Softmax): a chain takes those too, but only around quantized nodes (a run of them alone is left
+to fusion.py's float chains). Only parameters that are initializers are written into a program (a node with a
+fed scale is not joined).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ QC_WORDS, QC_FLOATS = 32, 8  # kernels_quant_chain.c's record
 (QUANTIZE, DEQUANTIZE, CONV, MAXPOOL, ADD, GLOBAL_AVG, MATMUL, SOFTMAX, COPY, DYNAMIC_QUANTIZE, BINARY, RELU, CAST,
  SOFTMAX_F32, DYNAMIC_MATMUL, MAXPOOL_F32) = range(1, 17)
 _SLOT_SHIFT = 56
-_IN_SLOTS, _OUT_SLOT, _SCRATCH_SLOT = 4, 4, 5
+_IN_SLOTS, _OUT_SLOT, _SCRATCH_SLOT = 4, 4, 5  # the call's buffers: inputs 0..3, the output, the inner values
 _BYTE_KINDS = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1}
-# A convolution's multiply-adds up to which the chain's plain loops beat the NumPy path's BLAS-backed kernel
-# (a 64x64 image's first layer, 0.9M, is past it: that chain runs its nodes one by one).
+# A convolution's multiply-adds up to which the chain takes it: beyond, the NumPy path's BLAS-backed kernel is as
+# fast (the 64x64 CNN's first layer, 0.9M: 230 us a run either way here) and its nodes run one by one.
 CONV_MAX_MACS = 1 << 19
 _ALIGN = 64
 

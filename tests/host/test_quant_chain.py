@@ -441,3 +441,17 @@ def test_a_relu_in_a_chain_gives_numpys_zero_and_nans(monkeypatch):
     x = np.where(rng.random((3, 8)) < 0.5, 0.0, rng.standard_normal((3, 8))).astype(np.float32)
     want = _same_bits_as_one_by_one(model, x)
     assert (want == 0).any() and not np.signbit(want[want == 0]).any() and np.signbit(want[np.isnan(want)]).any()
+
+
+def test_without_the_compiled_kernels_a_chain_runs_its_nodes(monkeypatch):
+    model, _ = _fixed_block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        joined, plain = _session(model, True, monkeypatch), _session(model, False, monkeypatch)
+    x = np.random.default_rng(8).standard_normal((2, 4, 16)).astype(np.float32)
+    want = plain.run(None, {"x": x})[0]
+    monkeypatch.setattr(native, "LIB", None)
+    for _ in range(2):
+        np.testing.assert_array_equal(joined.run(None, {"x": x})[0], want)
+    (chain,) = _chains(joined)
+    assert not chain._runs  # nothing compiled without the library

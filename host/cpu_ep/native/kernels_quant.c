@@ -149,10 +149,14 @@ HOT int ep_qlinear_matmul(const void *a, int a_kind, int64_t M, int K, int32_t a
 HOT __attribute__((optimize("fp-contract=off"))) void ep_qlinear_add(
     const void *a, int a_kind, int64_t n, const void *b, int b_kind, int64_t b_period, float ratio_a, float ratio_b,
     float fixed, float lo, float hi, int y_kind, void *y) {
-    for (int64_t i = 0; i < n; i++) {
-        const float va = (float)q8_at(a, a_kind, i) * ratio_a + fixed;
-        const float vb = (float)q8_at(b, b_kind, i % b_period) * ratio_b;
-        q8_put(y, y_kind, i, rintf(va + vb), lo, hi);
+    /* B's period at a time: no division per element (8 channels of 32x32: 29 -> 7 us) */
+    for (int64_t start = 0; start < n; start += b_period) {
+        const int64_t end = start + b_period < n ? start + b_period : n;
+        for (int64_t i = start; i < end; i++) {
+            const float va = (float)q8_at(a, a_kind, i) * ratio_a + fixed;
+            const float vb = (float)q8_at(b, b_kind, i - start) * ratio_b;
+            q8_put(y, y_kind, i, rintf(va + vb), lo, hi);
+        }
     }
 }
 

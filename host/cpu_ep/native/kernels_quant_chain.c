@@ -13,6 +13,7 @@
 #define QC_WORDS 32
 #define QC_FLOATS 8
 #define QC_SLOT_SHIFT 56
+#define QC_PIXELS 256 /* a convolution's block of output pixels */
 
 enum {
     QC_QUANTIZE = 1, /* x (float32), y, n, kind | scale, zp, lo, hi: ep_quantize's divide */
@@ -60,7 +61,11 @@ static inline void im2col_row(const void *x, int kind, int32_t x_zp, int64_t pla
     }
     for (int64_t ow = 0; ow < lo; ow++) dst[ow] = 0;
     const int64_t base = plane + ih * W + off; /* + ow * SW: in the image for ow in [lo, hi) */
-    if (kind == 0)
+    if (kind == 0 && SW == 1) /* unit strides apart: loops the compiler vectorizes */
+        for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const int8_t *)x)[base + ow] - x_zp);
+    else if (SW == 1)
+        for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const uint8_t *)x)[base + ow] - x_zp);
+    else if (kind == 0)
         for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const int8_t *)x)[base + ow * SW] - x_zp);
     else
         for (int64_t ow = lo; ow < hi; ow++) dst[ow] = (int16_t)(((const uint8_t *)x)[base + ow * SW] - x_zp);
@@ -88,7 +93,7 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
                   SW = w[17], PH = w[18], PW = w[19], DH = w[20], DW = w[21], OH = w[22], OW = w[23], G = w[24];
     const int64_t Cg = C / G, Mg = M / G, K = Cg * KH * KW, P = OH * OW;
     int16_t *col = malloc(sizeof(int16_t) * (size_t)(K * P + 1));
-    int32_t *acc = malloc(sizeof(int32_t) * (size_t)(P + 1));
+    int32_t *acc = malloc(sizeof(int32_t) * (size_t)(Mg * QC_PIXELS));
     if (!col || !acc) {
         free(col);
         free(acc);
@@ -107,23 +112,30 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
                     }
                 }
             }
-            for (int64_t mg = 0; mg < Mg; mg++) {
-                const int64_t m = g * Mg + mg;
-                const int16_t *wr = wts + m * K;
-                for (int64_t p = 0; p < P; p++) acc[p] = 0;
+            /* QC_PIXELS output pixels at a time for every channel of the group: each piece of a window row is
+             * read once for all of them while it is in L1 */
+            for (int64_t p0 = 0; p0 < P; p0 += QC_PIXELS) {
+                const int64_t pn = P - p0 < QC_PIXELS ? P - p0 : QC_PIXELS;
+                for (int64_t i = 0; i < Mg * QC_PIXELS; i++) acc[i] = 0;
                 for (int64_t k = 0; k < K; k++) {
-                    const int32_t wv = wr[k];
-                    const int16_t *cr = col + k * P;
-                    for (int64_t p = 0; p < P; p++) acc[p] += wv * (int32_t)cr[p];
+                    const int16_t *cr = col + k * P + p0;
+                    for (int64_t mg = 0; mg < Mg; mg++) {
+                        const int32_t wv = wts[(g * Mg + mg) * K + k];
+                        int32_t *ar = acc + mg * QC_PIXELS;
+                        for (int64_t p = 0; p < pn; p++) ar[p] += wv * (int32_t)cr[p];
+                    }
                 }
-                const int64_t out = (n * M + m) * P;
-                const int64_t b = bias ? bias[m] : 0;
-                if (y_kind == 4) { /* ConvInteger: the accumulator itself */
-                    memcpy((int32_t *)y + out, acc, sizeof(int32_t) * (size_t)P);
-                    continue;
+                for (int64_t mg = 0; mg < Mg; mg++) {
+                    const int64_t m = g * Mg + mg, out = (n * M + m) * P + p0;
+                    const int32_t *ar = acc + mg * QC_PIXELS;
+                    if (y_kind == 4) { /* ConvInteger: the accumulator itself */
+                        memcpy((int32_t *)y + out, ar, sizeof(int32_t) * (size_t)pn);
+                        continue;
+                    }
+                    const int64_t b = bias ? bias[m] : 0;
+                    for (int64_t p = 0; p < pn; p++)
+                        q8_put(y, y_kind, out + p, rintf((float)((int64_t)ar[p] + b) * mult[m]) + f[0], f[1], f[2]);
                 }
-                for (int64_t p = 0; p < P; p++)
-                    q8_put(y, y_kind, out + p, rintf((float)((int64_t)acc[p] + b) * mult[m]) + f[0], f[1], f[2]);
             }
         }
     }
@@ -134,33 +146,37 @@ static HOT __attribute__((optimize("fp-contract=off"))) int qc_conv(char *const 
 
 /* MaxPool of 8-bit codes over planes of H x W: the largest code of each window's cells inside the image (the
  * padding never wins). Words: x, kind, planes, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW, y. */
+#define QC_MAXPOOL_LOOP(T, LOWEST)                                                                            \
+    for (int64_t c = 0; c < planes; c++) {                                                                   \
+        const T *xp = (const T *)x + c * H * W;                                                              \
+        T *yp = (T *)y + c * OH * OW;                                                                        \
+        for (int64_t oh = 0; oh < OH; oh++) {                                                                \
+            for (int64_t ow = 0; ow < OW; ow++) {                                                            \
+                T top = LOWEST;                                                                              \
+                for (int64_t kh = 0; kh < KH; kh++) {                                                        \
+                    const int64_t ih = oh * SH - PH + kh * DH;                                               \
+                    if (ih < 0 || ih >= H) continue;                                                         \
+                    for (int64_t kw = 0; kw < KW; kw++) {                                                    \
+                        const int64_t iw = ow * SW - PW + kw * DW;                                           \
+                        if (iw < 0 || iw >= W) continue;                                                     \
+                        const T v = xp[ih * W + iw];                                                         \
+                        top = v > top ? v : top;                                                             \
+                    }                                                                                        \
+                }                                                                                            \
+                yp[oh * OW + ow] = top;                                                                      \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
 static HOT void qc_maxpool(char *const *slots, const int64_t *w) {
     const void *x = qc_at(slots, w[1]);
-    const int kind = (int)w[2];
     const int64_t planes = w[3], H = w[4], W = w[5], KH = w[6], KW = w[7], SH = w[8], SW = w[9], PH = w[10],
                   PW = w[11], DH = w[12], DW = w[13], OH = w[14], OW = w[15];
     void *y = qc_at(slots, w[16]);
-    for (int64_t c = 0; c < planes; c++) {
-        for (int64_t oh = 0; oh < OH; oh++) {
-            for (int64_t ow = 0; ow < OW; ow++) {
-                int32_t top = kind == 0 ? -128 : 0;
-                for (int64_t kh = 0; kh < KH; kh++) {
-                    const int64_t ih = oh * SH - PH + kh * DH;
-                    if (ih < 0 || ih >= H) continue;
-                    for (int64_t kw = 0; kw < KW; kw++) {
-                        const int64_t iw = ow * SW - PW + kw * DW;
-                        if (iw < 0 || iw >= W) continue;
-                        const int32_t v = q8_at(x, kind, (c * H + ih) * W + iw);
-                        top = v > top ? v : top;
-                    }
-                }
-                const int64_t i = (c * OH + oh) * OW + ow;
-                if (kind == 0)
-                    ((int8_t *)y)[i] = (int8_t)top;
-                else
-                    ((uint8_t *)y)[i] = (uint8_t)top;
-            }
-        }
+    if (w[2] == 0) {
+        QC_MAXPOOL_LOOP(int8_t, -128)
+    } else {
+        QC_MAXPOOL_LOOP(uint8_t, 0)
     }
 }
 
