@@ -32,7 +32,10 @@ __all__ = ["Prefetch", "decode", "key_of", "recipe_of", "record", "stats"]
 
 MAX_RECIPES = 256  # per EP: what one context carries
 MAX_CONSTANT_ELEMENTS = 1024  # larger attributes or host constants: the node is not recorded
-MAX_THREADS = 4  # NVRTC releases the GIL: recipes compile side by side
+# One thread per context: recipes share CuPy kernels (BERT's three embedding Gathers are one `take`
+# kernel), which threads side by side would each compile (BERT on the H200: 0.63 s of NVRTC in four
+# threads against about 0.25 s in one; a second start's thread runs beside the first, on other recipes).
+MAX_THREADS = 1
 
 stats = {"recorded": 0, "replayed": 0, "failed": 0, "skipped": 0}  # per process (tests read them)
 
@@ -109,8 +112,8 @@ class Prefetch:
         self._lock = threading.Lock()
 
     def start(self, recipes: list) -> bool:
-        """Replay `recipes` (a context's "warm" list) in up to MAX_THREADS threads; False when nothing is
-        to be done (every recipe replayed already, or none readable)."""
+        """Replay `recipes` (a context's "warm" list) in MAX_THREADS threads; False when nothing is to be
+        done (every recipe replayed already, or none readable)."""
         todo = []
         for recipe in recipes if isinstance(recipes, list) else []:
             key = key_of(recipe)

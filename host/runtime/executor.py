@@ -18,7 +18,7 @@ import numpy as np
 
 import abi
 from abi.dtypes import to_numpy, to_onnx
-from host.errors import EpError, ModelError
+from host.errors import EpError, EphostError, ModelError
 from host.plugins import hostapi
 from host.plugins.ep import CPU_LOCATION, PluginEp, SyncStream
 from host.plugins.hostapi import ffi
@@ -357,11 +357,14 @@ class Executor:
                         wanted[(vid, ep.location)] = (vid, value, ep)
         synced: dict[int, PluginEp] = {}
         for vid, value, ep in wanted.values():
-            self._device_constant(vid, value, ep.location, ep, None)
+            try:
+                self._device_constant(vid, value, ep.location, ep, None)
+            except EphostError:  # out of the EP's memory limit, say: run 1 tries again and reports it
+                continue
             synced[id(ep)] = ep
         for ep in synced.values():
             hostapi.check(ep.slots.Sync(ep.ptr), f"{ep.owner}: Sync")
-        return len(wanted)
+        return sum(1 for key in wanted if key in self._device_constants)
 
     def _device_constant(self, vid: int, value, location, ep: PluginEp | None, stream: SyncStream | None):
         key = (vid, location)

@@ -116,7 +116,7 @@ def test_the_replay_runs_once_per_recipe_and_is_waited_for(monkeypatch):
     assert pre.covers(dict(recipes[0], name="other")) and not pre.covers(recipes[2]) and not pre.covers(None)
     assert not pre.start([dict(recipes[0], name="again")]), "the same call, under way: nothing new"
     assert pre.start(recipes[2:])
-    assert done == [] and len(pre._threads) == 2 + 3  # a thread per recipe, up to MAX_THREADS per start
+    assert done == [] and len(pre._threads) == 2 * kernel_prefetch.MAX_THREADS  # MAX_THREADS per start
     gate.set()
     pre.join()
     assert sorted(done) == sorted(r["name"] for r in recipes)  # each once
