@@ -24,7 +24,9 @@ import math
 import numpy as np
 
 from host.cpu_ep import native
+from host.cpu_ep.fusion import _call, _fused
 from host.cpu_ep.ops_quant import COMPILED_MAX_MACS, F32, Saturate, centered_int16, columns, compiled_requant
+from host.cpu_ep.ops_quant_ms import compiled_operands
 
 QC_WORDS, QC_FLOATS = 32, 8  # kernels_quant_chain.c's record
 (QUANTIZE, DEQUANTIZE, CONV, MAXPOOL, ADD, GLOBAL_AVG, MATMUL, SOFTMAX, COPY, DYNAMIC_QUANTIZE, BINARY, RELU, CAST,
@@ -354,8 +356,6 @@ def _softmax_f32(prog, node, args, outs, constants) -> bool:
 
 def _dynamic_matmul(prog, node, args, outs, constants) -> bool:
     """DynamicQuantizeMatMul where its kernel takes ep_dynamic_qmatmul (ops_quant_ms: the same conditions)."""
-    from host.cpu_ep.ops_quant_ms import compiled_operands
-
     kernel = node.kernel
     a, b, b_scale, b_zp, bias = (list(args) + [None] * 5)[:5]
     if a.dtype != F32 or not a.ndim or b.ndim != 2 or a.shape[-1] != b.shape[0]:
@@ -447,8 +447,6 @@ class QuantChain:
 
     def _one_by_one(self, values) -> dict:
         """Every value the chain makes, by its nodes' kernels in turn (the inner values never reach `values`)."""
-        from host.cpu_ep.fusion import _call
-
         local: dict[int, np.ndarray] = {}
         for node in self.nodes:
             args = [local[v] if v in local else (values[v] if v >= 0 else None) for v in node.inputs]
@@ -558,8 +556,6 @@ def _closed(chain, consumers: dict, keep) -> tuple | None:
 def match_quant_chain(nodes, i: int, consumers, keep, constants):
     """(FusedNode, nodes used) for the longest quantized chain of two or more nodes starting at nodes[i], or
     None (fusion.fuse's hook)."""
-    from host.cpu_ep.fusion import _fused
-
     if not ENABLED:
         return None
     end = _chain_end(nodes, i, constants)
