@@ -9,9 +9,10 @@ creation, after the contexts are loaded.
 So each warm-up that succeeds leaves a *recipe* (the node's op, attributes, input shapes and dtypes,
 host constants; JSON), a saved context carries the EP's recipes (plan/saved.py, header key "warm"),
 and CompileFromContext starts them in a background thread: NVRTC releases the GIL, so CuPy compiles
-while the host loads the other contexts and partitions. CreateKernel, OnRunStart and the EP's close
-wait for the thread first (`join`), so no CuPy code runs in two threads for one kernel, and run 1
-finds every kernel compiled. A recipe that does not replay (another CuPy, a kernel that changed) is
+while the host loads the other contexts and partitions. CreateKernel's own warm-up (still made: left
+to the replay alone, run 1 compiled the kernels again), the EP's Sync, OnRunStart and close wait for
+the thread first (`join`), so no CuPy code runs in two threads for one kernel, and run 1 finds every
+kernel compiled. A recipe that does not replay (another CuPy, a kernel that changed) is
 skipped: CreateKernel's own warm-up then does the work, as without a context.
 
 Kernels that need cuBLAS or cuDNN handles are not recorded: their handles are per stream and not
@@ -132,13 +133,11 @@ class Prefetch:
         return True
 
     def covers(self, recipe: dict | None) -> bool:
-        """Whether `recipe`'s call is replayed here (done or under way): CreateKernel's own warm-up
-        then leaves it to the replay."""
+        """Whether `recipe`'s call is replayed here (done or under way)."""
         return recipe is not None and key_of(recipe) in self.done
 
     def join(self) -> None:
-        """Wait for every replay started so far (Sync, OnRunStart and close call this; CreateKernel
-        too before a warm-up of its own, so no kernel is compiled by two threads)."""
+        """Wait for every replay started so far (CreateKernel's warm-up, Sync, OnRunStart and close)."""
         with self._lock:
             threads, self._threads = self._threads, []
         for t in threads:
