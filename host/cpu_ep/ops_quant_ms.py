@@ -81,20 +81,29 @@ class QLinearAdd(BoundParams, OpKernel):
         return (sat(values),)
 
 
+def add_operands(a, b, sat) -> tuple[int, int, int] | None:
+    """(A's byte kind, B's, B's period in A) when ep_qlinear_add takes them: 8-bit A and B, an 8-bit
+    result, and B of A's shape or repeating over A's last axis; None otherwise."""
+    a_kind, b_kind = _BYTE_KINDS.get(a.dtype), _BYTE_KINDS.get(b.dtype)
+    if a_kind is None or b_kind is None or sat.kind not in (0, 1) or not a.size or not b.size:
+        return None
+    if b.shape == a.shape:
+        return a_kind, b_kind, a.size
+    if a.ndim and b.size == a.shape[-1] and b.shape[-1:] == a.shape[-1:] and b.ndim <= a.ndim:
+        return a_kind, b_kind, b.size
+    return None
+
+
 def _compiled_add(a, b, ratio_a, ratio_b, fixed, sat) -> np.ndarray | None:
     """QLinearAdd as one compiled pass (ep_qlinear_add: the NumPy path's float32 operations in its order)
     for contiguous 8-bit A and B of A's shape, or B repeating over A's last axis; None otherwise."""
     lib = native.LIB
-    a_kind, b_kind = _BYTE_KINDS.get(a.dtype), _BYTE_KINDS.get(b.dtype)
-    if (lib is None or a_kind is None or b_kind is None or sat.kind not in (0, 1) or not a.size or not b.size
-            or not a.flags.c_contiguous or not b.flags.c_contiguous):
+    if lib is None or not a.flags.c_contiguous or not b.flags.c_contiguous:
         return None
-    if b.shape == a.shape:
-        period = a.size
-    elif a.ndim and b.size == a.shape[-1] and b.shape[-1:] == a.shape[-1:] and b.ndim <= a.ndim:
-        period = b.size
-    else:
+    kinds = add_operands(a, b, sat)
+    if kinds is None:
         return None
+    a_kind, b_kind, period = kinds
     y = np.empty(a.shape, sat.dtype)
     lib.ep_qlinear_add(native.ptr(a), a_kind, a.size, native.ptr(b), b_kind, period, float(ratio_a), float(ratio_b),
                        float(fixed), sat.lo, sat.hi, sat.kind, native.ptr(y))

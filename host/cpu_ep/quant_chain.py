@@ -26,7 +26,7 @@ import numpy as np
 from host.cpu_ep import native
 from host.cpu_ep.fusion import _call, _fused
 from host.cpu_ep.ops_quant import COMPILED_MAX_MACS, F32, Saturate, centered_int16, columns, compiled_requant
-from host.cpu_ep.ops_quant_ms import compiled_operands
+from host.cpu_ep.ops_quant_ms import add_operands, compiled_operands
 
 QC_WORDS, QC_FLOATS = 32, 8  # kernels_quant_chain.c's record
 (QUANTIZE, DEQUANTIZE, CONV, MAXPOOL, ADD, GLOBAL_AVG, MATMUL, SOFTMAX, COPY, DYNAMIC_QUANTIZE, BINARY, RELU, CAST,
@@ -200,15 +200,10 @@ def _add(prog, node, args, outs, constants) -> bool:
                                                   kernel._params)
     if c_zp is None and sat.dtype != a.dtype:
         sat = Saturate(None, a.dtype)
-    a_kind, b_kind = _BYTE_KINDS.get(a.dtype), _BYTE_KINDS.get(b.dtype)
-    if a_kind is None or b_kind is None or sat.kind not in (0, 1) or not a.size or not b.size:
+    kinds = add_operands(a, b, sat)
+    if kinds is None:
         return False
-    if b.shape == a.shape:
-        period = a.size
-    elif a.ndim and b.size == a.shape[-1] and b.shape[-1:] == a.shape[-1:] and b.ndim <= a.ndim:
-        period = b.size
-    else:
-        return False
+    a_kind, b_kind, period = kinds
     words = (prog.ref(node.inputs[0]), a_kind, a.size, _data_ref(prog, node.inputs[3], b, constants), b_kind,
              period, prog.ref(node.outputs[0]), sat.kind)
     return prog.emit(ADD, words, (ratio_a, ratio_b, fixed, sat.lo, sat.hi))
