@@ -31,16 +31,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import external_data_helper
 
 import abi
+from abi.dtypes import ONNX_TO_NUMPY
 from host.errors import EpError, InvalidArgument, ModelError
 from host.plugins import hostapi
 from host.plugins.hostapi import ffi
 from host.plugins.loader import text
 from host.runtime.graphview import GraphView
-from host.runtime.model import Graph, build_graph, load_model, outer_names
+from host.runtime.model import Graph, build_graph, is_large, load_model, outer_names
 from host.runtime.partition import compile as compiled
 from host.runtime.warn import warn_caller
 
@@ -188,6 +190,60 @@ def kept_weights_file(model_path: Path) -> Path:
     return model_path.with_name(f"{model_path.stem}.weights")
 
 
+# Element types whose raw bytes are the array NumPy reads (a mapped weight is a view of them, not a copy).
+_MAPPED_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                           onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
+                           onnx.TensorProto.UINT16, onnx.TensorProto.INT32, onnx.TensorProto.UINT32,
+                           onnx.TensorProto.INT64, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL})
+
+
+def mappable(t: onnx.TensorProto) -> bool:
+    """Whether a weight the graph reads goes to the `.weights` file when a context model is saved, to be
+    mapped at load (map_weights): a large one (typed_inputs' sense: checker and inference leave it out)
+    whose raw bytes NumPy reads as they are."""
+    return is_large(t) and t.data_type in _MAPPED_TYPES and t.HasField("raw_data")
+
+
+def map_weights(proto: onnx.ModelProto, model_path: Path | None) -> dict[str, np.ndarray]:
+    """The graph's initializers stored in the context model's `.weights` file, as read-only NumPy views of
+    one memory map of it: no read and no copy (pages are read when a kernel or a device upload touches
+    them). The tensors stay external in `proto`; build_graph takes these arrays for them (`arrays=`).
+    A view that the file cannot hold is a ModelError naming the tensor."""
+    if model_path is None:
+        return {}
+    file = kept_weights_file(model_path)
+    wanted = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+              and t.data_type in _MAPPED_TYPES and _location(t) == file.name]
+    if not wanted:
+        return {}
+    try:
+        with open(file, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file
+        raise ModelError(f"the weights of the context model: cannot map '{file}' ({exc}); expected the "
+                         "file written beside the model") from None
+    return {t.name: _view(mapped, t, file) for t in wanted}
+
+
+def _location(t: onnx.TensorProto) -> str:
+    return next((d.value for d in t.external_data if d.key == "location"), "")
+
+
+def _view(mapped: mmap.mmap, t: onnx.TensorProto, file: Path) -> np.ndarray:
+    entries = {d.key: d.value for d in t.external_data}
+    dtype = np.dtype(ONNX_TO_NUMPY[t.data_type])
+    count = int(np.prod(t.dims, dtype=np.int64))
+    offset = int(entries.get("offset", 0))
+    length = int(entries.get("length", count * dtype.itemsize))
+    if length != count * dtype.itemsize or offset < 0 or offset + length > len(mapped):
+        raise ModelError(f"initializer {t.name!r} ({dtype}, dims {list(t.dims)}): bytes {offset}..{offset + length} "
+                         f"of '{file}' ({len(mapped)} bytes) do not hold it; expected the file written with the "
+                         "context model")
+    arr = np.frombuffer(mapped, dtype, count, offset).reshape(tuple(t.dims))
+    arr.flags.writeable = False
+    return arr
+
+
 def take_unread_initializers(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
     """The initializers that no node, graph input or graph output of `proto` reads, taken out of it (in place,
     the others left where they are: no copy of their data), in their order. In a context model these are the
@@ -230,6 +286,7 @@ class SavedContexts:
     ready: dict[str, compiled.CompiledPartition] = field(default_factory=dict)
     base: Path | None = None              # the model's folder (external weights and context files)
     unread: list = field(default_factory=list)  # initializers only kept subgraphs read (take_unread_initializers)
+    mapped: dict = field(default_factory=dict)  # name -> a read-only view of the `.weights` file (map_weights)
 
     @classmethod
     def split(cls, model) -> tuple[onnx.ModelProto, SavedContexts | None]:
@@ -255,8 +312,9 @@ class SavedContexts:
                 del node.attribute[:]
                 node.attribute.extend(kept)
         unread = take_unread_initializers(light)
-        _load_external(light, base, "the external tensors the graph reads")  # the saver keeps none there
-        return light, cls(light, nodes, compatibility_strings(light), base=base, unread=unread)
+        mapped = map_weights(light, Path(model) if base is not None else None)
+        _load_external(light, base, "the external tensors the graph reads", skip=set(mapped))
+        return light, cls(light, nodes, compatibility_strings(light), base=base, unread=unread, mapped=mapped)
 
     def resolve(self, eps, graph: Graph, view: GraphView, fallbacks, owned: list) -> tuple[Graph, GraphView]:
         """Rebuild what can be rebuilt; put the kept nodes back for the rest (see the module doc). The
@@ -354,6 +412,16 @@ class SavedContexts:
         _load_external(proto, self.base, f"the weights of {', '.join(repr(n) for n in names)}, to compile them again")
         return proto
 
+    def with_weights(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """A copy of `proto` (the session's graph model) with its mapped weights read in (an expansion by the
+        optimizer needs them as data)."""
+        if not self.mapped:
+            return proto
+        full = onnx.ModelProto()
+        full.CopyFrom(proto)
+        _load_external(full, self.base, "the weights of the context model")
+        return full
+
     def partitions(self, graph: Graph) -> list[compiled.CompiledPartition]:
         """The rebuilt partitions, their groups pointing at `graph`'s node indices."""
         index = {n.name: i for i, n in enumerate(graph.nodes) if is_context_node(n)}  # other nodes may share a name
@@ -364,18 +432,21 @@ class SavedContexts:
         return parts
 
 
-def _load_external(proto: onnx.ModelProto, base: Path | None, what: str) -> None:
-    """Read `proto`'s external tensors from the files beside the model (in place; nothing when it has none);
-    a typed error when the model was not given as a path or a file cannot be read."""
-    files = sorted({d.value for t in external_data_helper._get_all_tensors(proto)
-                    if t.data_location == onnx.TensorProto.EXTERNAL for d in t.external_data if d.key == "location"})
+def _load_external(proto: onnx.ModelProto, base: Path | None, what: str, skip: frozenset | set = frozenset()) -> None:
+    """Read `proto`'s external tensors (but the initializers named in `skip`: mapped instead) from the files
+    beside the model (in place; nothing when it has none); a typed error when the model was not given as a
+    path or a file cannot be read."""
+    tensors = [t for t in external_data_helper._get_all_tensors(proto)
+               if t.data_location == onnx.TensorProto.EXTERNAL and t.name not in skip]
+    files = sorted({_location(t) for t in tensors})
     if not files:
         return
     if base is None:
         raise ModelError(f"{what} are in {files} beside the model, and the model was not given as a path; "
                          "expected a model path (the files are found beside it)")
     try:
-        external_data_helper.load_external_data_for_model(proto, str(base))
+        for t in tensors:
+            external_data_helper.load_external_data_for_tensor(t, str(base))
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"{what}: cannot read {files} in '{base}' ({exc}); expected the files written "
                          "beside the model") from None

@@ -30,6 +30,7 @@ from host.runtime.epcontext import (
     current_compatibility,
     kept_weights_file,
     main_graph_reads,
+    mappable,
     source_hash,
 )
 from host.runtime.model import replace_atomically, save_model
@@ -67,11 +68,14 @@ _ALIGN = 64
 
 
 def _kept_weights_apart(proto: onnx.ModelProto, path: Path) -> None:
-    """Move the weights that only the kept subgraphs read into kept_weights_file(path), as ONNX external
-    data (64-byte aligned): a session from the context model never reads them unless it compiles a kept
-    subgraph again, so loading the model parses the contexts and the graph's own weights only."""
+    """Move the weights that only the kept subgraphs read, and the large weights the graph itself reads,
+    into kept_weights_file(path), as ONNX external data (64-byte aligned). A session from the context model
+    never reads the first unless it compiles a kept subgraph again, and maps the second instead of parsing
+    them (epcontext.map_weights: a GPT-2 embedding table read by a per-node Gather is 154 MB), so loading
+    the model parses its graph and contexts only."""
     read = main_graph_reads(proto.graph)
-    apart = [t for t in proto.graph.initializer if t.name not in read and len(t.raw_data) >= KEPT_WEIGHTS_MIN_BYTES]
+    apart = [t for t in proto.graph.initializer
+             if (len(t.raw_data) >= KEPT_WEIGHTS_MIN_BYTES if t.name not in read else mappable(t))]
     if not apart:
         return
     file = kept_weights_file(path)

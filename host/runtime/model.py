@@ -185,12 +185,13 @@ def check_text(proto: onnx.ModelProto) -> None:
             raise ModelError(f"model is not valid ONNX: a {what} is not UTF-8 text ({bytes(value)[:40]!r})")
 
 
-def build_graph(model, owned: bool = False) -> Graph:
+def build_graph(model, owned: bool = False, arrays: dict | None = None) -> Graph:
     """The Graph of `model`. ONNX's checker and shape inference run with the large initializers as typed
     graph inputs (`typed_inputs`), so that neither serialises their data (seconds for a BERT-sized
     model); their value fields are checked here instead (`check_weights`), and their arrays come from
     the model. `owned`: a ModelProto `model` is the caller's to change (the session's own optimized
-    model), so inference's answer is put into it instead of into a copy of its weights."""
+    model), so inference's answer is put into it instead of into a copy of its weights. `arrays`: the
+    arrays of initializers that stay external in `model` (a context model's mapped weights)."""
     proto = load_model(model)
     owned = owned or proto is not model  # loaded here from a path or bytes: ours
     check_text(proto)
@@ -220,7 +221,7 @@ def build_graph(model, owned: bool = False) -> Graph:
     for what, vis in (("graph input", inferred.graph.input), ("graph output", inferred.graph.output)):
         for vi in vis:
             types.check_io_type(vi.name, vi.type, what)
-    return _graph(inferred, inferred.graph, opsets, {})
+    return _graph(inferred, inferred.graph, opsets, {}, arrays=arrays)
 
 
 _LARGE_ELEMENTS = 1024  # shape inference reads the data of small initializers only (Reshape's shape...)
@@ -308,9 +309,12 @@ def build_subgraph(body: onnx.GraphProto, opsets: dict[str, int], outer: dict[st
     return _graph(SimpleNamespace(graph=body), body, opsets, outer, outer_constants)
 
 
-def _initializers(g: onnx.GraphProto) -> dict[str, np.ndarray]:
+def _initializers(g: onnx.GraphProto, arrays: dict | None = None) -> dict[str, np.ndarray]:
     inits = {}
     for t in g.initializer:
+        if arrays and t.name in arrays and t.data_location == onnx.TensorProto.EXTERNAL:
+            inits[t.name] = arrays[t.name]  # read where it lies (epcontext.map_weights)
+            continue
         if t.data_type not in ONNX_TO_NUMPY:
             raise ModelError(f"initializer {t.name!r} has element type {type_name(t.data_type)}; "
                              f"supported: {supported_names()}")
@@ -323,8 +327,8 @@ def _initializers(g: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 def _graph(model, g: onnx.GraphProto, opsets: dict[str, int], outer: dict[str, ValueMeta],
-           outer_constants: dict[str, np.ndarray] | None = None) -> Graph:
-    inits = _initializers(g)
+           outer_constants: dict[str, np.ndarray] | None = None, arrays: dict | None = None) -> Graph:
+    inits = _initializers(g, arrays)
     if outer_constants:
         inits.update({n: outer_constants[n] for n in free_names(g) if n in outer_constants and n not in inits})
     values: dict[str, ValueMeta] = {}

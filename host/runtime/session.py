@@ -164,7 +164,8 @@ class InferenceSession:
         stages.enter(stages.LOADING)
         with self._profiler.span("model_loading"):
             model = self._optimized(path_or_bytes)
-            self.graph = build_graph(model, owned=model is not path_or_bytes)  # not the caller's ModelProto
+            self.graph = build_graph(model, owned=model is not path_or_bytes,  # not the caller's ModelProto
+                                     arrays=self.contexts.mapped if self.contexts is not None else None)
         self.env.track_session(self)  # env.close() closes it first; refused when the env is closed
         try:
             self._provider_list = _parse_providers(

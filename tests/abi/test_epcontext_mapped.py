@@ -9,7 +9,9 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from host.runtime import epcontext
 from host.runtime.session import InferenceSession
@@ -130,3 +132,83 @@ def test_a_context_session_does_not_import_the_optimizer(env7, source):
                          cwd=build.ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _gather_model():
+    """Gather (on the CPU EP) from a 2000 x 3 table the graph reads, then Add and Relu on ExampleEP: the
+    table is a weight of the context model's own graph."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.linspace(-1, 1, 6000, dtype=np.float32).reshape(2000, 3), "table")
+    small = numpy_helper.from_array(np.float32([[0.5, -0.25, 2.0]]), "small")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["g"], axis=0), helper.make_node("Add", ["g", "x"], ["a"]),
+             helper.make_node("Add", ["a", "small"], ["b"]), helper.make_node("Relu", ["b"], ["y"])]
+    graph = helper.make_graph(nodes, "gather", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2]),
+                                                helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [table, small])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+FEEDS = {"ids": np.array([1999, 7], np.int64), "x": np.float32([[1, -2, 3], [-4, 5, -6]])}
+GATHER_OPTIONS = {"fuse": "1", "ops": "Add,Relu"}
+
+
+@pytest.fixture
+def gather_ctx(env7, tmp_path):
+    import onnxruntime as ort
+
+    model = _gather_model()
+    path = tmp_path / "gather.onnx"
+    onnx.save(model, str(path))
+    ctx_path, _ = save(env7, path, GATHER_OPTIONS)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    return ctx_path, want
+
+
+def test_the_graphs_own_large_weights_are_mapped_from_the_weights_file(env7, gather_ctx):
+    ctx_path, want = gather_ctx
+    proto = onnx.load(str(ctx_path), load_external_data=False)
+    where = {t.name: t.data_location for t in proto.graph.initializer}
+    assert where == {"table": onnx.TensorProto.EXTERNAL, "small": onnx.TensorProto.DEFAULT}  # small stays inline
+    assert ctx_path.stat().st_size < 10_000
+    with InferenceSession(str(ctx_path), providers=[(EP, GATHER_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 1
+        table = s.graph.initializers["table"]
+        assert not table.flags.writeable and not table.flags.owndata  # a view of the mapped file
+        assert s.contexts.mapped["table"] is table
+        np.testing.assert_array_equal(table, np.linspace(-1, 1, 6000, dtype=np.float32).reshape(2000, 3))
+        np.testing.assert_allclose(s.run(None, FEEDS)[0], want, rtol=1e-6)
+        full = s.contexts.with_weights(s.graph.model)  # what an expansion by the optimizer is given
+        data = {t.name: numpy_helper.to_array(t) for t in full.graph.initializer}
+        np.testing.assert_array_equal(data["table"], table)
+        assert s.graph.model.graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL  # not changed
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_weights_file_that_cannot_hold_the_graphs_weights_is_a_model_error(env7, gather_ctx, damage):
+    from host.errors import ModelError
+
+    ctx_path, _ = gather_ctx
+    weights = epcontext.kept_weights_file(ctx_path)
+    if damage == "missing":
+        weights.unlink()
+        pattern = r"^the weights of the context model: cannot map '.*gather_ctx\.weights' \("
+    else:
+        weights.write_bytes(weights.read_bytes()[:1000])
+        pattern = (r"^initializer 'table' \(float32, dims \[2000, 3\]\): bytes \d+\.\.\d+ of '.*gather_ctx\.weights' "
+                   r"\(1000 bytes\) do not hold it; expected the file written with the context model$")
+    with pytest.raises(ModelError, match=pattern):
+        InferenceSession(str(ctx_path), providers=[(EP, GATHER_OPTIONS)], env=env7)
+
+
+@pytest.mark.filterwarnings("ignore:compiled context of .* not used:RuntimeWarning")
+def test_a_refused_context_is_compiled_with_the_mapped_weights_read_in(env7, gather_ctx):
+    from tests.property.scenario import damage
+
+    ctx_path, want = gather_ctx
+    damage(ctx_path, "corrupt")
+    with InferenceSession(str(ctx_path), providers=[(EP, GATHER_OPTIONS)], env=env7) as s:
+        assert (s.fallbacks["context_loaded"], s.fallbacks["context_recompiled"]) == (0, 1)
+        np.testing.assert_allclose(s.run(None, FEEDS)[0], want, rtol=1e-6)

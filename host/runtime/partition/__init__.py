@@ -100,7 +100,8 @@ class Partitioner:
             names = [graph.nodes[i].name for i in sorted(candidates - claimed)]
             if not names:
                 break
-            graph = build_graph(optimizer.expand_unclaimed(graph.model, names))
+            model = self.contexts.with_weights(graph.model) if self.contexts is not None else graph.model
+            graph = build_graph(optimizer.expand_unclaimed(model, names))
         return graph
 
     def plan_graph(self, g: Graph, view: GraphView, eps: list[PluginEp] | None = None) -> Plan:
