@@ -463,6 +463,7 @@ def fuse(nodes, keep, constants) -> list:
     from host.cpu_ep.fusion_norm import match_gemm_skip_norm
     from host.cpu_ep.fusion_qkv import match_qkv_attention
     from host.cpu_ep.fusion_stack import stack_layers
+    from host.cpu_ep.ml_chain import match_scaler_linear
     from host.cpu_ep.quant_chain import match_quant_chain
 
     consumers = _consumers(nodes)
@@ -476,7 +477,8 @@ def fuse(nodes, keep, constants) -> list:
         found = (match_squeeze_excite(nodes, i, consumers, keep, constants)
                  or match_gemm_skip_norm(nodes, i, consumers, keep, constants)
                  or match_epilogues(nodes, i, consumers, keep, constants)
-                 or match_quant_chain(nodes, i, consumers, keep, constants))
+                 or match_quant_chain(nodes, i, consumers, keep, constants)
+                 or match_scaler_linear(nodes, i, consumers, keep, constants))
         if found is None:
             out.append(nodes[i])
             i += 1

@@ -14,7 +14,12 @@ def logistic(x: np.ndarray) -> np.ndarray:
 def logistic_in_place(x: np.ndarray) -> np.ndarray:
     """logistic(x) written over x (a float array the caller owns): the same operations in x's type, without
     the three temporaries (a one-row model's run is a few microseconds)."""
-    np.negative(x, out=x)
+    return logistic_of_negated(np.negative(x, out=x))
+
+
+def logistic_of_negated(x: np.ndarray) -> np.ndarray:
+    """logistic_in_place's steps after its negation, over x = -scores (native ep_ml_linear writes the
+    scores negated: NumPy's float32 exp, which C's expf does not match, is left to do)."""
     np.exp(x, out=x)
     x += 1
     return np.reciprocal(x, out=x)

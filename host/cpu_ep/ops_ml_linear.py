@@ -13,7 +13,7 @@ import numpy as np
 
 from host.cpu_ep import native
 from host.cpu_ep.base import OpKernel
-from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, logistic_in_place, post_transform
+from host.cpu_ep.ml_common import POST_TRANSFORMS, class_labels, logistic_in_place, logistic_of_negated, post_transform
 from host.cpu_ep.registry import register
 
 ML = "ai.onnx.ml"
@@ -59,6 +59,62 @@ class _Scores:
         return y
 
 
+# ep_ml_linear's modes (native/kernels_ml.c): what it writes after the GEMM
+ML_SCORES, ML_ONE_MINUS, ML_NEGATED, ML_NEGATED_FLIP, ML_SCORES_FLIP = 0, 1, 2, 3, 4
+NO_SCALER = (native.NULL, 0, native.NULL, 0)  # ep_ml_linear's offset and scale arguments without a Scaler
+
+
+class _Compiled:
+    """LinearClassifier's run (and a Scaler's before it: ml_chain.py) as one ep_ml_linear call over float32
+    rows: the scaling, the compiled GEMM, a binary model's label and score columns, LOGISTIC's negation
+    (and, for several columns and int labels, its add, reciprocal and argmax by a second call): the same
+    float32 operations as the kernels' NumPy steps. What stays in NumPy: LOGISTIC's exp (NumPy's float32
+    exp is not the C library's), the other post transforms, and the rest of the labels."""
+
+    def __init__(self, kernel: LinearClassifier):
+        self.k, n = kernel.coef.shape
+        logistic = kernel.post == "LOGISTIC"
+        if kernel.binary:
+            mode = ML_ONE_MINUS if not kernel.negated else ML_NEGATED_FLIP if logistic else ML_NEGATED
+        else:
+            mode = ML_SCORES_FLIP if logistic else ML_SCORES
+        self.mode, self.width = mode, 2 if kernel.binary else n
+        self.labels = kernel.labels
+        self.int_labels = kernel.labels.dtype == np.int64  # written by the call; strings taken after it
+        self.table = native.ptr(kernel.labels) if self.int_labels else native.NULL
+        block = max(1, native.GEMM_MAX_MACS // (self.k * n))  # _Scores' row blocks
+        self.middle = (*kernel.scores.pointers, n, block, mode, self.table if kernel.binary else native.NULL)
+        # LOGISTIC over several columns with int labels: after NumPy's exp, ep_ml_logistic_labels does the
+        # rest (the add, the reciprocal, the argmax and the labels: four NumPy calls on a row's few values)
+        self.finish = mode == ML_SCORES_FLIP and n > 1 and self.int_labels
+        self.kernel = kernel
+
+    def __call__(self, lib, x: np.ndarray, scaler: tuple):
+        """(labels, scores) of float32 C-contiguous rows x (k features), or None where the call found no
+        scratch memory (the caller's NumPy path then runs)."""
+        rows, mode, ptr = x.shape[0], self.mode, native.ptr
+        scores = np.empty((rows, self.width), dtype=np.float32)
+        if mode == ML_SCORES_FLIP or mode == ML_SCORES:
+            out = ptr(scores)
+            if lib.ep_ml_linear(ptr(x), rows, self.k, *scaler, *self.middle, out, native.NULL):
+                return None
+            if not self.finish:
+                return self.kernel.transformed(scores, negated=mode == ML_SCORES_FLIP)
+            np.exp(scores, scores)
+            index = np.empty(rows, dtype=np.int64)
+            lib.ep_ml_logistic_labels(out, rows, self.width, self.table, ptr(index))
+            return (index, scores)
+        index = np.empty(rows, dtype=np.int64)
+        if lib.ep_ml_linear(ptr(x), rows, self.k, *scaler, *self.middle, ptr(scores), ptr(index)):
+            return None
+        labels = index if self.int_labels else self.labels.take(index)
+        if mode == ML_NEGATED_FLIP:
+            return (labels, logistic_of_negated(scores))
+        if mode == ML_NEGATED:  # PROBIT (the only other transform that negates)
+            scores = post_transform(self.kernel.post, scores).astype(np.float32)
+        return (labels, scores)
+
+
 def _labels_from_scores(labels: np.ndarray, scores: np.ndarray, binary_threshold: float | None) -> np.ndarray:
     """argmax over classes; a one-column score (binary) picks labels[1] above the threshold."""
     if scores.shape[1] == 1:
@@ -93,16 +149,38 @@ class LinearClassifier(OpKernel):
             self.intercepts = np.concatenate([-self.intercepts, self.intercepts])
         self.scores = _Scores(self.coef, self.intercepts)
         self.uses_blas = self.scores.uses_blas()
+        self.compiled = _Compiled(self) if self.scores.compiled else None
+
+    def compiled_run(self, x, scaler: tuple = NO_SCALER):
+        """_run's results through the one compiled call (_Compiled), or None where it does not serve
+        (no library, not float32 rows of the coefficients' width, no rows, no scratch memory).
+        `scaler`: a Scaler's offset and scale before the GEMM (ml_chain.py)."""
+        lib, compiled = native.LIB, self.compiled
+        if (lib is None or compiled is None or type(x) is not np.ndarray or x.dtype != native.F32 or x.ndim != 2
+                or x.shape[1] != compiled.k or not x.shape[0] or not x.flags.c_contiguous):
+            return None
+        return compiled(lib, x, scaler)
 
     def _run(self, x):
+        out = self.compiled_run(x)
+        if out is not None:
+            return out
         x = _rows(x)
         if x.shape[1] != self.coef.shape[0]:
             raise ValueError(f"x has {x.shape[1]} features; the coefficients expect {self.coef.shape[0]}")
         scores = self.scores(x)
         if self.binary:
             return self._binary(scores)
+        return self.transformed(scores)
+
+    def transformed(self, scores: np.ndarray, negated: bool = False):
+        """(labels, scores) of a model that is not binary from its GEMM's (rows, columns) output, or from
+        that output negated (LOGISTIC only: _Compiled's call did logistic's first step)."""
         # the GEMM's output is this run's own: LOGISTIC goes in place
-        scores = logistic_in_place(scores) if self.post == "LOGISTIC" else post_transform(self.post, scores)
+        if self.post == "LOGISTIC":
+            scores = logistic_of_negated(scores) if negated else logistic_in_place(scores)
+        else:
+            scores = post_transform(self.post, scores)
         if self.n_columns == 1:
             labels = np.where(scores[:, 0] > 0, self.labels[-1], self.labels[0])
         else:

@@ -246,21 +246,25 @@ def _linear(op: str, features: int, columns: int, seed: int = 4, post: str = "SO
                                       ("LinearClassifier", "NONE"), ("LinearRegressor", "NONE")])
 def test_linear_models_run_the_compiled_gemm_in_row_blocks_without_blas(op, post, monkeypatch):
     """Coefficients within the small GEMM's panel: no BLAS in the plan (so no per-run thread bound), rows
-    in blocks of native.gemm_fits (made 4 rows here, so 1000 rows take 250 calls), onnxruntime's answers."""
+    in blocks of native.gemm_fits (made 4 rows here, so 1000 rows take 250 GEMMs: 250 calls for the
+    regressor, one ep_ml_linear call walking 250 blocks for the classifier), onnxruntime's answers."""
     from host.cpu_ep import native
 
     if native.LIB is None:
         pytest.fail(f"the CPU kernels are not loaded: {native.LOAD_ERROR}")
     model = _linear(op, FEATURES, 3, post=post)
+    monkeypatch.setattr(native, "GEMM_MAX_MACS", 4 * FEATURES * 3)
     sess = host.InferenceSession(model.SerializeToString())
     assert not threads.plan_calls_blas(sess.plan)
-    monkeypatch.setattr(native, "GEMM_MAX_MACS", 4 * FEATURES * 3)
     calls = []
     lib = native.LIB
-    monkeypatch.setattr(native, "LIB", type("Spy", (), {"ep_gemm": lambda self, *a: (calls.append(a[6]), lib.ep_gemm(*a))[1]})())
+    monkeypatch.setattr(native, "LIB", type("Spy", (), {
+        "ep_gemm": lambda self, *a: (calls.append(("gemm", a[6])), lib.ep_gemm(*a))[1],
+        "ep_ml_linear": lambda self, *a: (calls.append(("linear", a[1], a[10])), lib.ep_ml_linear(*a))[1],
+        "ep_ml_logistic_labels": lambda self, *a: lib.ep_ml_logistic_labels(*a)})())
     x = np.random.RandomState(5).randn(1000, FEATURES).astype(np.float32)
     got = sess.run(None, {"X": x})
-    assert calls == [4] * 250
+    assert calls == ([("gemm", 4)] * 250 if op == "LinearRegressor" else [("linear", 1000, 4)])
     want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape

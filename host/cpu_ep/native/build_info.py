@@ -19,7 +19,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("kernels.c")
 # Files kernels.c #includes (beside it): part of the source the hash covers.
 INCLUDES = ("kernels_rows.c", "kernels_gemm.c", "kernels_pool.c", "kernels_attention.c", "kernels_quant.c", "kernels_quant_chain.c",
-            "kernels_trees.c")
+            "kernels_trees.c", "kernels_ml.c")
 LIB_NAME = "libephost_cpu_kernels.so"
 # The package build's extension module; it has no PyInit (it is a plain C library opened with
 # ffi.dlopen), the module form is only how setuptools compiles it and tags the wheel.

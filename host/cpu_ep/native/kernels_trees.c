@@ -164,3 +164,5 @@ void ep_tree_sums(const float *x, int64_t rows, int64_t width, const int64_t *fe
                  roots, depths, weights, NULL, sums};
     tree_run(&j, threads);
 }
+
+#include "kernels_ml.c" /* linear classifiers (and a Scaler before one) in one call */
