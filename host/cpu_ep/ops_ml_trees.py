@@ -224,6 +224,18 @@ class _CompiledWalk:
         lib.ep_tree_sums(ptr(x), rows, x.shape[1], *self._table, *self._weights, ptr(out), _threads(rows))
         return out
 
+    def class0(self, x: np.ndarray, finish: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """(label indices or int64 labels, float32 scores) of TreeEnsembleClassifier's class-0-only binary
+        models (ep_tree_class0, the sums and _class0_only's finish in one call) for float32 C-contiguous rows
+        at least `width` wide; `finish`: (base pointer or NULL, all weights >= 0, int64 labels or NULL)."""
+        rows = x.shape[0]
+        scores = np.empty((rows, 2), dtype=np.float32)
+        labels = np.empty(rows, dtype=np.int64)
+        ptr = native.ptr
+        native.LIB.ep_tree_class0(ptr(x), rows, x.shape[1], *self._table, self._weights[0], *finish, ptr(scores),
+                                  ptr(labels), _threads(rows))
+        return labels, scores
+
 
 @dataclass
 class _ByFeature:
@@ -405,8 +417,28 @@ class TreeEnsembleClassifier(OpKernel):
         self.rules = ClassRules.of(self.labels, self.post, self.base, self.attr_ints("class_ids"),
                                    _tensor_or_list(self, "class_weights"), self.forest.has_weight,
                                    self.forest.mode == _LEAF)
+        self._class0 = self._class0_call()
+
+    def _class0_call(self) -> tuple | None:
+        """ep_tree_class0's last arguments where it serves this model, else None: the converters' binary
+        forests and boosting (ml_tree_classes._class0_only's case) untransformed, over float32 weights and
+        at most one float32 base value. At one row, the finish's NumPy steps cost as much as the walk."""
+        rules, compiled = self.rules, self.forest._compiled
+        if (compiled is None or compiled.weights is None or compiled.weights.shape[1] != 2 or self.post != "NONE"
+                or len(self.labels) != 2 or not rules.binary_case or rules.scored[:2] != [True, False]):
+            return None
+        if self.base is not None and (self.base.size != 1 or self.base.dtype != np.float32):
+            return None
+        base = native.NULL if self.base is None else native.ptr(self.base)
+        table = native.ptr(self.labels) if self.labels.dtype == np.int64 else native.NULL
+        return (base, int(rules.all_positive), table)
 
     def _run(self, x):
+        finish = self._class0
+        if (finish is not None and native.LIB is not None and type(x) is np.ndarray and x.dtype == native.F32
+                and x.ndim == 2 and x.shape[0] and x.shape[1] >= self.forest._compiled.width and x.flags.c_contiguous):
+            labels, scores = self.forest._compiled.class0(x, finish)
+            return (labels if self.labels.dtype != object else self.labels.take(labels), scores)
         x = _features(x)
         if self.rules.row_free:  # which classes a row scores is the model's: no leaves needed
             sums, scored = self.forest.scores(x, "SUM"), self.rules.scored

@@ -303,3 +303,85 @@ def test_tree_depths_count_the_longest_path_of_each_tree():
     forest = Forest(np.zeros(n, np.int64), np.zeros(n), mode, true_next, false_next, np.zeros(n, bool),
                     np.array([0, 7, 8]), np.zeros((n, 1), np.float32), np.zeros((n, 1), bool), {})
     assert _tree_depths(forest).tolist() == [3, 0, 1]
+
+
+# -- the converters' binary models in one compiled call (ep_tree_class0) against the NumPy finish -----
+
+
+def _numpy_finish(model, x: np.ndarray):
+    """The session's outputs with the compiled finish off (the walk's sums, then _class0_only in NumPy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sess = host.InferenceSession(model.SerializeToString())
+    sess.plan.nodes[0].kernel._class0 = None
+    return sess.run(None, {"X": x})
+
+
+def _same_bits(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.tolist() == w.tolist() if g.dtype == object else np.array_equal(g.view(np.uint8), w.view(np.uint8))
+
+
+def _class0_calls(monkeypatch) -> list:
+    from host.cpu_ep import native
+
+    lib, calls = native.LIB, []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return lambda *a: (calls.append(name), fn(*a))[1]
+
+    monkeypatch.setattr(native, "LIB", Spy())
+    return calls
+
+
+@pytest.mark.parametrize("labels", [[3, 7], ["neg", "pos"]], ids=["ints", "strings"])
+@pytest.mark.parametrize("base", ["none", "one"])
+@pytest.mark.parametrize("weights", LEAF_WEIGHTS)
+@pytest.mark.parametrize("rows", [1, 13, 600])
+def test_a_class0_binary_classifier_gives_the_numpy_finishs_bits_in_one_call(rows, weights, base, labels, monkeypatch):
+    from host.cpu_ep import native
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    model = _tree_classifier("NONE", labels, "class0", weights, BASES[base])
+    x = np.resize(GRID, (rows, 2))  # both sides of every split, and a missing value
+    calls = _class0_calls(monkeypatch)
+    got = host.InferenceSession(model.SerializeToString()).run(None, {"X": x})
+    assert calls == ["ep_tree_class0"]
+    monkeypatch.undo()
+    _same_bits(got, _numpy_finish(model, x))
+
+
+@pytest.mark.parametrize("leaves, base, want", [([0.25, 0.25], None, 3), ([0.25], [0.25], 3),
+                                                ([0.25, 0.5], None, 7), ([0.25, -0.25], None, 3),
+                                                ([-0.25, 0.5], None, 7), ([0.0], None, 3)])
+def test_a_class0_score_at_the_threshold_takes_the_first_label(leaves, base, want, monkeypatch):
+    """s > 0.5 (every weight >= 0) or s > 0 (some negative) picks the second label: a sum of exactly 0.5 or 0
+    takes the first, as NumPy's comparison does. One single-leaf tree per weight."""
+    from host.cpu_ep import native
+
+    if native.LIB is None:
+        pytest.skip(f"the CPU kernels library is not built ({native.LOAD_ERROR})")
+    n = len(leaves)
+    kw = {"base_values": base} if base else {}
+    node = helper.make_node("TreeEnsembleClassifier", ["X"], ["label", "scores"], domain="ai.onnx.ml",
+                            nodes_treeids=list(range(n)), nodes_nodeids=[0] * n, nodes_featureids=[0] * n,
+                            nodes_values=[0.0] * n, nodes_modes=["LEAF"] * n, nodes_truenodeids=[0] * n,
+                            nodes_falsenodeids=[0] * n, class_treeids=list(range(n)), class_nodeids=[0] * n,
+                            class_ids=[0] * n, class_weights=leaves, classlabels_int64s=[3, 7], **kw)
+    graph = helper.make_graph([node], "leaves", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 2])],
+                              [helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, [None, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    x = np.zeros((2, 2), dtype=np.float32)
+    calls = _class0_calls(monkeypatch)
+    got = host.InferenceSession(model.SerializeToString()).run(None, {"X": x})
+    assert calls == ["ep_tree_class0"] and got[0].tolist() == [want, want]
+    monkeypatch.undo()
+    _same_bits(got, _numpy_finish(model, x))
+    expected, _ = _run_both(model, x)
+    _assert_labels_equal(expected[0], got[0])
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-6, atol=1e-7)

@@ -79,6 +79,10 @@ void ep_tree_sums(const void *x, int64_t rows, int64_t width, const void *featur
                   const void *mode, const void *true_next, const void *false_next, const void *missing_true,
                   const void *roots, const void *depths, int64_t trees, const void *weights, int64_t targets,
                   void *sums, int threads);
+void ep_tree_class0(const void *x, int64_t rows, int64_t width, const void *feature, const void *threshold,
+                    const void *mode, const void *true_next, const void *false_next, const void *missing_true,
+                    const void *roots, const void *depths, int64_t trees, const void *weights, const void *base,
+                    int all_positive, const void *labels, void *scores, void *label_out, int threads);
 int ep_ml_linear(const void *x, int64_t rows, int k, const void *offset, int offset_step, const void *scale,
                  int scale_step, const void *coef, const void *intercepts, int n, int64_t block, int mode,
                  const void *labels, void *scores, void *label_out);

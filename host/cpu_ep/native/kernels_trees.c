@@ -165,4 +165,27 @@ void ep_tree_sums(const float *x, int64_t rows, int64_t width, const int64_t *fe
     tree_run(&j, threads);
 }
 
+/* TreeEnsembleClassifier's two labels for the converters' binary models, untransformed
+ * (ml_tree_classes._class0_only: every leaf scores class 0, at most one base value): ep_tree_sums into
+ * scores (rows x 2: weights has two columns, the second all zero), then per row s = the class-0 sum
+ * (+ *base), columns [1 - s, s] where every weight is >= 0 (label index s > 0.5), else [-s, s] (s > 0).
+ * The same float32 operations as the NumPy finish; labels: the int64 labels (label_out gets labels[index])
+ * or NULL (the index). */
+void ep_tree_class0(const float *x, int64_t rows, int64_t width, const int64_t *feature, const float *threshold,
+                    const uint8_t *mode, const int64_t *true_next, const int64_t *false_next,
+                    const uint8_t *missing_true, const int64_t *roots, const int64_t *depths, int64_t trees,
+                    const float *weights, const float *base, int all_positive, const int64_t *labels,
+                    float *scores, int64_t *label_out, int threads) {
+    ep_tree_sums(x, rows, width, feature, threshold, mode, true_next, false_next, missing_true, roots, depths, trees,
+                 weights, 2, scores, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        float *out = scores + 2 * r, s = out[0];
+        if (base) s = s + *base;
+        int64_t index = all_positive ? s > 0.5f : s > 0.0f; /* NaN: false, as NumPy's comparison */
+        label_out[r] = labels ? labels[index] : index;
+        out[0] = all_positive ? 1.0f - s : -s;
+        out[1] = s;
+    }
+}
+
 #include "kernels_ml.c" /* linear classifiers (and a Scaler before one) in one call */
