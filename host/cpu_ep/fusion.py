@@ -73,6 +73,18 @@ def _call(kernel, *args):
         raise kernel.failure(exc) from exc
 
 
+def run_one_by_one(nodes, values) -> dict:
+    """Every value a chain of `nodes` makes, by their kernels in turn, by value id (the chain's inner values
+    never reach `values`)."""
+    local: dict[int, np.ndarray] = {}
+    for node in nodes:
+        args = [local[v] if v in local else (values[v] if v >= 0 else None) for v in node.inputs]
+        outs = _call(node.kernel, *args)
+        for vid, out in zip(node.outputs, outs):
+            local[vid] = out if isinstance(out, np.ndarray) else np.asarray(out)
+    return local
+
+
 # -- in-place epilogues --------------------------------------------------------------------------
 
 
@@ -420,14 +432,8 @@ class _SqueezeExcite:
         return (flat * gate).reshape(x.shape)
 
     def _one_by_one(self, values):
-        """The six kernels in turn (the chain's inner values never reach `values`)."""
-        local: dict[int, np.ndarray] = {}
-        for node in self.nodes:
-            args = [local[v] if v in local else (values[v] if v >= 0 else None) for v in node.inputs]
-            outs = _call(node.kernel, *args)
-            for vid, out in zip(node.outputs, outs):
-                local[vid] = out if isinstance(out, np.ndarray) else np.asarray(out)
-        return (local[self.nodes[-1].outputs[0]],)
+        """The six kernels in turn."""
+        return (run_one_by_one(self.nodes, values)[self.nodes[-1].outputs[0]],)
 
 
 _SE_OPS = ((("", "GlobalAveragePool"), ("", "ReduceMean")), (("", "Conv"),), (("", "Relu"),), (("", "Conv"),),

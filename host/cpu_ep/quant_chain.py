@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from host.cpu_ep import native
-from host.cpu_ep.fusion import _call, _fused
+from host.cpu_ep.fusion import _fused, run_one_by_one
 from host.cpu_ep.ops_quant import COMPILED_MAX_MACS, F32, Saturate, centered_int16, columns, compiled_requant
 from host.cpu_ep.ops_quant_ms import add_operands, compiled_operands
 
@@ -441,13 +441,8 @@ class QuantChain:
         return (local[self.output],)
 
     def _one_by_one(self, values) -> dict:
-        """Every value the chain makes, by its nodes' kernels in turn (the inner values never reach `values`)."""
-        local: dict[int, np.ndarray] = {}
-        for node in self.nodes:
-            args = [local[v] if v in local else (values[v] if v >= 0 else None) for v in node.inputs]
-            outs = _call(node.kernel, *args)
-            for vid, out in zip(node.outputs, outs):
-                local[vid] = out if isinstance(out, np.ndarray) else np.asarray(out)
+        """Every value the chain makes, by its nodes' kernels in turn (fusion.run_one_by_one), and its inputs."""
+        local = run_one_by_one(self.nodes, values)
         for vid in self.external:
             local[vid] = values[vid]
         return local
