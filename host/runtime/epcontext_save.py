@@ -55,7 +55,7 @@ def save_if_enabled(session, source) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         for file, blob in files.items():  # replaced whole: a session may have the old one mapped
             replace_atomically(file, lambda tmp, blob=blob: tmp.write_bytes(blob))
-        _kept_weights_apart(proto, path)
+        _kept_weights_apart(proto, path, graph_weights=opts.embed_mode == 0)
         save_model(proto, path)
     except OSError as exc:
         raise InvalidArgument(f"ep.context_file_path '{path}': cannot write the "
@@ -67,15 +67,17 @@ KEPT_WEIGHTS_MIN_BYTES = 4096  # smaller weights stay in the model
 _ALIGN = 64
 
 
-def _kept_weights_apart(proto: onnx.ModelProto, path: Path) -> None:
-    """Move the weights that only the kept subgraphs read, and the large weights the graph itself reads,
-    into kept_weights_file(path), as ONNX external data (64-byte aligned). A session from the context model
-    never reads the first unless it compiles a kept subgraph again, and maps the second instead of parsing
-    them (epcontext.map_weights: a GPT-2 embedding table read by a per-node Gather is 154 MB), so loading
-    the model parses its graph and contexts only."""
+def _kept_weights_apart(proto: onnx.ModelProto, path: Path, graph_weights: bool) -> None:
+    """Move the weights that only the kept subgraphs read, and with `graph_weights` the large weights the
+    graph itself reads, into kept_weights_file(path), as ONNX external data (64-byte aligned). A session from
+    the context model never reads the first unless it compiles a kept subgraph again, and maps the second
+    instead of parsing them (epcontext.map_weights: a GPT-2 embedding table read by a per-node Gather is
+    154 MB), so loading the model parses its graph and contexts only. `graph_weights` is embed mode 0's:
+    its contexts are files beside the model already; with embed mode 1 the graph's own weights stay in the
+    model, which then loads from bytes too (its contexts serve; only a recompile needs the file)."""
     read = main_graph_reads(proto.graph)
     apart = [t for t in proto.graph.initializer
-             if (len(t.raw_data) >= KEPT_WEIGHTS_MIN_BYTES if t.name not in read else mappable(t))]
+             if (len(t.raw_data) >= KEPT_WEIGHTS_MIN_BYTES if t.name not in read else graph_weights and mappable(t))]
     if not apart:
         return
     file = kept_weights_file(path)

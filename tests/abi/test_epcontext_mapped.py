@@ -212,3 +212,20 @@ def test_a_refused_context_is_compiled_with_the_mapped_weights_read_in(env7, gat
     with InferenceSession(str(ctx_path), providers=[(EP, GATHER_OPTIONS)], env=env7) as s:
         assert (s.fallbacks["context_loaded"], s.fallbacks["context_recompiled"]) == (0, 1)
         np.testing.assert_allclose(s.run(None, FEEDS)[0], want, rtol=1e-6)
+
+
+def test_with_embedded_contexts_the_graphs_own_weights_stay_in_the_model(env7, tmp_path):
+    """Embed mode 1 keeps a model that loads from bytes: its contexts and its graph's own weights are in it
+    (only the kept subgraphs' weights are beside it, for a recompile)."""
+    import onnxruntime as ort
+
+    model = _gather_model()
+    path = tmp_path / "gather.onnx"
+    onnx.save(model, str(path))
+    ctx_path, _ = save(env7, path, GATHER_OPTIONS, **{epcontext.EMBED_MODE: "1"})
+    proto = onnx.load(str(ctx_path), load_external_data=False)
+    assert all(t.data_location == onnx.TensorProto.DEFAULT for t in proto.graph.initializer)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    with InferenceSession(ctx_path.read_bytes(), providers=[(EP, GATHER_OPTIONS)], env=env7) as s:
+        assert s.fallbacks["context_loaded"] == 1 and not s.contexts.mapped
+        np.testing.assert_allclose(s.run(None, FEEDS)[0], want, rtol=1e-6)
