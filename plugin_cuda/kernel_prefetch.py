@@ -138,6 +138,8 @@ class Prefetch:
 
     def join(self) -> None:
         """Wait for every replay started so far (CreateKernel's warm-up, Sync, OnRunStart and close)."""
+        if not self._threads:  # every run's OnRunStart calls this: no lock when nothing was started
+            return
         with self._lock:
             threads, self._threads = self._threads, []
         for t in threads:

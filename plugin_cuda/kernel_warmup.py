@@ -33,8 +33,10 @@ def warm_up(ep, graph, node, adapter) -> bool:
     if state is None or specs is None:
         stats["skipped"] += 1
         return False
-    recipe = kernel_prefetch.recipe_of(node, specs, adapter)
     prefetch = getattr(ep, "prefetch", None)
+    # A recipe only where a context will carry it or one was replayed (its JSON costs µs per kernel).
+    wanted = getattr(ep, "saves_contexts", False) or (prefetch is not None and prefetch.done)
+    recipe = kernel_prefetch.recipe_of(node, specs, adapter) if wanted else None
     if prefetch is not None:
         # A context's replay first: this call then finds the code compiled (no kernel compiled by two
         # threads). The call itself is still made: left to the replay alone, run 1 compiled the

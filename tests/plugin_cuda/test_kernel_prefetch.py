@@ -125,10 +125,10 @@ def test_the_replay_runs_once_per_recipe_and_is_waited_for(monkeypatch):
     pre.join()  # nothing to wait for
 
 
-def _warm_up_ep(events, covered=False):
-    prefetch = types.SimpleNamespace(join=lambda: events.append("join"), covers=lambda recipe: covered)
+def _warm_up_ep(events, covered=False, saves=True):
+    prefetch = types.SimpleNamespace(join=lambda: events.append("join"), covers=lambda recipe: covered, done=set())
     return types.SimpleNamespace(prefetch=prefetch, first_stream=lambda: "state", warm_recipes={},
-                                 opts=types.SimpleNamespace(has_user_compute_stream=False))
+                                 saves_contexts=saves, opts=types.SimpleNamespace(has_user_compute_stream=False))
 
 
 def _graph_and_node():
@@ -151,6 +151,9 @@ def test_create_kernel_waits_for_the_replay_before_its_own_call(monkeypatch):
         assert len(ep.warm_recipes) == 1
         events.clear()
     assert kernel_warmup.stats["prefetched"] - before["prefetched"] == 1
+    ep = _warm_up_ep(events, saves=False)  # no context to write, none replayed: no recipe made
+    assert kernel_warmup.warm_up(ep, graph, node, _adapter())
+    assert ep.warm_recipes == {}
 
 
 def test_a_recipe_that_does_not_replay_is_counted_not_raised(monkeypatch):
