@@ -40,6 +40,22 @@ def test_the_library_is_built_and_loaded():
     assert LIB is not None, native.LOAD_ERROR
 
 
+def test_pointers_come_from_the_api_modules_builtin_when_it_is_loaded():
+    """native.ptr is the API module's own from_buffer (a builtin, cheaper than cffi.FFI's Python wrapper)
+    while that module's lib is in use, and cffi.FFI's for any other; both point at the array's data."""
+    if native.API_MODULE is None:
+        pytest.skip("the ABI-mode library is loaded (no API module built): ptr is cffi.FFI's by design")
+    x = np.arange(4, dtype=np.float32)
+    assert type(native.ptr).__name__ == "builtin_function_or_method"
+    assert native.ffi.cast("float *", native.ptr(x))[3] == 3.0
+    try:
+        native.use(None)
+        assert native.ptr == native.ffi.from_buffer
+    finally:
+        native.use(LIB)
+    assert type(native.ptr).__name__ == "builtin_function_or_method"
+
+
 class _Spy:
     """Stands for the library and counts calls per function."""
 
