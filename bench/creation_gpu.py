@@ -129,7 +129,8 @@ def _profiler(level: str = "1"):
 
 def _top(profiler, count: int | None = None) -> list[str]:
     """The functions with the most cumulative time, as 'seconds name (file:line)'
-    ($EPHOST_BENCH_PROFILE_ROWS of them, 14 by default)."""
+    ($EPHOST_BENCH_PROFILE_ROWS of them, 14 by default), then half as many with the most time of their own
+    ('self ...')."""
     import pstats
 
     profiler.disable()
@@ -137,6 +138,8 @@ def _top(profiler, count: int | None = None) -> list[str]:
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # (file, line, name) -> (cc, nc, tt, ct, callers)
     lines = [f"{ct:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, _, ct, _) in rows[:count]]
+    own = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:count // 2]  # the leaves: time in the function itself
+    lines += [f"self {tt:.3f}s {name} ({Path(file).name}:{line})" for (file, line, name), (_, _, tt, _, _) in own]
     return lines + _callers(stats, os.environ.get("EPHOST_BENCH_PROFILE_CALLERS", ""))
 
 

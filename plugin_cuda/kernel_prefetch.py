@@ -7,9 +7,11 @@ mask's Cast, And and Where) run CuPy code that CuPy compiles with NVRTC at its f
 creation, after the contexts are loaded.
 
 So each warm-up that succeeds leaves a *recipe* (the node's op, attributes, input shapes and dtypes,
-host constants; JSON), a saved context carries the EP's recipes (plan/saved.py, header key "warm"),
-and CompileFromContext starts them in a background thread: NVRTC releases the GIL, so CuPy compiles
-while the host loads the other contexts and partitions. CreateKernel's own warm-up (still made: left
+host constants; JSON), a saved context carries the EP's recipes (plan/saved.py, header key "warm")
+and the kernels CuPy compiled for them (section "cupy", cupy_cache.py), and CompileFromContext hands
+the kernels to CuPy and starts the recipes in a background thread: the calls then load what NVRTC made
+on the saving machine, or, where CuPy cannot take them, compile (NVRTC releases the GIL) while the host
+loads the other contexts and partitions. CreateKernel's own warm-up (still made: left
 to the replay alone, run 1 compiled the kernels again), the EP's Sync, OnRunStart and close wait for
 the thread first (`join`), so no CuPy code runs in two threads for one kernel, and run 1 finds every
 kernel compiled. A recipe that does not replay (another CuPy, a kernel that changed) is
@@ -32,6 +34,7 @@ from plugin_cuda import kernel_warmup
 __all__ = ["Prefetch", "decode", "key_of", "recipe_of", "record", "stats"]
 
 MAX_RECIPES = 256  # per EP: what one context carries
+MAX_KEYS_REMEMBERED = 4096  # recipes whose CuPy payloads this process remembers (record)
 MAX_CONSTANT_ELEMENTS = 1024  # larger attributes or host constants: the node is not recorded
 # One thread per context: recipes share CuPy kernels (BERT's three embedding Gathers are one `take`
 # kernel), which threads side by side would each compile (BERT on the H200: 0.63 s of NVRTC in four
@@ -39,6 +42,7 @@ MAX_CONSTANT_ELEMENTS = 1024  # larger attributes or host constants: the node is
 MAX_THREADS = 1
 
 stats = {"recorded": 0, "replayed": 0, "failed": 0, "skipped": 0}  # per process (tests read them)
+_payloads_by_key: dict[str, dict] = {}  # recipe key -> the CuPy payloads its first recorded call used
 
 
 def recipe_of(node, specs, adapter) -> dict | None:
@@ -63,12 +67,23 @@ def key_of(recipe) -> str | None:
     return json.dumps({k: v for k, v in recipe.items() if k != "name"}, sort_keys=True)
 
 
-def record(ep, recipe: dict | None) -> None:
-    """Keep `recipe` (of a warm-up that succeeded) in `ep.warm_recipes` (key -> recipe) for a context."""
+def record(ep, recipe: dict | None, payloads: dict | None = None) -> None:
+    """Keep `recipe` (of a warm-up that succeeded) in `ep.warm_recipes` (key -> recipe) for a context,
+    and the CuPy payloads its call loaded or compiled (cupy_cache.recording) in `ep.warm_payloads`.
+    A call that found its code compiled in memory already (an earlier session of this process) loads
+    nothing: the payloads an earlier call of the same recipe recorded stand for it."""
     recipes = getattr(ep, "warm_recipes", None)
     if recipes is None or recipe is None or len(recipes) >= MAX_RECIPES:
         return
     key = key_of(recipe)
+    if payloads:
+        if len(_payloads_by_key) < MAX_KEYS_REMEMBERED or key in _payloads_by_key:
+            _payloads_by_key[key] = dict(payloads)
+    else:
+        payloads = _payloads_by_key.get(key, {})
+    kept = getattr(ep, "warm_payloads", None)
+    if kept is not None:
+        kept.update(payloads)
     if key not in recipes:
         recipes[key] = recipe
         stats["recorded"] += 1

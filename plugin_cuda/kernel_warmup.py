@@ -8,8 +8,9 @@ stream the session's first run will get (CudaEp.first_stream), with zero-filled 
 valid index for every Gather-like op) and scratch outputs, freed after the stream synchronises.
 Any failure is ignored: the kernel is left as it was and its first real call does the work.
 Not done on a caller's `user_compute_stream` or once a run has started. A warm-up that succeeds
-leaves a recipe that a saved context carries, so that a session made from it compiles the same
-CuPy code early, in a background thread (kernel_prefetch.py), which a warm-up waits for first.
+leaves a recipe that a saved context carries, with CuPy's compiled kernels for it (cupy_cache.py), so
+that a session made from it loads the same CuPy code early, in a background thread
+(kernel_prefetch.py), which a warm-up waits for first.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ stats = {"warmed": 0, "failed": 0, "skipped": 0, "prefetched": 0}  # kernels, pe
 
 def warm_up(ep, graph, node, adapter) -> bool:
     """Run `adapter`'s kernel once on zeros (see the module docstring); True when it did."""
-    from plugin_cuda import kernel_prefetch
+    from plugin_cuda import cupy_cache, kernel_prefetch
 
     first = getattr(ep, "first_stream", None)  # None: a stand-in EP (CPU tests)
     state = None if first is None or ep.opts.has_user_compute_stream else first()
@@ -45,12 +46,18 @@ def warm_up(ep, graph, node, adapter) -> bool:
             stats["prefetched"] += 1
         prefetch.join()
     try:
-        run(ep, adapter, specs, state)
+        if recipe is None:
+            run(ep, adapter, specs, state)
+            payloads = {}
+        else:  # what CuPy compiles or loads for it goes into the context too (cupy_cache.py)
+            cupy_cache.install()
+            with cupy_cache.recording() as payloads:
+                run(ep, adapter, specs, state)
     except Exception:  # noqa: BLE001 - see the module docstring: the first real call does it
         stats["failed"] += 1
         return False
     stats["warmed"] += 1
-    kernel_prefetch.record(ep, recipe)
+    kernel_prefetch.record(ep, recipe, payloads)
     return True
 
 

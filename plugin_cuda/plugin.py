@@ -212,6 +212,7 @@ class CudaEp(sdk.EpBase):
         self.graphs = GraphManager(self)
         self.run_streams = threading.local()  # .state: the stream this thread's run computed on
         self.warm_recipes: dict = {}  # per-node warm-ups done, for a saved context (kernel_prefetch.py)
+        self.warm_payloads: dict = {}  # CuPy's compiled kernels for them (cupy_cache.py)
         self.prefetch = kernel_prefetch.Prefetch(self)
         self._set_alloc, self._get_alloc = _thread_allocator_functions(cp)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abi
 from abi import fused_blob
 from abi.sdk import PluginError
+from plugin_cuda import cupy_cache
 from plugin_cuda.device import algo_cache, nvrtc
 from plugin_cuda.plan import gc_pause, prechoose, saved, warmup
 from plugin_cuda.plan.errors import PlanError
@@ -59,7 +60,8 @@ class PlanFunction:
         return saved.pack(saved.SavedPlan.of(self.fused, cc=ep.factory.compute_capability(ep.device_id),
                                              modules=saved_modules(self._plans()),
                                              algos=algo_cache.taken(self._algo_mark),
-                                             warm=list(getattr(ep, "warm_recipes", {}).values())))
+                                             warm=list(getattr(ep, "warm_recipes", {}).values()),
+                                             cupy=dict(getattr(ep, "warm_payloads", {}))))
 
     def _plans(self) -> list:
         return [self.plan]
@@ -250,7 +252,8 @@ def subgraph_from_context(ep, name: str, blob: bytes):
                           f"device {ep.device_id} has {here}", abi.EP_INVALID_GRAPH)
     prefetch = getattr(ep, "prefetch", None)
     if prefetch is not None:
-        prefetch.start(plan.warm)  # CuPy compiles the per-node kernels while this plan is built
+        cupy_cache.provide(plan.cupy)  # the per-node kernels' CuPy code, as the saving machine compiled it
+        prefetch.start(plan.warm)  # CuPy loads (or compiles) the per-node kernels while this plan is built
     for m in plan.modules:
         nvrtc.provide(m.arch, m.digest, m.binary)
     algo_cache.provide(plan.algos)

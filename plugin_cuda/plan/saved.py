@@ -13,7 +13,9 @@ A context holds what rebuilding the partition's plan would otherwise redo on the
   algos    the cuBLASLt heuristic answers and cuDNN algorithm choices the partition made
            (device/algo_cache.py keys), handed to algo_cache.provide;
   warm     (in the header, optional) the EP's per-node kernel warm-up recipes, replayed in a
-           background thread at load (plugin_cuda/kernel_prefetch.py).
+           background thread at load (plugin_cuda/kernel_prefetch.py);
+  cupy     one per CuPy kernel those recipes loaded or compiled: its payload under CuPy's own cache
+           name (plugin_cuda/cupy_cache.py), handed to CuPy's kernel cache before the recipes replay.
 
 Lowering and code generation run again at load (pure Python: the generated source's hash is what
 finds the saved module); a symbolic-shape partition keeps the modules of the signatures it had
@@ -47,11 +49,12 @@ from abi.graph_spec import FusedGraph
 
 MAGIC = b"EPHOST-CUDA-PLAN\0"
 # 1 was the bare fused graph (abi/fused_blob.py), still read by `unpack`; 2 kept the constants in
-# the graph section's np.savez (copied three times at load), 3 keeps them as array sections.
-FORMAT = 3
+# the graph section's np.savez (copied three times at load), 3 keeps them as array sections, 4 adds
+# the per-node kernels' CuPy payloads (a section a format-3 reader refuses).
+FORMAT = 4
 _FIXED = len(MAGIC) + 4 + 8
 ALIGN = 64  # where array sections start, from the context's first byte
-SECTIONS = ("graph", "module", "array")
+SECTIONS = ("graph", "module", "array", "cupy")
 _CRC_THREADS = 8
 _CRC_PARALLEL_BYTES = 64 << 20  # below this, threads cost more than they save
 
@@ -78,6 +81,7 @@ class SavedPlan:
     format: int = FORMAT
     constants: dict[int, np.ndarray] = field(default_factory=dict)  # value index -> its constant
     warm: list = field(default_factory=list)  # the EP's per-node warm-up recipes (kernel_prefetch.py)
+    cupy: dict[str, bytes] = field(default_factory=dict)  # CuPy cache name -> payload (cupy_cache.py)
 
     @classmethod
     def of(cls, fused: FusedGraph, **kw) -> SavedPlan:
@@ -126,6 +130,8 @@ def pack(saved: SavedPlan) -> bytes:
         add("array", arr.reshape(-1).view(np.uint8), value=i, dtype=arr.dtype.str, shape=list(arr.shape))
     for m in saved.modules:
         add("module", m.binary, arch=m.arch, digest=m.digest)
+    for name, binary in sorted(saved.cupy.items()):
+        add("cupy", binary, key=name)
     head = json.dumps({"format": FORMAT, "cc": saved.cc, "algos": saved.algos, "sections": sections,
                        "warm": saved.warm}, sort_keys=True).encode()
     head += b" " * (-(_FIXED + len(head)) % ALIGN)  # JSON ignores trailing blanks
@@ -188,6 +194,8 @@ def _read_sections(head: dict, blob: memoryview, base: int) -> SavedPlan:
             if int(s["value"]) in saved.constants:
                 raise PlanBlobError(f"CUDA plan context has two array sections for value {s['value']}")
             saved.constants[int(s["value"])] = _array(s, data)
+        elif s["name"] == "cupy":
+            saved.cupy[str(s["key"])] = bytes(data)
         else:
             raise PlanBlobError(f"CUDA plan context section {s['name']!r}; allowed: "
                                 f"{', '.join(repr(n) for n in SECTIONS)}")

@@ -175,3 +175,69 @@ def test_a_context_replays_its_per_node_warm_ups_in_the_background(cp, genv, tmp
         feeds = {"ids": rng.integers(0, 50, (2, 8)).astype(np.int64), "mask": rng.integers(0, 2, (2, 8)).astype(np.int64)}
         want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         np.testing.assert_allclose(s.run(None, feeds)[0], want, rtol=1e-4, atol=1e-4)
+
+
+_CHILD = r"""
+import json, os, sys
+import numpy as np
+from host.runtime import epcontext
+from host.runtime.options import SessionOptions
+from host.runtime.session import InferenceSession
+from plugin_cuda import cupy_cache
+mode, path, out = sys.argv[1:4]
+so = SessionOptions()
+if mode == "save":
+    so.add_session_config_entry(epcontext.ENABLE, "1")
+with InferenceSession(path, so, providers=[("CUDAExecutionProvider", {"use_tf32": "0"})]) as s:
+    rng = np.random.default_rng(7)
+    feeds = {"ids": rng.integers(0, 50, (2, 8)).astype(np.int64), "mask": rng.integers(0, 2, (2, 8)).astype(np.int64)}
+    np.save(out, s.run(None, feeds)[0])
+    print(json.dumps({"context_model": s.context_model, "loaded": s.fallbacks["context_loaded"],
+                      "stats": cupy_cache.stats}))
+"""
+
+
+def _child(mode: str, path, out, cupy_dir) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUPY_CACHE_DIR=str(cupy_dir), EPHOST_CACHE_DIR=str(cupy_dir.parent / f"ephost-{mode}"))
+    env.pop("CUPY_CACHE_IN_MEMORY", None)
+    done = subprocess.run([sys.executable, "-c", _CHILD, mode, str(path), str(out)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_context_session_loads_the_per_node_kernels_cupy_compiled_when_it_was_saved(cp, tmp_path):
+    """On a cold CuPy cache, the saving process compiles the per-node kernels (its cache fills); the
+    context carries what CuPy made (cupy_cache.py), so a fresh process with another empty CuPy cache
+    loads them from the context: none of them is compiled again (written to its cache), and the outputs
+    are onnxruntime's."""
+    ort = pytest.importorskip("onnxruntime")
+    from plugin_cuda.plan import saved
+    from tests.context_files import context_blobs
+
+    model = _embedding_model()
+    source = tmp_path / "model.onnx"
+    onnx.save(model, str(source))
+    saving, loading = tmp_path / "cupy-save", tmp_path / "cupy-load"
+    saving.mkdir()
+    loading.mkdir()
+    made = _child("save", source, tmp_path / "save.npy", saving)
+    compiled = {p.name for p in saving.iterdir() if p.suffix == ".cubin"}
+    assert compiled, "the saving process compiled no CuPy kernel: nothing for this test to carry"
+    payloads = {k: v for blob in context_blobs(made["context_model"]) for k, v in saved.unpack(blob).cupy.items()}
+    assert payloads and set(payloads) <= compiled, (sorted(payloads), sorted(compiled))
+    got = _child("load", made["context_model"], tmp_path / "load.npy", loading)
+    assert got["loaded"] >= 1 and got["stats"]["served"] >= len(payloads), got
+    again = {p.name for p in loading.iterdir() if p.suffix == ".cubin"}
+    assert not again & set(payloads), f"compiled again from a context that carried them: {sorted(again & set(payloads))}"
+    rng = np.random.default_rng(7)
+    feeds = {"ids": rng.integers(0, 50, (2, 8)).astype(np.int64), "mask": rng.integers(0, 2, (2, 8)).astype(np.int64)}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(np.load(tmp_path / "load.npy"), want, rtol=1e-4, atol=1e-4)
+    print(f"payloads carried: {len(payloads)} ({sum(map(len, payloads.values()))} bytes); compiled after loading: "
+          f"{sorted(again)}")

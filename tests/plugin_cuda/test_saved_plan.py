@@ -62,20 +62,20 @@ def _flip(blob: bytes, at: int) -> bytes:
 
 DAMAGE = [
     (lambda b: b"garbage" * 9, r"^not a CUDA plan context \(63 bytes\): no EPHOST-CUDA-PLAN header \(allowed: plan "
-                               r"format 3, or a bare fused graph\)$"),
+                               r"format 4, or a bare fused graph\)$"),
     (lambda b: b[:20], r"^truncated CUDA plan context: 20 bytes, the fixed header needs 29$"),
     (lambda b: b[:40], r"^truncated CUDA plan context: the header needs \d+ bytes, 11 follow$"),
     (lambda b: b[:len(saved.MAGIC)] + (2).to_bytes(4, "little") + b[len(saved.MAGIC) + 4:],
-     r"^CUDA plan context format 2; this plugin reads format 3 \(and bare fused graphs\)$"),
+     r"^CUDA plan context format 2; this plugin reads format 4 \(and bare fused graphs\)$"),
     (lambda b: b[:-5], r"^truncated CUDA plan context: section 'module' needs bytes \d+\.\.\d+, \d+ follow the header$"),
     (lambda b: _flip(b, len(b) - 3), r"^damaged CUDA plan context: section 'module' \(18 bytes\) does not match its "
                                      r"CRC-32$"),
     (lambda b: _flip(b, len(b) - 300), r"^damaged CUDA plan context: section 'graph' \(\d+ bytes\) does not match "
                                        r"its CRC-32$"),
     (lambda b: _repack(b, lambda h: h.update(format=1)),
-     r"^CUDA plan context header says format 1; expected 3$"),
+     r"^CUDA plan context header says format 1; expected 4$"),
     (lambda b: _repack(b, lambda h: h["sections"][1].update(name="ptxas")),
-     r"^CUDA plan context section 'ptxas'; allowed: 'graph', 'module', 'array'$"),
+     r"^CUDA plan context section 'ptxas'; allowed: 'graph', 'module', 'array', 'cupy'$"),
     (lambda b: _repack(b, lambda h: h["sections"][1].update(name="graph")),
      r"^CUDA plan context has 2 graph sections; expected 1$"),
     (lambda b: _repack(b, lambda h: h.pop("algos")), r"^unreadable CUDA plan context header: KeyError: 'algos'$"),
