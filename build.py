@@ -118,8 +118,18 @@ def build_cpu_kernels(out_dir: Path = DEFAULT_OUT) -> Path:
     return library
 
 
+def build_cffi_modules() -> list[Path]:
+    """The out-of-line cffi modules (the ABI's, the CUDA plugin's libraries') into the source tree's
+    abi/_cffi, as the package build writes them into an installed ephost: no process of this checkout
+    parses those declarations at run time (abi/outofline.py)."""
+    from abi import outofline
+    from plugin_cuda.device import cdefs
+
+    return outofline.write_package_modules(outofline.PACKAGE_DIR, cdefs.MODULES)
+
+
 def build_all(out_dir: Path = DEFAULT_OUT, plugin: str | None = None, version: int | None = None) -> list[Path]:
-    built = []
+    built = build_cffi_modules() if plugin is None else []
     for name, spec in PYTHON_PLUGINS.items():
         if plugin not in (None, name):
             continue

@@ -33,13 +33,15 @@ from setuptools.command.build_py import build_py  # noqa: E402
 
 
 class BuildPyWithFfiModules(build_py):
-    """build_py, then the ABI's out-of-line cffi modules into the built package (not into the source tree)."""
+    """build_py, then the out-of-line cffi modules (the ABI's, the CUDA plugin's libraries') into the built
+    package (not into the source tree)."""
 
     def run(self):
         super().run()
         from abi import outofline
+        from plugin_cuda.device import cdefs
 
-        outofline.write_package_modules(Path(self.build_lib) / "abi" / "_cffi")
+        outofline.write_package_modules(Path(self.build_lib) / "abi" / "_cffi", cdefs.MODULES)
 
 
 setup(ext_modules=[build_info.extension(ROOT), *builtin.package_extensions()],

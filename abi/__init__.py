@@ -6,9 +6,6 @@ Both the host and plugins import this package; neither imports the other.
 from __future__ import annotations
 
 import functools
-import os
-
-import cffi
 
 from abi.header import cdef, header
 
@@ -82,16 +79,9 @@ def ffi_for(version: int = ABI_VERSION):
     strings parsed in C), else an in-line FFI (cached: cdef parsing costs ms). `EPHOST_CFFI_MODULES=0`: the
     in-line one always."""
     check_known_version(version)
-    declarations = cdef(version)
-    if os.environ.get("EPHOST_CFFI_MODULES", "1") != "0":
-        from abi import outofline
+    from abi import outofline
 
-        ffi = outofline.load(f"_ephost_abi_v{version}", declarations)
-        if ffi is not None:
-            return ffi
-    ffi = cffi.FFI()
-    ffi.cdef(declarations)
-    return ffi
+    return outofline.ffi_of(f"_ephost_abi_v{version}", cdef(version))
 
 
 def check_known_version(version: int) -> None:

@@ -77,16 +77,30 @@ def write(path: Path, cdef: str) -> bool:
         return False
 
 
-def write_package_modules(dest: Path) -> list[Path]:
-    """Every supported ABI version's module into `dest` (the package build's abi/_cffi)."""
+def ffi_of(name: str, cdef: str):
+    """An FFI holding `cdef`: the out-of-line module's (`load`), else an in-line FFI.
+    `EPHOST_CFFI_MODULES=0`: the in-line one always."""
+    if os.environ.get("EPHOST_CFFI_MODULES", "1") != "0":
+        ffi = load(name, cdef)
+        if ffi is not None:
+            return ffi
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    return ffi
+
+
+def write_package_modules(dest: Path, extra: dict[str, str] | None = None) -> list[Path]:
+    """Every supported ABI version's module into `dest` (the package build's abi/_cffi), and the
+    modules of `extra` (name -> declarations: the CUDA plugin's libraries, plugin_cuda/device/cdefs.py)."""
     import abi
     from abi.header import cdef
 
+    modules = {f"_ephost_abi_v{version}": cdef(version) for version in abi.SUPPORTED_VERSIONS}
+    modules.update(extra or {})
     paths = []
-    for version in abi.SUPPORTED_VERSIONS:
-        text = cdef(version)
-        path = dest / f"{module_name(f'_ephost_abi_v{version}', text)}.py"
+    for name, text in modules.items():
+        path = dest / f"{module_name(name, text)}.py"
         if not write(path, text):
-            raise OSError(f"cannot write the ABI's cffi module {path}")
+            raise OSError(f"cannot write the cffi module {path}")
         paths.append(path)
     return paths

@@ -18,10 +18,11 @@ import itertools
 import threading
 import weakref
 
-import cffi
 import numpy as np
 
+from abi import outofline
 from abi.dtypes import BFLOAT16_DTYPE
+from plugin_cuda.device import cdefs
 from plugin_cuda.device.streams import stream_scope
 from plugin_cuda.semantics import shapes
 
@@ -83,35 +84,8 @@ _STATUS_HINTS = {
     15: "the combination of types, compute type or algorithm is not supported",
 }
 
-_CDEF = """
-typedef void* cublasHandle_t;
-typedef void* cudaStream_t;
-int cublasCreate_v2(cublasHandle_t* handle);
-int cublasDestroy_v2(cublasHandle_t handle);
-int cublasSetStream_v2(cublasHandle_t handle, cudaStream_t streamId);
-int cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t workspaceSizeInBytes);
-int cublasSetMathMode(cublasHandle_t handle, int mode);
-int cublasSgemm_v2(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                   const float* alpha, const float* A, int lda, const float* B, int ldb,
-                   const float* beta, float* C, int ldc);
-int cublasSgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                              const float* alpha, const float* A, int lda, long long strideA,
-                              const float* B, int ldb, long long strideB, const float* beta,
-                              float* C, int ldc, long long strideC, int batchCount);
-int cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                 const void* alpha, const void* A, int Atype, int lda,
-                 const void* B, int Btype, int ldb, const void* beta,
-                 void* C, int Ctype, int ldc, int computeType, int algo);
-int cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                               const void* alpha, const void* A, int Atype, int lda, long long strideA,
-                               const void* B, int Btype, int ldb, long long strideB,
-                               const void* beta, void* C, int Ctype, int ldc, long long strideC,
-                               int batchCount, int computeType, int algo);
-const char* cublasGetStatusName(int status);
-"""
 
-ffi = cffi.FFI()
-ffi.cdef(_CDEF)
+ffi = outofline.ffi_of("_ephost_cublas", cdefs.CUBLAS)  # parsed once, at build (abi/outofline.py)
 
 # Host-side scalars for alpha/beta (host pointer mode: cuBLAS reads them when the call is made, so
 # a captured graph holds their values, not these addresses).

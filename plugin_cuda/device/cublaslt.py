@@ -18,45 +18,11 @@ import functools
 import threading
 import weakref
 
-import cffi
-
-from plugin_cuda.device import algo_cache
+from abi import outofline
+from plugin_cuda.device import algo_cache, cdefs
 from plugin_cuda.device.cublas import CublasError, check, open_first
 
-_CDEF = """
-typedef void* cublasLtHandle_t;
-typedef void* cublasLtMatmulDesc_t;
-typedef void* cublasLtMatrixLayout_t;
-typedef void* cublasLtMatmulPreference_t;
-typedef struct { uint64_t data[8]; } cublasLtMatmulAlgo_t;
-typedef struct {
-    cublasLtMatmulAlgo_t algo;
-    size_t workspaceSize;
-    int state;
-    float wavesCount;
-    int reserved[4];
-} cublasLtMatmulHeuristicResult_t;
-int cublasLtCreate(cublasLtHandle_t* handle);
-int cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, int computeType, int scaleType);
-int cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc);
-int cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, int attr, const void* buf, size_t size);
-int cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, int type, uint64_t rows, uint64_t cols, int64_t ld);
-int cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout);
-int cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref);
-int cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref);
-int cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref, int attr, const void* buf, size_t size);
-int cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
-                                   cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
-                                   cublasLtMatrixLayout_t d, cublasLtMatmulPreference_t pref, int requested,
-                                   cublasLtMatmulHeuristicResult_t* results, int* returned);
-int cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha,
-                   const void* A, cublasLtMatrixLayout_t a, const void* B, cublasLtMatrixLayout_t b,
-                   const void* beta, const void* C, cublasLtMatrixLayout_t c, void* D, cublasLtMatrixLayout_t d,
-                   const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspaceSize, void* stream);
-"""
-
-ffi = cffi.FFI()
-ffi.cdef(_CDEF)
+ffi = outofline.ffi_of("_ephost_cublaslt", cdefs.CUBLASLT)  # parsed once, at build (abi/outofline.py)
 
 CUDA_R_32F = 0
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8

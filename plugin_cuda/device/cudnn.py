@@ -21,8 +21,10 @@ import threading
 import warnings
 import weakref
 
-import cffi
 import numpy as np
+
+from abi import outofline
+from plugin_cuda.device import cdefs
 
 __all__ = [
     "CudnnError",
@@ -62,122 +64,8 @@ _STATUS_HINTS = {
     5: "the kernel failed to launch: check the stream, the device and any capture in progress",
 }
 
-_CDEF = """
-typedef void* cudnnHandle_t;
-typedef void* cudaStream_t;
-typedef void* cudnnTensorDescriptor_t;
-typedef void* cudnnFilterDescriptor_t;
-typedef void* cudnnConvolutionDescriptor_t;
-typedef void* cudnnActivationDescriptor_t;
-typedef struct {
-    int algo; int status; float time; size_t memory; int determinism; int mathType; int reserved[3];
-} cudnnConvolutionFwdAlgoPerf_t;
-typedef struct {
-    int algo; int status; float time; size_t memory; int determinism; int mathType; int reserved[3];
-} cudnnConvolutionBwdDataAlgoPerf_t;
-size_t cudnnGetVersion(void);
-size_t cudnnGetCudartVersion(void);
-const char* cudnnGetErrorString(int status);
-int cudnnCreate(cudnnHandle_t* handle);
-int cudnnDestroy(cudnnHandle_t handle);
-int cudnnSetStream(cudnnHandle_t handle, cudaStream_t streamId);
-int cudnnCreateTensorDescriptor(cudnnTensorDescriptor_t* d);
-int cudnnDestroyTensorDescriptor(cudnnTensorDescriptor_t d);
-int cudnnSetTensorNdDescriptor(cudnnTensorDescriptor_t d, int dataType, int nbDims, const int dimA[],
-                               const int strideA[]);
-int cudnnCreateFilterDescriptor(cudnnFilterDescriptor_t* d);
-int cudnnDestroyFilterDescriptor(cudnnFilterDescriptor_t d);
-int cudnnSetFilterNdDescriptor(cudnnFilterDescriptor_t d, int dataType, int format, int nbDims,
-                               const int filterDimA[]);
-int cudnnCreateConvolutionDescriptor(cudnnConvolutionDescriptor_t* d);
-int cudnnDestroyConvolutionDescriptor(cudnnConvolutionDescriptor_t d);
-int cudnnSetConvolutionNdDescriptor(cudnnConvolutionDescriptor_t d, int arrayLength, const int padA[],
-                                    const int filterStrideA[], const int dilationA[], int mode,
-                                    int computeType);
-int cudnnSetConvolutionGroupCount(cudnnConvolutionDescriptor_t d, int groupCount);
-int cudnnSetConvolutionMathType(cudnnConvolutionDescriptor_t d, int mathType);
-int cudnnGetConvolutionNdForwardOutputDim(cudnnConvolutionDescriptor_t convDesc,
-                                          cudnnTensorDescriptor_t inputTensorDesc,
-                                          cudnnFilterDescriptor_t filterDesc, int nbDims,
-                                          int tensorOuputDimA[]);
-int cudnnCreateActivationDescriptor(cudnnActivationDescriptor_t* d);
-int cudnnDestroyActivationDescriptor(cudnnActivationDescriptor_t d);
-int cudnnSetActivationDescriptor(cudnnActivationDescriptor_t d, int mode, int reluNanOpt, double coef);
-int cudnnGetConvolutionForwardAlgorithmMaxCount(cudnnHandle_t handle, int* count);
-int cudnnGetConvolutionForwardAlgorithm_v7(cudnnHandle_t handle, cudnnTensorDescriptor_t srcDesc,
-                                           cudnnFilterDescriptor_t filterDesc,
-                                           cudnnConvolutionDescriptor_t convDesc,
-                                           cudnnTensorDescriptor_t destDesc, int requestedAlgoCount,
-                                           int* returnedAlgoCount,
-                                           cudnnConvolutionFwdAlgoPerf_t* perfResults);
-int cudnnFindConvolutionForwardAlgorithmEx(cudnnHandle_t handle, cudnnTensorDescriptor_t xDesc,
-                                           const void* x, cudnnFilterDescriptor_t wDesc, const void* w,
-                                           cudnnConvolutionDescriptor_t convDesc,
-                                           cudnnTensorDescriptor_t yDesc, void* y,
-                                           int requestedAlgoCount, int* returnedAlgoCount,
-                                           cudnnConvolutionFwdAlgoPerf_t* perfResults,
-                                           void* workSpace, size_t workSpaceSizeInBytes);
-int cudnnGetConvolutionForwardWorkspaceSize(cudnnHandle_t handle, cudnnTensorDescriptor_t xDesc,
-                                            cudnnFilterDescriptor_t wDesc,
-                                            cudnnConvolutionDescriptor_t convDesc,
-                                            cudnnTensorDescriptor_t yDesc, int algo, size_t* sizeInBytes);
-int cudnnConvolutionForward(cudnnHandle_t handle, const void* alpha, cudnnTensorDescriptor_t xDesc,
-                            const void* x, cudnnFilterDescriptor_t wDesc, const void* w,
-                            cudnnConvolutionDescriptor_t convDesc, int algo, void* workSpace,
-                            size_t workSpaceSizeInBytes, const void* beta,
-                            cudnnTensorDescriptor_t yDesc, void* y);
-int cudnnConvolutionBiasActivationForward(cudnnHandle_t handle, const void* alpha1,
-                                          cudnnTensorDescriptor_t xDesc, const void* x,
-                                          cudnnFilterDescriptor_t wDesc, const void* w,
-                                          cudnnConvolutionDescriptor_t convDesc, int algo,
-                                          void* workSpace, size_t workSpaceSizeInBytes,
-                                          const void* alpha2, cudnnTensorDescriptor_t zDesc,
-                                          const void* z, cudnnTensorDescriptor_t biasDesc,
-                                          const void* bias, cudnnActivationDescriptor_t activationDesc,
-                                          cudnnTensorDescriptor_t yDesc, void* y);
-int cudnnGetConvolutionBackwardDataAlgorithmMaxCount(cudnnHandle_t handle, int* count);
-int cudnnGetConvolutionBackwardDataAlgorithm_v7(cudnnHandle_t handle, cudnnFilterDescriptor_t filterDesc,
-                                                cudnnTensorDescriptor_t diffDesc,
-                                                cudnnConvolutionDescriptor_t convDesc,
-                                                cudnnTensorDescriptor_t gradDesc, int requestedAlgoCount,
-                                                int* returnedAlgoCount,
-                                                cudnnConvolutionBwdDataAlgoPerf_t* perfResults);
-int cudnnFindConvolutionBackwardDataAlgorithmEx(cudnnHandle_t handle, cudnnFilterDescriptor_t wDesc,
-                                                const void* w, cudnnTensorDescriptor_t dyDesc,
-                                                const void* dy, cudnnConvolutionDescriptor_t convDesc,
-                                                cudnnTensorDescriptor_t dxDesc, void* dx,
-                                                int requestedAlgoCount, int* returnedAlgoCount,
-                                                cudnnConvolutionBwdDataAlgoPerf_t* perfResults,
-                                                void* workSpace, size_t workSpaceSizeInBytes);
-int cudnnGetConvolutionBackwardDataWorkspaceSize(cudnnHandle_t handle, cudnnFilterDescriptor_t wDesc,
-                                                 cudnnTensorDescriptor_t dyDesc,
-                                                 cudnnConvolutionDescriptor_t convDesc,
-                                                 cudnnTensorDescriptor_t dxDesc, int algo,
-                                                 size_t* sizeInBytes);
-int cudnnConvolutionBackwardData(cudnnHandle_t handle, const void* alpha, cudnnFilterDescriptor_t wDesc,
-                                 const void* w, cudnnTensorDescriptor_t dyDesc, const void* dy,
-                                 cudnnConvolutionDescriptor_t convDesc, int algo, void* workSpace,
-                                 size_t workSpaceSizeInBytes, const void* beta,
-                                 cudnnTensorDescriptor_t dxDesc, void* dx);
-int cudnnActivationForward(cudnnHandle_t handle, cudnnActivationDescriptor_t activationDesc, const void* alpha,
-                           cudnnTensorDescriptor_t xDesc, const void* x, const void* beta,
-                           cudnnTensorDescriptor_t yDesc, void* y);
-int cudnnAddTensor(cudnnHandle_t handle, const void* alpha, cudnnTensorDescriptor_t aDesc, const void* A,
-                   const void* beta, cudnnTensorDescriptor_t cDesc, void* C);
-typedef void* cudnnBackendDescriptor_t;
-int cudnnBackendCreateDescriptor(int descriptorType, cudnnBackendDescriptor_t* descriptor);
-int cudnnBackendDestroyDescriptor(cudnnBackendDescriptor_t descriptor);
-int cudnnBackendFinalize(cudnnBackendDescriptor_t descriptor);
-int cudnnBackendSetAttribute(cudnnBackendDescriptor_t descriptor, int attributeName, int attributeType,
-                             int64_t elementCount, const void* arrayOfElements);
-int cudnnBackendGetAttribute(cudnnBackendDescriptor_t const descriptor, int attributeName, int attributeType,
-                             int64_t requestedElementCount, int64_t* elementCount, void* arrayOfElements);
-int cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
-                        cudnnBackendDescriptor_t variantPack);
-"""
 
-ffi = cffi.FFI()
-ffi.cdef(_CDEF)
+ffi = outofline.ffi_of("_ephost_cudnn", cdefs.CUDNN)  # parsed once, at build (abi/outofline.py)
 NULL = ffi.NULL
 
 # Host scalars for alpha/beta: cuDNN reads them when the call is made (a captured graph holds their

@@ -10,34 +10,14 @@ from __future__ import annotations
 
 import threading
 
-import cffi
-
+from abi import outofline
+from plugin_cuda.device import cdefs
 from plugin_cuda.device.errors import DriverError
-
-_CDEF = """
-typedef int CUresult;
-typedef void* CUfunction;
-typedef void* CUstream;
-typedef void* CUgraph;
-typedef void* CUgraphExec;
-CUresult cuGetErrorName(CUresult error, const char** pStr);
-CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
-                        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
-                        unsigned int sharedMemBytes, CUstream hStream, void** kernelParams, void** extra);
-CUresult cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t ByteCount, CUstream hStream);
-CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode);
-CUresult cuStreamEndCapture(CUstream hStream, CUgraph* phGraph);
-CUresult cuGraphInstantiateWithFlags(CUgraphExec* phGraphExec, CUgraph hGraph, unsigned long long flags);
-CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
-CUresult cuGraphDestroy(CUgraph hGraph);
-CUresult cuGraphExecDestroy(CUgraphExec hGraphExec);
-"""
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_CONTEXT = 201
 
-ffi = cffi.FFI()
-ffi.cdef(_CDEF)
+ffi = outofline.ffi_of("_ephost_cuda_driver", cdefs.DRIVER)  # parsed once, at build (abi/outofline.py)
 NULL = ffi.NULL
 
 _lib = None

@@ -73,3 +73,27 @@ def test_the_environment_switch(tmp_path, switch, want):
     proc = run_python("import abi, json; print(json.dumps({'module': type(abi.ffi_for()).__module__}))",
                       EPHOST_CFFI_MODULES=switch, EPHOST_CACHE_DIR=str(tmp_path))
     assert last_json(proc)["module"] == want
+
+
+def test_the_package_modules_include_the_cuda_plugins_libraries(tmp_path, monkeypatch):
+    """write_package_modules writes the ABI's modules and `extra`'s (the CUDA plugin's library declarations,
+    plugin_cuda/device/cdefs.py); each reads back with the in-line FFI's layouts, and the plugin's device
+    modules use them (no pycparser at their import)."""
+    from plugin_cuda.device import cdefs, cublas, cublaslt, cudnn, driver
+
+    paths = outofline.write_package_modules(tmp_path, cdefs.MODULES)
+    names = {p.name.rsplit("_", 1)[0] for p in paths}
+    assert names == {*(f"_ephost_abi_v{v}" for v in abi.SUPPORTED_VERSIONS), *cdefs.MODULES}, names
+    monkeypatch.setattr(outofline, "PACKAGE_DIR", tmp_path)
+    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path / "empty-cache"))
+    for name, text in cdefs.MODULES.items():
+        ffi = outofline.ffi_of(name, text)
+        assert type(ffi).__module__ == "_cffi_backend", name
+        assert not (tmp_path / "empty-cache").exists(), "read from the package folder, not written to the cache"
+    lt = outofline.ffi_of("_ephost_cublaslt", cdefs.CUBLASLT)
+    inline = cffi.FFI()
+    inline.cdef(cdefs.CUBLASLT)
+    for struct in ("cublasLtMatmulAlgo_t", "cublasLtMatmulHeuristicResult_t"):
+        assert lt.sizeof(struct) == inline.sizeof(struct) == cublaslt.ffi.sizeof(struct), struct
+    for module in (cublas, cublaslt, cudnn, driver):
+        assert type(module.ffi).__module__ == "_cffi_backend", module.__name__

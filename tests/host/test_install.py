@@ -343,6 +343,8 @@ def test_a_wheel_carries_the_compiled_cpu_kernels_and_runs_without_a_compiler(tm
     packaged = builder.packaged_module("cuda", "plugin_cuda.plugin:create_factories")
     libraries = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")}
     assert libraries == {f"host/cpu_ep/native/_kernels{suffix}", f"plugin_cuda/{packaged}{suffix}"}
+    modules = {n.split("/")[-1].rsplit("_", 1)[0] for n in zipfile.ZipFile(wheel).namelist() if n.startswith("abi/_cffi/")}
+    assert {"_ephost_abi_v7", "_ephost_cudnn", "_ephost_cublaslt", "_ephost_cublas", "_ephost_cuda_driver"} <= modules
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"

@@ -192,7 +192,7 @@ with InferenceSession(path, so, providers=[("CUDAExecutionProvider", {"use_tf32"
     rng = np.random.default_rng(7)
     feeds = {"ids": rng.integers(0, 50, (2, 8)).astype(np.int64), "mask": rng.integers(0, 2, (2, 8)).astype(np.int64)}
     np.save(out, s.run(None, feeds)[0])
-    print(json.dumps({"context_model": s.context_model, "loaded": s.fallbacks["context_loaded"],
+    print(json.dumps({"context_model": str(s.context_model), "loaded": s.fallbacks["context_loaded"],
                       "stats": cupy_cache.stats}))
 """
 
