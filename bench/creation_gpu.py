@@ -190,6 +190,8 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
                nvrtc_s=nvrtc.stats["compile_seconds"], algo=dict(algo_cache.stats),
                loaded=session.fallbacks["context_loaded"], recompiled=session.fallbacks["context_recompiled"])
     feeds = _feeds(session)
+    made = _compiled_so_far()
+    out["cupy_at_creation"] = made["cupy"]  # CuPy kernels compiled by the creation (its cache starts empty)
     runs = []
     for i in range(100):
         profiler = _profiler("2") if i == 0 else None  # run 1's lazy work (EPHOST_BENCH_PROFILE=2)
@@ -199,9 +201,21 @@ def measure(model: str, plugin: str, save: str | None) -> dict:
         if profiler is not None:
             out["run1_profile"] = _top(profiler)
     out.update(run1_ms=runs[0], run2_ms=runs[1], run100_ms=runs[-1], median_ms=float(np.median(runs[50:])))
+    out["run_compiles"] = {k: v - made[k] for k, v in _compiled_so_far().items()}  # lazy work in the 100 runs
     session.close()
     env.close()
     return out
+
+
+def _compiled_so_far() -> dict:
+    """NVRTC compiles of the plugin's plans, and the kernels CuPy compiled into its disk cache ($CUPY_CACHE_DIR,
+    empty when the process started): counted before and after the runs, their difference is what the runs
+    compiled (issue 29: nothing)."""
+    from plugin_cuda.device import nvrtc
+
+    cupy_dir = Path(os.environ.get("CUPY_CACHE_DIR", ""))
+    cupy = sum(1 for _ in cupy_dir.glob("*.cubin")) if cupy_dir.is_dir() else 0
+    return {"nvrtc": nvrtc.stats["compiles"], "cupy": cupy}
 
 
 def _child(model: Path, plugin: str, cache: Path, save: Path | None, timeout: float) -> dict:
@@ -260,9 +274,15 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return format(row[key], fmt)
 
 
+def _run_compiles(row: dict) -> str:
+    done = row.get("run_compiles")
+    return "—" if not done else f"{row['cupy_at_creation']} / {done['nvrtc']} / {done['cupy']}"
+
+
 def table(results: list[dict]) -> str:
     head = ("| model | cold s | warm s | save s | from context s | context / model MB | NVRTC compiles "
-            "cold/warm/ctx | searches cold/warm/ctx | ctx run 1 ms | ctx run 100 ms | cold run 1 ms | cold run 100 ms |")
+            "cold/warm/ctx | searches cold/warm/ctx | ctx run 1 ms | ctx run 100 ms | cold run 1 ms | cold run 100 ms | "
+            "ctx: CuPy compiles at creation / NVRTC, CuPy compiles in 100 runs |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         c, w, s, x = (r.get(m, {"error": "missing"}) for m in MODES)
@@ -272,7 +292,7 @@ def table(results: list[dict]) -> str:
                      f"{_cell(s, 'create_s', '.2f')} | {_cell(x, 'create_s', '.2f')} | "
                      f"{r.get('context_mb', '—')} / {r.get('model_mb', '—')} | {compiles} | {searches} | "
                      f"{_cell(x, 'run1_ms', '.1f')} | {_cell(x, 'run100_ms', '.1f')} | "
-                     f"{_cell(c, 'run1_ms', '.1f')} | {_cell(c, 'run100_ms', '.1f')} |")
+                     f"{_cell(c, 'run1_ms', '.1f')} | {_cell(c, 'run100_ms', '.1f')} | {_run_compiles(x)} |")
     errors = [f"- {r['model']} {m}: {r[m]['error']}" for r in results for m in MODES if "error" in r.get(m, {})]
     return "\n".join(lines + errors)
 
