@@ -49,15 +49,18 @@ def _bind(session, cp, feeds: dict):
     return binding, keep
 
 
-def plan_instances() -> list:
-    """(plan, instance) of every compiled plan in this process that has an eager launch sequence."""
+def plans() -> list:
+    """Every compiled plan alive in this process."""
     from plugin_cuda.plan.plan import Plan
 
-    found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, Plan):
-            found += [(obj, inst) for inst in list(obj._instances.values()) if getattr(inst, "eager_seq", None)]
-    return found
+    return [obj for obj in gc.get_objects() if isinstance(obj, Plan)]
+
+
+def plan_instances(before: set) -> list:
+    """(plan, instance) of every compiled plan made since `before` (ids of the plans alive then) that has an
+    eager launch sequence: an earlier row's plans may still be alive (the plugin's caches)."""
+    return [(p, inst) for p in plans() if id(p) not in before
+            for inst in list(p._instances.values()) if getattr(inst, "eager_seq", None)]
 
 
 def time_steps(cp, inst, reps: int) -> list[dict]:
@@ -147,12 +150,13 @@ def bench_row(row: str, precision: str, tf32: bool, reps: int, torch, env) -> di
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     module = copy.deepcopy(module).to("cuda", torch_dtype).eval()
     feeds = make_feeds(arch, names, size, batch, seq, dtype, np.random.default_rng(0))
+    before = {id(p) for p in plans()}
     session = InferenceSession(model.SerializeToString(), providers=[(CUDA, {"use_tf32": str(int(tf32))})], env=env)
     binding, _keep = _bind(session, cp, feeds)
     for _ in range(3):
         session.run_with_iobinding(binding)
     cp.cuda.Device().synchronize()
-    steps = [s for _, inst in plan_instances() for s in time_steps(cp, inst, reps)]
+    steps = [s for _, inst in plan_instances(before) for s in time_steps(cp, inst, reps)]
     kernels = torch_kernels(torch, module, feeds, torch_dtype, reps)
     session = None
     gc.collect()

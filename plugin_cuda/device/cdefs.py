@@ -50,6 +50,10 @@ int cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, in
                                const void* B, int Btype, int ldb, long long strideB,
                                const void* beta, void* C, int Ctype, int ldc, long long strideC,
                                int batchCount, int computeType, int algo);
+int cublasGemmBatchedEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
+                        const void* alpha, const void* Aarray, int Atype, int lda,
+                        const void* Barray, int Btype, int ldb, const void* beta,
+                        const void* Carray, int Ctype, int ldc, int batchCount, int computeType, int algo);
 const char* cublasGetStatusName(int status);
 """
 

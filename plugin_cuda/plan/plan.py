@@ -558,6 +558,8 @@ class _CublasStep:
         self.lt = None  # (cublaslt.EpilogueGemm, operand addresses) instead of calls
         if op.kind == "bgemm":  # a batched layout computed at lowering (Attention)
             g = op.attrs["gemm"]
+            if self._pointer_batched(g, (ta, tb, tc), compute, (sa, sb, sc), ptrs):
+                return
             for oa, ob, oc in g.calls:
                 args = [self.raw, g.transa, cublas.CUBLAS_OP_N, g.m, g.n, g.k,
                         self.alpha, (0, oa * sa), ta, g.lda, g.stride_a,
@@ -597,6 +599,36 @@ class _CublasStep:
                         zero, (2, oc * sc), tc, n, plan.stride_c,
                         plan.batch, compute, cublas.CUBLAS_GEMM_DEFAULT]
                 self._add(self.lib.cublasGemmStridedBatchedEx, args, ptrs)
+
+    def _pointer_batched(self, g, types, compute, sizes, ptrs) -> bool:
+        """One cublasGemmBatchedEx over every matrix of `g`'s calls, through arrays of their addresses built
+        here in device memory; False (the strided calls then) where `g` is one call already, an operand's
+        address changes per run (a call input or output), or the stream is capturing (no upload then).
+        The 3-D Attention layout (batch, sequence, heads * size) needs one strided call per batch item:
+        BERT-base at batch 8 made 8 calls of 12 heads each, 40-52 us on the H200 against 9 us for one
+        call over the 96 matrices (PyTorch's bmm)."""
+        if len(g.calls) < 2 or any(ptrs[i][0] is not None for i in range(3)):
+            return False
+        inst = self.inst
+        cp = inst.plan.cupy
+        if cp.cuda.runtime.streamIsCapturing(inst.stream_ptr):
+            return False
+        strides = (g.stride_a, g.stride_b, g.stride_c)
+        table = np.array([[ptrs[i][1] + (off[i] + j * strides[i]) * sizes[i] for off in g.calls for j in range(g.batch)]
+                          for i in range(3)], dtype=np.uint64)
+        mem = inst.plan._malloc(table.nbytes, inst.stream_ptr)
+        with cp.cuda.Device(inst.plan.device_id):
+            cp.cuda.runtime.memcpyAsync(int(mem.ptr), table.ctypes.data, table.nbytes,
+                                        cp.cuda.runtime.memcpyHostToDevice, inst.stream_ptr)
+            cp.cuda.runtime.streamSynchronize(inst.stream_ptr)  # `table` is freed on return
+        self.tables = mem  # kept with the step: the GEMM reads it at every launch
+        base, count = int(mem.ptr), table.shape[1]
+        ta, tb, tc = types
+        args = [self.raw, g.transa, cublas.CUBLAS_OP_N, g.m, g.n, g.k,
+                self.alpha, self._vp(base), ta, g.lda, self._vp(base + 8 * count), tb, g.ldb,
+                cublas.ZERO, self._vp(base + 16 * count), tc, g.ldc, count, compute, cublas.CUBLAS_GEMM_DEFAULT]
+        self.calls.append((self.lib.cublasGemmBatchedEx, args, ()))
+        return True
 
     def _cublaslt(self, step, a_shape, b_shape, compute, variant, data_type: int) -> None:
         inst = self.inst
