@@ -115,19 +115,23 @@ def test_layout_plan_matches_onnx_reference(cp, name):
             np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(exp).max())))
 
 
-def _projected_attention(batch=3, seq=5, kv_seq=7, heads=4, size=8, gqa=1):
-    """X -> MatMul (Q), Y -> MatMul (K, V) -> 3-D Attention with an additive mask -> Y: Q, K and V are plan
-    values (arena addresses), as after a model's projections."""
+def _projected_attention(batch=3, seq=5, kv_seq=7, heads=4, size=8, gqa=1, project_out=False):
+    """X -> MatMul (Q), Y -> MatMul (K, V) -> 3-D Attention with an additive mask (-> MatMul with
+    `project_out`): Q, K and V are plan values (arena addresses), as after a model's projections; the
+    attention's output is the plan's output, or with `project_out` a plan value too."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(3)
     hidden, kv_hidden = heads * size, heads // gqa * size
     inits = [numpy_helper.from_array((rng.standard_normal((hidden, n)) / 4).astype(np.float32), name)
-             for name, n in (("wq", hidden), ("wk", kv_hidden), ("wv", kv_hidden))]
+             for name, n in (("wq", hidden), ("wk", kv_hidden), ("wv", kv_hidden), ("wo", hidden))]
+    attended = "att" if project_out else "out"
     nodes = [helper.make_node("MatMul", ["X", "wq"], ["q"]), helper.make_node("MatMul", ["Y", "wk"], ["k"]),
              helper.make_node("MatMul", ["Y", "wv"], ["v"]),
-             helper.make_node("Attention", ["q", "k", "v", "M"], ["out"], q_num_heads=heads,
+             helper.make_node("Attention", ["q", "k", "v", "M"], [attended], q_num_heads=heads,
                               kv_num_heads=heads // gqa)]
+    if project_out:
+        nodes.append(helper.make_node("MatMul", ["att", "wo"], ["out"]))
     inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, [batch, seq, hidden]),
               helper.make_tensor_value_info("Y", TensorProto.FLOAT, [batch, kv_seq, hidden]),
               helper.make_tensor_value_info("M", TensorProto.FLOAT, [batch, 1, seq, kv_seq])]
@@ -138,14 +142,27 @@ def _projected_attention(batch=3, seq=5, kv_seq=7, heads=4, size=8, gqa=1):
     return model
 
 
-@pytest.mark.parametrize("gqa", [1, 2])
-def test_a_3d_attention_over_plan_values_is_one_pointer_batched_gemm_per_product(cp, gqa):
-    """The 3-D layout needs one strided call per batch item (per kv head with GQA); when Q, K and V are plan
-    values the step makes one cublasGemmBatchedEx over all their matrices instead (plan._CublasStep.
-    _pointer_batched), with the same result as onnx's reference."""
+def _bgemm_steps(plan) -> list:
+    """Each instance's two Attention products (plan._CublasStep), scores first."""
     from plugin_cuda.plan import plan as plan_module
 
-    model = _projected_attention(gqa=gqa)
+    assert plan._instances
+    found = []
+    for inst in plan._instances.values():
+        steps = [item for item, step in zip(inst.eager_seq, plan.eager.steps) if step.kind == "bgemm"]
+        assert len(steps) == 2 and all(isinstance(s, plan_module._CublasStep) for s in steps)
+        found.append(steps)
+    return found
+
+
+@pytest.mark.parametrize("project_out", [False, True], ids=["attention-out", "projected-out"])
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_a_3d_attention_over_plan_values_is_one_pointer_batched_gemm_per_product(cp, gqa, project_out):
+    """The 3-D layout needs one strided call per batch item (per kv head with GQA); a product whose operands
+    are all plan values is one cublasGemmBatchedEx over all their matrices instead (plan._CublasStep.
+    _pointer_batched). A product writing the plan's output (an address given per run) keeps the strided
+    calls. Both give onnx's reference result."""
+    model = _projected_attention(gqa=gqa, project_out=project_out)
     rng = np.random.default_rng(4)
     feeds = {"X": rng.standard_normal((3, 5, 32)).astype(np.float32),
              "Y": rng.standard_normal((3, 7, 32)).astype(np.float32),
@@ -153,14 +170,13 @@ def test_a_3d_attention_over_plan_values_is_one_pointer_batched_gemm_per_product
     with build(model) as plan:  # 5 queries, 7 keys: the two-GEMM path (flash from 64 of each)
         (got,) = Runner(cp, plan)([feeds[n] for n in plan.input_names])
         np.testing.assert_allclose(cp.asnumpy(got), reference(model, feeds)[0], rtol=1e-4, atol=1e-5)
-        assert plan._instances
-        for inst in plan._instances.values():
-            bgemms = [item for item in inst.eager_seq
-                      if isinstance(item, plan_module._CublasStep) and getattr(item, "tables", None) is not None]
-            assert len(bgemms) == 2, "the scores and the values products"
-        for step in bgemms:
-            assert [fn.__name__ for fn, _, _ in step.calls] == ["cublasGemmBatchedEx"]
-            assert step.calls[0][1][17] == 3 * 4  # every (batch item, query head) matrix in one call
+        for scores, values in _bgemm_steps(plan):
+            assert [fn.__name__ for fn, _, _ in scores.calls] == ["cublasGemmBatchedEx"]
+            assert scores.calls[0][1][17] == 3 * 4  # every (batch item, query head) matrix in one call
+            if project_out:
+                assert [fn.__name__ for fn, _, _ in values.calls] == ["cublasGemmBatchedEx"]
+            else:  # one strided call per batch item (per kv head with GQA)
+                assert [fn.__name__ for fn, _, _ in values.calls] == ["cublasGemmStridedBatchedEx"] * 3 * gqa
 
 
 def test_attention_plan_fully_masked_row_is_zero(cp):
