@@ -291,6 +291,7 @@ def use(lib) -> None:
 
 
 LIB = None if os.environ.get("EPHOST_CPU_NATIVE", "1") == "0" else load()
+LOADED_LIB = LIB  # what load() opened: `use` swaps LIB (tests' spies), never this
 if LIB is None and os.environ.get("EPHOST_CPU_NATIVE", "1") == "0":
     LOAD_ERROR = "disabled by EPHOST_CPU_NATIVE=0"
 use(LIB)

@@ -22,6 +22,7 @@ from host.plugins.ep import CPU_LOCATION
 from host.runtime.fp_errors import ignore_fp_errors, restore_fp_errors
 from host.runtime.plan import PlanNode
 from host.runtime.steps.cpu_hoist import Hoisted, escaping, own_copies, split_hoisted
+from host.runtime.steps.cpu_replay import SegmentReplay
 from host.runtime.tensor import DeviceTensor
 
 
@@ -94,6 +95,11 @@ class CpuSegment:
         self.escaping = escaping(hoisted, rest, keep)  # kept values that may be views of hoisted outputs
         joined = fuse(rest, keep, constants) if observer is None else rest
         self.steps = [self._entry(node, keep, observer) for node in joined]
+        self.kept = frozenset(v for v in keep if v in produced)  # handed on by a replay (cpu_replay.py)
+        # Compiled calls recorded per input signature and replayed: not with a profiler's events, nor
+        # where hoisted outputs or their views are put in place around the loop.
+        self.replay = (SegmentReplay(self) if observer is None and self.hoisted is None and not self.escaping
+                       else None)
 
     @staticmethod
     def _entry(node, keep: set[int], observer) -> tuple:
@@ -114,6 +120,8 @@ class CpuSegment:
             self._enter(st, values)
         if self.hoisted is not None:
             self.hoisted.restore(values, self._failure)
+        if self.replay is not None and self.replay.run(values):
+            return
         ndarray, objects = np.ndarray, self.objects
         fp_state = ignore_fp_errors()  # np.errstate(all="ignore"), cheaper (host/runtime/fp_errors.py)
         try:
@@ -137,6 +145,22 @@ class CpuSegment:
             restore_fp_errors(fp_state)
         if self.escaping:
             own_copies(values, self.escaping)
+
+    def run_step(self, step: tuple, values: list, free: bool = True) -> None:
+        """One entry of `steps` on `values`, as the run loop makes it (its frees only with `free`)."""
+        node, run, gather, single, outputs, frees = step
+        try:
+            outs = run(*gather(values))
+        except EphostError:
+            raise
+        except Exception as exc:
+            raise self._failure(node, values, exc) from exc
+        for vid, out in zip(outputs, outs) if single != -1 else ():
+            if vid >= 0:
+                values[vid] = out if type(out) is np.ndarray or vid in self.objects else _value(out)
+        if free:
+            for v in frees:
+                values[v] = None
 
     def _enter(self, st, values: list) -> None:
         producer = st.producer
