@@ -147,7 +147,9 @@ class CpuSegment:
             own_copies(values, self.escaping)
 
     def run_step(self, step: tuple, values: list, free: bool = True) -> None:
-        """One entry of `steps` on `values`, as the run loop makes it (its frees only with `free`)."""
+        """One entry of `steps` on `values`, as the run loop makes it (its frees only with `free`): for the
+        replay's recording and check (cpu_replay.py). `__call__` keeps the same body inline: a method call
+        per step is about 0.1 us, a few per cent of a small model's run."""
         node, run, gather, single, outputs, frees = step
         try:
             outs = run(*gather(values))
