@@ -611,7 +611,10 @@ class _CublasStep:
             return False
         inst = self.inst
         cp = inst.plan.cupy
-        if cp.cuda.runtime.streamIsCapturing(inst.stream_ptr):
+        try:
+            if cp.cuda.runtime.streamIsCapturing(inst.stream_ptr):
+                return False
+        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream asked during another's capture
             return False
         strides = (g.stride_a, g.stride_b, g.stride_c)
         table = np.array([[ptrs[i][1] + (off[i] + j * strides[i]) * sizes[i] for off in g.calls for j in range(g.batch)]
