@@ -173,3 +173,11 @@ def test_mobilenet_replays_its_chains_and_matches_torch(counts):
         if k == 0:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert counts["replayed"] >= 2 and counts["refused"] == 0
+
+
+def test_the_count_of_signatures_seen_is_bounded(monkeypatch):
+    monkeypatch.setattr(cpu_replay, "MAX_SEEN", 3)
+    s = InferenceSession(_cnn(), providers=["CPUExecutionProvider"])
+    for batch in range(1, 9):
+        s.run(None, _feeds(0, batch))
+    assert len(s.executor.steps[0][0].replay._seen) <= 3

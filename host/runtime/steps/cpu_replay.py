@@ -43,6 +43,7 @@ __all__ = ["ENABLED", "MAX_BYTES", "REPLAYED", "SegmentReplay", "stats"]
 ENABLED = True  # False: no segment records (tests compare against the usual run)
 MAX_BYTES = 32 << 20  # recorded arrays per signature: beyond, compiled calls are not what a run costs
 MAX_SIGNATURES = 4
+MAX_SEEN = 1024  # signatures whose usual runs are counted (before their recording)
 # Kernels whose compiled path is the whole of their work: an allocation and compiled calls (host/cpu_ep).
 REPLAYED = frozenset({"_EpilogueChain", "_SqueezeExcite", "Conv"})
 _FAILED = object()
@@ -141,6 +142,8 @@ class SegmentReplay:
     # -- recording --------------------------------------------------------------------------------------
     def _maybe_record(self, key, values: list) -> bool:
         seen = self._seen.get(key, 0) + 1
+        if len(self._seen) >= MAX_SEEN:  # a stream of distinct shapes must not grow this without bound
+            self._seen.clear()
         self._seen[key] = seen
         if seen < 2:  # the first run makes the kernels' per-shape closures
             return False
