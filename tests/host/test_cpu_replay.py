@@ -181,3 +181,30 @@ def test_the_count_of_signatures_seen_is_bounded(monkeypatch):
     for batch in range(1, 9):
         s.run(None, _feeds(0, batch))
     assert len(s.executor.steps[0][0].replay._seen) <= 3
+
+
+def test_an_input_a_step_fails_on_is_reported_and_a_later_run_still_records(counts):
+    """A Gather's index out of range fails the recording run as it fails the usual one (the same typed
+    error); the signature is recorded at a later good run, not given up."""
+    from host.errors import EphostError
+
+    data = numpy_helper.from_array(np.arange(24, dtype=np.float32).reshape(6, 4), "data")
+    w = numpy_helper.from_array(np.ones((4, 4, 1, 1), np.float32), "w")
+    nodes = [helper.make_node("Gather", ["data", "idx"], ["g"]),
+             helper.make_node("Reshape", ["g", "shape"], ["g4"]),
+             helper.make_node("Conv", ["g4", "w"], ["c"]), helper.make_node("Relu", ["c"], ["y"])]
+    shape = numpy_helper.from_array(np.array([1, 4, 2, 1], np.int64), "shape")
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("idx", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 2, 1])], [data, w, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    s = InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = _ort(model.SerializeToString())
+    good = {"idx": np.array([1, 4], np.int64)}
+    s.run(None, good)
+    with pytest.raises(EphostError):
+        s.run(None, {"idx": np.array([1, 40], np.int64)})
+    for idx in ([1, 4], [5, 0], [2, 3]):
+        feeds = {"idx": np.array(idx, np.int64)}
+        np.testing.assert_allclose(s.run(None, feeds)[0], ref.run(None, feeds)[0], rtol=1e-6)
+    assert counts["recorded"] == 1 and counts["replayed"] >= 2

@@ -46,7 +46,8 @@ MAX_SIGNATURES = 4
 MAX_SEEN = 1024  # signatures whose usual runs are counted (before their recording)
 # Kernels whose compiled path is the whole of their work: an allocation and compiled calls (host/cpu_ep).
 REPLAYED = frozenset({"_EpilogueChain", "_SqueezeExcite", "Conv"})
-_FAILED = object()
+_FAILED = object()  # a signature whose recording was refused
+_RETRY = object()  # a recording that met an error on its input
 
 stats = {"recorded": 0, "refused": 0, "replayed": 0, "stopped": 0}  # per process (tests read them)
 
@@ -148,6 +149,9 @@ class SegmentReplay:
         if seen < 2:  # the first run makes the kernels' per-shape closures
             return False
         program = self._record(values)
+        if program is _RETRY:  # a step failed on this input: the usual run reports it; record on a later one
+            self._seen[key] = 1
+            return False
         if program is not None and not self._agrees(program, values):
             program = None
         self._keep(key, program)
@@ -191,7 +195,7 @@ class SegmentReplay:
                 for v in outputs:
                     held[v] = work[v]
         except Exception:  # noqa: BLE001 - the usual run reports it: nothing is recorded
-            return None
+            return _RETRY
         finally:
             native.LIB, native.ptr = lib, real_ptr
             restore_fp_errors(fp_state)
