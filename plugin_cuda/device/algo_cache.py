@@ -27,11 +27,14 @@ _state = {"versions": "", "loaded": False}
 stats = {"hits": 0, "searches": 0}
 
 
-def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int, data_type: int) -> str:
+def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int, data_type: int,
+           workspace_bytes: int = 0) -> str:
     """A cuBLASLt GEMM's key: `data_type` is the operands' cudaDataType (an algorithm found for one
-    type is not valid for another). Sizes are keyed by value: a symbolic plan's sizes are SymInts,
-    which format as their C expression ("S0*S1"), the same for every signature."""
-    return f"cublaslt|cc{cc}|{int(m)}x{int(n)}x{int(k)}|{epilogue}|{compute_type}|t{data_type}"
+    type is not valid for another), `workspace_bytes` the most it may use (one found for more may need
+    more). Sizes are keyed by value: a symbolic plan's sizes are SymInts, which format as their C
+    expression ("S0*S1"), the same for every signature."""
+    ws = f"|ws{int(workspace_bytes)}" if workspace_bytes else ""
+    return f"cublaslt|cc{cc}|{int(m)}x{int(n)}x{int(k)}|{epilogue}|{compute_type}|t{data_type}{ws}"
 
 
 def _ints(xs) -> list[int]:

@@ -217,6 +217,11 @@ def library_path() -> str | None:
 # Handles
 
 
+# cuBLAS's own recommendation on Hopper (and enough for split-K on older GPUs); the plans' cuBLASLt
+# epilogue GEMMs choose their algorithms for this much workspace and run in the handle's.
+WORKSPACE_BYTES = 32 << 20
+
+
 class _HandleState:
     """What the finalizer releases. It holds no reference to the CublasHandle."""
 
@@ -247,7 +252,7 @@ class CublasHandle:
     stream is capturing.
     """
 
-    def __init__(self, stream_ptr: int = 0, workspace_bytes: int = 32 << 20, use_tf32: bool = True):
+    def __init__(self, stream_ptr: int = 0, workspace_bytes: int = WORKSPACE_BYTES, use_tf32: bool = True):
         if cupy is None:
             raise CublasError("CuPy is not importable: the CUDA plugin has no device to run cuBLAS on")
         workspace_bytes = int(workspace_bytes)
@@ -283,6 +288,13 @@ class CublasHandle:
     @property
     def stream_ptr(self) -> int | None:
         return self._stream_ptr
+
+    @property
+    def workspace_ptr(self) -> int:
+        """The address of the workspace bound with the stream (0 without one). cuBLASLt calls made in
+        this stream's order may use it too (plan epilogue GEMMs): the stream serialises them."""
+        workspace = self._state.workspace
+        return int(workspace.ptr) if workspace is not None else 0
 
     @property
     def closed(self) -> bool:

@@ -4,9 +4,12 @@ epilogue, for the compiled plans (plugin_cuda/plan).
 A compiled plan folds `Add(bias)` and `Relu` after a GEMM that runs on cuBLAS into the call
 (CUBLASLT_EPILOGUE_BIAS / RELU_BIAS), so no separate epilogue kernel reads and rewrites the GEMM's
 result. Everything but the stream is fixed when the plan is built: the descriptor (with the bias
-address), the matrix layouts and the algorithm (the first heuristic answer, no workspace, so a
-call never allocates and is capturable; remembered in device/algo_cache.py, so a later process or a
-saved context does not ask the heuristic again). Statuses are cublasStatus_t: cublas.check names them.
+address), the matrix layouts and the algorithm (the first heuristic answer for the workspace the call
+will get, remembered in device/algo_cache.py, so a later process or a saved context does not ask the
+heuristic again). The workspace is the caller's (a plan passes its stream's cuBLAS workspace), so a
+call never allocates and is capturable. Without one, cuBLASLt cannot split K: BERT-base's FFN output
+GEMM (1024 x 768 x 3072, float32) then took 174-178 us against 129 us for cuBLAS's own choice
+(H200). Statuses are cublasStatus_t: cublas.check names them.
 
 Enum values and the heuristic-result layout are those of cublasLt.h (CUDA 11 to 13).
 """
@@ -94,10 +97,10 @@ class EpilogueGemm:
     cublasLtMatmul; `epilogue` in EPILOGUES. A, B, out and the bias are of `data_type` (CUDA_R_32F,
     or CUDA_R_16F / CUDA_R_16BF with compute_type CUBLAS_COMPUTE_32F; alpha and beta are float32
     either way). The bias address is fixed; A, B and out are given per call (see __call__), the
-    stream too."""
+    stream and a workspace of `workspace_bytes` (the most the algorithm may use) too."""
 
     def __init__(self, device_id: int, m: int, n: int, k: int, alpha: float, bias_ptr: int, epilogue: str,
-                 compute_type: int, what: str, data_type: int = CUDA_R_32F):
+                 compute_type: int, what: str, data_type: int = CUDA_R_32F, workspace_bytes: int = 0):
         if epilogue not in EPILOGUES:
             raise ValueError(f"{what}: epilogue {epilogue!r}; allowed: {sorted(EPILOGUES)}")
         lib = self.lib = load_library()
@@ -119,44 +122,53 @@ class EpilogueGemm:
         self._finalizer = weakref.finalize(self, destroy_matmul, lib, self.desc, layouts, self.pref)
         self._set(DESC_EPILOGUE, ffi.new("uint32_t *", EPILOGUES[epilogue]), 4)
         self._set(DESC_BIAS_POINTER, ffi.new("void **", ffi.cast("void *", bias_ptr)), ffi.sizeof("void *"))
-        zero = ffi.new("uint64_t *", 0)  # no workspace: nothing to allocate, capturable
-        check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, zero, 8),
+        self.workspace_bytes = int(workspace_bytes)
+        limit = ffi.new("uint64_t *", self.workspace_bytes)
+        check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, limit, 8),
               f"{what}: cublasLtMatmulPreferenceSetAttribute")
-        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, data_type)
+        key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, data_type,
+                                self.workspace_bytes)
         saved = algo_cache.lookup(key)
         if saved is not None and len(bytes.fromhex(saved)) == ffi.sizeof("cublasLtMatmulAlgo_t"):
             # The heuristic's earlier answer for this device, shape, type and epilogue (a disk cache or context).
             self.algo = ffi.new("cublasLtMatmulAlgo_t *")
             ffi.memmove(self.algo, bytes.fromhex(saved), len(bytes.fromhex(saved)))
         else:
-            self.algo = self._heuristic(m, n, k, epilogue, data_type)
+            found = self.heuristics(1)
+            if not found:
+                raise CublasError(f"{what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} GEMM of data type "
+                                  f"{data_type} with epilogue {epilogue!r} and {self.workspace_bytes} bytes of "
+                                  "workspace")
+            self.algo = found[0][0]
             algo_cache.record(key, bytes(ffi.buffer(self.algo)).hex())
         self.alpha = ffi.new("float *", float(alpha))
         self.beta = ffi.new("float *", 0.0)
 
-    def _heuristic(self, m: int, n: int, k: int, epilogue: str, data_type: int):
-        """cuBLASLt's first answer for this GEMM (the algorithm struct)."""
-        result = ffi.new("cublasLtMatmulHeuristicResult_t *")
-        count = ffi.new("int *")
+    def heuristics(self, count: int) -> list:
+        """cuBLASLt's first `count` answers for this GEMM, best first: (algorithm, workspace bytes it
+        needs, waves) each (bench/lt_gemm_gpu.py times them)."""
+        results = ffi.new("cublasLtMatmulHeuristicResult_t[]", count)
+        returned = ffi.new("int *")
         b_layout, a_layout, d_layout = self.layouts
         check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, b_layout, a_layout, d_layout, d_layout,
-                                                      self.pref, 1, result, count),
+                                                      self.pref, count, results, returned),
               f"{self.what}: cublasLtMatmulAlgoGetHeuristic")
-        if count[0] < 1:
-            raise CublasError(f"{self.what}: cuBLASLt has no algorithm for a {m}x{k} @ {k}x{n} GEMM of data type "
-                              f"{data_type} with epilogue {epilogue!r} and no workspace")
-        return ffi.new("cublasLtMatmulAlgo_t *", result[0].algo)
+        return [(ffi.new("cublasLtMatmulAlgo_t *", results[i].algo), int(results[i].workspaceSize),
+                 float(results[i].wavesCount)) for i in range(returned[0]) if results[i].state == 0]
 
     def _set(self, attr: int, value, size: int) -> None:
         check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, value, size),
               f"{self.what}: cublasLtMatmulDescSetAttribute({attr})")
 
-    def __call__(self, a_ptr: int, b_ptr: int, out_ptr: int, stream_ptr: int) -> None:
+    def __call__(self, a_ptr: int, b_ptr: int, out_ptr: int, stream_ptr: int, workspace_ptr: int = 0) -> None:
+        """One GEMM on `stream_ptr`; `workspace_ptr` holds workspace_bytes (0 only when that is 0),
+        used in the stream's order."""
         b_layout, a_layout, d_layout = self.layouts
         out = ffi.cast("void *", out_ptr)
         status = self.lib.cublasLtMatmul(self.handle, self.desc, self.alpha, ffi.cast("void *", b_ptr), b_layout,
                                          ffi.cast("void *", a_ptr), a_layout, self.beta, out, d_layout, out, d_layout,
-                                         self.algo, ffi.NULL, 0, ffi.cast("void *", stream_ptr))
+                                         self.algo, ffi.cast("void *", workspace_ptr),
+                                         self.workspace_bytes if workspace_ptr else 0, ffi.cast("void *", stream_ptr))
         if status:
             check(status, f"cublasLtMatmul ({self.what})")
 

@@ -645,14 +645,18 @@ class _CublasStep:
             (variant.name, id(step)),
             lambda: cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
                                           bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'",
-                                          data_type))
+                                          data_type, cublas.WORKSPACE_BYTES))
+        if self.handle.workspace_bytes < gemm.workspace_bytes:
+            raise PlanError(f"GEMM '{self.name}': the stream's cuBLAS workspace has {self.handle.workspace_bytes} "
+                            f"bytes; its cuBLASLt algorithm was chosen for {gemm.workspace_bytes}")
         self.lt = (gemm, [inst.address(v, variant) for v in (op.inputs[0], op.inputs[1], op.outputs[0])])
 
     def _run_lt(self) -> None:
         gemm, operands = self.lt
         ext = self.inst.ext
         a, b, out = (addr if j is None else ext[j] for j, addr in operands)
-        gemm(a, b, out, self.inst.stream_ptr)
+        # The workspace the stream's cuBLAS calls use: the plan's steps run in that stream's order.
+        gemm(a, b, out, self.inst.stream_ptr, self.handle.workspace_ptr)
 
     def _add(self, fn, args: list, ptrs: list) -> None:
         """Replace (operand, byte offset) placeholders: fixed addresses now, call inputs/outputs per run."""

@@ -69,4 +69,4 @@ def _epilogue_gemm(plan, step, variant) -> None:
     with plan.cupy.cuda.Device(plan.device_id):
         plan.epilogue_gemm((variant.name, id(step)), lambda: cublaslt.EpilogueGemm(
             plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]), plan._const_base + where,
-            op.attrs["epilogue"], compute, f"plan step '{step.name}'"))
+            op.attrs["epilogue"], compute, f"plan step '{step.name}'", cublaslt.CUDA_R_32F, cublas.WORKSPACE_BYTES))

@@ -377,6 +377,12 @@ def test_lt_keys_name_the_data_type():
     assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 2)
 
 
+def test_lt_keys_name_the_workspace_an_algorithm_was_chosen_for():
+    # an algorithm found for 32 MiB may need some of it: never reused where the call gets none
+    assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0, 32 << 20)
+    assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0, 0) == algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0)
+
+
 def test_keys_of_symbolic_sizes_are_their_values():
     """A symbolic plan's GEMM sizes are SymInts printing as C expressions ("S0*S1"): one signature's
     algorithm reused at another size failed with CUBLAS_STATUS_NOT_SUPPORTED on BERT-base (H100)."""
@@ -464,9 +470,10 @@ def test_choices_are_made_at_creation_under_the_keys_the_first_run_uses(monkeypa
     geo = cudnn_conv.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), (8, 64, 56, 56), 1, (1, 1), (1, 1), (1, 1),
                                       (1, 1))
     assert calls == [("take", 0), ("handle", "forward", geo), ("give_back", "handle")]
-    # m = 4 * 16 rows, n = 48, k = 32; the bias at the constant base + its offset; fp32 compute without TF32
+    # m = 4 * 16 rows, n = 48, k = 32; the bias at the constant base + its offset; fp32 compute without TF32,
+    # float32 operands and the stream's cuBLAS workspace (the first run's step passes the same)
     assert made == {("eager", id(steps[1])): ("gemm", 0, 64, 48, 32, 0.5, 4096 + 512, "relu_bias", 68,
-                                              "plan step 'fc0'")}
+                                              "plan step 'fc0'", 0, 32 << 20)}
 
 
 def test_a_failing_choice_is_left_to_the_first_run(monkeypatch):
