@@ -152,6 +152,8 @@ def run_shape(ctx, shape: str) -> str:
     profiled(run, ctx, shape)
     first, compiles = (time.perf_counter() - t) * 1e3, nvrtc.stats["compiles"] - compiles
     ours = timed(run, args.iters)
+    if args.profile_steady:
+        steady_profile(run, args.profile_steady, shape)
     got = binding.copy_outputs_to_cpu()[0]
     t_args = [torch.from_numpy(feeds[k]).cuda() for k in ctx["names"]]
 
@@ -194,6 +196,20 @@ def profiled(run, ctx, shape: str) -> None:
     threads = sorted(t.name for t in threading.enumerate())
     print(f"  garbage collections in it: {collections.count} ({collections.full} of generation 2), "
           f"{collections.seconds * 1e3:.1f} ms; threads: {threads}")
+
+
+def steady_profile(run, runs: int, shape: str) -> None:
+    """Where the host spends `runs` eager runs at a shape it has run before (cProfile, by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [run() for _ in range(runs)])
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"{runs} eager runs at {shape}, by own time:\n"
+          + "\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
 def _gc_timer():
@@ -243,6 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help=f"default {TEXT_SHAPES} (ViT: batches {IMAGE_SHAPES})")
     p.add_argument("--graph", action="store_true", help="also replay a CUDA graph per shape against torch's")
     p.add_argument("--option", action="append", default=[], help="CUDA provider option KEY=VALUE (repeatable)")
+    p.add_argument("--profile-steady", type=int, default=0, metavar="N",
+                   help="also print where the host spends N eager runs at each shape (cProfile, own time)")
     p.add_argument("--profile-first", action="store_true",
                    help="print where the host spends the first run at each new shape (cProfile, top 25)")
     p.add_argument("--churn", type=int, default=0, metavar="N",

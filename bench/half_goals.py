@@ -1,7 +1,11 @@
-"""Issue 24's goals table: float16 and bfloat16 models on the CUDA EP against PyTorch in the same run.
+"""Issue 24's and 25's goals tables: float16, bfloat16 and float32 models on the CUDA EP against PyTorch in the
+same run.
 
-    python bench/half_goals.py [--rows bert_b1,bert_b8,gpt2,llama,vit,resnet50] [--precision fp16 bf16]
+    python bench/half_goals.py [--rows bert_b1,bert_b8,gpt2,llama,vit,resnet50] [--precision fp16 bf16 fp32 tf32]
                                [--iters 30] [--budget 540] [--no-compile] [--json FILE]
+
+`fp32` is float32 with TF32 off on both sides (`use_tf32=0`; torch's matmul and cuDNN TF32 flags off), `tf32`
+float32 with TF32 on on both sides (ephost's default `use_tf32=1`); neither is converted.
 
 Each architecture is exported once in float32 (TorchScript, opset 17, dynamic axes: bench/dynamic_gpu.py's
 export at the goal sizes; ResNet-50 from torchvision) and converted by `ephost convert`'s
@@ -42,12 +46,24 @@ CUDA = "CUDAExecutionProvider"
 ROWS = {"bert_b1": ("bert", 1, 128), "bert_b8": ("bert", 8, 128), "gpt2": ("gpt2", 4, 128),
         "llama": ("llama", 4, 128), "vit": ("vit", 8, None), "resnet50": ("resnet50", 8, None)}
 PRECISIONS = ("fp16", "bf16")
+FLOAT32 = ("fp32", "tf32")  # float32 with TF32 off / on, both sides
 
 
 def half_dtype(precision: str) -> np.dtype:
     import ml_dtypes
 
+    if precision in FLOAT32:
+        return np.dtype(np.float32)
     return np.dtype(np.float16) if precision == "fp16" else np.dtype(ml_dtypes.bfloat16)
+
+
+def torch_dtype(torch, precision: str):
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+
+
+def set_torch_tf32(torch, on: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
 
 
 def export_arch(torch, arch: str, path: Path):
@@ -99,7 +115,7 @@ def bind(session, cp, feeds: dict, out_shape: tuple, dtype):
     for k, v in feeds.items():
         binding.bind_input(k, device_type="cuda", device_id=0, element_type=v.dtype, shape=v.shape,
                            buffer_ptr=keep[k].data.ptr)
-    out = cp.zeros(out_shape, cp.uint16)
+    out = cp.zeros(out_shape, cp.uint16 if dtype.itemsize == 2 else cp.float32)
     name = session.get_outputs()[0].name
     binding.bind_output(name, device_type="cuda", device_id=0, element_type=dtype, shape=out_shape,
                         buffer_ptr=out.data.ptr)
@@ -117,7 +133,7 @@ def coverage(session) -> dict:
 
 
 def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, env,
-                 exact: np.ndarray | None = None) -> dict:
+                 exact: np.ndarray | None = None, tf32: bool = False) -> dict:
     """Eager and replay times, accuracy against PyTorch (and, given `exact`, against the float32
     module), coverage and capture of one row."""
     import cupy as cp
@@ -126,7 +142,7 @@ def ephost_cells(model: bytes, feeds: dict, ref: np.ndarray, dtype, iters: int, 
 
     res: dict = {}
     for mode, extra in (("eager", {}), ("replay", {"enable_cuda_graph": "1"})):
-        session = InferenceSession(model, providers=[(CUDA, {"use_tf32": "0", **extra})], env=env)
+        session = InferenceSession(model, providers=[(CUDA, {"use_tf32": str(int(tf32)), **extra})], env=env)
         binding, _, out = bind(session, cp, feeds, ref.shape, dtype)
 
         def run(s=session, b=binding):
@@ -198,12 +214,16 @@ def torch_cells(torch, module, feeds: dict, iters: int, compile_ok: bool) -> tup
     return res, ref
 
 
-def float32_output(torch, module, feeds: dict) -> np.ndarray:
-    """The float32 module's output on the same (half-rounded) inputs: the reference both half
-    precision runs are judged against, to tell PyTorch's own rounding from ephost's."""
+def float32_output(torch, module, feeds: dict, precision: str) -> np.ndarray:
+    """The float32 module's output (TF32 off) on the same (half-rounded) inputs: the reference both runs of
+    a row are judged against, to tell PyTorch's own rounding from ephost's."""
     args = [_torch_arg(torch, v, torch.float32) for v in feeds.values()]
-    with torch.inference_mode():
-        return module(*args).float().cpu().numpy()
+    set_torch_tf32(torch, False)
+    try:
+        with torch.inference_mode():
+            return module(*args).float().cpu().numpy()
+    finally:
+        set_torch_tf32(torch, precision == "tf32")
 
 
 def ratios(res: dict) -> dict:
@@ -230,9 +250,10 @@ def bench_arch(arch: str, rows: list, precisions: list, args, env, deadline: flo
     module = module.to("cuda")
     for precision in precisions:
         dtype = half_dtype(precision)
-        model = convert_precision(exported, precision).SerializeToString()
+        set_torch_tf32(torch, precision == "tf32")
+        model = (exported if precision in FLOAT32 else convert_precision(exported, precision)).SerializeToString()
         # a copy per precision: converting the float32 module in place would round bf16 from fp16
-        tmodule = copy.deepcopy(module).to("cuda", torch.float16 if precision == "fp16" else torch.bfloat16)
+        tmodule = copy.deepcopy(module).to("cuda", torch_dtype(torch, precision))
         for row in rows:
             _, batch, seq = ROWS[row]
             feeds = make_feeds(arch, names, size, batch, seq, dtype, np.random.default_rng(0))
@@ -240,9 +261,9 @@ def bench_arch(arch: str, rows: list, precisions: list, args, env, deadline: flo
             compile_ok = args.compile and time.perf_counter() < deadline
             try:
                 cells, ref = torch_cells(torch, tmodule, feeds, args.iters, compile_ok)
-                exact = float32_output(torch, module, feeds)
+                exact = float32_output(torch, module, feeds, precision)
                 res.update(cells, torch_vs_fp32=round(relative(ref, exact), 5))
-                res.update(ephost_cells(model, feeds, ref, dtype, args.iters, env, exact))
+                res.update(ephost_cells(model, feeds, ref, dtype, args.iters, env, exact, precision == "tf32"))
                 res.update(ratios(res))
             except Exception as exc:  # noqa: BLE001 - one failure must not hide the other rows
                 res["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -269,7 +290,7 @@ def table(results: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS + FLOAT32, default=list(PRECISIONS))
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds after which torch.compile is skipped")
     parser.add_argument("--no-compile", dest="compile", action="store_false")

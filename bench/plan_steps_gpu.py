@@ -1,6 +1,6 @@
 """Where a compiled plan's GPU time goes, step by step, beside PyTorch's kernels on the same module (issues 23, 25).
 
-    python -m bench.plan_steps_gpu [--rows bert_b8,...] [--precision fp32|fp16|bf16] [--tf32 0|1]
+    python -m bench.plan_steps_gpu [--rows bert_b8,bert@3x50,...] [--precision fp32|fp16|bf16] [--tf32 0|1]
                                    [--reps 20] [--json FILE]
 
 Each row is exported and converted as bench/half_goals.py does (same architectures and sizes), run on the
@@ -131,6 +131,16 @@ def report(row: str, steps: list[dict], kernels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def row_size(row: str) -> tuple:
+    """(architecture, batch, sequence) of a row: a name of half_goals.ROWS, or ARCH@BxS (ARCH@B for the
+    image models) at another size of the same dynamic-axes export."""
+    if "@" not in row:
+        return ROWS[row]
+    arch, size = row.split("@")
+    batch, _, seq = size.partition("x")
+    return arch, int(batch), int(seq) if seq else None
+
+
 def bench_row(row: str, precision: str, tf32: bool, reps: int, torch, env) -> dict:
     import cupy as cp
     import onnx
@@ -138,7 +148,7 @@ def bench_row(row: str, precision: str, tf32: bool, reps: int, torch, env) -> di
     from host.precision import convert_precision
     from host.runtime.session import InferenceSession
 
-    arch, batch, seq = ROWS[row]
+    arch, batch, seq = row_size(row)
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +176,7 @@ def bench_row(row: str, precision: str, tf32: bool, reps: int, torch, env) -> di
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="bert_b8", help=f"comma-separated, of {', '.join(ROWS)}")
+    parser.add_argument("--rows", default="bert_b8", help=f"comma-separated, of {', '.join(ROWS)}, or ARCH@BxS (bert@3x50)")
     parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--tf32", type=int, default=0, choices=[0, 1])
     parser.add_argument("--reps", type=int, default=20)
