@@ -366,6 +366,11 @@ def _ll(x) -> str:
     return f"(long long){x}" if isinstance(x, SymInt) else f"{x}LL"
 
 
+def _u(x) -> str:
+    """`x` as a 32-bit unsigned C operand: a literal with u, or a symbolic size's expression cast."""
+    return f"(unsigned)({x})" if isinstance(x, SymInt) else f"{int(x)}u"
+
+
 def _softmax_logit(prog: Program, op) -> tuple[str, str, list]:
     """(row set-up, logit of column c, extra pointer params) of a softmax step on row `row`; with an
     attention mask (Attention's additive float attn_mask), the mask row is found from the row's (b, h, i)
@@ -375,17 +380,20 @@ def _softmax_logit(prog: Program, op) -> tuple[str, str, list]:
         return "", x, []
     mb, mh, mi = op.attrs["mask_strides"]
     q_len, heads = op.attrs["q_len"], op.attrs["heads"]
-    setup = (f"  const long long ri = row % {q_len}, rbh = row / {q_len};\n"
-             f"  const {ctype(prog, op.inputs[1])}* mr = p2 + (rbh / {heads}) * {_ll(mb)} + (rbh % {heads}) * {_ll(mh)}"
+    # 32-bit quotients (a plan's tensors have at most INT32_MAX elements, so has its row count): 64-bit
+    # division is a long software sequence per row.
+    setup = (f"  const unsigned ri = (unsigned)row % {_u(q_len)}, rbh = (unsigned)row / {_u(q_len)};\n"
+             f"  const {ctype(prog, op.inputs[1])}* mr = p2 + (rbh / {_u(heads)}) * {_ll(mb)} + (rbh % {_u(heads)}) * {_ll(mh)}"
              f" + ri * {_ll(mi)};\n")
     mask = load(prog, op.inputs[1], "mr[c]")
     return setup, f"(c < {op.attrs['mask_len']} ? {x} + {mask} : -EP_INF)", [op.inputs[1]]
 
 
-# Rows of at most this many columns (a literal) are one warp's, held in registers (WARP_SOFTMAX_ROWS
-# rows to a block); longer literal rows take a block each.
-WARP_SOFTMAX_COLS = 1024
-WARP_SOFTMAX_ROWS = 4
+# Row kernels (softmax, norms): a row of at most this many columns (a literal) is one warp's, held in
+# registers (WARP_ROWS_PER_BLOCK rows to a block): no barrier, one read; longer literal rows take a block
+# each. Symbolic softmax rows (attention over the sequence) take a warp too, in passes over memory.
+WARP_ROW_COLS = 1024
+WARP_ROWS_PER_BLOCK = 4
 
 
 def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -405,14 +413,13 @@ def softmax_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
                       + ([decl(prog, extra[0], "p2", True)] if extra else [])) + ") {\n"
             f"  const int C = {cols};\n")
     # Causal attention: row r is query i = r % q_len, which sees keys 0..i (the rest weigh 0).
-    limit = f"  const int L = {'(int)(row % ' + str(op.attrs['q_len']) + ') + 1' if op.attrs.get('causal') else 'C'};\n"
-    if isinstance(cols, SymInt) or cols <= WARP_SOFTMAX_COLS:
-        block = 32 * WARP_SOFTMAX_ROWS
-        row = (f"  const long long row = (long long)blockIdx.x * {WARP_SOFTMAX_ROWS} + (threadIdx.x >> 5);\n"
-               f"  if (row >= {_ll(rows)}) return;\n  const int lane = threadIdx.x & 31;\n")
+    limit = f"  const int L = {'(int)((unsigned)row % ' + _u(op.attrs['q_len']) + ') + 1' if op.attrs.get('causal') else 'C'};\n"
+    if isinstance(cols, SymInt) or cols <= WARP_ROW_COLS:
+        block = 32 * WARP_ROWS_PER_BLOCK
+        row = f"  const long long R = {_ll(rows)};\n" + _warp_rows()
         make = _softmax_warp_registers if not isinstance(cols, SymInt) else _softmax_warp_loops
         body = make(prog, op, logit, bool(extra), cols)
-        grid = -(-max(rows, 1) // WARP_SOFTMAX_ROWS)
+        grid = -(-max(rows, 1) // WARP_ROWS_PER_BLOCK)
     else:
         block = _row_block(cols)
         row = f"  constexpr int B = {block};\n  __shared__ float sh[32];\n  const long long row = blockIdx.x;\n"
@@ -432,7 +439,7 @@ def _softmax_zeros(prog: Program, y: int, loop: str) -> str:
 
 
 def _softmax_warp_registers(prog: Program, op, logit: str, masked: bool, cols: int) -> str:
-    """One warp per literal row of at most WARP_SOFTMAX_COLS: column lane + 32 j in v[j]."""
+    """One warp per literal row of at most WARP_ROW_COLS: column lane + 32 j in v[j]."""
     y = op.outputs[0]
     n = max(1, -(-int(cols) // 32))
     each = f"#pragma unroll\n  for (int j = 0; j < {n}; ++j) {{ const int c = lane + 32 * j; "
@@ -481,44 +488,82 @@ def _softmax_passes(prog: Program, op, logit: str, masked: bool, loop: str, redu
             f"  s = {reduce_sum};\n" + finish)
 
 
+def _warp_rows() -> str:
+    """The prologue of a kernel with one warp per row (WARP_ROWS_PER_BLOCK rows to a block): `row`, whose
+    warps past the last row leave together (their shuffles need no partner), and `lane`."""
+    return (f"  const long long row = (long long)blockIdx.x * {WARP_ROWS_PER_BLOCK} + (threadIdx.x >> 5);\n"
+            "  if (row >= R) return;\n  const int lane = threadIdx.x & 31;\n")
+
+
 def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
-    """LayerNorm / RMSNorm of one row per block; the statistics in float32 whatever the types."""
+    """LayerNorm / RMSNorm of one row; the statistics in float32 whatever the types. A row of up to
+    WARP_ROW_COLS literal columns is one warp's, read once into registers (BERT-base's 768: 24 a lane);
+    a longer or symbolic one a block's, in passes over memory."""
     op = step.op
     cols = op.attrs["cols"]
     rows = prog.values[op.inputs[0]].size // max(cols, 1)
     _check_size(prog, op.inputs + op.outputs)
-    block = _row_block(cols)
     eps = f32_literal(op.attrs["eps"])
     has_bias = len(op.inputs) > 2
     params = [op.inputs[0], op.inputs[1]] + ([op.inputs[2]] if has_bias else []) + [op.outputs[0]]
     out = f"p{len(params) - 1}"
     decls = [decl(prog, v, f"p{k}", k < len(params) - 1) for k, v in enumerate(params)]
     x, y = op.inputs[0], op.outputs[0]
-    xc, scale = load(prog, x, "xr[c]"), load(prog, op.inputs[1], "p1[c]")
+    warp = not isinstance(cols, SymInt) and cols <= WARP_ROW_COLS
+    if warp:
+        block, grid = 32 * WARP_ROWS_PER_BLOCK, -(-max(rows, 1) // WARP_ROWS_PER_BLOCK)
+        start = f"  const long long R = {_ll(rows)};\n" + _warp_rows()
+        body = _norm_warp(prog, op, eps, has_bias, -(-int(cols) // 32))
+    else:
+        block, grid = _row_block(cols), max(rows, 1)
+        start = f"  constexpr int B = {block};\n  __shared__ float sh[32];\n  const long long row = blockIdx.x;\n"
+        body = _norm_block(prog, op, eps, has_bias)
     head = (f'extern "C" __global__ void __launch_bounds__({block}) {name}({", ".join(decls)}) {{\n'
-            f"  const int C = {cols}; constexpr int B = {block};\n"
-            "  __shared__ float sh[32];\n"
-            f"  const {ctype(prog, x)}* xr = p0 + (long long)blockIdx.x * C;\n"
-            f"  {ctype(prog, y)}* yr = {out} + (long long)blockIdx.x * C;\n")
+            f"  const int C = {cols};\n" + start +
+            f"  const {ctype(prog, x)}* xr = p0 + row * C;\n"
+            f"  {ctype(prog, y)}* yr = {out} + row * C;\n")
+    return KernelSpec(name, params, (grid, 1, 1), (block, 1, 1), head + body + "}\n", step)
+
+
+def _norm_block(prog: Program, op, eps: str, has_bias: bool) -> str:
+    x, y = op.inputs[0], op.outputs[0]
+    xc, scale = load(prog, x, "xr[c]"), load(prog, op.inputs[1], "p1[c]")
     if op.attrs["kind"] == "rms":
         # RMSNormalization's function body casts the normalised value to X's type before the scale
         # (so does PyTorch's Llama RMSNorm): one rounding more than x * r * scale in half plans.
         normalised = rounded(prog, x, f"{xc} * r")
-        body = ("  float q = 0.0f;\n"
+        return ("  float q = 0.0f;\n"
                 f"  for (int c = threadIdx.x; c < C; c += B) {{ const float v = {xc}; q += v * v; }}\n"
                 f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
                 f"  for (int c = threadIdx.x; c < C; c += B) {store(prog, y, 'yr', 'c', f'{normalised} * {scale}')}\n")
-    else:
-        affine = f" + {load(prog, op.inputs[2], 'p2[c]')}" if has_bias else ""
-        body = ("  float s = 0.0f;\n"
-                f"  for (int c = threadIdx.x; c < C; c += B) s += {xc};\n"
-                "  const float mean = ep_block_sum(s, sh) / (float)C;\n"
-                "  float q = 0.0f;\n"
-                f"  for (int c = threadIdx.x; c < C; c += B) {{ const float d = {xc} - mean; q += d * d; }}\n"
-                f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
-                f"  for (int c = threadIdx.x; c < C; c += B) "
-                f"{store(prog, y, 'yr', 'c', f'({xc} - mean) * r * {scale}{affine}')}\n")
-    return KernelSpec(name, params, (max(rows, 1), 1, 1), (block, 1, 1), head + body + "}\n", step)
+    affine = f" + {load(prog, op.inputs[2], 'p2[c]')}" if has_bias else ""
+    return ("  float s = 0.0f;\n"
+            f"  for (int c = threadIdx.x; c < C; c += B) s += {xc};\n"
+            "  const float mean = ep_block_sum(s, sh) / (float)C;\n"
+            "  float q = 0.0f;\n"
+            f"  for (int c = threadIdx.x; c < C; c += B) {{ const float d = {xc} - mean; q += d * d; }}\n"
+            f"  const float r = 1.0f / sqrtf(ep_block_sum(q, sh) / (float)C + {eps});\n"
+            f"  for (int c = threadIdx.x; c < C; c += B) "
+            f"{store(prog, y, 'yr', 'c', f'({xc} - mean) * r * {scale}{affine}')}\n")
+
+
+def _norm_warp(prog: Program, op, eps: str, has_bias: bool, n: int) -> str:
+    """The row's column lane + 32 j in v[j] (0 past the row); the same statistics as _norm_block."""
+    x, y = op.inputs[0], op.outputs[0]
+    scale = load(prog, op.inputs[1], "p1[c]")
+    each = f"#pragma unroll\n  for (int j = 0; j < {n}; ++j) {{ const int c = lane + 32 * j; "
+    text = (f"  float v[{n}];\n" + each + f"v[j] = c < C ? {load(prog, x, 'xr[c]')} : 0.0f; }}\n")
+    if op.attrs["kind"] == "rms":
+        normalised = rounded(prog, x, "v[j] * r")  # as _norm_block: the normalised value in X's type
+        return (text + "  float q = 0.0f;\n" + each + "q += v[j] * v[j]; }\n"
+                f"  const float r = 1.0f / sqrtf(ep_warp_sum(q) / (float)C + {eps});\n"
+                + each + f"if (c < C) {store(prog, y, 'yr', 'c', f'{normalised} * {scale}')} }}\n")
+    affine = f" + {load(prog, op.inputs[2], 'p2[c]')}" if has_bias else ""
+    return (text + "  float s = 0.0f;\n" + each + "s += v[j]; }\n"
+            "  const float mean = ep_warp_sum(s) / (float)C;\n"
+            "  float q = 0.0f;\n" + each + "if (c < C) { const float d = v[j] - mean; q += d * d; } }\n"
+            f"  const float r = 1.0f / sqrtf(ep_warp_sum(q) / (float)C + {eps});\n"
+            + each + f"if (c < C) {store(prog, y, 'yr', 'c', f'(v[j] - mean) * r * {scale}{affine}')} }}\n")
 
 
 def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:

@@ -364,7 +364,7 @@ def test_masked_attention_reads_its_mask_in_the_softmax():
     assert soft.attrs["mask_strides"] == (35, 0, 7) and soft.attrs["mask_len"] == 7 and soft.attrs["heads"] == 2
     spec_ = codegen.softmax_kernel(prog, steps[1], "k")
     assert spec_.params == [soft.inputs[0], soft.outputs[0], soft.inputs[1]]
-    assert "xr[c] + mr[c]" in spec_.source and "(rbh / 2) * 35LL + (rbh % 2) * 0LL + ri * 7LL" in spec_.source
+    assert "xr[c] + mr[c]" in spec_.source and "(rbh / 2u) * 35LL + (rbh % 2u) * 0LL + ri * 7LL" in spec_.source
 
 
 def test_attention_with_past_is_refused_by_name():

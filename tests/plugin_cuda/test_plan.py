@@ -115,6 +115,80 @@ def test_layout_plan_matches_onnx_reference(cp, name):
             np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(exp).max())))
 
 
+def _softmax_model(op: str, rows: int, cols: int):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node(op, ["X"], ["Y"], axis=-1)], "softmax",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, cols])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("cols", [1, 5, 33, 1024, 1025, 3000])
+def test_softmax_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, cols):
+    """codegen.softmax_kernel: a row of up to WARP_ROW_COLS literal columns is one warp's (in registers,
+    4 rows to a block; 7 rows leave the last block's last warp without a row), a longer row a block's;
+    both give onnx's reference result, with large logits and a very negative one per row."""
+    from plugin_cuda.plan import codegen
+
+    rows = 7
+    model = _softmax_model(op, rows, cols)
+    x = (np.random.default_rng(cols).standard_normal((rows, cols)) * 20).astype(np.float32)
+    x[:, cols // 2] = -1e30
+    with build(model) as plan:
+        (got,) = Runner(cp, plan)([x])
+        np.testing.assert_allclose(cp.asnumpy(got), reference(model, {"X": x})[0], rtol=1e-5, atol=1e-6)
+        (spec,) = [s for s in plan.eager.specs if s is not None and s.step.kind == "softmax"]
+        warp = cols <= codegen.WARP_ROW_COLS
+        assert spec.grid[0] == (-(-rows // codegen.WARP_ROWS_PER_BLOCK) if warp else rows)
+        assert ("float v[" in spec.source) == warp
+
+
+def _norm_model(op: str, rows: int, cols: int, rng):
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, cols).astype(np.float32), "scale")]
+    if op == "LayerNormalization":
+        inits.append(numpy_helper.from_array(rng.standard_normal(cols).astype(np.float32), "bias"))
+    node = helper.make_node(op, ["X"] + [t.name for t in inits], ["Y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "norm", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, cols])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("op", ["LayerNormalization", "RMSNormalization"])
+@pytest.mark.parametrize("cols", [20, 768, 1024, 1025, 2000])
+def test_norm_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, cols):
+    """codegen.norm_kernel: LayerNorm (scale and bias) and RMSNorm rows of up to WARP_ROW_COLS columns in one
+    warp's registers, longer ones in a block's passes; against NumPy's float64 statistics, on rows with a
+    large offset (a one-pass variance would lose them)."""
+    from plugin_cuda.plan import codegen
+
+    rows = 7
+    rng = np.random.default_rng(cols)
+    model = _norm_model(op, rows, cols, rng)
+    x = (rng.standard_normal((rows, cols)) * 3 + 50).astype(np.float32)
+    scale, *bias = [np.frombuffer(t.raw_data, np.float32) for t in model.graph.initializer]
+    x64 = x.astype(np.float64)
+    if op == "LayerNormalization":
+        centred = x64 - x64.mean(-1, keepdims=True)
+        want = centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias[0]
+    else:
+        want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * scale
+    with build(model) as plan:
+        (got,) = Runner(cp, plan)([x])
+        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-4)
+        (spec,) = [s for s in plan.eager.specs if s is not None and s.step.kind == "norm"]
+        warp = cols <= codegen.WARP_ROW_COLS
+        assert spec.grid[0] == (-(-rows // codegen.WARP_ROWS_PER_BLOCK) if warp else rows)
+        assert ("float v[" in spec.source) == warp
+
+
 def _projected_attention(batch=3, seq=5, kv_seq=7, heads=4, size=8, gqa=1, project_out=False):
     """X -> MatMul (Q), Y -> MatMul (K, V) -> 3-D Attention with an additive mask (-> MatMul with
     `project_out`): Q, K and V are plan values (arena addresses), as after a model's projections; the
