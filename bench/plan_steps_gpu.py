@@ -8,9 +8,11 @@ CUDA EP through IOBinding a few times, then every compiled plan of the session i
 on its own stream with a CUDA event between consecutive steps (`--reps` times): each step's device time,
 its kind (gemm, flash_attention, ew, layernorm, cudnn_conv, ...) and name. The events cost the GPU
 nothing measurable but keep the host from running ahead, so the sum is the plan's device time, not its
-eager latency. PyTorch's side: torch.profiler's CUDA kernel times over `--reps` eager forward passes of the
-same module in the same precision, grouped by kernel name. Prints two markdown tables per row: ephost's
-steps grouped by kind (and the ten longest steps), and PyTorch's ten longest kernels.
+eager latency; a step shorter than the host's launch interval (the float16 GEMMs, a cuDNN call's host
+work) reads as that interval. Kernel times without any host part: torch.profiler's CUDA kernel records
+(CUPTI) over `--reps` eager runs of the ephost session, and over as many eager forward passes of the same
+module in the same precision, grouped by kernel name. Prints per row: ephost's steps grouped by kind (and
+the ten longest steps), then ephost's and PyTorch's longest kernels.
 """
 
 from __future__ import annotations
@@ -88,25 +90,40 @@ def time_steps(cp, inst, reps: int) -> list[dict]:
              "us": float(np.median(t))} for i, (s, t) in enumerate(zip(steps, samples))]
 
 
-def torch_kernels(torch, module, feeds: dict, dtype, reps: int) -> list[dict]:
-    """PyTorch's CUDA kernels over `reps` eager forward passes: (name, µs per pass), longest first."""
+def profiled_kernels(torch, one_pass, reps: int) -> list[dict]:
+    """The CUDA kernels (CUPTI, through torch.profiler) of `reps` calls of one_pass(): (name, µs per pass),
+    longest first. Device times of the kernels themselves, whoever launched them: no host time in them."""
     from torch.profiler import ProfilerActivity, profile
 
-    args = [_torch_arg(torch, v, dtype) for v in feeds.values()]
-    with torch.inference_mode():
-        for _ in range(3):
-            module(*args)
+    for _ in range(3):
+        one_pass()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            one_pass()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                module(*args)
-            torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if total:
             rows.append({"name": event.key[:90], "us": total / reps, "calls": event.count // reps})
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def torch_kernels(torch, module, feeds: dict, dtype, reps: int) -> list[dict]:
+    """PyTorch's CUDA kernels over `reps` eager forward passes of the module."""
+    args = [_torch_arg(torch, v, dtype) for v in feeds.values()]
+
+    def one_pass():
+        with torch.inference_mode():
+            module(*args)
+    return profiled_kernels(torch, one_pass, reps)
+
+
+def _kernel_table(title: str, kernels: list[dict]) -> list[str]:
+    total = sum(k["us"] for k in kernels) or 1.0
+    lines = ["", f"| {title} ({total:.0f} µs a pass) | calls per pass | µs per pass | share |", "|---|---|---|---|"]
+    return lines + [f"| {k['name']} | {k['calls']} | {k['us']:.1f} | {k['us'] / total:.0%} |" for k in kernels[:12]]
 
 
 def by_kind(steps: list[dict]) -> list[tuple[str, int, float]]:
@@ -117,7 +134,7 @@ def by_kind(steps: list[dict]) -> list[tuple[str, int, float]]:
     return sorted(((k, n, t) for k, (n, t) in kinds.items()), key=lambda r: -r[2])
 
 
-def report(row: str, steps: list[dict], kernels: list[dict]) -> str:
+def report(row: str, steps: list[dict], kernels: list[dict], ours: list[dict]) -> str:
     total = sum(s["us"] for s in steps) or 1.0
     torch_total = sum(k["us"] for k in kernels) or 1.0
     lines = [f"### {row}: ephost {total:.0f} µs of plan steps, PyTorch {torch_total:.0f} µs of kernels", "",
@@ -126,8 +143,8 @@ def report(row: str, steps: list[dict], kernels: list[dict]) -> str:
     lines += ["", "| ephost's longest steps | kind | µs |", "|---|---|---|"]
     lines += [f"| {s['index']}: {s['name'][:60]} | {s['kind']} | {s['us']:.1f} |"
               for s in sorted(steps, key=lambda s: -s["us"])[:10]]
-    lines += ["", "| PyTorch's longest kernels | calls per pass | µs per pass | share |", "|---|---|---|---|"]
-    lines += [f"| {k['name']} | {k['calls']} | {k['us']:.1f} | {k['us'] / torch_total:.0%} |" for k in kernels[:10]]
+    lines += _kernel_table("ephost's kernels, eager runs", ours)
+    lines += _kernel_table("PyTorch's kernels", kernels)
     return "\n".join(lines)
 
 
@@ -167,11 +184,12 @@ def bench_row(row: str, precision: str, tf32: bool, reps: int, torch, env) -> di
         session.run_with_iobinding(binding)
     cp.cuda.Device().synchronize()
     steps = [s for _, inst in plan_instances(before) for s in time_steps(cp, inst, reps)]
+    ours = profiled_kernels(torch, lambda: session.run_with_iobinding(binding), reps)
     kernels = torch_kernels(torch, module, feeds, torch_dtype, reps)
     session = None
     gc.collect()
     return {"row": row, "precision": precision, "tf32": tf32, "device": torch.cuda.get_device_name(),
-            "steps": steps, "torch_kernels": kernels[:40]}
+            "steps": steps, "torch_kernels": kernels[:40], "ephost_kernels": ours[:40]}
 
 
 def main(argv=None) -> int:
@@ -192,7 +210,7 @@ def main(argv=None) -> int:
         res = bench_row(row, args.precision, bool(args.tf32), args.reps, torch, env)
         results.append(res)
         print(report(f"{row} {args.precision} tf32={args.tf32} ({res['device']})", res["steps"],
-                     res["torch_kernels"]), flush=True)
+                     res["torch_kernels"], res["ephost_kernels"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

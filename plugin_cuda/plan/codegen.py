@@ -501,7 +501,9 @@ def norm_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     a longer or symbolic one a block's, in passes over memory."""
     op = step.op
     cols = op.attrs["cols"]
-    rows = prog.values[op.inputs[0]].size // max(cols, 1)
+    # the shape's product, not Value.size (a plain int): a symbolic row count stays an expression, so the
+    # source (which bounds the warps by it) is the same for every signature
+    rows = math.prod(prog.values[op.inputs[0]].shape) // max(cols, 1)
     _check_size(prog, op.inputs + op.outputs)
     eps = f32_literal(op.attrs["eps"])
     has_bias = len(op.inputs) > 2

@@ -298,3 +298,28 @@ def test_an_expand_with_other_readers_still_needs_a_constant_shape():
     const = spec_from_onnx(_masked_attention_model(shape_is_input=False, extra_use=True))
     expand = next(n for n in const.nodes if n.name == "expand")
     assert unsupported_reason(const, expand, probe=PROBE_DIM) == ""  # a constant shape: the usual Expand
+
+
+def _norm_source(batch, seq):
+    """x[batch, seq, 8] -> LayerNormalization -> RMSNormalization: row kernels over symbolic row counts."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(np.full(8, 1.5, np.float32), "g"),
+             numpy_helper.from_array(np.full(8, 0.5, np.float32), "b")]
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], name="ln", axis=-1),
+             helper.make_node("RMSNormalization", ["n", "g"], ["y"], name="rms", axis=-1)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 23)])
+    spec = spec_from_onnx(model)
+    ins, outs = partition_io(spec)
+    special = specialize(spec, ins, [(batch, seq, 8)])
+    prog = lower(special, [special.values[i] for i in ins], [special.values[o] for o in outs])
+    return codegen.generate(prog, build_steps(prog, tiled=True), "ep_k")[0]
+
+
+def test_norm_kernels_bound_their_warps_by_the_symbolic_row_count():
+    # one warp per row, the last block's spare warps leaving at the row count: an expression of S0 and
+    # S1, never the signature's number (which would compile a module per shape)
+    a = _norm_source(3, 50)
+    assert a == _norm_source(8, 128)
+    assert "150" not in a and "S0*S1" in a
