@@ -115,6 +115,21 @@ def test_layout_plan_matches_onnx_reference(cp, name):
             np.testing.assert_allclose(cp.asnumpy(got), exp, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(exp).max())))
 
 
+def _check_row_kernel(cp, model, x, want, kind: str, tolerance: tuple) -> None:
+    """The plan of a one-row-kernel model gives `want` on `x`, from a warp per row where the row has at
+    most codegen.WARP_ROW_COLS columns (in registers, WARP_ROWS_PER_BLOCK rows to a block), else a block's."""
+    from plugin_cuda.plan import codegen
+
+    rows, cols = x.shape
+    with build(model) as plan:
+        (got,) = Runner(cp, plan)([x])
+        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=tolerance[0], atol=tolerance[1])
+        (spec,) = [s for s in plan.eager.specs if s is not None and s.step.kind == kind]
+        warp = cols <= codegen.WARP_ROW_COLS
+        assert spec.grid[0] == (-(-rows // codegen.WARP_ROWS_PER_BLOCK) if warp else rows)
+        assert ("float v[" in spec.source) == warp
+
+
 def _softmax_model(op: str, rows: int, cols: int):
     from onnx import TensorProto, helper
 
@@ -133,8 +148,6 @@ def test_softmax_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, 
     4 rows to a block; 7 rows leave the last block's last warp without a row), a longer row a block's;
     both give NumPy's float64 result, with large logits and a very negative one per row (onnx's reference
     gives -inf for its LogSoftmax: log of an exponential that underflowed, where x - max - log(sum) is finite)."""
-    from plugin_cuda.plan import codegen
-
     rows = 7
     model = _softmax_model(op, rows, cols)
     x = (np.random.default_rng(cols).standard_normal((rows, cols)) * 20).astype(np.float32)
@@ -142,13 +155,7 @@ def test_softmax_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, 
     shifted = x.astype(np.float64) - x.max(-1, keepdims=True)
     log_sum = np.log(np.exp(shifted).sum(-1, keepdims=True))
     want = shifted - log_sum if op == "LogSoftmax" else np.exp(shifted - log_sum)
-    with build(model) as plan:
-        (got,) = Runner(cp, plan)([x])
-        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-6)
-        (spec,) = [s for s in plan.eager.specs if s is not None and s.step.kind == "softmax"]
-        warp = cols <= codegen.WARP_ROW_COLS
-        assert spec.grid[0] == (-(-rows // codegen.WARP_ROWS_PER_BLOCK) if warp else rows)
-        assert ("float v[" in spec.source) == warp
+    _check_row_kernel(cp, model, x, want, "softmax", tolerance=(1e-5, 1e-6))
 
 
 def _norm_model(op: str, rows: int, cols: int, rng):
@@ -171,8 +178,6 @@ def test_norm_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, col
     """codegen.norm_kernel: LayerNorm (scale and bias) and RMSNorm rows of up to WARP_ROW_COLS columns in one
     warp's registers, longer ones in a block's passes; against NumPy's float64 statistics, on rows with a
     large offset (a one-pass variance would lose them)."""
-    from plugin_cuda.plan import codegen
-
     rows = 7
     rng = np.random.default_rng(cols)
     model = _norm_model(op, rows, cols, rng)
@@ -184,13 +189,7 @@ def test_norm_rows_take_a_warp_up_to_1024_columns_and_a_block_beyond(cp, op, col
         want = centred / np.sqrt((centred ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias[0]
     else:
         want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * scale
-    with build(model) as plan:
-        (got,) = Runner(cp, plan)([x])
-        np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-4, atol=1e-4)
-        (spec,) = [s for s in plan.eager.specs if s is not None and s.step.kind == "norm"]
-        warp = cols <= codegen.WARP_ROW_COLS
-        assert spec.grid[0] == (-(-rows // codegen.WARP_ROWS_PER_BLOCK) if warp else rows)
-        assert ("float v[" in spec.source) == warp
+    _check_row_kernel(cp, model, x, want, "norm", tolerance=(1e-4, 1e-4))
 
 
 def _projected_attention(batch=3, seq=5, kv_seq=7, heads=4, size=8, gqa=1, project_out=False):
