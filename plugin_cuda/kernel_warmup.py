@@ -30,7 +30,7 @@ def warm_up(ep, graph, node, adapter) -> bool:
 
     first = getattr(ep, "first_stream", None)  # None: a stand-in EP (CPU tests)
     state = None if first is None or ep.opts.has_user_compute_stream else first()
-    specs = _input_specs(graph, node) if state is not None else None
+    specs = input_specs(graph, node) if state is not None else None
     if state is None or specs is None:
         stats["skipped"] += 1
         return False
@@ -61,9 +61,27 @@ def warm_up(ep, graph, node, adapter) -> bool:
     return True
 
 
-def _input_specs(graph, node) -> list | None:
-    """(shape, dtype) per input (None for an absent optional one); None when one is not fully known
-    or empty (an index 0 would then be out of range)."""
+# The size a symbolic dim (dynamic batch, sequence) takes in a warm-up. CuPy compiles an elementwise
+# kernel per dtype and per rank left after it merges contiguous axes and drops size-1 ones, so a
+# dim of 1 warms a different variant from the one every later size > 1 runs: at a new shape of a
+# dynamic export on a fresh machine, CuPy compiled the per-node kernels in front of BERT's plan
+# again (274 ms at 8x128 after 1x16; docs/dynamic_shapes.md). 7: > 1, small, not a power of two.
+PROBE_DIM = 7
+# Ops warmed at probe sizes: CuPy code that checks its shapes (broadcasting, indexing) and fails
+# cleanly on sizes that do not fit. A raw kernel fed sizes its inputs do not satisfy could read out
+# of bounds, and a device fault ends the CUDA context, not just the warm-up.
+PROBE_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Sqrt", "Exp", "Log", "Tanh", "Sigmoid", "Erf",
+    "Relu", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Where",
+    "Cast", "Gather", "Expand", "Unsqueeze", "Squeeze", "Reshape", "Concat", "Transpose", "Min", "Max",
+})
+
+
+def input_specs(graph, node) -> list | None:
+    """(shape, dtype) per input (None for an absent optional one), symbolic dims set to PROBE_DIM
+    for PROBE_OPS; None when a rank or a type is unknown, a dim is 0 (an index 0 would then be out
+    of range) or symbolic in another op."""
+    probe = node.op_type in PROBE_OPS and node.domain in ("", "ai.onnx")
     specs = []
     for v in node.inputs:
         if v < 0:
@@ -71,9 +89,11 @@ def _input_specs(graph, node) -> list | None:
             continue
         value = graph.values[v]
         shape = value.shape
-        if shape is None or any(d is None or d <= 0 for d in shape) or not value.elem_type:
+        symbolic = shape is not None and any(d is None or d < 0 for d in shape)
+        if shape is None or any(d == 0 for d in shape) or not value.elem_type or symbolic and not probe:
             return None
-        specs.append((tuple(int(d) for d in shape), to_numpy(value.elem_type)))
+        dims = tuple(PROBE_DIM if d is None or d < 0 else int(d) for d in shape)
+        specs.append((dims, to_numpy(value.elem_type)))
     return specs
 
 
