@@ -28,13 +28,14 @@ stats = {"hits": 0, "searches": 0}
 
 
 def lt_key(cc: str, m: int, n: int, k: int, epilogue: str, compute_type: int, data_type: int,
-           workspace_bytes: int = 0) -> str:
+           workspace_bytes: int = 0, trans_b: bool = False) -> str:
     """A cuBLASLt GEMM's key: `data_type` is the operands' cudaDataType (an algorithm found for one
     type is not valid for another), `workspace_bytes` the most it may use (one found for more may need
-    more). Sizes are keyed by value: a symbolic plan's sizes are SymInts, which format as their C
-    expression ("S0*S1"), the same for every signature."""
+    more), `trans_b` B's layout. Sizes are keyed by value: a symbolic plan's sizes are SymInts, which
+    format as their C expression ("S0*S1"), the same for every signature."""
     ws = f"|ws{int(workspace_bytes)}" if workspace_bytes else ""
-    return f"cublaslt|cc{cc}|{int(m)}x{int(n)}x{int(k)}|{epilogue}|{compute_type}|t{data_type}{ws}"
+    tb = "|tb" if trans_b else ""
+    return f"cublaslt|cc{cc}|{int(m)}x{int(n)}x{int(k)}|{epilogue}|{compute_type}|t{data_type}{ws}{tb}"
 
 
 def _ints(xs) -> list[int]:

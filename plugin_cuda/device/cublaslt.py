@@ -28,6 +28,7 @@ from plugin_cuda.device.cublas import CublasError, check, open_first
 ffi = outofline.ffi_of("_ephost_cublaslt", cdefs.CUBLASLT)  # parsed once, at build (abi/outofline.py)
 
 CUDA_R_32F = 0
+CUBLAS_OP_T = 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 PREF_MAX_WORKSPACE_BYTES = 1
 # The plan's epilogue names -> cublasLtEpilogue_t
@@ -97,10 +98,12 @@ class EpilogueGemm:
     cublasLtMatmul; `epilogue` in EPILOGUES. A, B, out and the bias are of `data_type` (CUDA_R_32F,
     or CUDA_R_16F / CUDA_R_16BF with compute_type CUBLAS_COMPUTE_32F; alpha and beta are float32
     either way). The bias address is fixed; A, B and out are given per call (see __call__), the
-    stream and a workspace of `workspace_bytes` (the most the algorithm may use) too."""
+    stream and a workspace of `workspace_bytes` (the most the algorithm may use) too. `trans_b`: B is
+    stored (N, K) and read transposed (K-major, as PyTorch's Linear weights; fuse.k_major_weights)."""
 
     def __init__(self, device_id: int, m: int, n: int, k: int, alpha: float, bias_ptr: int, epilogue: str,
-                 compute_type: int, what: str, data_type: int = CUDA_R_32F, workspace_bytes: int = 0):
+                 compute_type: int, what: str, data_type: int = CUDA_R_32F, workspace_bytes: int = 0,
+                 trans_b: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"{what}: epilogue {epilogue!r}; allowed: {sorted(EPILOGUES)}")
         lib = self.lib = load_library()
@@ -110,8 +113,9 @@ class EpilogueGemm:
         check(lib.cublasLtMatmulDescCreate(box, compute_type, CUDA_R_32F), f"{what}: cublasLtMatmulDescCreate")
         self.desc = box[0]
         layouts = []
-        # Row-major C = A @ B is column-major C^T = B^T A^T: the first operand is B (N x K), then A.
-        for rows, cols in ((n, k), (k, m), (n, m)):
+        # Row-major C = A @ B is column-major C^T = B^T A^T: the first operand is B (N x K), then A. A B
+        # stored (N, K) is (K x N) column-major, transposed by the call (TRANSA: the first operand's).
+        for rows, cols in ((k, n) if trans_b else (n, k), (k, m), (n, m)):
             lbox = ffi.new("cublasLtMatrixLayout_t *")
             check(lib.cublasLtMatrixLayoutCreate(lbox, data_type, rows, cols, rows), f"{what}: cublasLtMatrixLayoutCreate")
             layouts.append(lbox[0])
@@ -121,13 +125,15 @@ class EpilogueGemm:
         self.layouts = layouts
         self._finalizer = weakref.finalize(self, destroy_matmul, lib, self.desc, layouts, self.pref)
         self._set(DESC_EPILOGUE, ffi.new("uint32_t *", EPILOGUES[epilogue]), 4)
+        if trans_b:
+            self._set(DESC_TRANSA, ffi.new("int32_t *", CUBLAS_OP_T), 4)
         self._set(DESC_BIAS_POINTER, ffi.new("void **", ffi.cast("void *", bias_ptr)), ffi.sizeof("void *"))
         self.workspace_bytes = int(workspace_bytes)
         limit = ffi.new("uint64_t *", self.workspace_bytes)
         check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, PREF_MAX_WORKSPACE_BYTES, limit, 8),
               f"{what}: cublasLtMatmulPreferenceSetAttribute")
         key = algo_cache.lt_key(compute_capability(device_id), m, n, k, epilogue, compute_type, data_type,
-                                self.workspace_bytes)
+                                self.workspace_bytes, trans_b)
         saved = algo_cache.lookup(key)
         if saved is not None and len(bytes.fromhex(saved)) == ffi.sizeof("cublasLtMatmulAlgo_t"):
             # The heuristic's earlier answer for this device, shape, type and epilogue (a disk cache or context).

@@ -93,7 +93,7 @@ class Plan:
             # the shape and be compiled again (plan/symint.py).
             capture = True
         eager_tiled, graph_tiled = capture is not True, capture is False
-        eager_steps = build_steps(prog, tiled=eager_tiled)
+        eager_steps = build_steps(prog, tiled=eager_tiled, k_major=self.use_tf32)
         seen: dict = {}  # kernel bodies of the module: a graph step's kernel may be an eager one's
         source, eager_specs = codegen.generate(prog, eager_steps, "ep_k", seen=seen)
         if graph_tiled == eager_tiled:
@@ -101,7 +101,7 @@ class Plan:
             # which halves the host time of a new input-shape signature's plan spent here.
             graph_steps, graph_source = eager_steps, source
         else:
-            graph_steps = build_steps(prog, tiled=graph_tiled)
+            graph_steps = build_steps(prog, tiled=graph_tiled, k_major=self.use_tf32)
             graph_source, graph_specs = codegen.generate(prog, graph_steps, "ep_k")
         self._resolve_locations()
         self.eager = _Variant("eager", eager_steps, eager_specs)
@@ -531,6 +531,18 @@ class _Instance:
         self._stage_mem = None
 
 
+def epilogue_gemm(plan, step, bias_ptr: int, compute: int, data_type: int):
+    """The cuBLASLt GEMM of a step with an epilogue (made by the step's first run, or ahead of it by
+    prechoose.py: one place, so both make it under the same algo_cache key)."""
+    op = step.op
+    a_shape, b_shape = plan.prog.values[op.inputs[0]].shape, plan.prog.values[op.inputs[1]].shape
+    trans_b = bool(op.attrs["trans_b"])
+    n, k = b_shape if trans_b else b_shape[::-1]
+    return cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]), bias_ptr,
+                                 op.attrs["epilogue"], compute, f"plan step '{step.name}'", data_type,
+                                 cublas.WORKSPACE_BYTES, trans_b)
+
+
 def _pointer_table(g, bases: list, sizes) -> np.ndarray:
     """(3, calls x batch) uint64 addresses of every A, B and C matrix of `g`'s strided calls, call-major.
     In NumPy over plain ints: a symbolic plan's sizes are SymInts, whose every operation also builds its
@@ -585,11 +597,13 @@ class _CublasStep:
             return
         trans_a, trans_b = op.attrs["trans_a"], op.attrs["trans_b"]
         if trans_a or trans_b:
-            m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
+            # A transposed is a 2-D Gemm's; B transposed alone (fuse.k_major_weights) takes any A as its
+            # M = prod(leading dims) rows
+            m, k = (a_shape[1], a_shape[0]) if trans_a else (math.prod(a_shape[:-1]), a_shape[-1])
             n = b_shape[0] if trans_b else b_shape[1]
             args = [self.raw, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                     cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k,
-                    self.alpha, (1, 0), tb, b_shape[1], (0, 0), ta, a_shape[1],
+                    self.alpha, (1, 0), tb, b_shape[1], (0, 0), ta, a_shape[-1],
                     zero, (2, 0), tc, n, compute, cublas.CUBLAS_GEMM_DEFAULT]
             self._add(self.lib.cublasGemmEx, args, ptrs)
             return
@@ -649,13 +663,9 @@ class _CublasStep:
         ext_index, bias = inst.address(op.inputs[2], variant)
         if ext_index is not None:  # fuse folds only constant biases: their address never changes
             raise PlanError(f"GEMM '{self.name}': its epilogue bias is a call input; expected a constant")
-        k, n = b_shape
         plan = inst.plan
-        gemm = plan.epilogue_gemm(
-            (variant.name, id(step)),
-            lambda: cublaslt.EpilogueGemm(plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]),
-                                          bias, op.attrs["epilogue"], compute, f"plan step '{self.name}'",
-                                          data_type, cublas.WORKSPACE_BYTES))
+        gemm = plan.epilogue_gemm((variant.name, id(step)),
+                                  lambda: epilogue_gemm(plan, step, bias, compute, data_type))
         if self.handle.workspace_bytes < gemm.workspace_bytes:
             raise PlanError(f"GEMM '{self.name}': the stream's cuBLAS workspace has {self.handle.workspace_bytes} "
                             f"bytes; its cuBLASLt algorithm was chosen for {gemm.workspace_bytes}")

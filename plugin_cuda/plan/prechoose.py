@@ -9,12 +9,11 @@ the cuDNN setup in cudnn_conv's memo, the cuBLASLt GEMM in the plan's own table)
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from plugin_cuda.device import cublas, cublaslt, cudnn_conv
 from plugin_cuda.plan import cudnn_step
+from plugin_cuda.plan.plan import epilogue_gemm
 
 
 def make_choices(plan) -> None:
@@ -64,9 +63,7 @@ def _epilogue_gemm(plan, step, variant) -> None:
     kind, where = plan.location(op.inputs[2], variant)
     if kind != "const":  # the step refuses such a bias at its first run
         return
-    a_shape, (k, n) = plan.prog.values[op.inputs[0]].shape, plan.prog.values[op.inputs[1]].shape
     compute = cublas.gemm_types(np.dtype(np.float32), plan.use_tf32)[1]
     with plan.cupy.cuda.Device(plan.device_id):
-        plan.epilogue_gemm((variant.name, id(step)), lambda: cublaslt.EpilogueGemm(
-            plan.device_id, math.prod(a_shape[:-1]), n, k, float(op.attrs["alpha"]), plan._const_base + where,
-            op.attrs["epilogue"], compute, f"plan step '{step.name}'", cublaslt.CUDA_R_32F, cublas.WORKSPACE_BYTES))
+        plan.epilogue_gemm((variant.name, id(step)), lambda: epilogue_gemm(
+            plan, step, plan._const_base + where, compute, cublaslt.CUDA_R_32F))

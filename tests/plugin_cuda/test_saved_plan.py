@@ -377,6 +377,11 @@ def test_lt_keys_name_the_data_type():
     assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 2)
 
 
+def test_lt_keys_name_the_weight_layout():
+    assert algo_cache.lt_key("90", 8, 16, 32, "bias", 77, 0, 32 << 20, True) != \
+        algo_cache.lt_key("90", 8, 16, 32, "bias", 77, 0, 32 << 20)
+
+
 def test_lt_keys_name_the_workspace_an_algorithm_was_chosen_for():
     # an algorithm found for 32 MiB may need some of it: never reused where the call gets none
     assert algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0) != algo_cache.lt_key("90", 8, 16, 32, "bias", 68, 0, 32 << 20)
@@ -473,7 +478,22 @@ def test_choices_are_made_at_creation_under_the_keys_the_first_run_uses(monkeypa
     # m = 4 * 16 rows, n = 48, k = 32; the bias at the constant base + its offset; fp32 compute without TF32,
     # float32 operands and the stream's cuBLAS workspace (the first run's step passes the same)
     assert made == {("eager", id(steps[1])): ("gemm", 0, 64, 48, 32, 0.5, 4096 + 512, "relu_bias", 68,
-                                              "plan step 'fc0'", 0, 32 << 20)}
+                                              "plan step 'fc0'", 0, 32 << 20, False)}
+
+
+def test_a_k_major_weight_is_chosen_for_transposed(monkeypatch):
+    # fuse.k_major_weights: B stored (N, K) = (48, 32) and read transposed: the same m, n, k, with trans_b
+    from plugin_cuda.device import cublaslt, cudnn_conv
+    from plugin_cuda.plan import prechoose
+    from plugin_cuda.plan.program import Value
+
+    plan, steps, made = _stand_in_plan([])
+    plan.prog.values[5] = Value(5, "wt^T", (48, 32))
+    steps[1].op.attrs["trans_b"] = True
+    monkeypatch.setattr(cudnn_conv, "setup", lambda *a: None)
+    monkeypatch.setattr(cublaslt, "EpilogueGemm", lambda *a: ("gemm", *a))
+    prechoose.make_choices(plan)
+    assert made[("eager", id(steps[1]))][2:5] == (64, 48, 32) and made[("eager", id(steps[1]))][-1] is True
 
 
 def test_a_failing_choice_is_left_to_the_first_run(monkeypatch):
