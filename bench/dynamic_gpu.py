@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import tempfile
 import threading
@@ -151,6 +152,8 @@ def run_shape(ctx, shape: str) -> str:
     t, compiles = time.perf_counter(), nvrtc.stats["compiles"]
     profiled(run, ctx, shape)
     first, compiles = (time.perf_counter() - t) * 1e3, nvrtc.stats["compiles"] - compiles
+    if args.dump_compiles and compiles:
+        dump_compiles(nvrtc, compiles, Path(args.dump_compiles), shape)
     ours = timed(run, args.iters)
     if args.profile_steady:
         steady_profile(run, args.profile_steady, shape)
@@ -172,6 +175,16 @@ def run_shape(ctx, shape: str) -> str:
         outputs.append(replayed)
     errs = [float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)) for out in outputs]
     return row + " " + " / ".join(f"{e:.1e}" for e in errs) + " |"
+
+
+def dump_compiles(nvrtc, count: int, folder: Path, shape: str) -> None:
+    """Write the sources of the last `count` NVRTC compiles (a new shape's first run) to `folder`, and
+    print their kernel names: diffing them against an earlier shape's shows the literal that differs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for digest, source in list(nvrtc.recent)[-count:]:
+        (folder / f"{shape}-{digest[:12]}.cu").write_text(source)
+        names = re.findall(r"__global__\s+void\s+(\w+)", source)
+        print(f"  compiled at {shape}: {digest[:12]} ({len(source)} chars): {', '.join(names[:6])}")
 
 
 def profiled(run, ctx, shape: str) -> None:
@@ -261,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--option", action="append", default=[], help="CUDA provider option KEY=VALUE (repeatable)")
     p.add_argument("--profile-steady", type=int, default=0, metavar="N",
                    help="also print where the host spends N eager runs at each shape (cProfile, own time)")
+    p.add_argument("--dump-compiles", metavar="DIR",
+                   help="write each source NVRTC compiles in a shape's first run to DIR, named by shape")
     p.add_argument("--profile-first", action="store_true",
                    help="print where the host spends the first run at each new shape (cProfile, top 25)")
     p.add_argument("--churn", type=int, default=0, metavar="N",

@@ -47,12 +47,12 @@ def warm_up(ep, graph, node, adapter) -> bool:
         prefetch.join()
     try:
         if recipe is None:
-            run(ep, adapter, specs, state)
+            run(ep, adapter, specs, state, host_fills(graph, node, specs))
             payloads = {}
         else:  # what CuPy compiles or loads for it goes into the context too (cupy_cache.py)
             cupy_cache.install()
             with cupy_cache.recording() as payloads:
-                run(ep, adapter, specs, state)
+                run(ep, adapter, specs, state, host_fills(graph, node, specs))
     except Exception:  # noqa: BLE001 - see the module docstring: the first real call does it
         stats["failed"] += 1
         return False
@@ -97,8 +97,24 @@ def input_specs(graph, node) -> list | None:
     return specs
 
 
-def run(ep, adapter, specs, state) -> None:
-    """`adapter`'s kernel once on zeros of `specs` on `state`'s stream, its blocks freed after."""
+def host_fills(graph, node, specs) -> dict:
+    """Input position -> the host value a warm-up feeds instead of zeros, where zeros would make the
+    call fail before it reaches CuPy: an Expand whose target the host's shape program computes (BERT's
+    token types and mask, [batch, seq]) takes its output's dims, symbolic ones at PROBE_DIM, so the
+    broadcasting copy a later shape runs is compiled (87 ms of BERT's 8x128 first run otherwise)."""
+    if node.op_type != "Expand" or len(specs) < 2 or specs[1] is None or len(specs[1][0]) != 1:
+        return {}
+    rank = specs[1][0][0]
+    out = graph.values[node.outputs[0]].shape
+    if out is None or len(out) != rank:
+        return {1: np.full(rank, PROBE_DIM, np.int64)}
+    return {1: np.array([PROBE_DIM if d is None or d < 0 else int(d) for d in out], np.int64)}
+
+
+def run(ep, adapter, specs, state, fills=None) -> None:
+    """`adapter`'s kernel once on zeros of `specs` on `state`'s stream, its blocks freed after.
+    `fills`: host inputs given other values than zeros (host_fills)."""
+    fills = fills or {}
     cp = ep.cupy
     host = adapter.kernel.host_inputs
     with ep.device, state.stream:
@@ -109,6 +125,8 @@ def run(ep, adapter, specs, state) -> None:
                 const = adapter.constants.get(i)  # a host input's constant (shapes, axes)
                 if spec is None or const is not None:
                     inputs.append(None if spec is None else const)
+                elif i in fills:
+                    inputs.append(fills[i])
                 else:
                     inputs.append(np.zeros(*spec) if i in host else cp.zeros(*spec))
             adapter.kernel.compute(_Call(ep, adapter, inputs, state))

@@ -17,6 +17,7 @@ CuPy's ElementwiseKernels (`elementwise_table`) compile through CuPy's own cache
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import os
@@ -41,6 +42,9 @@ _modules: dict = {}
 _lock = threading.Lock()
 _provided: dict = {}  # (architecture, source hash) -> binary: a saved context's modules (provide)
 stats = {"hits": 0, "compiles": 0, "compile_seconds": 0.0, "provided": 0, "disk": 0, "fallback": 0}
+# The sources compiled last, newest at the end (digest, source): which module a new shape compiled,
+# for a benchmark to show (bench/dynamic_gpu.py --dump-compiles); bounded, the sources are tens of kB.
+recent = collections.deque(maxlen=8)
 
 
 def source_hash(source: str) -> str:
@@ -121,6 +125,7 @@ def _module(cp, source: str, digest: str, arch: str) -> Module:
         mod = Module(_load_binary(cp, binary), digest, arch, binary)
     stats["compiles"] += 1
     stats["compile_seconds"] += time.perf_counter() - t0
+    recent.append((digest, source))
     return mod
 
 

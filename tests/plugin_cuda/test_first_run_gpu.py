@@ -131,9 +131,11 @@ def test_per_node_kernels_run_once_at_creation(cp, genv, name):
           f"{', '.join(f'{t:.2f}' for t in times)} ms")
 
 
-def _embedding_model(batch=2, seq=8) -> onnx.ModelProto:
+def _embedding_model(batch=2, seq=8, expand=False) -> onnx.ModelProto:
     """ids -> Gather(table) -> Where(mask, ., 0) -> MatMul -> Relu: the Gather, Cast and Where are
-    per-node kernels (a plan lowers none of them), the MatMul and Relu a compiled partition."""
+    per-node kernels (a plan lowers none of them), the MatMul and Relu a compiled partition.
+    `expand`: a second output, a (1, 1, 16) row expanded to Shape(Gather's output), as BERT expands its
+    token types to the ids' shape (a per-node Expand whose target the host's shape program computes)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(5)
@@ -146,10 +148,15 @@ def _embedding_model(batch=2, seq=8) -> onnx.ModelProto:
              helper.make_node("Where", ["m3", "e", "zero"], ["em"]),
              helper.make_node("MatMul", ["em", "w"], ["y0"]), helper.make_node("Relu", ["y0"], ["y"])]
     axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, 16])]
+    initializers = [table, w, zero, axes]
+    if expand:
+        initializers.append(numpy_helper.from_array(rng.standard_normal((1, 1, 16)).astype(np.float32), "row"))
+        nodes += [helper.make_node("Shape", ["e"], ["e_shape"]), helper.make_node("Expand", ["row", "e_shape"], ["rows"])]
+        outputs.append(helper.make_tensor_value_info("rows", TensorProto.FLOAT, [batch, seq, 16]))
     graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, [batch, seq]),
                                                helper.make_tensor_value_info("mask", TensorProto.INT64, [batch, seq])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, 16])],
-                              [table, w, zero, axes])
+                              outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10  # the GPU machine's onnxruntime refuses newer IRs
     return model
@@ -245,8 +252,9 @@ def test_a_context_session_loads_the_per_node_kernels_cupy_compiled_when_it_was_
 
 
 def test_dynamic_per_node_kernels_are_warmed_at_a_probe_size(cp, genv):
-    """With dynamic batch and sequence, the per-node Gather, Cast, Unsqueeze and Where run at creation
-    with every symbolic dim 7 (kernel_warmup.PROBE_DIM), so a later shape whose dims are all > 1 finds
+    """With dynamic batch and sequence, the per-node Gather, Cast, Unsqueeze, Where and Expand run at
+    creation with every symbolic dim 7 (kernel_warmup.PROBE_DIM; the Expand's computed target is its
+    output's dims, kernel_warmup.host_fills), so a later shape whose dims are all > 1 finds
     CuPy's kernels compiled: no kernel is compiled or loaded from CuPy's cache in its first run (the
     first run of a new shape on a fresh machine compiled them, docs/dynamic_shapes.md). The session's
     first shape, (1, 1), may compile: CuPy's variants for size-1 axes, which are those a warm-up at
@@ -257,15 +265,16 @@ def test_dynamic_per_node_kernels_are_warmed_at_a_probe_size(cp, genv):
     if cupy_cache.install() is None:
         pytest.skip("this CuPy has no kernel cache backend hook to observe its compiles through")
     ort = pytest.importorskip("onnxruntime")
-    model = _embedding_model("batch", "seq")
+    model = _embedding_model("batch", "seq", expand=True)
     before = kernel_warmup.stats["warmed"]
     with InferenceSession(model.SerializeToString(), providers=[(CUDA, OPTIONS)], env=genv) as s:
-        assert kernel_warmup.stats["warmed"] - before >= 3  # Gather, Cast, Where (Unsqueeze: a view)
+        assert kernel_warmup.stats["warmed"] - before >= 4  # Gather, Cast, Where, Expand (Unsqueeze: a view)
         want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(3)
         for batch, seq in ((1, 1), (3, 11), (5, 4)):
             feeds = {"ids": rng.integers(0, 50, (batch, seq)), "mask": rng.integers(0, 2, (batch, seq))}
             with cupy_cache.recording() as compiled:
-                got = s.run(None, feeds)[0]
+                got = s.run(None, feeds)
             assert batch == 1 or not compiled, f"CuPy compiled or loaded {sorted(compiled)} at {batch}x{seq}"
-            np.testing.assert_allclose(got, want.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+            for mine, theirs in zip(got, want.run(None, feeds), strict=True):
+                np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from plugin_cuda.kernel_warmup import PROBE_DIM, input_specs
+from plugin_cuda.kernel_warmup import PROBE_DIM, host_fills, input_specs
 
 FLOAT, INT64 = 1, 7
 
@@ -43,3 +43,28 @@ def test_symbolic_dims_of_other_ops_are_not_warmed(op, domain):
 @pytest.mark.parametrize("shape, elem_type", [(None, FLOAT), ((0, 4), FLOAT), ((2, 4), 0)])
 def test_unknown_rank_type_or_empty_input_is_not_warmed(shape, elem_type):
     assert input_specs(_graph((shape, elem_type)), _node("Add", [0, 0])) is None
+
+
+def _expand_graph(out_shape):
+    graph = _graph(((1, None), INT64), ((2,), INT64), (out_shape, INT64))
+    return graph, SimpleNamespace(op_type="Expand", inputs=[0, 1], outputs=[2], domain="")
+
+
+def test_a_computed_expand_target_takes_its_outputs_dims_at_the_probe_size():
+    # BERT's token types: (1, seq) expanded to the ids' (batch, seq), a target the host computes.
+    graph, node = _expand_graph((-1, None))
+    fills = host_fills(graph, node, input_specs(graph, node))
+    assert list(fills) == [1] and fills[1].tolist() == [PROBE_DIM, PROBE_DIM]
+    graph, node = _expand_graph((4, -1))
+    assert host_fills(graph, node, input_specs(graph, node))[1].tolist() == [4, PROBE_DIM]
+
+
+def test_an_expand_without_an_output_rank_broadcasts_to_the_probe_size():
+    graph, node = _expand_graph(None)
+    assert host_fills(graph, node, input_specs(graph, node))[1].tolist() == [PROBE_DIM, PROBE_DIM]
+
+
+def test_other_ops_take_zeros():
+    graph = _graph(((-1, 4), FLOAT), ((2,), INT64))
+    node = SimpleNamespace(op_type="Reshape", inputs=[0, 1], outputs=[0], domain="")
+    assert host_fills(graph, node, input_specs(graph, node)) == {}
