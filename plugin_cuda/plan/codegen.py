@@ -583,6 +583,14 @@ def transpose_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], n, line, step)
 
 
+def count(prog: Program, vid: int) -> int:
+    """Value `vid`'s element count as its shape's product: with symbolic dims a SymInt whose source is
+    an expression of them, where Value.size is the signature's plain number. A bound written from
+    Value.size made the source, hence the module, differ per shape: the Llama plan's RotaryEmbedding
+    compiled once more at every new (batch, seq)."""
+    return math.prod(prog.values[vid].shape)
+
+
 def _elementwise_spec(prog: Program, name: str, params: list, n: int, body: str, step: Step,
                       consts: int = 1) -> KernelSpec:
     """A one-thread-per-output-element kernel: `consts` read-only pointers then the output p{consts},
@@ -621,7 +629,7 @@ def rotary_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     """RotaryEmbedding: element d < rot of a head is rotated with its partner (d +- rot/2, or its
     neighbour when interleaved) by the cos/sin of its token; the rest is copied."""
     op, a = step.op, step.op.attrs
-    n = prog.values[op.outputs[0]].size
+    n = count(prog, op.outputs[0])
     _check_size(prog, op.inputs + op.outputs)
     size, seq, rot, half = a["size"], a["seq"], a["rot"], a["rot"] // 2
     row = f"{a['heads'] * size}" if a["seq_major"] else f"{size}"  # elements between two tokens of a head
@@ -709,7 +717,7 @@ def conv_partial_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     of its group, for every output element (slice-major output; slice_sum adds them)."""
     op = step.op
     slices = op.attrs["slices"]
-    n = prog.values[op.outputs[0]].size // slices
+    n = count(prog, op.outputs[0]) // slices
     cpg = prog.values[op.inputs[1]].shape[1]
     chunk = -(-cpg // slices)
     _check_size(prog, op.inputs + op.outputs)
@@ -745,7 +753,7 @@ def pool_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
             + (f"      else {outside}\n" if outside else "")
             + "    }\n  }\n"
             f"  {store(prog, op.outputs[0], 'p1', 'i', result)}\n")
-    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
+    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], count(prog, op.outputs[0]), body, step)
 
 
 def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
@@ -755,7 +763,7 @@ def mean_kernel(prog: Program, step: Step, name: str) -> KernelSpec:
     body = (f"  const {ctype(prog, op.inputs[0])}* xr = p0 + (long long)i * {inner};\n"
             f"  float s = 0.0f;\n  for (int k = 0; k < {inner}; ++k) s += {load(prog, op.inputs[0], 'xr[k]')};\n"
             f"  {store(prog, op.outputs[0], 'p1', 'i', f's * {f32_literal(1.0 / inner)}')}\n")
-    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], prog.values[op.outputs[0]].size, body, step)
+    return _elementwise_spec(prog, name, [op.inputs[0], op.outputs[0]], count(prog, op.outputs[0]), body, step)
 
 
 def flash_attention_kernel(prog: Program, step: Step, name: str) -> KernelSpec:

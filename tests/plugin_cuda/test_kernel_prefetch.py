@@ -141,7 +141,7 @@ def test_create_kernel_waits_for_the_replay_before_its_own_call(monkeypatch):
     """kernel_warmup.warm_up joins the EP's replay first (no kernel compiled by two threads), then makes
     its own call, covered or not (left out, run 1 compiled the kernels again on the H200)."""
     events = []
-    monkeypatch.setattr(kernel_warmup, "run", lambda ep, adapter, specs, state: events.append(("run", specs)))
+    monkeypatch.setattr(kernel_warmup, "run", lambda ep, adapter, specs, state, fills=None: events.append(("run", specs)))
     graph, node = _graph_and_node()
     before = dict(kernel_warmup.stats)
     for covered in (True, False):

@@ -300,21 +300,37 @@ def test_an_expand_with_other_readers_still_needs_a_constant_shape():
     assert unsupported_reason(const, expand, probe=PROBE_DIM) == ""  # a constant shape: the usual Expand
 
 
+def _symbolic_source(nodes, inputs, shapes, inits=(), opset=23) -> str:
+    """The CUDA source of the plan of `nodes` over `inputs` (value infos with symbolic dims), for the
+    signature `shapes` (one per input)."""
+    y = helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, [y], list(inits)),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    spec = spec_from_onnx(model)
+    ins, outs = partition_io(spec)
+    special = specialize(spec, ins, shapes)
+    prog = lower(special, [special.values[i] for i in ins], [special.values[o] for o in outs])
+    return codegen.generate(prog, build_steps(prog, tiled=True), "ep_k")[0]
+
+
 def _norm_source(batch, seq):
     """x[batch, seq, 8] -> LayerNormalization -> RMSNormalization: row kernels over symbolic row counts."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     inits = [numpy_helper.from_array(np.full(8, 1.5, np.float32), "g"),
              numpy_helper.from_array(np.full(8, 0.5, np.float32), "b")]
     nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["n"], name="ln", axis=-1),
              helper.make_node("RMSNormalization", ["n", "g"], ["y"], name="rms", axis=-1)]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
-                              opset_imports=[helper.make_opsetid("", 23)])
-    spec = spec_from_onnx(model)
-    ins, outs = partition_io(spec)
-    special = specialize(spec, ins, [(batch, seq, 8)])
-    prog = lower(special, [special.values[i] for i in ins], [special.values[o] for o in outs])
-    return codegen.generate(prog, build_steps(prog, tiled=True), "ep_k")[0]
+    return _symbolic_source(nodes, [x], [(batch, seq, 8)], inits)
+
+
+def _rotary_source(batch, seq):
+    """x[batch, seq, 2 heads x 8] -> RotaryEmbedding with cos/sin caches [batch, seq, 4] (as a Llama
+    export computes them from its positions) -> Relu."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 16])
+    caches = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", "seq", 4]) for n in ("cos", "sin")]
+    nodes = [helper.make_node("RotaryEmbedding", ["x", "cos", "sin"], ["r"], name="rope", num_heads=2),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    return _symbolic_source(nodes, [x, *caches], [(batch, seq, 16), (batch, seq, 4), (batch, seq, 4)])
 
 
 def test_norm_kernels_bound_their_warps_by_the_symbolic_row_count():
@@ -323,3 +339,11 @@ def test_norm_kernels_bound_their_warps_by_the_symbolic_row_count():
     a = _norm_source(3, 50)
     assert a == _norm_source(8, 128)
     assert "150" not in a and "S0*S1" in a
+
+
+def test_a_rotary_kernel_is_bounded_by_the_symbolic_element_count():
+    # The Llama export's plan compiled its RotaryEmbedding again at every new (batch, seq): the thread
+    # bound was the signature's element count (153600 at 3x50), not an expression of the symbols
+    a = _rotary_source(3, 50)
+    assert a == _rotary_source(8, 128)
+    assert "2400" not in a and "if (i >= ((S0*S1)*16)) return;" in a
