@@ -1,11 +1,12 @@
 """fuse.k_major_weights: under TF32 a plan's cuBLAS GEMMs read their constant weights stored (N, K) and
 transposed by the call (PyTorch's Linear layout, whose TF32 kernels are faster), without changing the
-program a variant with generated GEMMs reads. CPU checks of the steps; the GEMMs themselves run in the
-GPU suite (tests/plugin_cuda/test_plan.py)."""
+program a variant with generated GEMMs reads. CPU checks of the steps; the last test runs
+the GEMMs on the GPU against onnx.reference."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from host.cli import zoo
 from plugin_cuda.plan import fuse, lower
@@ -73,3 +74,25 @@ def test_the_plans_of_a_partition_share_one_copy_of_each_weight():
     del weight
     gc.collect()
     assert key not in fuse._TRANSPOSED
+
+
+# TF32 rounds each operand to a 10-bit mantissa: a dot product over K terms is within about 1e-3 of its
+# terms' magnitude, far inside this bound; a weight read in the wrong layout is off by O(1).
+TF32_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mlp-2x512-b512", "mlp-gemm-2x512-b512", "transformer"])
+def test_tf32_plans_with_k_major_weights_match_the_reference(cp, name):
+    """The plan's cuBLAS (transformer) and cuBLASLt epilogue (mlp: bias and ReLU; Gemm's C as the bias)
+    GEMMs read their transposed weight copies on the GPU, and compute what onnx.reference does."""
+    from tests.plugin_cuda.test_plan import MODELS, Runner, build, feeds_for, reference
+
+    model = MODELS[name]()
+    feeds = feeds_for(model)
+    with build(model, use_tf32=True, capture=True) as plan:
+        assert any(s.kind == "gemm" and s.op.attrs.get("trans_b") for s in plan.steps)
+        outs = Runner(cp, plan)([feeds[n] for n in plan.input_names])
+        for got, want in zip(outs, reference(model, feeds), strict=True):
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(cp.asnumpy(got) / scale, want / scale, **TF32_TOL)
