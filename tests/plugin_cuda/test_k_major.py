@@ -81,14 +81,25 @@ def test_the_plans_of_a_partition_share_one_copy_of_each_weight():
 TF32_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
+def _projection():
+    """x[3, 20, 64] @ W[64, 48] -> Tanh: a GEMM with no bias to fuse, so cublasGemmEx over a 3-D A."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(2).standard_normal((64, 48)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Tanh", ["m"], ["y"])]
+    graph = helper.make_graph(nodes, "proj", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 20, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 20, 48])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mlp-2x512-b512", "mlp-gemm-2x512-b512", "transformer"])
+@pytest.mark.parametrize("name", ["mlp-2x512-b512", "mlp-gemm-2x512-b512", "transformer", "projection"])
 def test_tf32_plans_with_k_major_weights_match_the_reference(cp, name):
-    """The plan's cuBLAS (transformer) and cuBLASLt epilogue (mlp: bias and ReLU; Gemm's C as the bias)
-    GEMMs read their transposed weight copies on the GPU, and compute what onnx.reference does."""
+    """The plan's cuBLASLt epilogue GEMMs (bias and ReLU; Gemm's C as the bias) and its plain cuBLAS GEMM
+    (projection) read their transposed weight copies on the GPU, and compute what onnx.reference does."""
     from tests.plugin_cuda.test_plan import MODELS, Runner, build, feeds_for, reference
 
-    model = MODELS[name]()
+    model = _projection() if name == "projection" else MODELS[name]()
     feeds = feeds_for(model)
     with build(model, use_tf32=True, capture=True) as plan:
         assert any(s.kind == "gemm" and s.op.attrs.get("trans_b") for s in plan.steps)
