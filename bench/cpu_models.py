@@ -49,8 +49,9 @@ except ImportError:  # pragma: no cover - the optimizer lands separately
     GraphOptimizationLevel = None
 
 
-def _ephost_session(path, level: str | None) -> InferenceSession:
+def _ephost_session(path, level: str | None, threads: int = 0) -> InferenceSession:
     so = SessionOptions()
+    so.intra_op_num_threads = threads
     if level is not None and GraphOptimizationLevel is not None:
         so.graph_optimization_level = getattr(GraphOptimizationLevel, level)
     return InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
@@ -74,13 +75,17 @@ def _zoo(name: str) -> tuple[Path, dict[str, np.ndarray]]:
     return path, feeds
 
 
-def bench_model(name: str, warmup: int, iters: int, block: int = 20, repeat: int = 1, stat: str = "median") -> dict:
+def bench_model(name: str, warmup: int, iters: int, block: int = 20, repeat: int = 1, stat: str = "median",
+                threads: int = 0) -> dict:
+    """`threads`: intra_op_num_threads of both runtimes' sessions (0: each one's default)."""
     path, feeds = _zoo(name) if name in ZOO else load(name)[:2]
-    ort_sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ort_options = ort.SessionOptions()
+    ort_options.intra_op_num_threads = threads
+    ort_sess = ort.InferenceSession(str(path), ort_options, providers=["CPUExecutionProvider"])
     runs = {"onnxruntime": lambda: ort_sess.run(None, feeds)}
     nodes = {"onnxruntime": None}
     for label, level in (("ephost_noopt", "ORT_DISABLE_ALL"), ("ephost", "ORT_ENABLE_ALL")):
-        sess = _ephost_session(path, level)
+        sess = _ephost_session(path, level, threads)
         runs[label] = (lambda s: lambda: s.run(None, feeds))(sess)
         nodes[label] = len(sess.node_assignment())
     # Same answers before timing anything.
@@ -158,6 +163,8 @@ def main(argv=None) -> int:
                         help="over the repeats: the median p50 or each side's best p50")
     parser.add_argument("--models", default="", help="comma-separated fixture names (default: all)")
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra_op_num_threads of both runtimes (default 0: each one's own default)")
     parser.add_argument("--busy", type=int, default=0,
                         help="other busy processes (one core each) running during the measurement (default: 0)")
     ns = parser.parse_args(argv)
@@ -165,11 +172,11 @@ def main(argv=None) -> int:
         parser.error(f"--busy must be >= 0; got {ns.busy}")
     names = [m for m in ns.models.split(",") if m] or available_models()
     with busy_processes(ns.busy):
-        rows = [bench_model(n, ns.warmup, ns.iters, repeat=ns.repeat, stat=ns.stat) for n in names]
+        rows = [bench_model(n, ns.warmup, ns.iters, repeat=ns.repeat, stat=ns.stat, threads=ns.threads) for n in names]
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, onnxruntime {ort.__version__}, "
           f"numpy {np.__version__}, Python {platform.python_version()}, {ns.busy} other busy process(es), "
-          f"load average {load:.1f} at the end")
+          f"intra_op_num_threads {ns.threads or 'default'}, load average {load:.1f} at the end")
     print(markdown(rows))
     if ns.json:
         with open(ns.json, "w") as f:

@@ -29,3 +29,28 @@ def test_a_negative_busy_count_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--busy", "-1", "--models", "zoo_mlp"])
     assert "--busy must be >= 0; got -1" in capsys.readouterr().err
+
+
+def test_threads_reach_both_runtimes_sessions(monkeypatch):
+    """--threads N: intra_op_num_threads N for onnxruntime's session and for both of ephost's."""
+    import onnxruntime as ort
+
+    from bench import cpu_models
+
+    seen = []
+    real_ort, real_ephost = ort.InferenceSession, cpu_models._ephost_session
+
+    def ort_session(path, options=None, **kw):
+        seen.append(("onnxruntime", options.intra_op_num_threads))
+        return real_ort(path, options, **kw)
+
+    def ephost_session(path, level, threads=0):
+        sess = real_ephost(path, level, threads)
+        seen.append(("ephost", sess.get_session_options().intra_op_num_threads))
+        return sess
+
+    monkeypatch.setattr(cpu_models.ort, "InferenceSession", ort_session)
+    monkeypatch.setattr(cpu_models, "_ephost_session", ephost_session)
+    row = cpu_models.bench_model("zoo_mlp", warmup=1, iters=2, block=1, threads=1)
+    assert seen == [("onnxruntime", 1), ("ephost", 1), ("ephost", 1)]
+    assert row["ephost_p50_us"] > 0
