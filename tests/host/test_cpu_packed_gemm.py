@@ -254,3 +254,41 @@ def test_a_library_whose_pool_started_stays_mapped_after_its_handle_is_closed(tm
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(used), "True", str(idle), "False"]
+
+
+def _run_alone_until_the_pool_is_back():
+    a, bp, bias, _ = _product(1)
+    for _ in range(5000):
+        if LIB.ep_pool_skip() == 0:
+            return
+        _run_packed(a, bp, bias, 520, 3)
+    raise AssertionError(f"{LIB.ep_pool_skip()} products still to run alone after 5000")
+
+
+def test_a_straggler_sends_the_next_products_to_the_calling_thread_alone():
+    """kernels_pool.c's back-off: after a wait for a descheduled worker (longer than 100 us and than the
+    caller's own share), the next 16 products run on the caller alone, with the same bits; the count
+    doubles while stragglers recur and starts again at 16 after a product without one."""
+    _run_alone_until_the_pool_is_back()
+    LIB.ep_pool_note(10_000, 1_000)  # a product without a straggler
+    LIB.ep_pool_note(50_000, 2_000_000)  # 2 ms waiting for a worker, after 50 us of its own claims
+    assert LIB.ep_pool_skip() == 16
+    a, bp, bias, _ = _product(3)
+    one = _run_packed(a, bp, bias, 520, 1)
+    for left in range(15, -1, -1):
+        np.testing.assert_array_equal(_run_packed(a, bp, bias, 520, 3), one)
+        assert LIB.ep_pool_skip() == left
+    LIB.ep_pool_note(50_000, 2_000_000)  # another, before any product without one
+    assert LIB.ep_pool_skip() == 32
+    LIB.ep_pool_note(10_000, 1_000)
+    LIB.ep_pool_note(50_000, 2_000_000)
+    assert LIB.ep_pool_skip() == 16
+    _run_alone_until_the_pool_is_back()
+
+
+@pytest.mark.parametrize("claimed_ns, waited_ns", [(10_000, 90_000), (10_000_000, 5_000_000)])
+def test_short_or_proportionate_waits_are_not_stragglers(claimed_ns, waited_ns):
+    """Under 100 us, or shorter than the caller's own share (a large product's last units): no back-off."""
+    _run_alone_until_the_pool_is_back()
+    LIB.ep_pool_note(claimed_ns, waited_ns)
+    assert LIB.ep_pool_skip() == 0

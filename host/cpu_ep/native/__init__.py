@@ -55,6 +55,8 @@ void ep_pack_b(const void *B, void *Bp, int K, int N, int64_t sk, int64_t sn);
 void ep_gemm_packed(const void *A, const void *Bp, const void *bias, void *C, int M, int K, int N, unsigned prog,
                     const void *res, float alpha, float beta, int threads);
 int ep_pool_workers(void);
+int ep_pool_skip(void);
+void ep_pool_note(long long claimed_ns, long long waited_ns);
 void ep_quantize(const void *x, void *y, int64_t n, int op, float scale, float zero_point, float lo, float hi,
                  int kind);
 int ep_dynamic_qmatmul(const void *a, int64_t M, int K, const void *bc, int N, const void *b_scale, const void *bias,

@@ -19,8 +19,19 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <signal.h>
+#include <time.h>
 
 #define POOL_MAX_WORKERS 63
+
+/* A worker descheduled in the middle of a unit holds the product up for the rest of its time slice
+ * (milliseconds), which no claiming order avoids: with another busy process on a 2-core machine that is
+ * most products, and the run's p50 swung 1.6-1.8x between repeats (issue 28). A wait for workers longer
+ * than POOL_STRAGGLER_NS, and longer than the caller's own share took, marks one; the next
+ * `pool.backoff` products then run on the calling thread alone, a count that doubles while stragglers
+ * recur (up to POOL_BACKOFF_MAX) and starts again from POOL_BACKOFF_MIN after a product without one. */
+#define POOL_STRAGGLER_NS 100000
+#define POOL_BACKOFF_MIN 16
+#define POOL_BACKOFF_MAX 4096
 
 typedef void (*PoolUnit)(const void *job, int unit);
 
@@ -33,11 +44,13 @@ typedef struct {
     PoolUnit fn;          /* the current job: NULL between jobs */
     const void *job;
     int units, wanted, joined, inside;
-    int next; /* the next unit to claim (atomic) */
+    int next;    /* the next unit to claim (atomic) */
+    int backoff; /* products to run alone after the last straggler (see POOL_STRAGGLER_NS) */
+    int skip;    /* of those, how many are left (under pool_busy) */
 } Pool;
 
 static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL,
-                    NULL, 0, 0, 0, 0, 0};
+                    NULL, 0, 0, 0, 0, 0, 0, 0};
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* held by the product that uses the pool */
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
@@ -108,9 +121,32 @@ static void pool_grow(int n) {
 
 /* Run fn(job, u) for u in 0..units-1 on the calling thread and at most `helpers` pool workers; returns when
  * every unit is done. */
+static int64_t pool_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* After a pooled product: how long the caller claimed units, then waited for the workers still in one. */
+static void pool_note_wait(int64_t claimed_ns, int64_t waited_ns) {
+    if (waited_ns > POOL_STRAGGLER_NS && waited_ns > claimed_ns) {
+        pool.backoff = pool.backoff ? (pool.backoff * 2 < POOL_BACKOFF_MAX ? pool.backoff * 2 : POOL_BACKOFF_MAX)
+                                    : POOL_BACKOFF_MIN;
+        pool.skip = pool.backoff;
+    } else {
+        pool.backoff = 0;
+    }
+}
+
 static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
     if (helpers > POOL_MAX_WORKERS) helpers = POOL_MAX_WORKERS;
     if (helpers < 1 || units < 2 || pthread_mutex_trylock(&pool_busy) != 0) {
+        for (int u = 0; u < units; u++) fn(job, u);
+        return;
+    }
+    if (pool.skip > 0) { /* backing off after a straggler: alone */
+        pool.skip--;
+        pthread_mutex_unlock(&pool_busy);
         for (int u = 0; u < units; u++) fn(job, u);
         return;
     }
@@ -128,11 +164,24 @@ static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
      * worker still awake from the last job sees the new one before it waits) */
     for (int i = 0; i < pool.wanted; i++) pthread_cond_signal(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
+    int64_t start = pool_now_ns();
     pool_claim(fn, job, units);
+    int64_t claimed = pool_now_ns();
     pthread_mutex_lock(&pool.lock);
     pool.fn = NULL; /* every unit is claimed: a worker that wakes from now on stays out */
     while (pool.inside > 0) pthread_cond_wait(&pool.idle, &pool.lock);
     pthread_mutex_unlock(&pool.lock);
+    pool_note_wait(claimed - start, pool_now_ns() - claimed);
+    pthread_mutex_unlock(&pool_busy);
+}
+
+/* Tests: how many products are left to run alone after a straggler, and the policy of pool_note_wait
+ * applied as a pooled product that claimed for `claimed_ns` and then waited `waited_ns` would. */
+int ep_pool_skip(void) { return pool.skip; }
+
+void ep_pool_note(long long claimed_ns, long long waited_ns) {
+    pthread_mutex_lock(&pool_busy);
+    pool_note_wait(claimed_ns, waited_ns);
     pthread_mutex_unlock(&pool_busy);
 }
 
