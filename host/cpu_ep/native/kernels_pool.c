@@ -119,8 +119,6 @@ static void pool_grow(int n) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
-/* Run fn(job, u) for u in 0..units-1 on the calling thread and at most `helpers` pool workers; returns when
- * every unit is done. */
 static int64_t pool_now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -138,6 +136,8 @@ static void pool_note_wait(int64_t claimed_ns, int64_t waited_ns) {
     }
 }
 
+/* Run fn(job, u) for u in 0..units-1 on the calling thread and at most `helpers` pool workers; returns when
+ * every unit is done. */
 static void pool_run(PoolUnit fn, const void *job, int units, int helpers) {
     if (helpers > POOL_MAX_WORKERS) helpers = POOL_MAX_WORKERS;
     if (helpers < 1 || units < 2 || pthread_mutex_trylock(&pool_busy) != 0) {
