@@ -237,8 +237,11 @@ class PluginEp:
         transfer, self.transfer = self.transfer, None
         if transfer is not None:
             transfer.Release(transfer.ptr)
-        self.allocator = None
+        # The allocator goes when its Slots does (a finalizer): dropped before ReleaseEp, with no allocation
+        # left to hold it, it went before the EP that created it (seen under concurrent runs in CI).
+        allocator, self.allocator = self.allocator, None
         self.factory.slots.ReleaseEp(self.factory.ptr, self.ptr)
+        del allocator
         hostapi.SESSION_OPTIONS.remove(self._session_options)
 
 
