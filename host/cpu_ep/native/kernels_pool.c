@@ -87,6 +87,7 @@ static void pool_after_fork(void) {
     pool.lock = pool_busy = fresh;
     pool.wake = pool.idle = cond;
     pool.workers = pool.joined = pool.inside = pool.wanted = 0;
+    pool.backoff = pool.skip = 0; /* the parent's stragglers are not the child's */
     pool.fn = NULL;
 }
 
